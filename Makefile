@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# Each creates or updates .venv in the repo root when pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+
+.PHONY: run test lint typecheck unit venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[service,dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/opfuse serve
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,81 @@
+"""Time a plan the same way before and after fusion.
+
+CUDA: CUDA events around each inference, inputs rotated between several sets so caches do not
+flatter, p50/p90/p99 and mean over the iterations, peak memory from the caching allocator.
+CPU (Triton interpreter): wall time; the numbers describe the interpreter, not a speed claim.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from opfuse.runtime.executor import Executor
+
+
+def _percentiles(ms: list[float]) -> dict[str, float]:
+    a = np.asarray(ms, dtype=np.float64)
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+    }
+
+
+def _count_launches(executor: Executor, env: dict[str, torch.Tensor]) -> int | None:
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            executor.run_tensors(dict(env))
+            torch.cuda.synchronize()
+        return sum(
+            1
+            for e in prof.events()
+            if e.device_type.name == "CUDA"
+            and "memcpy" not in e.name.lower()
+            and "memset" not in e.name.lower()
+        )
+    except Exception:  # the profiler is optional: a missing CUPTI must not fail a benchmark
+        return None
+
+
+def measure(executor: Executor, feed_sets: list[dict[str, Any]], iters: int, warmup: int) -> dict[str, Any]:
+    envs = [executor.prepare_inputs(f) for f in feed_sets]
+    cuda = executor.device.type == "cuda"
+    with torch.no_grad():
+        for i in range(warmup):
+            executor.run_tensors(dict(envs[i % len(envs)]))
+        times: list[float] = []
+        peak = None
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+            for i in range(iters):
+                starts[i].record()
+                executor.run_tensors(dict(envs[i % len(envs)]))
+                ends[i].record()
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+            peak = int(torch.cuda.max_memory_allocated() - base)
+        else:
+            for i in range(iters):
+                t0 = time.perf_counter()
+                executor.run_tensors(dict(envs[i % len(envs)]))
+                times.append((time.perf_counter() - t0) * 1000.0)
+    lat = _percentiles(times)
+    return {
+        "latency_ms": lat,
+        "throughput_per_s": 1000.0 / lat["p50"] if lat["p50"] > 0 else None,
+        "peak_memory_bytes": peak,
+        "kernel_launches_measured": _count_launches(executor, envs[0]) if cuda else None,
+        "gpu_util_pct": None,
+        "iterations": iters,
+    }

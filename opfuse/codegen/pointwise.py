@@ -1,0 +1,266 @@
+"""Triton source for a pointwise group: one pass over the output, intermediates in registers.
+
+Every node computes in float32 registers; inputs are loaded once (with broadcasting by index
+arithmetic) and each group output is stored once in its own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
+from opfuse.graph import Graph, Node
+
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+ONNX_FLOAT_CASTS = {1: "float32", 10: "float16", 16: "bfloat16"}  # Cast.to enum -> dtype
+TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
+
+Emitter = Callable[[list[str], Node, list[float | None]], str]
+EMITTERS: dict[str, Emitter] = {}
+
+
+def emitter(*ops: str) -> Callable[[Emitter], Emitter]:
+    def deco(fn: Emitter) -> Emitter:
+        for op in ops:
+            EMITTERS[op] = fn
+        return fn
+
+    return deco
+
+
+_BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})"}
+
+
+@emitter(*_BINARY)
+def _binary(a: list[str], n: Node, c: list[float | None]) -> str:
+    return _BINARY[n.op_type].format(*a)
+
+
+@emitter("Max", "Min")
+def _minmax(a: list[str], n: Node, c: list[float | None]) -> str:
+    fn = "tl.maximum" if n.op_type == "Max" else "tl.minimum"
+    expr = a[0]
+    for arg in a[1:]:
+        expr = f"{fn}({expr}, {arg})"
+    return expr
+
+
+_UNARY = {
+    "Relu": "tl.maximum({0}, 0.0)",
+    "Sigmoid": "tl.sigmoid({0})",
+    "Erf": "tl.erf({0})",
+    "Exp": "tl.exp({0})",
+    "Log": "tl.log({0})",
+    "Sqrt": "tl.sqrt({0})",
+    "Neg": "(-{0})",
+    "Abs": "tl.abs({0})",
+    "Reciprocal": "(1.0 / {0})",
+    "Identity": "{0}",
+    # tanh through exp(-2|x|) is stable for every x (no overflow) and exact at the tails.
+    "Tanh": "tl.where({0} >= 0.0, 1.0, -1.0) * (1.0 - tl.exp(-2.0 * tl.abs({0}))) / (1.0 + tl.exp(-2.0 * tl.abs({0})))",
+    # softplus = max(x, 0) + log(1 + exp(-|x|)): no overflow for large x.
+    "Softplus": "(tl.maximum({0}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({0}))))",
+}
+
+
+@emitter(*_UNARY)
+def _unary(a: list[str], n: Node, c: list[float | None]) -> str:
+    return _UNARY[n.op_type].format(a[0])
+
+
+@emitter("LeakyRelu")
+def _leaky(a: list[str], n: Node, c: list[float | None]) -> str:
+    alpha = float_literal(float(n.attrs.get("alpha", 0.01)))
+    return f"tl.where({a[0]} >= 0.0, {a[0]}, {a[0]} * {alpha})"
+
+
+@emitter("Elu")
+def _elu(a: list[str], n: Node, c: list[float | None]) -> str:
+    alpha = float_literal(float(n.attrs.get("alpha", 1.0)))
+    return f"tl.where({a[0]} > 0.0, {a[0]}, {alpha} * (tl.exp({a[0]}) - 1.0))"
+
+
+@emitter("HardSigmoid")
+def _hardsigmoid(a: list[str], n: Node, c: list[float | None]) -> str:
+    alpha = float_literal(float(n.attrs.get("alpha", 0.2)))
+    beta = float_literal(float(n.attrs.get("beta", 0.5)))
+    return f"tl.minimum(tl.maximum({alpha} * {a[0]} + {beta}, 0.0), 1.0)"
+
+
+@emitter("HardSwish")
+def _hardswish(a: list[str], n: Node, c: list[float | None]) -> str:
+    return f"({a[0]} * tl.minimum(tl.maximum({a[0]} * (1.0 / 6.0) + 0.5, 0.0), 1.0))"
+
+
+@emitter("Clip")
+def _clip(a: list[str], n: Node, c: list[float | None]) -> str:
+    expr = a[0]
+    if len(a) > 1 and a[1]:
+        expr = f"tl.maximum({expr}, {a[1]})"
+    if len(a) > 2 and a[2]:
+        expr = f"tl.minimum({expr}, {a[2]})"
+    return expr
+
+
+@emitter("Pow")
+def _pow(a: list[str], n: Node, c: list[float | None]) -> str:
+    e = c[1]
+    assert e is not None  # fusible only with a scalar constant exponent (see pointwise_reason)
+    x = a[0]
+    special = {
+        1.0: x,
+        2.0: f"({x} * {x})",
+        3.0: f"({x} * {x} * {x})",
+        4.0: f"(({x} * {x}) * ({x} * {x}))",
+        0.5: f"tl.sqrt({x})",
+        -1.0: f"(1.0 / {x})",
+        -0.5: f"(1.0 / tl.sqrt({x}))",
+        0.0: f"({x} * 0.0 + 1.0)",
+    }
+    if e in special:
+        return special[e]
+    # exp(e * log x): NaN for a negative base with a non-integer exponent, as ONNX Pow gives.
+    return f"tl.exp({float_literal(e)} * tl.log({x}))"
+
+
+@emitter("Cast")
+def _cast(a: list[str], n: Node, c: list[float | None]) -> str:
+    target = ONNX_FLOAT_CASTS[int(n.attrs["to"])]
+    if target == "float32":
+        return a[0]
+    # Round through the narrower type, as the unfused Cast would.
+    return f"{a[0]}.to({TL_DTYPES[target]}).to(tl.float32)"
+
+
+def scalar_constant(graph: Graph, name: str) -> float | None:
+    """The value of a one-element constant, if it is one."""
+    arr = graph.constants.get(name)
+    if arr is None or arr.size != 1:
+        return None
+    return float(np.asarray(arr, dtype=np.float64).reshape(()))
+
+
+def pointwise_reason(graph: Graph, node: Node) -> str | None:
+    """None if the node can go into a generated pointwise kernel, else why not."""
+    if node.op_type not in EMITTERS:
+        return f"{node.op_type} is not a pointwise op opfuse generates code for"
+    outs = [o for o in node.outputs if o]
+    if len(outs) != 1:
+        return "the node has more than one output"
+    for name in [*[x for x in node.inputs if x], *outs]:
+        if graph.spec(name).dtype not in FLOAT_TYPES:
+            return f"value of type {graph.spec(name).dtype}: pointwise kernels take float32/float16/bfloat16"
+    if node.op_type == "Pow" and scalar_constant(graph, node.inputs[1]) is None:
+        return "Pow with a tensor exponent: only a constant scalar exponent has an exact kernel form"
+    if node.op_type == "Clip":
+        for bound in node.inputs[1:3]:
+            if bound and scalar_constant(graph, bound) is None:
+                return "Clip with a non-constant bound"
+    if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in ONNX_FLOAT_CASTS:
+        return "Cast to a non-float type"
+    return None
+
+
+@dataclass
+class KernelSource:
+    id: str
+    kind: str
+    source: str
+    inputs: list[str]  # values passed as tensors, in launch order
+    outputs: list[str]
+    config: dict[str, Any]
+
+
+def _broadcast_index(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:
+    """Index expression into an input broadcast to out_shape; None for a scalar."""
+    if int(np.prod(in_shape, dtype=np.int64)) == 1:
+        return None
+    padded = (1,) * (len(out_shape) - len(in_shape)) + tuple(in_shape)
+    if padded == tuple(out_shape):
+        return "offs"
+    # Strides of the (contiguous) input, and of the output's iteration space.
+    in_strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(len(padded))]
+    out_strides = [int(np.prod(out_shape[d + 1 :], dtype=np.int64)) for d in range(len(out_shape))]
+    live = [d for d in range(len(padded)) if padded[d] != 1]
+    # A contiguous trailing block (e.g. a bias over the last dims): offs modulo its size.
+    if live == list(range(live[0], len(padded))) and all(padded[d] == out_shape[d] for d in live):
+        return f"(offs % {int(np.prod(padded, dtype=np.int64))})"
+    terms = []
+    for d in live:
+        coord = (
+            f"((offs // {out_strides[d]}) % {out_shape[d]})"
+            if out_strides[d] > 1
+            else f"(offs % {out_shape[d]})"
+        )
+        terms.append(f"{coord} * {in_strides[d]}" if in_strides[d] != 1 else coord)
+    return "(" + " + ".join(terms) + ")"
+
+
+def generate_pointwise(
+    kernel_id: str,
+    group_nodes: list[Node],
+    inputs: list[str],
+    outputs: list[str],
+    graph: Graph,
+    group_id: str,
+) -> KernelSource:
+    shape = graph.spec(outputs[0]).shape
+    numel = graph.spec(outputs[0]).numel
+    fn = f"{kernel_id}_pointwise"
+    literals: dict[str, str] = {}
+    tensor_inputs: list[str] = []
+    for name in inputs:
+        value = scalar_constant(graph, name)
+        if value is not None and np.isfinite(value):
+            literals[name] = float_literal(value)
+        else:
+            tensor_inputs.append(name)
+    args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
+    buf = SourceBuffer()
+    buf.line(f"# Generated by opfuse: pointwise kernel {kernel_id} for group {group_id}.")
+    buf.line(f"# {len(group_nodes)} ONNX nodes, {numel} elements, shape {list(shape)}:")
+    for n in group_nodes:
+        buf.line(f"#   {n.id}: {n.op_type} {comment_text(n.name)}")
+    buf.line("import triton")
+    buf.line("import triton.language as tl")
+    buf.line()
+    buf.line(f"N = {numel}")
+    buf.line("BLOCK = 1024")
+    buf.line()
+    buf.line()
+    buf.line("@triton.jit")
+    buf.line(f"def {fn}({', '.join(args)}, n, BLOCK: tl.constexpr):")
+    regs: dict[str, str] = {}
+    with buf.indent():
+        pid = "tl.program_id(0).to(tl.int64)" if numel >= 2**31 - 1 else "tl.program_id(0)"
+        buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
+        buf.line("mask = offs < n")
+        for i, name in enumerate(tensor_inputs):
+            idx = _broadcast_index(graph.spec(name).shape, shape)
+            if idx is None:
+                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
+            else:
+                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=mask, other=0.0).to(tl.float32)")
+            regs[name] = f"x{i}"
+        for name, lit in literals.items():
+            regs[name] = lit
+        for j, n in enumerate(group_nodes):
+            args_expr = [regs[x] if x else "" for x in n.inputs]
+            consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
+            expr = EMITTERS[n.op_type](args_expr, n, consts)
+            buf.line(f"v{j} = {expr}  # {n.id} {n.op_type}")
+            regs[n.outputs[0]] = f"v{j}"
+        for i, name in enumerate(outputs):
+            buf.line(f"tl.store(out{i} + offs, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
+    buf.line()
+    buf.line()
+    buf.line(f"def launch({', '.join(args)}, block=BLOCK):")
+    with buf.indent():
+        buf.line(f"{fn}[(triton.cdiv(N, block),)]({', '.join(args)}, N, BLOCK=block)")
+    return KernelSource(
+        kernel_id, "pointwise", buf.getvalue(), tensor_inputs, list(outputs), {"BLOCK": 1024, "numel": numel}
+    )

@@ -1,0 +1,47 @@
+"""Building generated source safely: an indented buffer and comment escaping."""
+
+from __future__ import annotations
+
+import math
+
+
+class SourceBuffer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.level = 0
+
+    def line(self, text: str = "") -> None:
+        self.lines.append(("    " * self.level + text) if text else "")
+
+    def indent(self) -> _Indent:
+        return _Indent(self)
+
+    def getvalue(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+class _Indent:
+    def __init__(self, buf: SourceBuffer) -> None:
+        self.buf = buf
+
+    def __enter__(self) -> None:
+        self.buf.level += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.buf.level -= 1
+
+
+def comment_text(text: str, limit: int = 80) -> str:
+    """Model-supplied text made safe for one comment line: ASCII escapes, no line breaks."""
+    escaped = text.encode("unicode_escape").decode("ascii")
+    escaped = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in escaped)
+    if len(escaped) > limit:
+        escaped = escaped[: limit - 3] + "..."
+    return escaped
+
+
+def float_literal(value: float) -> str:
+    """A finite float as Python source. Callers pass non-finite values as tensors instead."""
+    if not math.isfinite(value):
+        raise ValueError("non-finite constants are passed as tensors, not literals")
+    return repr(float(value))

@@ -1,0 +1,409 @@
+"""The compile pipeline, top to bottom, and the CompiledModel users hold.
+
+load → specialize → passes → plan → codegen → verify (→ benchmark on request) → bundle
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import hashlib
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from opfuse.errors import BundleError, ModelError
+from opfuse.frontend.inspect import default_opset
+from opfuse.frontend.load import load_and_specialize
+from opfuse.fusion.planner import FusionPlan, plan_fusion
+from opfuse.graph import graph_from_onnx
+from opfuse.lowering import build_plan
+from opfuse.passes.pipeline import optimize_onnx, run_passes
+from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
+from opfuse.profile.costs import profile_steps
+from opfuse.runtime.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, read_bundle, write_bundle
+from opfuse.runtime.executor import Executor
+from opfuse.runtime.ops import SUPPORTED_OPS
+from opfuse.runtime.plan import Plan
+from opfuse.verify.compare import DEFAULT_TOLERANCES, OutputCheck, compare_outputs
+from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
+
+# Stage names, as reported to the worker protocol (DESIGN.md §3, Job.stage).
+STAGES = ("loading", "profiling", "fusing", "codegen", "tuning", "verifying", "benchmarking", "packaging")
+VERIFY_TRIALS = 2
+
+ProgressFn = Callable[[str, float], None]
+
+
+def _resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use device='cpu'")
+    return device
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import triton
+
+    info: dict[str, Any] = {"torch": torch.__version__, "triton": triton.__version__}
+    if device.startswith("cuda"):
+        idx = torch.device(device).index or 0
+        cap = torch.cuda.get_device_capability(idx)
+        info.update(
+            kind="cuda",
+            name=torch.cuda.get_device_name(idx),
+            capability=f"{cap[0]}.{cap[1]}",
+            cuda=torch.version.cuda,
+        )
+    else:
+        info.update(
+            kind="cpu-interpreter",
+            name=platform.processor() or platform.machine(),
+            capability=None,
+            cuda=None,
+        )
+    return info
+
+
+class CompiledModel:
+    """A fused, verified model ready to run. See DESIGN.md §6."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        device: str,
+        report: dict[str, Any],
+        manifest: dict[str, Any],
+        base_plan: Plan | None = None,
+    ) -> None:
+        self.plan = plan
+        self.base_plan = base_plan
+        self.device = device
+        self.report = report
+        self.manifest = manifest
+        self.executor = Executor(plan, device)
+
+    @property
+    def inputs(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.plan.inputs]
+
+    @property
+    def outputs(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.plan.outputs]
+
+    def run(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return self.executor.run(inputs)
+
+    def benchmark(self, iters: int = 50, warmup: int = 5, input_sets: int = 3) -> dict[str, Any]:
+        """Time before (per-op) and after (fused) with one protocol; fills the report's keys."""
+        from opfuse.bench.protocol import measure
+
+        rng = np.random.default_rng()
+        feeds = [random_inputs(self.plan.inputs, rng) for _ in range(input_sets)]
+        t0 = time.perf_counter()
+        if self.base_plan is not None:
+            self.report["before"] = measure(Executor(self.base_plan, self.device), feeds, iters, warmup)
+        self.report["after"] = measure(self.executor, feeds, iters, warmup)
+        before = self.report.get("before", {}).get("latency_ms", {}).get("p50")
+        after = self.report["after"]["latency_ms"]["p50"]
+        self.report["speedup"] = before / after if before and after else None
+        self.report.setdefault("timings_s", {})["benchmark"] = round(time.perf_counter() - t0, 3)
+        return self.report
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_bundle(path, self.plan, self.manifest, self.report)
+
+
+def compile(
+    model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    precision: str = "fp32",
+    device: str | None = None,
+    *,
+    fusion_disable: Sequence[str] = (),
+    rtol: float | None = None,
+    atol: float | None = None,
+    verify: bool = True,
+    progress: ProgressFn | None = None,
+) -> CompiledModel:
+    """Compile an ONNX model into a fused, verified plan (DESIGN.md §6)."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
+    device = _resolve_device(device)
+    report_progress = progress or (lambda stage, frac: None)
+    timings: dict[str, float] = {}
+    disabled = set(fusion_disable)
+
+    t = time.perf_counter()
+    report_progress("loading", 0.0)
+    original, specialized = load_and_specialize(model, input_shapes, SUPPORTED_OPS)
+    optimized, optimizer_status = optimize_onnx(specialized)
+    graph = graph_from_onnx(optimized)
+    declared_inputs, declared_outputs = list(graph.inputs), list(graph.outputs)
+    # The "before": the model as uploaded, one per-op kernel per node, in the same precision.
+    original_graph = copy.deepcopy(graph)
+    passes = run_passes(graph, disabled)
+    apply_precision(graph, precision)
+    apply_precision(original_graph, precision)
+    timings["load"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    report_progress("fusing", 0.3)
+    fusion = plan_fusion(graph, disabled)
+    timings["fuse"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    report_progress("codegen", 0.4)
+    base_plan = build_plan(original_graph, FusionPlan([], []), precision, declared_inputs, declared_outputs)
+    plan = build_plan(graph, fusion, precision, declared_inputs, declared_outputs)
+    timings["codegen"] = time.perf_counter() - t
+
+    rng = np.random.default_rng()
+    t = time.perf_counter()
+    report_progress("profiling", 0.5)
+    profile_feeds = random_inputs(declared_inputs, rng)
+    base_executor = Executor(base_plan, device)
+    base_executor.run(profile_feeds)  # warm-up: first-call costs stay out of the profile
+    before_times = base_executor.time_steps(profile_feeds)
+    timings["profile"] = time.perf_counter() - t
+    timings["tune"] = 0.0
+
+    t = time.perf_counter()
+    report_progress("verifying", 0.6)
+    d_rtol, d_atol = DEFAULT_TOLERANCES[precision]
+    tol = (rtol if rtol is not None else d_rtol, atol if atol is not None else d_atol)
+    verification: dict[str, Any] = {"passed": None, "reference": None, "outputs": {}, "rolled_back": []}
+    if verify:
+        verifier = _Verifier(original, declared_inputs, device, tol, rng)
+        plan, verification = verifier.verify_with_rollback(
+            graph, fusion, plan, precision, declared_inputs, declared_outputs
+        )
+    timings["verify"] = time.perf_counter() - t
+
+    executor = Executor(plan, device)
+    executor.run(profile_feeds)
+    after_times = executor.time_steps(profile_feeds)
+    before_profile = profile_steps(base_plan, before_times)
+    after_profile = profile_steps(plan, after_times)
+    group_time_before = _group_times(base_plan, before_times, fusion)
+    kernel_time_after = {
+        s.group: t_ms for s, t_ms in zip(plan.steps, after_times, strict=False) if s.kind == "kernel"
+    }
+    rolled = set(verification["rolled_back"])
+    fused_groups = [g for g in fusion.groups if g.id not in rolled]
+    kernel_of_group = {k.group: k.id for k in plan.kernels.values()}
+    groups_json = []
+    for g in fused_groups:
+        d = g.to_json()
+        d.update(
+            kernel=kernel_of_group.get(g.id),
+            bytes_saved_est=_bytes_saved(plan, g),
+            time_ms_before=group_time_before.get(g.id),
+            time_ms_after=kernel_time_after.get(g.id),
+        )
+        groups_json.append(d)
+    not_fused = [nf.to_json() for nf in passes.not_fired + fusion.not_fused]
+    for gid in sorted(rolled):
+        g = next(x for x in fusion.groups if x.id == gid)
+        not_fused.append(
+            {
+                "rule": g.rule,
+                "nodes": next(n.get("nodes") for n in [g.to_json()]),
+                "reason": "rolled back: the fused kernel failed verification",
+            }
+        )
+
+    info = device_info(device)
+    report: dict[str, Any] = {
+        "device": {k: info[k] for k in ("kind", "name", "capability", "torch", "triton")},
+        "precision": precision,
+        "kernels": {"before": base_plan.launches, "after": plan.launches},
+        "compute_nodes": sum(1 for s in base_plan.steps if s.launches),
+        "speedup": None,
+        "peers": {},
+        "verification": verification,
+        "fusion": {
+            "groups": groups_json,
+            "not_fused": not_fused,
+            "passes": {"fired": passes.fired, "onnx_optimizer": optimizer_status},
+        },
+        "profile": {
+            "ops": before_profile,
+            "after": after_profile,
+            "timing": "cuda-synchronized wall time per step"
+            if info["kind"] == "cuda"
+            else "cpu wall time per step (interpreter: not a speed claim)",
+        },
+        "timings_s": {k: round(v, 4) for k, v in timings.items()},
+    }
+    manifest = _manifest(original, precision, info, declared_inputs, declared_outputs)
+    report_progress("packaging", 0.95)
+    return CompiledModel(plan, device, report, manifest, base_plan=base_plan)
+
+
+def load(path: str | os.PathLike[str], device: str | None = None) -> CompiledModel:
+    """Load a bundle written by CompiledModel.save. Only load bundles you trust: they hold code."""
+    device = _resolve_device(device)
+    plan, manifest, report = read_bundle(path)
+    target = manifest.get("target", {})
+    here = device_info(device)
+    if (
+        target.get("device") == "cuda"
+        and here["kind"] == "cuda"
+        and target.get("capability") != here["capability"]
+    ):
+        raise BundleError(
+            f"the bundle was compiled for a GPU of compute capability {target.get('capability')} "
+            f"({target.get('gpu_name')}), but this one is {here['capability']} ({here['name']}); "
+            "compile the model again on this GPU"
+        )
+    return CompiledModel(plan, device, report, manifest)
+
+
+class _Verifier:
+    def __init__(
+        self,
+        original: onnx.ModelProto,
+        inputs: list[Any],
+        device: str,
+        tol: tuple[float, float],
+        rng: np.random.Generator,
+    ) -> None:
+        self.reference = OnnxRuntimeReference(original)
+        self.inputs = inputs
+        self.device = device
+        self.tol = tol
+        self.rng = rng
+
+    def check(self, plan: Plan) -> tuple[bool, dict[str, OutputCheck]]:
+        """Fresh random inputs for every check; the worst result per output is kept."""
+        worst: dict[str, OutputCheck] = {}
+        executor = Executor(plan, self.device)
+        for _ in range(VERIFY_TRIALS):
+            feeds = random_inputs(self.inputs, self.rng)
+            ref = self.reference.run(feeds)
+            out = executor.run(feeds)
+            for name, r in ref.items():
+                c = compare_outputs(np.asarray(out[name]), r, *self.tol)
+                if name not in worst or (not c.passed) or c.rel_l2_err > worst[name].rel_l2_err:
+                    if name in worst and not worst[name].passed and c.passed:
+                        continue
+                    worst[name] = c
+        return all(c.passed for c in worst.values()), worst
+
+    def verify_with_rollback(
+        self,
+        graph: Any,
+        fusion: FusionPlan,
+        plan: Plan,
+        precision: str,
+        inputs: list[Any],
+        outputs: list[Any],
+    ) -> tuple[Plan, dict[str, Any]]:
+        ok, checks = self.check(plan)
+        rolled: list[str] = []
+        if not ok and fusion.groups:
+            base = build_plan(graph, FusionPlan([], []), precision, inputs, outputs)
+            base_ok, _base_checks = self.check(base)
+            if not base_ok:
+                # Unfused fails too: no group is to blame; report the unfused numbers honestly.
+                return plan, self._json(
+                    False,
+                    checks,
+                    rolled,
+                    "the unfused plan also differs from the reference: an op is wrong, not a fusion",
+                )
+            ids = [g.id for g in fusion.groups]
+
+            def fails(subset: list[str]) -> bool:
+                p = build_plan(graph, fusion, precision, inputs, outputs, enabled=subset)
+                return not self.check(p)[0]
+
+            rolled = _bisect_bad(ids, fails)
+            plan = build_plan(
+                graph, fusion, precision, inputs, outputs, enabled=[i for i in ids if i not in rolled]
+            )
+            ok, checks = self.check(plan)
+        return plan, self._json(ok, checks, rolled)
+
+    def _json(
+        self, ok: bool, checks: dict[str, OutputCheck], rolled: list[str], note: str = ""
+    ) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "passed": ok,
+            "reference": self.reference.name,
+            "outputs": {k: v.to_json() for k, v in checks.items()},
+            "rolled_back": rolled,
+            "trials": VERIFY_TRIALS,
+        }
+        if note:
+            d["note"] = note
+        return d
+
+
+def _bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
+    """The groups that fail on their own, found by halving the set of fused groups."""
+    if not ids or not fails(ids):
+        return []
+    if len(ids) == 1:
+        return list(ids)
+    mid = len(ids) // 2
+    return _bisect_bad(ids[:mid], fails) + _bisect_bad(ids[mid:], fails)
+
+
+def _group_times(base_plan: Plan, times: list[float], fusion: FusionPlan) -> dict[str, float]:
+    # Node ids are stable across passes, so a group's nodes are found in the unfused plan.
+    by_node = {s.node: t for s, t in zip(base_plan.steps, times, strict=False) if s.kind == "op"}
+    return {g.id: round(sum(by_node.get(n.id, 0.0) for n in g.nodes), 6) for g in fusion.groups}
+
+
+def _bytes_saved(plan: Plan, group: Any) -> int:
+    """Intermediates that no longer round-trip through memory: one write and one read each."""
+    from opfuse.profile.costs import _ITEMSIZE
+
+    outs = set(group.outputs)
+    saved = 0
+    for n in group.nodes:
+        for o in n.outputs:
+            if o and o not in outs and o in plan.values:
+                spec = plan.values[o]
+                saved += 2 * spec.numel * _ITEMSIZE.get(spec.dtype, 4)
+    return saved
+
+
+def _manifest(
+    original: onnx.ModelProto, precision: str, info: dict[str, Any], inputs: list[Any], outputs: list[Any]
+) -> dict[str, Any]:
+    return {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "source": {
+            "sha256": hashlib.sha256(original.SerializeToString()).hexdigest(),
+            "name": original.graph.name,
+            "opset": default_opset(original),
+        },
+        "target": {
+            "device": "cuda" if info["kind"] == "cuda" else "cpu",
+            "gpu_name": info["name"] if info["kind"] == "cuda" else None,
+            "capability": info["capability"],
+            "torch": info["torch"],
+            "triton": info["triton"],
+            "cuda": info["cuda"],
+        },
+        "precision": precision,
+        "inputs": [s.to_json() for s in inputs],
+        "outputs": [s.to_json() for s in outputs],
+        "created_at": dt.datetime.now(dt.UTC).isoformat(),
+    }
+
+
+__all__ = ["STAGES", "CompiledModel", "ModelError", "compile", "load"]

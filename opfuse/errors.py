@@ -1,0 +1,18 @@
+"""Errors opfuse raises on purpose: each says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class OpfuseError(Exception):
+    """Base class of every error opfuse raises on purpose."""
+
+
+class ModelError(OpfuseError):
+    """The model cannot be handled as given (invalid, unsupported, unbound dims, ...).
+
+    The message is shown to users as-is: it names what is wrong and how to fix it.
+    """
+
+
+class BundleError(OpfuseError):
+    """A bundle cannot be loaded here (format version, target mismatch, damaged file)."""

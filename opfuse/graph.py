@@ -1,0 +1,171 @@
+"""opfuse's own small graph IR: what the planner and runtime work on after the frontend.
+
+The frontend and passes work on ONNX protos (through onnx and onnxscript); once every shape is
+static the model is lowered to this IR, where values are names with a static dtype and shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from opfuse.errors import ModelError
+from opfuse.frontend.inspect import dtype_name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # "float32", "float16", "int64", "bool", ...
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> TensorSpec:
+        return TensorSpec(name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(x) for x in d["shape"]))
+
+
+@dataclass
+class Node:
+    id: str  # generated ("n0", "n1", ...): the only identifier codegen ever sees
+    op_type: str
+    inputs: list[str]  # "" marks a missing optional input
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # the model's node name: reports only, never code
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    constants: dict[str, np.ndarray]
+    values: dict[str, TensorSpec]
+
+    def producers(self) -> dict[str, Node]:
+        return {out: n for n in self.nodes for out in n.outputs if out}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        uses: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for name in n.inputs:
+                if name:
+                    uses.setdefault(name, []).append(n)
+        return uses
+
+    def spec(self, name: str) -> TensorSpec:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise ModelError(
+                f"value {name!r} has no inferred shape and type; opfuse needs every shape static"
+            ) from None
+
+    def iter_nodes(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+
+def decode_attribute(attr: onnx.AttributeProto) -> Any:
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, onnx.TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode("utf-8", errors="replace") for v in value]
+    if isinstance(value, onnx.GraphProto | onnx.SparseTensorProto):
+        raise ModelError(
+            f"attribute {attr.name!r} holds a subgraph or sparse tensor, which opfuse does not support"
+        )
+    return value
+
+
+def _spec_from_value_info(vi: onnx.ValueInfoProto) -> TensorSpec | None:
+    if not vi.type.HasField("tensor_type"):
+        return None
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    dims: list[int] = []
+    for d in tt.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        dims.append(int(d.dim_value))
+    return TensorSpec(vi.name, dtype_name(tt.elem_type), tuple(dims))
+
+
+def graph_from_onnx(model: onnx.ModelProto) -> Graph:
+    """Lower a shape-inferred, fully static model to the IR."""
+    g = model.graph
+    constants: dict[str, np.ndarray] = {init.name: numpy_helper.to_array(init) for init in g.initializer}
+    values: dict[str, TensorSpec] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        spec = _spec_from_value_info(vi)
+        if spec is not None:
+            values[vi.name] = spec
+    for name, arr in constants.items():
+        values[name] = TensorSpec(
+            name, dtype_name(helper.np_dtype_to_tensor_dtype(arr.dtype)), tuple(arr.shape)
+        )
+    nodes: list[Node] = []
+    for i, n in enumerate(g.node):
+        attrs = {a.name: decode_attribute(a) for a in n.attribute}
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.output) == 1:
+            arr = _constant_node_value(attrs)
+            constants[n.output[0]] = arr
+            values[n.output[0]] = TensorSpec(
+                n.output[0], dtype_name(helper.np_dtype_to_tensor_dtype(arr.dtype)), tuple(arr.shape)
+            )
+            continue
+        nodes.append(Node(f"n{i}", n.op_type, list(n.input), list(n.output), attrs, n.name))
+    inputs = []
+    for vi in g.input:
+        if vi.name in constants:
+            continue
+        spec = values.get(vi.name)
+        if spec is None:
+            raise ModelError(f"graph input {vi.name!r} has no static shape after specialization")
+        inputs.append(spec)
+    outputs = []
+    for vi in g.output:
+        spec = values.get(vi.name)
+        if spec is None:
+            raise ModelError(
+                f"graph output {vi.name!r} has no static shape after shape inference; "
+                "check that every dynamic input dim is given in input_shapes"
+            )
+        outputs.append(spec)
+    missing = sorted({o for n in nodes for o in n.outputs if o and o not in values})
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5])
+        raise ModelError(
+            f"ONNX shape inference could not give a static shape to {len(missing)} value(s) ({shown}); "
+            "opfuse needs every shape static after input_shapes are applied"
+        )
+    return Graph(nodes=nodes, inputs=inputs, outputs=outputs, constants=constants, values=values)
+
+
+def _constant_node_value(attrs: dict[str, Any]) -> np.ndarray:
+    if "value" in attrs:
+        return np.asarray(attrs["value"])
+    if "value_float" in attrs:
+        return np.asarray(attrs["value_float"], dtype=np.float32)
+    if "value_floats" in attrs:
+        return np.asarray(attrs["value_floats"], dtype=np.float32)
+    if "value_int" in attrs:
+        return np.asarray(attrs["value_int"], dtype=np.int64)
+    if "value_ints" in attrs:
+        return np.asarray(attrs["value_ints"], dtype=np.int64)
+    raise ModelError("a Constant node has no value attribute opfuse understands (sparse or string constants)")

@@ -1,0 +1,94 @@
+"""Lower a planned graph to an execution plan: fused groups become kernel steps, the rest op steps."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection
+
+from opfuse.codegen.pointwise import generate_pointwise
+from opfuse.fusion.planner import FusionPlan, Group
+from opfuse.graph import Graph, TensorSpec
+from opfuse.passes.rules import node_label
+from opfuse.runtime.plan import KernelInfo, Plan, Step
+
+
+def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
+    """Order steps so every input is produced first; ties keep the original node order."""
+    producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
+    deps = [{producer[x] for x in s.inputs if x and x in producer and x not in available} for s in steps]
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    pending = [len(d) for d in deps]
+    ready = [(rank[i], i) for i, d in enumerate(deps) if not d]
+    heapq.heapify(ready)
+    out: list[Step] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        out.append(steps[i])
+        for u in users.get(i, []):
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, (rank[u], u))
+    if len(out) != len(steps):
+        raise RuntimeError("fusion produced a cyclic plan; this is a bug in the planner")
+    return out
+
+
+def build_plan(
+    graph: Graph,
+    fusion: FusionPlan,
+    precision: str,
+    declared_inputs: list[TensorSpec],
+    declared_outputs: list[TensorSpec],
+    enabled: Collection[str] | None = None,
+) -> Plan:
+    """The plan with the groups in `enabled` fused (all groups when None)."""
+    on: list[Group] = [g for g in fusion.groups if enabled is None or g.id in enabled]
+    in_group = {n.id: g for g in on for n in g.nodes}
+    steps: list[Step] = []
+    rank: list[int] = []
+    kernels: dict[str, KernelInfo] = {}
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.id in in_group:
+            continue
+        steps.append(
+            Step(
+                "op",
+                list(n.inputs),
+                list(n.outputs),
+                op_type=n.op_type,
+                attrs=dict(n.attrs),
+                node=n.id,
+                label=node_label(n),
+            )
+        )
+        rank.append(order[n.id])
+    for g in on:
+        kid = f"k{len(kernels)}"
+        src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)
+        kernels[kid] = KernelInfo(kid, src.kind, g.id, src.inputs, src.outputs, src.config, src.source)
+        steps.append(
+            Step(
+                "kernel",
+                list(src.inputs),
+                list(src.outputs),
+                kernel=kid,
+                group=g.id,
+                label=", ".join(node_label(n) for n in g.nodes),
+            )
+        )
+        rank.append(max(order[n.id] for n in g.nodes))
+    available = {s.name for s in graph.inputs} | set(graph.constants)
+    ordered = _topological(steps, rank, available)
+    return Plan(
+        precision=precision,
+        inputs=declared_inputs,
+        outputs=declared_outputs,
+        values=dict(graph.values),
+        steps=ordered,
+        kernels=kernels,
+        constants=dict(graph.constants),
+    )

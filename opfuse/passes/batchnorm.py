@@ -1,0 +1,73 @@
+"""Fold an inference BatchNormalization into the Conv that feeds it (new weights and bias)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.cleanup import replace_uses
+from opfuse.passes.rules import Rule
+
+
+def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "BatchNormalization":
+        return None
+    conv = graph.producers().get(node.inputs[0])
+    if conv is None or conv.op_type != "Conv":
+        return None
+    return {"conv": conv, "nodes": [conv, node]}
+
+
+def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    conv: Node = m["conv"]
+    if len([o for o in node.outputs if o]) > 1:
+        return "BatchNormalization is in training mode (it has running-statistics outputs)"
+    if any(name and name not in graph.constants for name in node.inputs[1:5]):
+        return "scale, bias, mean or variance is not a constant"
+    if conv.inputs[1] not in graph.constants:
+        return "the Conv weight is not a constant"
+    if len(conv.inputs) > 2 and conv.inputs[2] and conv.inputs[2] not in graph.constants:
+        return "the Conv bias is not a constant"
+    if len(graph.consumers().get(conv.outputs[0], [])) != 1:
+        return "the Conv output is also used elsewhere, so it must stay un-normalized"
+    if conv.outputs[0] in {o.name for o in graph.outputs}:
+        return "the Conv output is a graph output"
+    w = graph.constants[conv.inputs[1]]
+    if graph.constants[node.inputs[1]].shape != (w.shape[0],):
+        return "the normalization parameters do not match the Conv's output channels"
+    return None
+
+
+def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    conv: Node = m["conv"]
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    scale, bias, mean, var = (graph.constants[n].astype(np.float64) for n in node.inputs[1:5])
+    w = graph.constants[conv.inputs[1]]
+    has_bias = len(conv.inputs) > 2 and bool(conv.inputs[2])
+    b = graph.constants[conv.inputs[2]].astype(np.float64) if has_bias else np.zeros(w.shape[0])
+    factor = scale / np.sqrt(var + eps)
+    new_w = (w.astype(np.float64) * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(w.dtype)
+    new_b = ((b - mean) * factor + bias).astype(w.dtype)
+    w_name, b_name = f"{conv.id}_bnfold_w", f"{conv.id}_bnfold_b"
+    graph.constants[w_name] = new_w
+    graph.constants[b_name] = new_b
+    graph.values[w_name] = TensorSpec(w_name, graph.values[conv.inputs[1]].dtype, tuple(new_w.shape))
+    graph.values[b_name] = TensorSpec(b_name, graph.values[conv.inputs[1]].dtype, tuple(new_b.shape))
+    conv.inputs = [conv.inputs[0], w_name, b_name]
+    conv.name = f"{conv.name}+{node.name}" if conv.name and node.name else (conv.name or node.name)
+    graph.nodes.remove(node)
+    # The BN's output keeps its name (it may be a graph output): the Conv now writes it.
+    old_out = conv.outputs[0]
+    conv.outputs = [node.outputs[0]]
+    replace_uses(graph, old_out, node.outputs[0])
+
+
+fold_batchnorm = Rule(
+    "fold_batchnorm",
+    _match,
+    _check,
+    _rewrite,
+    doc="Conv followed by inference BatchNormalization becomes one Conv with scaled weights and a new bias.",
+)

@@ -1,0 +1,59 @@
+"""The pass pipeline: ONNX-level optimization (onnxscript), then opfuse's own rules on the IR."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import onnx
+
+from opfuse.frontend.load import infer_shapes
+from opfuse.graph import Graph
+from opfuse.passes.batchnorm import fold_batchnorm
+from opfuse.passes.cleanup import eliminate_noops
+from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
+from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
+
+log = logging.getLogger(__name__)
+
+# Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
+RULES: list[Rule] = [eliminate_noops, fold_batchnorm]
+
+
+@dataclass
+class PassResult:
+    fired: dict[str, int] = field(default_factory=dict)
+    not_fired: list[NotFired] = field(default_factory=list)
+    onnx_optimizer: str = "applied"
+
+
+def optimize_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    """Constant folding and shape-arithmetic folding with the onnxscript constant folder.
+
+    Only folding: the graph keeps every compute node, so the "before" plan is the model as
+    written, and each rewrite opfuse makes later is its own rule with its own reasons. The folder
+    is an aid, not a requirement: if it fails on a model, compilation goes on with the unfolded
+    graph (and the report says so).
+    """
+    import onnxscript.optimizer
+
+    try:
+        optimized = onnx.ModelProto()
+        optimized.CopyFrom(model)
+        onnxscript.optimizer.fold_constants(optimized, onnx_shape_inference=True)
+        onnxscript.optimizer.remove_unused_nodes(optimized)
+    except Exception as exc:  # a bug in the optimizer must not fail the user's job
+        log.warning("onnxscript optimizer failed; continuing without it: %s", exc)
+        return model, f"skipped: {type(exc).__name__}"
+    del optimized.graph.value_info[:]
+    return infer_shapes(optimized), "applied"
+
+
+def run_passes(graph: Graph, disabled: Iterable[str] = ()) -> PassResult:
+    rule_log = RuleLog()
+    fold_constant_nodes(graph)
+    apply_rules(graph, RULES, set(disabled), rule_log)
+    fold_constant_nodes(graph)
+    drop_unused_constants(graph)
+    return PassResult(fired=rule_log.fired, not_fired=rule_log.not_fired)

@@ -1,0 +1,32 @@
+"""Precision modes: float32 weights and activations become the compute dtype at compile time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.graph import Graph, TensorSpec
+
+COMPUTE_DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISIONS = tuple(COMPUTE_DTYPES)
+
+# (op_type, input index) pairs that must stay float32 whatever the precision.
+_KEEP_FLOAT32 = {("Resize", 1), ("Resize", 2)}
+
+
+def apply_precision(graph: Graph, precision: str) -> None:
+    target = COMPUTE_DTYPES[precision]
+    if target == "float32":
+        return
+    keep = {
+        n.inputs[i] for n in graph.nodes for (op, i) in _KEEP_FLOAT32 if n.op_type == op and len(n.inputs) > i
+    }
+    for name, arr in list(graph.constants.items()):
+        if arr.dtype == np.float32 and name not in keep:
+            # numpy has no bfloat16: the runtime casts bf16 constants on upload; keep values exact here.
+            graph.constants[name] = arr.astype(np.float16) if target == "float16" else arr
+    for name, spec in list(graph.values.items()):
+        if spec.dtype == "float32" and name not in keep:
+            graph.values[name] = TensorSpec(spec.name, target, spec.shape)
+    for n in graph.nodes:
+        if n.op_type == "Cast" and int(n.attrs.get("to", 0)) == 1:
+            n.attrs["to"] = 10 if target == "float16" else 16

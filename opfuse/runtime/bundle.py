@@ -1,0 +1,160 @@
+"""The artifact bundle (DESIGN.md §4): a zip with manifest, fused model.onnx, kernels, plan, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from opfuse.errors import BundleError
+from opfuse.graph import TensorSpec
+from opfuse.runtime.plan import PLAN_VERSION, KernelInfo, Plan, Step
+
+BUNDLE_FORMAT = "opfuse-bundle"
+BUNDLE_VERSION = 1
+FUSED_DOMAIN = "ai.opfuse"
+# A bundle is untrusted input too: refuse archives that unpack to absurd sizes.
+MAX_MEMBER_BYTES = 4 * 1024**3
+_ELEM = {
+    "float32": onnx.TensorProto.FLOAT,
+    "float16": onnx.TensorProto.FLOAT16,
+    "bfloat16": onnx.TensorProto.BFLOAT16,
+    "float64": onnx.TensorProto.DOUBLE,
+    "int64": onnx.TensorProto.INT64,
+    "int32": onnx.TensorProto.INT32,
+    "int16": onnx.TensorProto.INT16,
+    "int8": onnx.TensorProto.INT8,
+    "uint8": onnx.TensorProto.UINT8,
+    "bool": onnx.TensorProto.BOOL,
+}
+
+
+def _value_info(spec: TensorSpec, name: str | None = None) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name or spec.name, _ELEM[spec.dtype], list(spec.shape))
+
+
+def fused_model(plan: Plan) -> onnx.ModelProto:
+    """The fused graph: each kernel is one ai.opfuse::FusedKernel node, so it opens in Netron."""
+    nodes = []
+    for i, s in enumerate(plan.steps):
+        if s.kind == "kernel":
+            nodes.append(
+                helper.make_node(
+                    "FusedKernel",
+                    s.inputs,
+                    s.outputs,
+                    name=f"fused_{s.kernel}",
+                    domain=FUSED_DOMAIN,
+                    kernel=s.kernel,
+                    group=s.group,
+                )
+            )
+        else:
+            attrs = {
+                k: (numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v)
+                for k, v in s.attrs.items()
+            }
+            nodes.append(
+                helper.make_node(s.op_type, s.inputs, s.outputs, name=s.label or f"step{i}", **attrs)
+            )
+    inits = []
+    for name, arr in plan.constants.items():
+        spec = plan.values.get(name)
+        if spec is not None and spec.dtype == "bfloat16":
+            t = helper.make_tensor(
+                name, onnx.TensorProto.BFLOAT16, arr.shape, arr.astype(np.float32).ravel().tolist()
+            )
+        else:
+            t = numpy_helper.from_array(np.asarray(arr), name)
+        inits.append(t)
+    io_names = {s.name for s in plan.inputs} | {s.name for s in plan.outputs} | set(plan.constants)
+    graph = helper.make_graph(
+        nodes,
+        "opfuse_fused",
+        [_value_info(s) for s in plan.inputs],
+        [_value_info(s) for s in plan.outputs],
+        initializer=inits,
+        value_info=[_value_info(s) for name, s in plan.values.items() if name not in io_names],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(FUSED_DOMAIN, 1)],
+        producer_name="opfuse",
+    )
+    model.ir_version = 8
+    return model
+
+
+def write_bundle(
+    path: str | os.PathLike[str], plan: Plan, manifest: dict[str, Any], report: dict[str, Any]
+) -> None:
+    tmp = f"{os.fspath(path)}.tmp"
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("manifest.json", json.dumps(manifest, indent=2))
+        z.writestr("model.onnx", fused_model(plan).SerializeToString())
+        for k in plan.kernels.values():
+            z.writestr(f"kernels/{k.id}.py", k.source)
+        z.writestr("plan.json", json.dumps(plan.to_json(), indent=1))
+        z.writestr("report.json", json.dumps(report, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _read(z: zipfile.ZipFile, name: str) -> bytes:
+    try:
+        info = z.getinfo(name)
+    except KeyError:
+        raise BundleError(f"the bundle has no {name}; it is damaged or not an opfuse bundle") from None
+    if info.file_size > MAX_MEMBER_BYTES:
+        raise BundleError(f"{name} in the bundle unpacks to {info.file_size} bytes, over the limit")
+    return z.read(info)
+
+
+def read_bundle(path: str | os.PathLike[str]) -> tuple[Plan, dict[str, Any], dict[str, Any]]:
+    try:
+        z = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise BundleError(f"cannot open the bundle: {exc}") from None
+    with z:
+        try:
+            manifest = json.loads(_read(z, "manifest.json"))
+        except json.JSONDecodeError:
+            raise BundleError("the bundle's manifest.json is not JSON") from None
+        if manifest.get("format") != BUNDLE_FORMAT:
+            raise BundleError("not an opfuse bundle (manifest.format is not 'opfuse-bundle')")
+        if manifest.get("version") != BUNDLE_VERSION:
+            raise BundleError(
+                f"bundle format version {manifest.get('version')} is not supported by this opfuse "
+                f"(it reads version {BUNDLE_VERSION}); recompile the model with this opfuse"
+            )
+        plan_json = json.loads(_read(z, "plan.json"))
+        if plan_json.get("version") != PLAN_VERSION:
+            raise BundleError(f"plan.json version {plan_json.get('version')} is not supported")
+        model = onnx.ModelProto()
+        model.ParseFromString(_read(z, "model.onnx"))
+        constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        for t in model.graph.initializer:
+            if t.data_type == onnx.TensorProto.BFLOAT16:
+                constants[t.name] = numpy_helper.to_array(t).astype(np.float32)
+        kernels = {}
+        for k in plan_json["kernels"]:
+            source = _read(z, f"kernels/{k['id']}.py").decode()
+            kernels[k["id"]] = KernelInfo(
+                k["id"], k["kind"], k["group"], k["inputs"], k["outputs"], k["config"], source
+            )
+        report = json.loads(_read(z, "report.json"))
+    values = {d["name"]: TensorSpec.from_json(d) for d in plan_json["values"]}
+    plan = Plan(
+        precision=plan_json["precision"],
+        inputs=[TensorSpec.from_json(d) for d in plan_json["inputs"]],
+        outputs=[TensorSpec.from_json(d) for d in plan_json["outputs"]],
+        values=values,
+        steps=[Step.from_json(d) for d in plan_json["steps"]],
+        kernels=kernels,
+        constants=constants,
+    )
+    return plan, manifest, report

@@ -1,0 +1,142 @@
+"""Run a plan: per-op torch kernels and generated Triton kernels over named buffers."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from opfuse.errors import ModelError
+from opfuse.runtime.kernels import load_kernel_module
+from opfuse.runtime.ops import run_op
+from opfuse.runtime.plan import Plan, Step
+from opfuse.runtime.tensors import from_numpy, to_numpy, torch_dtype
+
+# In the interpreter each program is one numpy pass: large blocks are much faster there.
+INTERPRETER_BLOCK = 1 << 16
+
+
+class Executor:
+    def __init__(self, plan: Plan, device: str) -> None:
+        self.plan = plan
+        self.device = torch.device(device)
+        self.interpret = self.device.type != "cuda"
+        self.constants = {
+            k: from_numpy(v, self.device).to(torch_dtype(plan.values[k].dtype))
+            if k in plan.values
+            else from_numpy(v, self.device)
+            for k, v in plan.constants.items()
+        }
+        self.modules: dict[str, ModuleType] = {
+            kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
+        }
+        self.dies = plan.last_uses()
+        self.step_hook: Callable[[int, Step], Any] | None = None
+
+    def _block(self, kernel_id: str) -> int:
+        k = self.plan.kernels[kernel_id]
+        if self.interpret:
+            numel = int(k.config.get("numel", 1))
+            return min(INTERPRETER_BLOCK, max(16, 1 << max(0, (numel - 1).bit_length())))
+        return int(k.config.get("BLOCK", 1024))
+
+    def prepare_inputs(self, feeds: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        missing = [s.name for s in self.plan.inputs if s.name not in feeds]
+        if missing:
+            raise ModelError(
+                f"missing input(s) {missing}; the model takes {[s.name for s in self.plan.inputs]}"
+            )
+        env: dict[str, torch.Tensor] = {}
+        for spec in self.plan.inputs:
+            value = feeds[spec.name]
+            t = value if isinstance(value, torch.Tensor) else from_numpy(np.asarray(value))
+            if tuple(t.shape) != spec.shape:
+                raise ModelError(
+                    f"input {spec.name!r} has shape {list(t.shape)}, but the model was compiled for {list(spec.shape)}"
+                )
+            internal = self.plan.values[spec.name]
+            env[spec.name] = t.to(device=self.device, dtype=torch_dtype(internal.dtype))
+        return env
+
+    def run_tensors(self, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env = {**self.constants, **env}
+        for i, step in enumerate(self.plan.steps):
+            if self.step_hook is not None:
+                self.step_hook(i, step)
+            if step.kind == "op":
+                args = [env[x] if x else None for x in step.inputs]
+                outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
+                for name, value in zip(step.outputs, outs, strict=False):
+                    if name:
+                        env[name] = value
+            else:
+                ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
+                outs = []
+                for name in step.outputs:
+                    spec = self.plan.values[name]
+                    outs.append(torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device))
+                self.modules[step.kernel].launch(*ins, *outs, block=self._block(step.kernel))
+                env.update(zip(step.outputs, outs, strict=True))
+            for name in self.dies.get(i, ()):
+                env.pop(name, None)
+        result = {}
+        for spec in self.plan.outputs:
+            result[spec.name] = env[spec.name].to(torch_dtype(spec.dtype))
+        return result
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """numpy in, numpy out; torch in, torch out (DESIGN.md §6)."""
+        torch_in = any(isinstance(v, torch.Tensor) for v in feeds.values())
+        with torch.no_grad(), _matmul_precision(self.plan.precision, self.device):
+            outs = self.run_tensors(self.prepare_inputs(feeds))
+        if torch_in:
+            return dict(outs)
+        return {k: to_numpy(v) for k, v in outs.items()}
+
+    def time_steps(self, feeds: Mapping[str, Any]) -> list[float]:
+        """Wall time of each step in ms (synchronized on CUDA): the profile of this plan."""
+        times: list[float] = []
+        marks: list[float] = []
+
+        def hook(i: int, step: Step) -> None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            marks.append(time.perf_counter())
+
+        env = self.prepare_inputs(feeds)
+        self.step_hook = hook
+        try:
+            with torch.no_grad(), _matmul_precision(self.plan.precision, self.device):
+                self.run_tensors(env)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                marks.append(time.perf_counter())
+        finally:
+            self.step_hook = None
+        for a, b in itertools.pairwise(marks):
+            times.append((b - a) * 1000.0)
+        return times
+
+
+class _matmul_precision:
+    """tf32 allows TensorFloat-32 matmuls and convs for the duration of a run; others forbid it."""
+
+    def __init__(self, precision: str, device: torch.device) -> None:
+        self.enabled = precision == "tf32"
+        self.cuda = device.type == "cuda"
+        self.saved: tuple[bool, bool] | None = None
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            torch.backends.cuda.matmul.allow_tf32 = self.enabled
+            torch.backends.cudnn.allow_tf32 = self.enabled
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved

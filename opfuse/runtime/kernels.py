@@ -1,0 +1,46 @@
+"""Load generated kernel source as Python modules (Triton needs a real file to read source from)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import tempfile
+from types import ModuleType
+
+_loaded: dict[tuple[str, bool], ModuleType] = {}
+
+
+def _kernel_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def load_kernel_module(source: str, interpret: bool) -> ModuleType:
+    """Import generated source; under `interpret` its kernels run in Triton's interpreter."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    key = (digest, interpret)
+    if key in _loaded:
+        return _loaded[key]
+    path = os.path.join(_kernel_dir(), f"k_{digest}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"opfuse_kernel_{digest}_{int(interpret)}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Triton decides between interpreter and compiler when @triton.jit runs, i.e. at import.
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    _loaded[key] = module
+    return module

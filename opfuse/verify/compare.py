@@ -1,0 +1,74 @@
+"""Compare outputs with a reference: relative L2 error against a tolerance per precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# (rtol on the relative L2 error ||out - ref|| / ||ref||, atol on the max absolute error).
+# An output passes when its relative L2 error is within rtol, or, for outputs whose reference is
+# (near) zero, when every element is within atol.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "fp32": (1e-4, 1e-5),
+    "tf32": (2e-3, 1e-4),
+    "fp16": (2e-2, 1e-3),
+    "bf16": (2e-2, 1e-2),
+}
+
+
+@dataclass
+class OutputCheck:
+    max_abs_err: float
+    rel_l2_err: float
+    rtol: float
+    atol: float
+    passed: bool
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "max_abs_err": self.max_abs_err,
+            "rel_l2_err": self.rel_l2_err,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "passed": self.passed,
+        }
+        if self.reason:
+            d["reason"] = self.reason
+        return d
+
+
+def compare_outputs(out: np.ndarray, ref: np.ndarray, rtol: float, atol: float) -> OutputCheck:
+    if out.shape != ref.shape:
+        return OutputCheck(
+            float("inf"), float("inf"), rtol, atol, False, f"shape {out.shape} != reference {ref.shape}"
+        )
+    if ref.dtype.kind in "biu" or out.dtype.kind in "biu":
+        mismatches = int(np.count_nonzero(out != ref))
+        diff = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64)))) if out.size else 0.0
+        return OutputCheck(
+            diff,
+            0.0 if mismatches == 0 else 1.0,
+            rtol,
+            atol,
+            mismatches == 0,
+            f"{mismatches} elements differ" if mismatches else "",
+        )
+    o = out.astype(np.float64)
+    r = ref.astype(np.float64)
+    nan_o, nan_r = np.isnan(o), np.isnan(r)
+    if not np.array_equal(nan_o, nan_r):
+        return OutputCheck(
+            float("nan"), float("nan"), rtol, atol, False, "NaN where the reference has none (or vice versa)"
+        )
+    finite = ~nan_r
+    err = np.abs(o[finite] - r[finite])
+    err = np.where(np.isnan(err), 0.0, err)  # inf - inf at the same place counts as equal
+    max_abs = float(err.max()) if err.size else 0.0
+    ref_norm = float(np.linalg.norm(np.where(np.isinf(r[finite]), 0.0, r[finite])))
+    err_norm = float(np.linalg.norm(err))
+    rel = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
+    passed = bool(rel <= rtol or max_abs <= atol)
+    return OutputCheck(max_abs, rel, rtol, atol, passed)

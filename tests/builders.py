@@ -1,0 +1,97 @@
+"""Small ONNX models the tests build in memory (random weights; nothing is committed as a binary)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _init(name: str, arr: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(arr.astype(np.float32), name)
+
+
+def residual_mlp(hidden: int = 32, ffn: int = 64, seed: int = 0, opset: int = 18) -> onnx.ModelProto:
+    """x -> LayerNorm(x + W2 · GELU(W1 · x + b1) + b2), GELU written with Erf and LayerNorm written out.
+
+    The input has a dynamic batch dim ("batch").
+    """
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w1", rng.standard_normal((hidden, ffn)) * 0.2),
+        _init("b1", rng.standard_normal(ffn) * 0.1),
+        _init("w2", rng.standard_normal((ffn, hidden)) * 0.2),
+        _init("b2", rng.standard_normal(hidden) * 0.1),
+        _init("gamma", 1.0 + rng.standard_normal(hidden) * 0.1),
+        _init("beta", rng.standard_normal(hidden) * 0.1),
+        _init("half", np.array(0.5)),
+        _init("one", np.array(1.0)),
+        _init("inv_sqrt2", np.array(1.0 / np.sqrt(2.0))),
+        _init("two", np.array(2.0)),
+        _init("eps", np.array(1e-5)),
+        numpy_helper.from_array(np.array([-1], dtype=np.int64), "axes"),
+    ]
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "w1"], ["h0"], name="fc1"),
+        n("Add", ["h0", "b1"], ["h1"], name="fc1_bias"),
+        n("Mul", ["h1", "inv_sqrt2"], ["g0"], name="gelu_scale"),
+        n("Erf", ["g0"], ["g1"], name="gelu_erf"),
+        n("Add", ["g1", "one"], ["g2"], name="gelu_add1"),
+        n("Mul", ["h1", "g2"], ["g3"], name="gelu_mul"),
+        n("Mul", ["g3", "half"], ["g4"], name="gelu_half"),
+        n("MatMul", ["g4", "w2"], ["h2"], name="fc2"),
+        n("Add", ["h2", "b2"], ["h3"], name="fc2_bias"),
+        n("Add", ["h3", "x"], ["r"], name="residual"),
+        n("ReduceMean", ["r", "axes"], ["mu"], name="ln_mean"),
+        n("Sub", ["r", "mu"], ["d"], name="ln_sub"),
+        n("Pow", ["d", "two"], ["d2"], name="ln_pow"),
+        n("ReduceMean", ["d2", "axes"], ["var"], name="ln_var"),
+        n("Add", ["var", "eps"], ["var_eps"], name="ln_eps"),
+        n("Sqrt", ["var_eps"], ["std"], name="ln_sqrt"),
+        n("Div", ["d", "std"], ["xn"], name="ln_div"),
+        n("Mul", ["xn", "gamma"], ["xs"], name="ln_scale"),
+        n("Add", ["xs", "beta"], ["y"], name="ln_shift"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "residual_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", hidden])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def conv_bn_relu(channels: int = 4, out_channels: int = 8, size: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """Conv(3x3, bias) -> BatchNormalization -> Relu, with a dynamic batch dim."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w", rng.standard_normal((out_channels, channels, 3, 3)) * 0.3),
+        _init("b", rng.standard_normal(out_channels) * 0.1),
+        _init("scale", 1.0 + rng.standard_normal(out_channels) * 0.1),
+        _init("bias", rng.standard_normal(out_channels) * 0.1),
+        _init("mean", rng.standard_normal(out_channels) * 0.1),
+        _init("var", 0.5 + rng.random(out_channels)),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["bn"], name="bn", epsilon=1e-5
+        ),
+        helper.make_node("Relu", ["bn"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "conv_bn_relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", out_channels, size, size])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
