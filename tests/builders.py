@@ -32,6 +32,12 @@ def residual_mlp(hidden: int = 32, ffn: int = 64, seed: int = 0, opset: int = 18
         numpy_helper.from_array(np.array([-1], dtype=np.int64), "axes"),
     ]
     n = helper.make_node
+
+    def reduce_mean(x: str, y: str, name: str) -> onnx.NodeProto:
+        if opset >= 18:  # axes moved from an attribute to an input at opset 18
+            return n("ReduceMean", [x, "axes"], [y], name=name)
+        return n("ReduceMean", [x], [y], name=name, axes=[-1])
+
     nodes = [
         n("MatMul", ["x", "w1"], ["h0"], name="fc1"),
         n("Add", ["h0", "b1"], ["h1"], name="fc1_bias"),
@@ -43,10 +49,10 @@ def residual_mlp(hidden: int = 32, ffn: int = 64, seed: int = 0, opset: int = 18
         n("MatMul", ["g4", "w2"], ["h2"], name="fc2"),
         n("Add", ["h2", "b2"], ["h3"], name="fc2_bias"),
         n("Add", ["h3", "x"], ["r"], name="residual"),
-        n("ReduceMean", ["r", "axes"], ["mu"], name="ln_mean"),
+        reduce_mean("r", "mu", "ln_mean"),
         n("Sub", ["r", "mu"], ["d"], name="ln_sub"),
         n("Pow", ["d", "two"], ["d2"], name="ln_pow"),
-        n("ReduceMean", ["d2", "axes"], ["var"], name="ln_var"),
+        reduce_mean("d2", "var", "ln_var"),
         n("Add", ["var", "eps"], ["var_eps"], name="ln_eps"),
         n("Sqrt", ["var_eps"], ["std"], name="ln_sqrt"),
         n("Div", ["d", "std"], ["xn"], name="ln_div"),

@@ -1,0 +1,98 @@
+"""Frontend: checks, specialization errors, unsupported ops, opset conversion."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from opfuse.errors import ModelError
+from opfuse.frontend.inspect import inspect_model
+from opfuse.frontend.load import CANONICAL_OPSET, load_and_specialize
+from opfuse.runtime.ops import SUPPORTED_OPS
+from tests.builders import residual_mlp
+
+
+def test_inspect_reports_dynamic_dims() -> None:
+    info = inspect_model(residual_mlp().SerializeToString())
+    assert info.opset == 18
+    assert info.inputs[0].name == "x" and info.inputs[0].shape == ["batch", 32]
+    assert info.outputs[0].dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (b"\x00garbage\xff" * 10, "not an ONNX model"),
+        (residual_mlp().SerializeToString()[:50], "not an ONNX model"),
+    ],
+)
+def test_inspect_rejects_garbage(data: bytes, needle: str) -> None:
+    with pytest.raises(ModelError, match=needle):
+        inspect_model(data)
+
+
+def test_external_data_is_refused_with_instructions() -> None:
+    model = residual_mlp()
+    init = model.graph.initializer[0]
+    init.data_location = TensorProto.EXTERNAL
+    entry = init.external_data.add()
+    entry.key, entry.value = "location", "../../etc/passwd"
+    with pytest.raises(ModelError, match="save_as_external_data=False"):
+        inspect_model(model.SerializeToString())
+
+
+def test_unbound_dynamic_dims_are_listed() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])
+    m = helper.make_model(
+        helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    with pytest.raises(ModelError) as exc:
+        load_and_specialize(m, None, SUPPORTED_OPS)
+    assert "input 'x' dim 0 ('batch')" in str(exc.value) and "input 'x' dim 1 ('seq')" in str(exc.value)
+    with pytest.raises(ModelError, match="not a graph input"):
+        load_and_specialize(m, {"x": [2, 3], "nope": [1]}, SUPPORTED_OPS)
+    with pytest.raises(ModelError, match="positive"):
+        load_and_specialize(m, {"x": [2, 0]}, SUPPORTED_OPS)
+
+
+def test_unsupported_ops_are_listed_with_node_names() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="ok"),
+        helper.make_node("Celu", ["a"], ["b"], name="first"),
+        helper.make_node("Mish", ["b"], ["y"], name="second"),
+    ]
+    m = helper.make_model(
+        helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)]
+    )
+    with pytest.raises(ModelError) as exc:
+        load_and_specialize(m, None, SUPPORTED_OPS)
+    assert "Celu (nodes 'first')" in str(exc.value) and "Mish (nodes 'second')" in str(exc.value)
+
+
+def test_old_opset_is_converted_and_specialized() -> None:
+    model = residual_mlp(opset=13)
+    _, spec = load_and_specialize(model, {"x": [3, 32]}, SUPPORTED_OPS)
+    assert [o.version for o in spec.opset_import if o.domain == ""] == [CANONICAL_OPSET]
+    dims = [d.dim_value for d in spec.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [3, 32]
+
+
+def test_fixed_dim_mismatch_is_an_error() -> None:
+    with pytest.raises(ModelError, match="fixed at 32"):
+        load_and_specialize(residual_mlp(), {"x": [2, 16]}, SUPPORTED_OPS)
+
+
+def test_initializers_listed_as_inputs_are_constants() -> None:
+    model = residual_mlp()
+    for init in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    _, spec = load_and_specialize(model, {"x": [2, 32]}, SUPPORTED_OPS)
+    assert [i.name for i in spec.graph.input] == ["x"]
+    assert np.prod([d.dim_value for d in spec.graph.input[0].type.tensor_type.shape.dim]) == 64
+    onnx.checker.check_model(spec)

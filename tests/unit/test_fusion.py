@@ -1,0 +1,270 @@
+"""Pointwise fusion and BN folding: kernel counts, generated source, and outputs vs onnxruntime."""
+
+from __future__ import annotations
+
+import ast
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import opfuse
+from opfuse.codegen import pointwise
+from opfuse.errors import BundleError
+from tests.builders import conv_bn_relu, residual_mlp
+
+RNG = np.random.default_rng(1234)
+
+
+def ort_run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return [np.asarray(o) for o in sess.run(None, feeds)]
+
+
+def rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref.astype(np.float64)))
+
+
+def make_model(
+    nodes: list[onnx.NodeProto],
+    inputs: dict[str, list[int]],
+    outputs: dict[str, list[int]],
+    inits: dict[str, np.ndarray] | None = None,
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outputs.items()],
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in (inits or {}).items()],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    return m
+
+
+def check_against_ort(
+    model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str = "fp32"
+) -> opfuse.CompiledModel:
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device="cpu")
+    assert cm.report["verification"]["passed"] is True
+    feeds = {k: RNG.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    outs = cm.run(feeds)
+    refs = ort_run(model, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for o, ref in zip(model.graph.output, refs, strict=True):
+        assert outs[o.name].shape == ref.shape
+        assert np.all(np.isfinite(outs[o.name]))
+        assert rel_l2(outs[o.name], ref) <= tol, o.name
+    return cm
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_residual_mlp_fuses_gelu_residual_and_layernorm(precision: str) -> None:
+    cm = check_against_ort(residual_mlp(), {"x": [4, 32]}, precision)
+    r = cm.report
+    assert r["kernels"] == {"before": 19, "after": 9}
+    groups = [g["nodes"] for g in r["fusion"]["groups"]]
+    assert ["fc1_bias", "gelu_scale", "gelu_erf", "gelu_add1", "gelu_mul", "gelu_half"] in groups
+    assert ["fc2_bias", "residual"] in groups
+    assert ["ln_div", "ln_scale", "ln_shift"] in groups
+    reasons = [nf["reason"] for nf in r["fusion"]["not_fused"]]
+    assert any("cycle through ln_mean" in x for x in reasons)
+    gelu = next(k for k in cm.plan.kernels.values() if "tl.erf" in k.source)
+    assert "(x0 + x1)" in gelu.source or "(x0 + 0" in gelu.source
+    assert "% 64" in gelu.source  # the bias broadcast along the last dim
+
+
+def test_conv_bn_relu_folds_batchnorm() -> None:
+    cm = check_against_ort(conv_bn_relu(), {"x": [2, 4, 8, 8]})
+    assert cm.report["kernels"] == {"before": 3, "after": 2}
+    assert cm.report["fusion"]["passes"]["fired"] == {"fold_batchnorm": 1}
+    assert [s.op_type for s in cm.plan.steps] == ["Conv", "Relu"]
+
+
+def test_batchnorm_fold_says_why_not() -> None:
+    m = conv_bn_relu()
+    m.graph.node.append(helper.make_node("Sigmoid", ["c"], ["side"], name="side_use"))
+    m.graph.output.append(helper.make_tensor_value_info("side", TensorProto.FLOAT, ["batch", 8, 8, 8]))
+    cm = check_against_ort(m, {"x": [2, 4, 8, 8]})
+    nf = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "fold_batchnorm"]
+    assert nf and "also used elsewhere" in nf[0]["reason"] and nf[0]["nodes"] == ["conv", "bn"]
+    assert cm.report["fusion"]["passes"]["fired"] == {}
+
+
+BROADCASTS = [
+    ([2, 3, 4, 5], [5]),  # bias over the last dim
+    ([2, 3, 4, 5], [3, 1, 1]),  # per-channel
+    ([2, 3, 4, 5], [2, 1, 4, 1]),  # general strides
+    ([2, 3, 4, 5], [1]),  # scalar tensor input
+    ([6, 7], [6, 1]),  # per-row
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("xshape, bshape", BROADCASTS)
+def test_broadcasting_pointwise_chain(xshape: list[int], bshape: list[int], precision: str) -> None:
+    nodes = [
+        helper.make_node("Mul", ["x", "b"], ["t0"]),
+        helper.make_node("Add", ["t0", "x"], ["t1"]),
+        helper.make_node("Sigmoid", ["t1"], ["t2"]),
+        helper.make_node("Mul", ["t1", "t2"], ["y"]),  # SiLU
+    ]
+    m = make_model(nodes, {"x": xshape, "b": bshape}, {"y": xshape})
+    cm = check_against_ort(m, {"x": xshape, "b": bshape}, precision)
+    assert cm.report["kernels"] == {"before": 4, "after": 1}
+    (kernel,) = cm.plan.kernels.values()
+    assert kernel.source.count("tl.store(") == 1 and kernel.source.count("tl.load(") == 2
+
+
+def test_intermediate_used_outside_is_a_second_output() -> None:
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["t0"]),
+        helper.make_node("Relu", ["t0"], ["t1"]),
+        helper.make_node("Tanh", ["t1"], ["y"]),
+        helper.make_node("ReduceSum", ["t0"], ["s"], keepdims=0),
+    ]
+    m = make_model(nodes, {"x": [4, 8]}, {"y": [4, 8], "s": []}, inits={"b": RNG.standard_normal(8)})
+    cm = check_against_ort(m, {"x": [4, 8]})
+    (kernel,) = cm.plan.kernels.values()
+    assert kernel.outputs == ["t0", "y"]
+    assert cm.report["kernels"] == {"before": 4, "after": 2}
+
+
+UNARY_CASES: list[tuple[str, dict[str, float]]] = [
+    ("Relu", {}),
+    ("Sigmoid", {}),
+    ("Tanh", {}),
+    ("Erf", {}),
+    ("Exp", {}),
+    ("Neg", {}),
+    ("Abs", {}),
+    ("Softplus", {}),
+    ("LeakyRelu", {"alpha": 0.1}),
+    ("Elu", {"alpha": 0.7}),
+    ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}),
+    ("HardSwish", {}),
+    ("Identity", {}),
+]
+
+
+@pytest.mark.parametrize("op, attrs", UNARY_CASES)
+def test_each_unary_op_in_a_fused_chain(op: str, attrs: dict[str, float]) -> None:
+    nodes = [
+        helper.make_node("Mul", ["x", "s"], ["t0"]),
+        helper.make_node(op, ["t0"], ["t1"], **attrs),
+        helper.make_node("Add", ["t1", "x"], ["y"]),
+    ]
+    m = make_model(nodes, {"x": [3, 50]}, {"y": [3, 50]}, inits={"s": np.array([3.0])})
+    cm = check_against_ort(m, {"x": [3, 50]})
+    assert len(cm.plan.kernels) == 1
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0, 0.5, -1.0, 1.7])
+def test_pow_with_constant_exponents(exponent: float) -> None:
+    nodes = [
+        helper.make_node("Abs", ["x"], ["a"]),
+        helper.make_node("Add", ["a", "one"], ["t0"]),
+        helper.make_node("Pow", ["t0", "e"], ["t1"]),
+        helper.make_node("Sub", ["t1", "x"], ["y"]),
+    ]
+    m = make_model(
+        nodes, {"x": [4, 16]}, {"y": [4, 16]}, inits={"one": np.array(1.0), "e": np.array(exponent)}
+    )
+    cm = check_against_ort(m, {"x": [4, 16]})
+    assert len(cm.plan.kernels) == 1
+
+
+def test_clip_max_min_div_sqrt_reciprocal_fuse() -> None:
+    nodes = [
+        helper.make_node("Clip", ["x", "lo", "hi"], ["c"]),
+        helper.make_node("Max", ["c", "x2"], ["m"]),
+        helper.make_node("Min", ["m", "hi"], ["m2"]),
+        helper.make_node("Abs", ["m2"], ["a"]),
+        helper.make_node("Add", ["a", "hi"], ["a1"]),
+        helper.make_node("Sqrt", ["a1"], ["s"]),
+        helper.make_node("Reciprocal", ["s"], ["r"]),
+        helper.make_node("Div", ["r", "x2"], ["y"]),
+    ]
+    m = make_model(
+        nodes, {"x": [5, 9], "x2": [5, 9]}, {"y": [5, 9]}, inits={"lo": np.array(-0.5), "hi": np.array(0.8)}
+    )
+    cm = check_against_ort(m, {"x": [5, 9], "x2": [5, 9]})
+    assert cm.report["kernels"] == {"before": 8, "after": 1}
+
+
+def test_disabling_the_pointwise_rule_fuses_nothing() -> None:
+    cm = opfuse.compile(
+        residual_mlp(), {"x": [2, 32]}, device="cpu", fusion_disable=["pointwise", "fold_batchnorm"]
+    )
+    assert cm.report["kernels"] == {"before": 19, "after": 19}
+    assert cm.plan.kernels == {}
+
+
+def test_model_text_never_runs_and_appears_only_escaped(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = f'"""\nimport os; open({str(marker)!r}, "w")\n#\r\u2028x'
+    nodes = [
+        helper.make_node("Add", ["x", "x"], ["t0"], name=evil),
+        helper.make_node("Relu", ["t0"], ["y"], name=evil + "2"),
+    ]
+    m = make_model(nodes, {"x": [2, 3]}, {"y": [2, 3]})
+    cm = check_against_ort(m, {"x": [2, 3]})
+    (kernel,) = cm.plan.kernels.values()
+    tree = ast.parse(kernel.source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert "os" not in names and "open" not in names
+    assert "import os" not in "\n".join(
+        line for line in kernel.source.splitlines() if not line.startswith("#")
+    )
+    assert not marker.exists()
+    cm.save(tmp_path / "b.zip")
+    opfuse.load(tmp_path / "b.zip", device="cpu").run({"x": RNG.standard_normal((2, 3)).astype(np.float32)})
+    assert not marker.exists()
+
+
+def test_failing_group_is_found_by_bisection_and_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deliberately wrong Erf: the GELU group must be rolled back, the others kept.
+    monkeypatch.setitem(pointwise._UNARY, "Erf", "(tl.erf({0}) * 1.5)")
+    cm = check_against_ort(residual_mlp(), {"x": [4, 32]})
+    v = cm.report["verification"]
+    assert v["passed"] is True and len(v["rolled_back"]) == 1
+    rolled = v["rolled_back"][0]
+    assert all(g["id"] != rolled for g in cm.report["fusion"]["groups"])
+    assert cm.report["kernels"]["after"] == 9 - 1 + 6
+    assert any("rolled back" in nf["reason"] for nf in cm.report["fusion"]["not_fused"])
+
+
+def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
+    cm = opfuse.compile(residual_mlp(), {"x": [3, 32]}, device="cpu")
+    path = tmp_path / "m.opfuse.zip"
+    cm.save(path)
+    with zipfile.ZipFile(path) as z:
+        names = set(z.namelist())
+        assert {"manifest.json", "model.onnx", "plan.json", "report.json"} <= names
+        assert {f"kernels/{k}.py" for k in cm.plan.kernels} <= names
+        fused = onnx.load_from_string(z.read("model.onnx"))
+    assert sum(1 for n in fused.graph.node if n.domain == "ai.opfuse" and n.op_type == "FusedKernel") == 5
+    loaded = opfuse.load(path, device="cpu")
+    x = RNG.standard_normal((3, 32)).astype(np.float32)
+    np.testing.assert_array_equal(loaded.run({"x": x})["y"], cm.run({"x": x})["y"])
+    assert loaded.report["kernels"] == cm.report["kernels"]
+
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(path) as z, zipfile.ZipFile(bad, "w") as out:
+        for item in z.namelist():
+            data = z.read(item)
+            if item == "manifest.json":
+                data = data.replace(b'"version": 1', b'"version": 99')
+            out.writestr(item, data)
+    with pytest.raises(BundleError, match="version 99"):
+        opfuse.load(bad, device="cpu")
+    (tmp_path / "junk.zip").write_bytes(b"not a zip")
+    with pytest.raises(BundleError, match="cannot open"):
+        opfuse.load(tmp_path / "junk.zip", device="cpu")
+    with pytest.raises(opfuse.ModelError, match="compiled for"):
+        loaded.run({"x": np.ones((5, 32), np.float32)})
