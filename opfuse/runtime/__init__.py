@@ -1,0 +1,1 @@
+"""Runs a plan: generated kernels and per-op torch kernels for unfused nodes."""

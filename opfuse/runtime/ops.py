@@ -1,0 +1,66 @@
+"""Per-op torch kernels for ONNX nodes that are not fused: the unfused "before" runtime.
+
+`run_op(op_type, inputs, attrs, num_outputs)` runs one default-domain node with opset-18 semantics.
+Inputs stay on their device and outputs follow them; attributes come decoded to plain Python values
+(numpy arrays for TENSOR attributes), with absent ones absent. The kernels live in the `ops_*`
+modules beside this one, one family per module, registered in `ops_registry.OP_TABLE`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opfuse.errors import ModelError
+from opfuse.runtime import ops_elementwise, ops_nn, ops_reduce, ops_shape
+from opfuse.runtime.ops_registry import NUM_OUTPUTS_KEY, ONNX_TORCH_DTYPES, OP_TABLE, OpImpl, onnx_torch_dtype
+
+__all__ = ["ONNX_TORCH_DTYPES", "SUPPORTED_OPS", "VIEW_OPS", "OpImpl", "onnx_torch_dtype", "run_op"]
+
+# Importing the op modules is what fills OP_TABLE; naming them keeps that import from looking unused.
+_OP_MODULES = (ops_elementwise, ops_nn, ops_reduce, ops_shape)
+
+SUPPORTED_OPS: frozenset[str] = frozenset(OP_TABLE)
+
+# Ops whose torch kernel launches nothing on the device: a view, an alias, or host-side shape
+# arithmetic. The "before" kernel count skips them. It is a per-type answer, so it is the usual
+# case: Reshape/Flatten of a non-contiguous tensor, and Slice with a negative step, do copy.
+VIEW_OPS: frozenset[str] = frozenset(
+    {
+        "Constant",
+        "Dropout",
+        "Expand",
+        "Flatten",
+        "Identity",
+        "Reshape",
+        "Shape",
+        "Size",
+        "Slice",
+        "Split",
+        "Squeeze",
+        "Transpose",
+        "Unsqueeze",
+    }
+)
+
+
+def run_op(
+    op_type: str, inputs: list[torch.Tensor | None], attrs: dict[str, Any], num_outputs: int = 1
+) -> list[torch.Tensor]:
+    """Run one ONNX node (default domain, opset 18) with torch; returns its `num_outputs` outputs."""
+    entry = OP_TABLE.get(op_type)
+    if entry is None:
+        raise ModelError(
+            f"ONNX op {op_type!r} is not supported by opfuse's runtime. Re-export the model without "
+            f"it, or ask for it to be added. Supported ops: {', '.join(sorted(SUPPORTED_OPS))}"
+        )
+    if entry.wants_num_outputs:
+        attrs = {**attrs, NUM_OUTPUTS_KEY: num_outputs}
+    outs = entry.impl(inputs, attrs)
+    if len(outs) < num_outputs:
+        raise ModelError(
+            f"{op_type}: the node has {num_outputs} outputs but opfuse computes only {len(outs)}; "
+            "remove the unused outputs from the node"
+        )
+    return outs if len(outs) == num_outputs else outs[:num_outputs]
