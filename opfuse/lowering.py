@@ -6,6 +6,7 @@ import heapq
 from collections.abc import Collection
 
 from opfuse.codegen.pointwise import generate_pointwise
+from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, TensorSpec
 from opfuse.passes.rules import node_label
@@ -68,7 +69,10 @@ def build_plan(
         rank.append(order[n.id])
     for g in on:
         kid = f"k{len(kernels)}"
-        src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)
+        if g.kind == "rowwise":
+            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full)
+        else:
+            src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)
         kernels[kid] = KernelInfo(kid, src.kind, g.id, src.inputs, src.outputs, src.config, src.source)
         steps.append(
             Step(

@@ -1,41 +1,24 @@
-"""Group connected pointwise nodes into kernels, greedily in topological order.
+"""The fusion planner: row groups around reductions first, then pointwise groups.
 
-A node joins the groups of its pointwise producers when their iteration shapes agree, the merge
-creates no cycle through a node outside the group, and the group stays under the size caps that
-keep its live values in registers. Every refusal is recorded with its reason.
+Pointwise: a node joins the groups of its pointwise producers when their iteration shapes agree,
+the merge creates no cycle through a node outside the group, and the group stays under the size
+caps that keep its live values in registers. Every refusal is recorded with its reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.graph import Graph, Node
+from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
+from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
+from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
-MAX_GROUP_NODES = 32
-# Tensors loaded or stored by one kernel: each is a pointer, an index expression and live registers.
-MAX_GROUP_TENSORS = 16
+RULES = (ROW_RULE, POINTWISE_RULE)
 
-
-@dataclass
-class Group:
-    id: str
-    kind: str
-    rule: str
-    nodes: list[Node]
-    inputs: list[str] = field(default_factory=list)
-    outputs: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "kind": self.kind,
-            "rule": self.rule,
-            "nodes": [node_label(n) for n in self.nodes],
-        }
+__all__ = ["POINTWISE_RULE", "ROW_RULE", "RULES", "FusionPlan", "Group", "plan_fusion"]
 
 
 @dataclass
@@ -44,56 +27,19 @@ class FusionPlan:
     not_fused: list[NotFired]
 
 
-def group_boundary(graph: Graph, nodes: list[Node]) -> tuple[list[str], list[str]]:
-    """External inputs (in first-use order) and the values a group must write."""
-    produced = {o for n in nodes for o in n.outputs if o}
-    inputs: list[str] = []
-    for n in nodes:
-        for x in n.inputs:
-            if x and x not in produced and x not in inputs:
-                inputs.append(x)
-    member_ids = {n.id for n in nodes}
-    consumers = graph.consumers()
-    graph_outputs = {o.name for o in graph.outputs}
-    outputs = [
-        o
-        for n in nodes
-        for o in n.outputs
-        if o and (o in graph_outputs or any(c.id not in member_ids for c in consumers.get(o, [])))
-    ]
-    return inputs, outputs
-
-
-def _creates_cycle(graph: Graph, members: set[str], order: dict[str, int]) -> Node | None:
-    """A node outside `members` that is both fed by and feeds the group, if any."""
-    consumers = graph.consumers()
-    by_id = {n.id: n for n in graph.nodes}
-    last = max(order[m] for m in members)
-    frontier = [
-        c for m in members for o in by_id[m].outputs if o for c in consumers.get(o, []) if c.id not in members
-    ]
-    seen: set[str] = set()
-    while frontier:
-        n = frontier.pop()
-        if n.id in seen or order[n.id] > last:
-            continue
-        seen.add(n.id)
-        for o in n.outputs:
-            for c in consumers.get(o, []) if o else []:
-                if c.id in members:
-                    return n
-                frontier.append(c)
-    return None
-
-
 def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset()) -> FusionPlan:
     not_fused: list[NotFired] = []
+    row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused)
+    in_rows = {n.id for g in row_groups for n in g.nodes}
     if POINTWISE_RULE in disabled:
-        return FusionPlan([], not_fused)
+        return FusionPlan(row_groups, not_fused)
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     eligible: dict[str, bool] = {}
     for n in graph.nodes:
+        if n.id in in_rows:
+            eligible[n.id] = False
+            continue
         reason = pointwise_reason(graph, n)
         eligible[n.id] = reason is None
         if reason is not None and not reason.endswith("generates code for"):
@@ -123,15 +69,15 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
                 candidates.append(group_of[p.id])
         for gi in candidates:
             merged = mine | members[gi]
-            by_id = {m.id: m for m in graph.nodes if m.id in merged}
-            ins, outs = group_boundary(graph, list(by_id.values()))
+            nodes = [m for m in graph.nodes if m.id in merged]
+            ins, outs = group_boundary(graph, nodes)
             reason = None
             if len(merged) > MAX_GROUP_NODES:
                 reason = f"would exceed {MAX_GROUP_NODES} nodes in one kernel"
             elif len(ins) + len(outs) > MAX_GROUP_TENSORS:
                 reason = f"would exceed {MAX_GROUP_TENSORS} tensors loaded or stored by one kernel"
             else:
-                through = _creates_cycle(graph, merged, order)
+                through = creates_cycle(graph, merged, order)
                 if through is not None:
                     reason = f"merging would create a cycle through {node_label(through)} ({through.op_type})"
             if reason is not None:
@@ -144,7 +90,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         members.append(mine)
         for m in mine:
             group_of[m] = idx
-    groups: list[Group] = []
+    groups: list[Group] = list(row_groups)
+    count = 0
     for ids in members:
         if not ids:
             continue
@@ -152,5 +99,6 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         if len(nodes) == 1:
             continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
         ins, outs = group_boundary(graph, nodes)
-        groups.append(Group(f"g{len(groups)}", "pointwise", POINTWISE_RULE, nodes, ins, outs))
+        groups.append(Group(f"g{count}", "pointwise", POINTWISE_RULE, nodes, ins, outs))
+        count += 1
     return FusionPlan(groups, not_fused)

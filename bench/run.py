@@ -1,0 +1,240 @@
+"""Time opfuse against its peers on one GPU, in one run, with one protocol.
+
+    PYTHONPATH=. python bench/run.py --models resnet50,bert-base --batches 1,32 --precision fp16 --out results.json
+
+For each model and batch: ONNX per-op eager (opfuse's unfused plan), opfuse (fused), the source
+module eager and eager + CUDA graph, torch.compile and torch.compile + CUDA graph. CUDA events,
+warm-up, median of many iterations, inputs rotated among several sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import opfuse
+from bench.zoo import ZOO, build, export_onnx
+
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def time_cuda(fn: Callable[[int], Any], iters: int, warmup: int) -> float:
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]))
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def peers(zm: Any, precision: str, iters: int, warmup: int, modes: list[str]) -> dict[str, dict[str, Any]]:
+    dtype = DTYPES[precision]
+    module = zm.module.cuda().to(dtype) if dtype != torch.float32 else zm.module.cuda()
+    sets = [
+        {k: (v.cuda().to(dtype) if v.is_floating_point() else v.cuda()) for k, v in _fresh(zm).items()}
+        for _ in range(3)
+    ]
+    static = {k: v.clone() for k, v in sets[0].items()}
+    out: dict[str, dict[str, Any]] = {}
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    with torch.no_grad():
+
+        def eager(i: int) -> Any:
+            return module(*sets[i % 3].values())
+
+        out["eager"] = {"ms": time_cuda(eager, iters, warmup)}
+        try:
+            replay = graphed(lambda: module(*static.values()))
+            out["eager_cudagraph"] = {"ms": time_cuda(lambda i: replay(), iters, warmup)}
+        except Exception as exc:
+            out["eager_cudagraph"] = {"error": repr(exc)[:200]}
+        for mode in modes:
+            key = "torch_compile" if mode == "default" else f"torch_compile_{mode}"
+            try:
+                torch._dynamo.reset()
+                t0 = time.perf_counter()
+                compiled = torch.compile(module, mode=None if mode == "default" else mode)
+                compiled(*static.values())
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                out[key] = {
+                    "ms": time_cuda(lambda i, c=compiled: c(*sets[i % 3].values()), iters, warmup),
+                    "compile_s": compile_s,
+                }
+                replay = graphed(lambda c=compiled: c(*static.values()))
+                out[key + "_cudagraph"] = {
+                    "ms": time_cuda(lambda i, r=replay: r(), iters, warmup),
+                    "compile_s": compile_s,
+                }
+            except Exception as exc:
+                out[key] = {"error": repr(exc)[:300]}
+    return out
+
+
+def _fresh(zm: Any) -> dict[str, torch.Tensor]:
+    return {
+        k: (torch.randn_like(v) if v.is_floating_point() else torch.randint_like(v, 0, 1000))
+        for k, v in zm.example.items()
+    }
+
+
+def bench_one(
+    name: str, batch: int, precision: str, iters: int, warmup: int, modes: list[str]
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": name, "batch": batch, "precision": precision}
+    zm = build(name, batch)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.onnx")
+        t0 = time.perf_counter()
+        export_onnx(zm, path)
+        row["export_s"] = round(time.perf_counter() - t0, 2)
+        shapes = {k: list(v.shape) for k, v in zm.example.items()}
+        try:
+            t0 = time.perf_counter()
+            cm = opfuse.compile(path, input_shapes=shapes, precision=precision, device="cuda")
+            row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
+            cm.benchmark(iters=iters, warmup=warmup)
+            r = cm.report
+            row.update(
+                onnx_eager_ms=r["before"]["latency_ms"]["p50"],
+                opfuse_ms=r["after"]["latency_ms"]["p50"],
+                kernels_before=r["kernels"]["before"],
+                kernels_after=r["kernels"]["after"],
+                launches_measured_before=r["before"]["kernel_launches_measured"],
+                launches_measured_after=r["after"]["kernel_launches_measured"],
+                peak_mem_before=r["before"]["peak_memory_bytes"],
+                peak_mem_after=r["after"]["peak_memory_bytes"],
+                verified=r["verification"]["passed"],
+                groups=len(r["fusion"]["groups"]),
+                rel_l2=max((o["rel_l2_err"] for o in r["verification"]["outputs"].values()), default=None),
+            )
+        except Exception as exc:
+            row["opfuse_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            traceback.print_exc()
+    row["peers"] = peers(zm, precision, iters, warmup, modes)
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    hdr = (
+        f"{'model':<20}{'b':>4} {'prec':<5}{'onnx-eager':>11}{'opfuse':>9}{'eager':>8}{'eager+G':>9}"
+        f"{'tc':>8}{'tc+G':>8}{'vs tc+G':>8}{'kern b/a':>11}{'compile s':>10}"
+    )
+    print(hdr)
+    ratios = []
+    for r in rows:
+        p = r.get("peers", {})
+
+        def ms(key: str, p: dict[str, Any] = p) -> float:
+            return float(p.get(key, {}).get("ms", math.nan))
+
+        tcg = ms("torch_compile_cudagraph")
+        ours = r.get("opfuse_ms", math.nan)
+        ratio = ours / tcg if tcg == tcg and ours == ours else math.nan
+        if ratio == ratio:
+            ratios.append(ratio)
+        print(
+            f"{r['model']:<20}{r['batch']:>4} {r['precision']:<5}{r.get('onnx_eager_ms', math.nan):>11.3f}"
+            f"{ours:>9.3f}{ms('eager'):>8.3f}{ms('eager_cudagraph'):>9.3f}{ms('torch_compile'):>8.3f}{tcg:>8.3f}"
+            f"{ratio:>8.2f}{str(r.get('kernels_before')) + '/' + str(r.get('kernels_after')):>11}"
+            f"{r.get('opfuse_compile_s', math.nan):>10.1f}"
+        )
+        if "opfuse_error" in r:
+            print(f"    opfuse error: {r['opfuse_error'][:200]}")
+    if ratios:
+        print(
+            f"geometric mean opfuse / (torch.compile + CUDA graph): {math.exp(np.mean(np.log(ratios))):.2f}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(ZOO))
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--precision", default="fp16")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument(
+        "--compile-modes", default="default", help="torch.compile modes, e.g. default,max-autotune"
+    )
+    ap.add_argument("--out", default="bench/out/results.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/run.py needs a CUDA GPU")
+    rows = []
+    for name in args.models.split(","):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for precision in args.precision.split(","):
+                print(f"--- {name} batch {batch} {precision}", flush=True)
+                try:
+                    rows.append(
+                        bench_one(
+                            name, batch, precision, args.iters, args.warmup, args.compile_modes.split(",")
+                        )
+                    )
+                except Exception as exc:
+                    traceback.print_exc()
+                    rows.append(
+                        {"model": name, "batch": batch, "precision": precision, "error": repr(exc)[:300]}
+                    )
+                torch.cuda.empty_cache()
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "opfuse": opfuse.__version__,
+        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(json.dumps(meta))
+    print_table(rows)
+
+
+def _commit() -> str:
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The benchmark zoo: torchvision and transformers models with random weights, exported to ONNX."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ZooModel:
+    name: str
+    module: torch.nn.Module
+    example: dict[str, torch.Tensor]  # input name -> example tensor (batch filled in)
+    kind: str  # "cnn" | "transformer"
+
+
+def _vision(name: str, ctor: Callable[[], torch.nn.Module], batch: int, size: int = 224) -> ZooModel:
+    return ZooModel(name, ctor().eval(), {"x": torch.randn(batch, 3, size, size)}, "cnn")
+
+
+def _hf(name: str, batch: int, seq: int) -> ZooModel:
+    import transformers as tf
+
+    if name == "bert-base":
+        cfg = tf.BertConfig()
+        model: torch.nn.Module = tf.BertModel(cfg)
+    elif name == "gpt2":
+        cfg = tf.GPT2Config()
+        model = tf.GPT2Model(cfg)
+    elif name == "llama-small":
+        cfg = tf.LlamaConfig(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=32000,
+        )
+        model = tf.LlamaModel(cfg)
+    else:
+        raise KeyError(name)
+    cfg.return_dict = False
+    ids = torch.randint(0, 1000, (batch, seq))
+    return ZooModel(name, _FirstOutput(model.eval()), {"input_ids": ids}, "transformer")
+
+
+class _FirstOutput(torch.nn.Module):
+    """Exports and compiles the last hidden state only (no caches, no pooler tuple)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = (
+            self.inner(input_ids=input_ids, use_cache=False)
+            if _takes_cache(self.inner)
+            else self.inner(input_ids)
+        )
+        return out[0]
+
+
+def _takes_cache(m: torch.nn.Module) -> bool:
+    return type(m).__name__ in ("GPT2Model", "LlamaModel")
+
+
+def build(name: str, batch: int, seq: int = 128) -> ZooModel:
+    import torchvision.models as tv
+
+    vision = {
+        "resnet50": tv.resnet50,
+        "mobilenet_v3_large": tv.mobilenet_v3_large,
+        "efficientnet_b0": tv.efficientnet_b0,
+        "convnext_tiny": tv.convnext_tiny,
+        "vit_b_16": tv.vit_b_16,
+    }
+    if name in vision:
+        return _vision(name, vision[name], batch)
+    return _hf(name, batch, seq)
+
+
+def export_onnx(zm: ZooModel, path: str) -> None:
+    args = tuple(zm.example.values())
+    names = list(zm.example)
+    with torch.no_grad():
+        try:
+            torch.onnx.export(
+                zm.module, args, path, input_names=names, output_names=["y"], opset_version=18, dynamo=False
+            )
+        except Exception:  # some modules only export through the dynamo exporter
+            torch.onnx.export(
+                zm.module,
+                args,
+                path,
+                input_names=names,
+                output_names=["y"],
+                opset_version=18,
+                dynamo=True,
+                external_data=False,
+            )
+    assert os.path.getsize(path) > 0
+
+
+ZOO = [
+    "resnet50",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+    "vit_b_16",
+    "bert-base",
+    "gpt2",
+    "llama-small",
+]

@@ -1,0 +1,74 @@
+"""Fusion groups and the checks every planner shares (boundary values, cycles, caps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from opfuse.graph import Graph, Node
+from opfuse.passes.rules import node_label
+
+MAX_GROUP_NODES = 32
+# Tensors loaded or stored by one kernel: each is a pointer, an index expression and live registers.
+MAX_GROUP_TENSORS = 16
+
+
+@dataclass
+class Group:
+    id: str
+    kind: str  # "pointwise" | "rowwise"
+    rule: str
+    nodes: list[Node]
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    full: tuple[int, ...] = ()  # rowwise: the row space (the reduced input's shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "rule": self.rule,
+            "nodes": [node_label(n) for n in self.nodes],
+        }
+
+
+def group_boundary(graph: Graph, nodes: list[Node]) -> tuple[list[str], list[str]]:
+    """External inputs (in first-use order) and the values a group must write."""
+    produced = {o for n in nodes for o in n.outputs if o}
+    inputs: list[str] = []
+    for n in nodes:
+        for x in n.inputs:
+            if x and x not in produced and x not in inputs:
+                inputs.append(x)
+    member_ids = {n.id for n in nodes}
+    consumers = graph.consumers()
+    graph_outputs = {o.name for o in graph.outputs}
+    outputs = [
+        o
+        for n in nodes
+        for o in n.outputs
+        if o and (o in graph_outputs or any(c.id not in member_ids for c in consumers.get(o, [])))
+    ]
+    return inputs, outputs
+
+
+def creates_cycle(graph: Graph, members: set[str], order: dict[str, int]) -> Node | None:
+    """A node outside `members` that is both fed by and feeds the group, if any."""
+    consumers = graph.consumers()
+    by_id = {n.id: n for n in graph.nodes}
+    last = max(order[m] for m in members)
+    frontier = [
+        c for m in members for o in by_id[m].outputs if o for c in consumers.get(o, []) if c.id not in members
+    ]
+    seen: set[str] = set()
+    while frontier:
+        n = frontier.pop()
+        if n.id in seen or order[n.id] > last:
+            continue
+        seen.add(n.id)
+        for o in n.outputs:
+            for c in consumers.get(o, []) if o else []:
+                if c.id in members:
+                    return n
+                frontier.append(c)
+    return None

@@ -1,0 +1,96 @@
+"""Plan row groups: a last-axis reduction grows to take in its pointwise prologue and epilogue.
+
+Starting from each reduction (in topological order), neighbouring nodes join while they live in
+the same row space: pointwise ops whose output is the full row shape or the per-row scalar shape,
+and further reductions over rows of the same shape (LayerNorm written out has two). A join is
+refused, with its reason, if it would form a cycle through a node outside the group or exceed the
+group's caps.
+"""
+
+from __future__ import annotations
+
+from opfuse.codegen.pointwise import pointwise_reason
+from opfuse.codegen.rowwise import ROW_OPS, row_op_reason
+from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
+from opfuse.graph import Graph, Node
+from opfuse.passes.rules import NotFired, node_label
+
+ROW_RULE = "row_reduction"
+
+
+def _row_shapes(full: tuple[int, ...]) -> set[tuple[int, ...]]:
+    return {full, (*full[:-1], 1), full[:-1]}
+
+
+def _joinable(graph: Graph, node: Node, full: tuple[int, ...]) -> bool:
+    if node.op_type in ROW_OPS:
+        return row_op_reason(graph, node) is None and graph.spec(node.inputs[0]).shape == full
+    if pointwise_reason(graph, node) is not None:
+        return False
+    return graph.spec(node.outputs[0]).shape in _row_shapes(full)
+
+
+def plan_row_groups(graph: Graph, not_fused: list[NotFired]) -> list[Group]:
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    producers = graph.producers()
+    consumers = graph.consumers()
+    assigned: set[str] = set()
+    groups: list[Group] = []
+    for anchor in graph.nodes:
+        if anchor.op_type not in ROW_OPS or anchor.id in assigned:
+            continue
+        reason = row_op_reason(graph, anchor)
+        if reason is not None:
+            not_fused.append(NotFired(ROW_RULE, [node_label(anchor)], reason))
+            continue
+        full = graph.spec(anchor.inputs[0]).shape
+        members = {anchor.id}
+        refused: set[str] = set()
+        # A cycle may vanish once the nodes between join, so those refusals are retried.
+        pending: dict[str, str] = {}
+        changed = True
+        while changed:
+            changed = False
+            by_id = {n.id: n for n in graph.nodes if n.id in members}
+            neighbours: list[Node] = []
+            for m in by_id.values():
+                neighbours += [producers[x] for x in m.inputs if x and x in producers]
+                neighbours += [c for o in m.outputs if o for c in consumers.get(o, [])]
+                # Siblings: other readers of the same activation load it once from this kernel.
+                neighbours += [c for x in m.inputs if x and x not in graph.constants for c in consumers.get(x, [])]
+            for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
+                if cand.id in members or cand.id in assigned or cand.id in refused:
+                    continue
+                if not _joinable(graph, cand, full):
+                    continue
+                merged = members | {cand.id}
+                nodes = [n for n in graph.nodes if n.id in merged]
+                ins, outs = group_boundary(graph, nodes)
+                why = None
+                if len(merged) > MAX_GROUP_NODES:
+                    why = f"would exceed {MAX_GROUP_NODES} nodes in one kernel"
+                elif len(ins) + len(outs) > MAX_GROUP_TENSORS:
+                    why = f"would exceed {MAX_GROUP_TENSORS} tensors loaded or stored by one kernel"
+                else:
+                    through = creates_cycle(graph, merged, order)
+                    if through is not None:
+                        pending[cand.id] = (
+                            f"joining would create a cycle through {node_label(through)} ({through.op_type})"
+                        )
+                        continue
+                if why is not None:
+                    refused.add(cand.id)
+                    not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(cand)], why))
+                    continue
+                members = merged
+                pending.pop(cand.id, None)
+                changed = True
+        by_label = {n.id: n for n in graph.nodes}
+        for cid, why in pending.items():
+            if cid not in members:
+                not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(by_label[cid])], why))
+        nodes = [n for n in graph.nodes if n.id in members]
+        ins, outs = group_boundary(graph, nodes)
+        assigned |= members
+        groups.append(Group(f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=full))
+    return groups
