@@ -5,8 +5,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.rowwise import generate_rowwise
+from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, TensorSpec
 from opfuse.passes.rules import node_label
@@ -44,8 +46,10 @@ def build_plan(
     declared_inputs: list[TensorSpec],
     declared_outputs: list[TensorSpec],
     enabled: Collection[str] | None = None,
+    variants: dict[str, str] | None = None,
 ) -> Plan:
     """The plan with the groups in `enabled` fused (all groups when None)."""
+    variants = variants or {}
     on: list[Group] = [g for g in fusion.groups if enabled is None or g.id in enabled]
     in_group = {n.id: g for g in on for n in g.nodes}
     steps: list[Step] = []
@@ -69,7 +73,27 @@ def build_plan(
         rank.append(order[n.id])
     for g in on:
         kid = f"k{len(kernels)}"
-        if g.kind == "rowwise":
+        if g.kind == "gemm" and variants.get(g.id, "template") == "vendor":
+            # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
+            anchor, epilogue = g.nodes[0], g.nodes[1:]
+            steps.append(
+                Step(
+                    "op",
+                    list(anchor.inputs),
+                    list(anchor.outputs),
+                    op_type=anchor.op_type,
+                    attrs=dict(anchor.attrs),
+                    node=anchor.id,
+                    label=node_label(anchor),
+                    group=g.id,
+                )
+            )
+            rank.append(order[anchor.id])
+            ins, outs = group_boundary(graph, epilogue)
+            src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
+        elif g.kind == "gemm":
+            src = generate_gemm(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
+        elif g.kind == "rowwise":
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full)
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)

@@ -229,7 +229,10 @@ def generate_pointwise(
     buf.line("import triton.language as tl")
     buf.line()
     buf.line(f"N = {numel}")
-    buf.line("BLOCK = 1024")
+    buf.line('CONFIG = {"BLOCK": 1024, "num_warps": 4}')
+    buf.line(
+        f'INTERPRETER_CONFIG = {{"BLOCK": {min(1 << 16, max(16, 1 << max(0, (numel - 1).bit_length())))}}}'
+    )
     buf.line()
     buf.line()
     buf.line("@triton.jit")
@@ -258,9 +261,10 @@ def generate_pointwise(
             buf.line(f"tl.store(out{i} + offs, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
     buf.line()
     buf.line()
-    buf.line(f"def launch({', '.join(args)}, block=BLOCK):")
+    buf.line(f"def launch({', '.join(args)}, config=None):")
     with buf.indent():
-        buf.line(f"{fn}[(triton.cdiv(N, block),)]({', '.join(args)}, N, BLOCK=block)")
+        buf.line("c = CONFIG if config is None else config")
+        buf.line(f'{fn}[(triton.cdiv(N, c["BLOCK"]),)]({", ".join(args)}, N, **c)')
     return KernelSource(
-        kernel_id, "pointwise", buf.getvalue(), tensor_inputs, list(outputs), {"BLOCK": 1024, "numel": numel}
+        kernel_id, "pointwise", buf.getvalue(), tensor_inputs, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )

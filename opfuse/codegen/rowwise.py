@@ -119,7 +119,9 @@ def generate_rowwise(
     buf.line()
     buf.line(f"ROWS = {rows}")
     buf.line(f"R = {r}")
-    buf.line(f"BLOCK_R = {block}")
+    warps = 4 if block <= 2048 else 8
+    buf.line(f'CONFIG = {{"BLOCK_R": {block}, "num_warps": {warps}}}')
+    buf.line(f'INTERPRETER_CONFIG = {{"BLOCK_R": {block}}}')
     buf.line()
     buf.line()
     buf.line("@triton.jit")
@@ -190,14 +192,15 @@ def generate_rowwise(
                 buf.line(f"tl.store(out{i} + row, {regs[name]}.to(out{i}.dtype.element_ty))")
     buf.line()
     buf.line()
-    buf.line(f"def launch({', '.join(args)}, block=None):")
+    buf.line(f"def launch({', '.join(args)}, config=None):")
     with buf.indent():
-        buf.line(f"{fn}[(ROWS,)]({', '.join(args)}, BLOCK_R=BLOCK_R)")
+        buf.line("c = CONFIG if config is None else config")
+        buf.line(f"{fn}[(ROWS,)]({', '.join(args)}, **c)")
     return KernelSource(
         kernel_id,
         "rowwise",
         buf.getvalue(),
         tensor_inputs,
         list(outputs),
-        {"BLOCK_R": block, "rows": rows, "numel": rows * r},
+        {"BLOCK_R": block, "num_warps": warps},
     )

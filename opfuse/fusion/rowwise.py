@@ -57,7 +57,9 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired]) -> list[Group]:
                 neighbours += [producers[x] for x in m.inputs if x and x in producers]
                 neighbours += [c for o in m.outputs if o for c in consumers.get(o, [])]
                 # Siblings: other readers of the same activation load it once from this kernel.
-                neighbours += [c for x in m.inputs if x and x not in graph.constants for c in consumers.get(x, [])]
+                neighbours += [
+                    c for x in m.inputs if x and x not in graph.constants for c in consumers.get(x, [])
+                ]
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue

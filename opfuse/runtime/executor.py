@@ -17,9 +17,6 @@ from opfuse.runtime.ops import run_op
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import from_numpy, to_numpy, torch_dtype
 
-# In the interpreter each program is one numpy pass: large blocks are much faster there.
-INTERPRETER_BLOCK = 1 << 16
-
 
 class Executor:
     def __init__(self, plan: Plan, device: str) -> None:
@@ -35,15 +32,15 @@ class Executor:
         self.modules: dict[str, ModuleType] = {
             kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
         }
+        self.configs = {kid: self._config(kid) for kid in plan.kernels}
         self.dies = plan.last_uses()
         self.step_hook: Callable[[int, Step], Any] | None = None
 
-    def _block(self, kernel_id: str) -> int:
-        k = self.plan.kernels[kernel_id]
+    def _config(self, kernel_id: str) -> dict[str, Any] | None:
+        """Launch parameters: the interpreter's (large blocks: one numpy pass each), else the plan's."""
         if self.interpret:
-            numel = int(k.config.get("numel", 1))
-            return min(INTERPRETER_BLOCK, max(16, 1 << max(0, (numel - 1).bit_length())))
-        return int(k.config.get("BLOCK", 1024))
+            return dict(self.modules[kernel_id].INTERPRETER_CONFIG)
+        return dict(self.plan.kernels[kernel_id].config) or None
 
     def prepare_inputs(self, feeds: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         missing = [s.name for s in self.plan.inputs if s.name not in feeds]
@@ -80,7 +77,7 @@ class Executor:
                 for name in step.outputs:
                     spec = self.plan.values[name]
                     outs.append(torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device))
-                self.modules[step.kernel].launch(*ins, *outs, block=self._block(step.kernel))
+                self.modules[step.kernel].launch(*ins, *outs, config=self.configs[step.kernel])
                 env.update(zip(step.outputs, outs, strict=True))
             for name in self.dies.get(i, ()):
                 env.pop(name, None)

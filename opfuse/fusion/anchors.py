@@ -1,0 +1,71 @@
+"""Plan anchor groups: one compute-bound op (a GEMM) with the pointwise epilogue that follows it.
+
+The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
+activation, residual add, scale, cast). Never two anchors in one kernel: only pointwise ops join.
+"""
+
+from __future__ import annotations
+
+from opfuse.codegen.gemm import gemm_anchor_reason
+from opfuse.codegen.pointwise import pointwise_reason
+from opfuse.fusion.groups import Group, creates_cycle, group_boundary
+from opfuse.graph import Graph
+from opfuse.passes.rules import NotFired, node_label
+
+GEMM_RULE = "gemm_epilogue"
+MAX_EPILOGUE_NODES = 16
+MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside the accumulator
+
+
+def plan_gemm_groups(graph: Graph, taken: set[str], not_fused: list[NotFired]) -> list[Group]:
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    consumers = graph.consumers()
+    groups: list[Group] = []
+    for anchor in graph.nodes:
+        if anchor.op_type not in ("MatMul", "Gemm") or anchor.id in taken:
+            continue
+        reason = gemm_anchor_reason(graph, anchor)
+        if reason is not None:
+            not_fused.append(NotFired(GEMM_RULE, [node_label(anchor)], reason))
+            continue
+        out_shape = graph.spec(anchor.outputs[0]).shape
+        members = {anchor.id}
+        frontier = [anchor]
+        pending: dict[str, str] = {}  # refusals that a later join may resolve (cycles)
+        while frontier:
+            node = frontier.pop(0)
+            for o in node.outputs:
+                for c in consumers.get(o, []) if o else []:
+                    if c.id in members or c.id in taken or pointwise_reason(graph, c) is not None:
+                        continue
+                    if graph.spec(c.outputs[0]).shape != out_shape:
+                        continue
+                    merged = members | {c.id}
+                    nodes = [x for x in graph.nodes if x.id in merged]
+                    ins, outs = group_boundary(graph, nodes)
+                    why = None
+                    if len(merged) - 1 > MAX_EPILOGUE_NODES:
+                        why = f"the epilogue would exceed {MAX_EPILOGUE_NODES} nodes"
+                    elif len(ins) - 2 + len(outs) > MAX_EPILOGUE_TENSORS:
+                        why = f"the epilogue would load or store more than {MAX_EPILOGUE_TENSORS} tensors"
+                    else:
+                        through = creates_cycle(graph, merged, order)
+                        if through is not None:
+                            why = f"joining would create a cycle through {node_label(through)} ({through.op_type})"
+                    if why is not None:
+                        pending[c.id] = why
+                        continue
+                    members = merged
+                    pending.pop(c.id, None)
+                    frontier.append(c)
+        by_id = {x.id: x for x in graph.nodes}
+        for cid, why in pending.items():
+            if cid not in members:
+                not_fused.append(NotFired(GEMM_RULE, [node_label(anchor), node_label(by_id[cid])], why))
+        if len(members) == 1:
+            continue  # nothing to fuse: the vendor GEMM runs it
+        nodes = [x for x in graph.nodes if x.id in members]
+        ins, outs = group_boundary(graph, nodes)
+        taken |= members
+        groups.append(Group(f"m{len(groups)}", "gemm", GEMM_RULE, nodes, ins, outs))
+    return groups

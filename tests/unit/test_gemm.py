@@ -1,0 +1,97 @@
+"""GEMM template: MatMul/Gemm with its pointwise epilogue in one Triton kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from opfuse.compiler import compile as opfuse_compile
+from opfuse.frontend.load import load_and_specialize
+from opfuse.fusion.planner import plan_fusion
+from opfuse.graph import graph_from_onnx
+from opfuse.lowering import build_plan
+from opfuse.runtime.executor import Executor
+from opfuse.runtime.ops import SUPPORTED_OPS
+from tests.unit.test_fusion import check_against_ort, make_model
+
+RNG = np.random.default_rng(11)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
+def test_linear_bias_relu_residual(precision: str) -> None:
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="linear"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+        helper.make_node("Relu", ["hb"], ["a"], name="act"),
+        helper.make_node("Add", ["a", "res"], ["y"], name="residual"),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [2, 5, 24], "res": [2, 5, 40]},
+        {"y": [2, 5, 40]},
+        {"w": RNG.standard_normal((24, 40)) * 0.2, "b": RNG.standard_normal(40)},
+    )
+    tol_precision = "fp16" if precision in ("fp16", "bf16") else "fp32"
+    cm = check_against_ort(
+        m, {"x": [2, 5, 24], "res": [2, 5, 40]}, tol_precision if precision != "bf16" else "fp16"
+    )
+    if precision != "fp32":
+        cm = opfuse_compile(m, {"x": [2, 5, 24], "res": [2, 5, 40]}, precision=precision, device="cpu")
+        assert cm.report["verification"]["passed"] is True
+    assert cm.report["kernels"] == {"before": 4, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "gemm" and "tl.dot(" in k.source
+    assert k.inputs[:2] == ["x", "w"]
+
+
+def test_gemm_trans_b_alpha_beta_bias() -> None:
+    nodes = [
+        helper.make_node("Gemm", ["x", "w", "c"], ["g"], alpha=0.5, beta=2.0, transB=1),
+        helper.make_node("Sigmoid", ["g"], ["s"]),
+        helper.make_node("Mul", ["g", "s"], ["y"]),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [7, 33]},
+        {"y": [7, 19]},
+        {"w": RNG.standard_normal((19, 33)) * 0.3, "c": RNG.standard_normal((1, 19))},
+    )
+    cm = check_against_ort(m, {"x": [7, 33]})
+    assert cm.report["kernels"] == {"before": 3, "after": 1}
+
+
+def test_batched_second_operand_stays_with_the_vendor_and_says_why() -> None:
+    nodes = [
+        helper.make_node("MatMul", ["q", "k"], ["s"], name="scores"),
+        helper.make_node("Relu", ["s"], ["y"]),
+    ]
+    m = make_model(nodes, {"q": [2, 4, 8], "k": [2, 8, 4]}, {"y": [2, 4, 4]})
+    cm = check_against_ort(m, {"q": [2, 4, 8], "k": [2, 8, 4]})
+    reasons = [nf["reason"] for nf in cm.report["fusion"]["not_fused"] if nf["rule"] == "gemm_epilogue"]
+    assert any("batched" in r for r in reasons)
+
+
+def test_vendor_variant_computes_the_same() -> None:
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["y0"]),
+        helper.make_node("Tanh", ["y0"], ["y"]),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [6, 16]},
+        {"y": [6, 16]},
+        {"w": RNG.standard_normal((16, 16)) * 0.3, "b": RNG.standard_normal(16)},
+    )
+    cm = opfuse_compile(m, {"x": [6, 16]}, device="cpu")
+    _, spec = load_and_specialize(m, {"x": [6, 16]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    fusion = plan_fusion(graph)
+    (g,) = fusion.groups
+    vendor = build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, variants={g.id: "vendor"})
+    assert [s.kind for s in vendor.steps] == ["op", "kernel"]
+    x = RNG.standard_normal((6, 16)).astype(np.float32)
+    np.testing.assert_allclose(
+        Executor(vendor, "cpu").run({"x": x})["y"], cm.run({"x": x})["y"], rtol=1e-5, atol=1e-6
+    )
