@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.rowwise import generate_rowwise
@@ -73,7 +74,7 @@ def build_plan(
         rank.append(order[n.id])
     for g in on:
         kid = f"k{len(kernels)}"
-        if g.kind == "gemm" and variants.get(g.id, "template") == "vendor":
+        if g.kind in ("gemm", "conv") and variants.get(g.id, g.variant) == "vendor":
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
             steps.append(
@@ -93,6 +94,8 @@ def build_plan(
             src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
         elif g.kind == "gemm":
             src = generate_gemm(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
+        elif g.kind == "conv":
+            src = generate_conv(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
         elif g.kind == "rowwise":
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full)
         else:

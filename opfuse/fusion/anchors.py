@@ -1,4 +1,4 @@
-"""Plan anchor groups: one compute-bound op (a GEMM) with the pointwise epilogue that follows it.
+"""Plan anchor groups: one compute-bound op (GEMM or Conv) with the pointwise epilogue after it.
 
 The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
 activation, residual add, scale, cast). Never two anchors in one kernel: only pointwise ops join.
@@ -6,6 +6,7 @@ activation, residual add, scale, cast). Never two anchors in one kernel: only po
 
 from __future__ import annotations
 
+from opfuse.codegen.conv import conv_anchor_reason
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, creates_cycle, group_boundary
@@ -13,20 +14,34 @@ from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
 GEMM_RULE = "gemm_epilogue"
+CONV_RULE = "conv_epilogue"
 MAX_EPILOGUE_NODES = 16
 MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside the accumulator
 
 
-def plan_gemm_groups(graph: Graph, taken: set[str], not_fused: list[NotFired]) -> list[Group]:
+def plan_anchor_groups(
+    graph: Graph, taken: set[str], not_fused: list[NotFired], disabled: set[str] | frozenset[str]
+) -> list[Group]:
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     consumers = graph.consumers()
     groups: list[Group] = []
     for anchor in graph.nodes:
-        if anchor.op_type not in ("MatMul", "Gemm") or anchor.id in taken:
+        if anchor.id in taken:
             continue
-        reason = gemm_anchor_reason(graph, anchor)
-        if reason is not None:
-            not_fused.append(NotFired(GEMM_RULE, [node_label(anchor)], reason))
+        if anchor.op_type in ("MatMul", "Gemm") and GEMM_RULE not in disabled:
+            rule, kind = GEMM_RULE, "gemm"
+            reason = gemm_anchor_reason(graph, anchor)
+            if reason is not None:
+                not_fused.append(NotFired(rule, [node_label(anchor)], reason))
+                continue
+            variant, note = "template", ""
+        elif anchor.op_type == "Conv" and CONV_RULE not in disabled:
+            rule, kind = CONV_RULE, "conv"
+            reason = conv_anchor_reason(graph, anchor)
+            variant, note = (
+                ("template", "") if reason is None else ("vendor", f"vendor convolution: {reason}")
+            )
+        else:
             continue
         out_shape = graph.spec(anchor.outputs[0]).shape
         members = {anchor.id}
@@ -63,9 +78,11 @@ def plan_gemm_groups(graph: Graph, taken: set[str], not_fused: list[NotFired]) -
             if cid not in members:
                 not_fused.append(NotFired(GEMM_RULE, [node_label(anchor), node_label(by_id[cid])], why))
         if len(members) == 1:
-            continue  # nothing to fuse: the vendor GEMM runs it
+            continue  # nothing to fuse: the vendor kernel runs the anchor alone
         nodes = [x for x in graph.nodes if x.id in members]
         ins, outs = group_boundary(graph, nodes)
         taken |= members
-        groups.append(Group(f"m{len(groups)}", "gemm", GEMM_RULE, nodes, ins, outs))
+        groups.append(
+            Group(f"{kind[0]}{len(groups)}", kind, rule, nodes, ins, outs, variant=variant, note=note)
+        )
     return groups

@@ -16,20 +16,29 @@ MAX_GROUP_TENSORS = 16
 @dataclass
 class Group:
     id: str
-    kind: str  # "pointwise" | "rowwise"
+    kind: str  # "pointwise" | "rowwise" | "gemm" | "conv"
     rule: str
     nodes: list[Node]
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     full: tuple[int, ...] = ()  # rowwise: the row space (the reduced input's shape)
+    # Anchor groups: "template" (the anchor's Triton kernel runs the epilogue) or "vendor" (the
+    # library kernel, then the epilogue as one kernel right after it).
+    variant: str = ""
+    note: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "id": self.id,
             "kind": self.kind,
             "rule": self.rule,
             "nodes": [node_label(n) for n in self.nodes],
         }
+        if self.variant:
+            d["variant"] = self.variant
+        if self.note:
+            d["note"] = self.note
+        return d
 
 
 def group_boundary(graph: Graph, nodes: list[Node]) -> tuple[list[str], list[str]]:

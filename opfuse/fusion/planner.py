@@ -10,16 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.fusion.anchors import GEMM_RULE, plan_gemm_groups
+from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
-RULES = (ROW_RULE, GEMM_RULE, POINTWISE_RULE)
+RULES = (ROW_RULE, GEMM_RULE, CONV_RULE, POINTWISE_RULE)
 
-__all__ = ["GEMM_RULE", "POINTWISE_RULE", "ROW_RULE", "RULES", "FusionPlan", "Group", "plan_fusion"]
+__all__ = [
+    "CONV_RULE",
+    "GEMM_RULE",
+    "POINTWISE_RULE",
+    "ROW_RULE",
+    "RULES",
+    "FusionPlan",
+    "Group",
+    "plan_fusion",
+]
 
 
 @dataclass
@@ -32,7 +41,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     not_fused: list[NotFired] = []
     row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused)
     in_rows = {n.id for g in row_groups for n in g.nodes}
-    gemm_groups = [] if GEMM_RULE in disabled else plan_gemm_groups(graph, set(in_rows), not_fused)
+    gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled)
     row_groups += gemm_groups
     in_rows |= {n.id for g in gemm_groups for n in g.nodes}
     if POINTWISE_RULE in disabled:

@@ -1,0 +1,73 @@
+"""Conv anchors: the implicit-GEMM template with its epilogue, and the vendor variant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from tests.unit.test_fusion import check_against_ort, make_model
+
+RNG = np.random.default_rng(5)
+
+
+def conv_model(x: list[int], w: list[int], out: list[int], epilogue: str, **attrs: Any):  # type: ignore[no-untyped-def]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", **attrs)]
+    inits = {"w": RNG.standard_normal(w) * 0.3, "b": RNG.standard_normal(w[0]) * 0.1}
+    inputs = {"x": x}
+    if epilogue == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    elif epilogue == "silu":
+        nodes += [helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["y"])]
+    elif epilogue == "residual":
+        inputs["r"] = out
+        nodes += [helper.make_node("Add", ["c", "r"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    elif epilogue == "hardswish":
+        nodes.append(helper.make_node("HardSwish", ["c"], ["y"]))
+    elif epilogue == "clip":
+        inits.update(lo=np.array(0.0), hi=np.array(6.0))
+        nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
+    return make_model(nodes, inputs, {"y": out}, inits), {k: v for k, v in inputs.items()}
+
+
+CASES = [
+    ([2, 3, 9, 9], [8, 3, 3, 3], [2, 8, 9, 9], "relu", {"pads": [1, 1, 1, 1]}),
+    ([1, 4, 10, 12], [6, 4, 3, 3], [1, 6, 4, 5], "silu", {"strides": [2, 2]}),
+    ([2, 5, 8, 8], [7, 5, 1, 1], [2, 7, 8, 8], "residual", {}),
+    ([1, 3, 11, 11], [4, 3, 3, 3], [1, 4, 7, 7], "hardswish", {"dilations": [2, 2]}),
+    ([1, 2, 7, 7], [3, 2, 3, 3], [1, 3, 4, 4], "clip", {"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ([1, 2, 6, 9], [3, 2, 2, 3], [1, 3, 6, 7], "relu", {"pads": [1, 0, 0, 0]}),
+]
+
+
+@pytest.mark.parametrize("x, w, out, epilogue, attrs", CASES)
+def test_conv_template_with_epilogue(
+    x: list[int], w: list[int], out: list[int], epilogue: str, attrs: dict[str, Any]
+) -> None:
+    m, inputs = conv_model(x, w, out, epilogue, **attrs)
+    cm = check_against_ort(m, inputs)
+    assert cm.report["kernels"]["after"] == 1
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "conv" and "tl.dot(" in k.source
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_conv_template_low_precision(precision: str) -> None:
+    m, inputs = conv_model([2, 8, 8, 8], [16, 8, 3, 3], [2, 16, 8, 8], "residual", pads=[1, 1, 1, 1])
+    cm = check_against_ort(m, inputs, "fp16")
+    from opfuse.compiler import compile as opfuse_compile
+
+    cm = opfuse_compile(m, inputs, precision=precision, device="cpu")
+    assert cm.report["verification"]["passed"] is True
+    assert cm.report["verification"]["rolled_back"] == []
+
+
+def test_depthwise_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
+    m, inputs = conv_model([1, 6, 8, 8], [6, 1, 3, 3], [1, 6, 8, 8], "silu", pads=[1, 1, 1, 1], group=6)
+    cm = check_against_ort(m, inputs)
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["variant"] == "vendor" and "depthwise" in g["note"]
+    assert cm.report["kernels"] == {"before": 3, "after": 2}
+    assert [s.kind for s in cm.plan.steps] == ["op", "kernel"]
