@@ -8,7 +8,7 @@ CPU (Triton interpreter): wall time; the numbers describe the interpreter, not a
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -44,12 +44,20 @@ def _count_launches(executor: Executor, env: dict[str, torch.Tensor]) -> int | N
         return None
 
 
-def measure(executor: Executor, feed_sets: list[dict[str, Any]], iters: int, warmup: int) -> dict[str, Any]:
+class Runner(Protocol):
+    def run_tensors(self, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+def measure(
+    executor: Executor, feed_sets: list[dict[str, Any]], iters: int, warmup: int, runner: Runner | None = None
+) -> dict[str, Any]:
+    """Latency percentiles of `runner` (default: the executor step by step) over rotated inputs."""
     envs = [executor.prepare_inputs(f) for f in feed_sets]
     cuda = executor.device.type == "cuda"
+    run = (runner or executor).run_tensors
     with torch.no_grad():
         for i in range(warmup):
-            executor.run_tensors(dict(envs[i % len(envs)]))
+            run(dict(envs[i % len(envs)]))
         times: list[float] = []
         peak = None
         if cuda:
@@ -60,7 +68,7 @@ def measure(executor: Executor, feed_sets: list[dict[str, Any]], iters: int, war
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
             for i in range(iters):
                 starts[i].record()
-                executor.run_tensors(dict(envs[i % len(envs)]))
+                run(dict(envs[i % len(envs)]))
                 ends[i].record()
             torch.cuda.synchronize()
             times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
@@ -68,7 +76,7 @@ def measure(executor: Executor, feed_sets: list[dict[str, Any]], iters: int, war
         else:
             for i in range(iters):
                 t0 = time.perf_counter()
-                executor.run_tensors(dict(envs[i % len(envs)]))
+                run(dict(envs[i % len(envs)]))
                 times.append((time.perf_counter() - t0) * 1000.0)
     lat = _percentiles(times)
     return {
@@ -76,6 +84,7 @@ def measure(executor: Executor, feed_sets: list[dict[str, Any]], iters: int, war
         "throughput_per_s": 1000.0 / lat["p50"] if lat["p50"] > 0 else None,
         "peak_memory_bytes": peak,
         "kernel_launches_measured": _count_launches(executor, envs[0]) if cuda else None,
+        "cuda_graph": runner is not None,
         "gpu_util_pct": None,
         "iterations": iters,
     }

@@ -17,6 +17,35 @@ from opfuse.runtime.ops import run_op
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import from_numpy, to_numpy, torch_dtype
 
+# Inputs each op reads as host integers (shapes, axes, pads, repeats), by position.
+_REDUCE_OPS = (
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
+)
+HOST_ARGUMENTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Tile": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Split": (1,),
+    "Pad": (1, 3),
+    "Trilu": (1,),
+    "Resize": (1, 2, 3),
+    "TopK": (1,),
+    "OneHot": (1,),
+    **{op: (1,) for op in _REDUCE_OPS},
+}
+
 
 class Executor:
     def __init__(self, plan: Plan, device: str) -> None:
@@ -33,6 +62,23 @@ class Executor:
             kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
         }
         self.configs = {kid: self._config(kid) for kid in plan.kernels}
+        # Shape-like arguments (axes, shapes, pads) are read on the host: a host copy keeps that
+        # free of device-to-host syncs, which also lets the whole plan be captured as a CUDA graph.
+        host = {
+            k: from_numpy(v)
+            for k, v in plan.constants.items()
+            if v.dtype.kind in "iu" and v.size <= 1024 and self.device.type != "cpu"
+        }
+        self.host_args: list[dict[int, torch.Tensor]] = []
+        for step in plan.steps:
+            positions = HOST_ARGUMENTS.get(step.op_type, ()) if step.kind == "op" else ()
+            self.host_args.append(
+                {
+                    i: host[step.inputs[i]]
+                    for i in positions
+                    if i < len(step.inputs) and step.inputs[i] in host
+                }
+            )
         self.dies = plan.last_uses()
         self.step_hook: Callable[[int, Step], Any] | None = None
 
@@ -66,7 +112,11 @@ class Executor:
             if self.step_hook is not None:
                 self.step_hook(i, step)
             if step.kind == "op":
-                args = [env[x] if x else None for x in step.inputs]
+                host_args = self.host_args[i]
+                args = [
+                    host_args[j] if j in host_args else (env[x] if x else None)
+                    for j, x in enumerate(step.inputs)
+                ]
                 outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
                 for name, value in zip(step.outputs, outs, strict=False):
                     if name:
