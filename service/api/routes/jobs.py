@@ -1,0 +1,89 @@
+"""/v1/jobs: create (idempotent), list, get, report, artifact, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import FileResponse
+
+from service import jobs
+from service.api.deps import BlobsDep, SessionDep, SettingsDep, UserDep
+from service.api.files import blob_response
+from service.errors import NotFoundError
+from service.models import JobStatus
+from service.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from service.schemas import JobCreate, JobOut, Page
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", min_length=1, max_length=255, description="same key, same job"),
+]
+
+
+@router.post("", status_code=202)
+def create_job(
+    body: JobCreate,
+    principal: UserDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    idempotency_key: IdempotencyKey = None,
+) -> JobOut:
+    """Queue a fusion job. With an Idempotency-Key, repeating the request returns the same job."""
+    job = jobs.create_job(session, principal.tenant_id, body, idempotency_key, settings.max_attempts)
+    return JobOut.from_row(job)
+
+
+@router.get("")
+def list_jobs(
+    principal: UserDep,
+    session: SessionDep,
+    status: JobStatus | None = None,
+    model_id: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    cursor: str | None = None,
+) -> Page[JobOut]:
+    """The tenant's jobs, newest first, optionally only one status or one model."""
+    rows, next_cursor = jobs.list_jobs(session, principal.tenant_id, status, model_id, limit, cursor)
+    return Page[JobOut](items=[JobOut.from_row(j) for j in rows], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}")
+def get_job(job_id: str, principal: UserDep, session: SessionDep) -> JobOut:
+    return JobOut.from_row(jobs.find_job(session, principal.tenant_id, job_id))
+
+
+@router.get("/{job_id}/report")
+def get_report(job_id: str, principal: UserDep, session: SessionDep) -> dict[str, Any]:
+    """The full report (DESIGN.md §5), once the job succeeded."""
+    job = jobs.find_job(session, principal.tenant_id, job_id)
+    if job.report is None:
+        raise NotFoundError(
+            f"job '{job_id}' has no report yet (it is {job.status}); a job has one once it succeeded"
+        )
+    return job.report
+
+
+@router.get(
+    "/{job_id}/artifact",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/zip": {}}, "description": "the bundle; ETag is its sha256"}},
+)
+def get_artifact(
+    job_id: str, request: Request, principal: UserDep, session: SessionDep, blobs: BlobsDep
+) -> Response:
+    """The fused bundle (zip), streamed; ETag is `"<sha256>"`."""
+    job = jobs.find_job(session, principal.tenant_id, job_id)
+    if job.status != JobStatus.SUCCEEDED or job.artifact_blob_key is None:
+        raise NotFoundError(
+            f"job '{job_id}' has no artifact (it is {job.status}); a job has one once it succeeded"
+        )
+    return blob_response(request, blobs, job.artifact_blob_key, "application/zip", f"{job.id}.opfuse.zip")
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(job_id: str, principal: UserDep, session: SessionDep) -> JobOut:
+    """Queued: canceled now. Running: canceled at the worker's next stage boundary. Finished: 409."""
+    return JobOut.from_row(jobs.cancel_job(session, principal.tenant_id, job_id))

@@ -1,0 +1,111 @@
+"""The FastAPI application factory: `create_app(settings)`.
+
+At start (lifespan) it migrates the database to head and starts the periodic tasks: requeue of
+expired leases and the blob sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from service import maintenance
+from service.api.routes import admin, health, jobs, models, worker
+from service.blobs import BlobStore
+from service.db import make_engine, make_session_factory, upgrade_to_head
+from service.errors import ServiceError
+from service.logging import get_logger
+from service.metrics import Metrics
+from service.middleware import RequestContextMiddleware
+from service.settings import Settings
+
+log = get_logger("app")
+
+API_VERSION = "1"
+
+
+def _location(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+async def _service_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    """422 with a readable `detail` string (and the structured `errors` for programs)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    detail = "; ".join(f"{_location(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
+    return JSONResponse(
+        {"detail": f"invalid request: {detail}", "errors": jsonable_encoder(errors)}, status_code=422
+    )
+
+
+def create_app(settings: Settings | None = None, *, run_migrations: bool = True) -> FastAPI:
+    """The API app for `settings` (default: from the environment). `run_migrations=False` when the
+    caller already ran `service.db.upgrade_to_head`."""
+    settings = settings or Settings()
+    engine = make_engine(settings.database_url)
+    session_factory = make_session_factory(engine)
+    blobs = BlobStore(settings.blob_dir)
+    metrics = Metrics(session_factory)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if run_migrations:
+            await asyncio.to_thread(upgrade_to_head, settings.database_url)
+        tasks = [
+            asyncio.create_task(
+                maintenance.run_every(
+                    settings.requeue_interval_seconds,
+                    "requeue",
+                    partial(maintenance.requeue_expired_leases, session_factory),
+                )
+            ),
+            asyncio.create_task(
+                maintenance.run_every(
+                    settings.blob_gc_interval_seconds,
+                    "blob sweep",
+                    partial(maintenance.sweep_blobs, session_factory, blobs, settings.blob_gc_grace_seconds),
+                )
+            ),
+        ]
+        log.info("api ready", extra={"database": engine.url.render_as_string(hide_password=True)})
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            engine.dispose()
+
+    app = FastAPI(
+        title="opfuse",
+        version=API_VERSION,
+        summary="Operator fusion as a service: upload an ONNX model, get back a fused, verified bundle.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory
+    app.state.blobs = blobs
+    app.state.metrics = metrics
+    for router in (models.router, jobs.router, admin.router, worker.router, health.router):
+        app.include_router(router)
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    return app

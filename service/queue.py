@@ -1,0 +1,241 @@
+"""The job queue as workers see it: claim under a lease, heartbeat, upload, complete, fail.
+
+Fencing: every worker write names the lease token it got from its claim; the row is locked and the
+token compared before anything changes, so a worker whose lease expired (and whose job may now run
+elsewhere) can change nothing. `lease_epoch` counts claims. Expired leases go back to the queue until
+`max_attempts` claims were used up.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import CursorResult, select, update
+from sqlalchemy.orm import Session
+
+from service.errors import ConflictError, LeaseLostError, NotFoundError
+from service.logging import get_logger
+from service.models import Job, JobStatus, Stage
+
+log = get_logger("queue")
+
+MAX_ERROR_CHARS = 10_000
+_CLAIM_RETRIES = 5
+
+
+def _release(job: Job) -> None:
+    job.lease_expires_at = None
+    job.stage = None
+
+
+def _requeue(job: Job) -> None:
+    _release(job)
+    job.status = JobStatus.QUEUED.value
+    job.lease_token = None
+    job.worker_id = None
+    job.worker_device = None
+    job.progress = 0.0
+
+
+def _finish(job: Job, status: JobStatus, now: datetime, error: str | None) -> None:
+    _release(job)
+    job.status = status.value
+    job.error = error
+    job.finished_at = now
+
+
+def requeue_expired(session: Session, now: datetime) -> list[Job]:
+    """Jobs whose lease ran out: back to the queue, or failed once their attempts are used up
+    (canceled if the user had asked). Returns the jobs it changed."""
+    expired = session.scalars(
+        select(Job)
+        .where(Job.status == JobStatus.RUNNING.value, Job.lease_expires_at < now)
+        .with_for_update(skip_locked=True)
+    ).all()
+    for job in expired:
+        if job.cancel_requested:
+            _finish(job, JobStatus.CANCELED, now, None)
+        elif job.attempts >= job.max_attempts:
+            _finish(
+                job,
+                JobStatus.FAILED,
+                now,
+                f"lease expired {job.attempts} times; the worker running it stopped heartbeating "
+                f"(last worker: {job.worker_id})",
+            )
+        else:
+            _requeue(job)
+        log.warning(
+            "lease expired",
+            extra={
+                "job_id": job.id,
+                "status": job.status,
+                "attempts": job.attempts,
+                "lease_epoch": job.lease_epoch,
+            },
+        )
+    return list(expired)
+
+
+def claim_job(
+    session: Session, worker_id: str, device: str, lease_seconds: float, now: datetime
+) -> Job | None:
+    """Requeue expired leases, then take the oldest queued job of any tenant; None if there is none.
+
+    PostgreSQL: SELECT ... FOR UPDATE SKIP LOCKED, so concurrent claims take different jobs.
+    SQLite: a conditional UPDATE ... WHERE status = 'queued' whose rowcount says who won.
+    """
+    requeue_expired(session, now)
+    for _ in range(_CLAIM_RETRIES):
+        job_id = session.scalar(
+            select(Job.id)
+            .where(Job.status == JobStatus.QUEUED.value)
+            .order_by(Job.created_at, Job.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        if job_id is None:
+            return None
+        result = cast(
+            CursorResult[Any],
+            session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.QUEUED.value)
+                .values(
+                    status=JobStatus.RUNNING.value,
+                    stage=Stage.LOADING.value,
+                    progress=0.0,
+                    attempts=Job.attempts + 1,
+                    lease_epoch=Job.lease_epoch + 1,
+                    lease_token=secrets.token_urlsafe(32),
+                    lease_expires_at=now + timedelta(seconds=lease_seconds),
+                    worker_id=worker_id,
+                    worker_device=device,
+                    started_at=now,
+                    # A new attempt starts clean: an earlier attempt's upload is not this one's.
+                    artifact_blob_key=None,
+                    artifact_sha256=None,
+                    artifact_size_bytes=None,
+                )
+                .execution_options(synchronize_session=False)
+            ),
+        )
+        if result.rowcount == 1:
+            job = session.get(Job, job_id, populate_existing=True)
+            assert job is not None
+            log.info(
+                "job claimed",
+                extra={
+                    "job_id": job.id,
+                    "worker_id": worker_id,
+                    "attempts": job.attempts,
+                    "lease_epoch": job.lease_epoch,
+                },
+            )
+            return job
+    return None
+
+
+def _same_token(job: Job, lease_token: str) -> bool:
+    # Bytes: compare_digest refuses non-ASCII str, and a token arrives from anywhere.
+    current = (job.lease_token or "").encode()
+    return bool(current) and secrets.compare_digest(current, lease_token.encode())
+
+
+def leased_job(session: Session, job_id: str, lease_token: str) -> Job:
+    """The running job whose current lease is `lease_token`, locked; else 404 / 409 lease lost."""
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    if job is None:
+        raise NotFoundError(f"no job with id '{job_id}'")
+    if job.status != JobStatus.RUNNING or not _same_token(job, lease_token):
+        raise LeaseLostError(
+            f"job '{job_id}' is not leased to you (anymore): it is {job.status}, at attempt {job.attempts}; "
+            "stop working on it"
+        )
+    return job
+
+
+def heartbeat(job: Job, stage: Stage | None, progress: float, lease_seconds: float, now: datetime) -> None:
+    if stage is not None:
+        job.stage = stage.value
+    job.progress = progress
+    job.lease_expires_at = now + timedelta(seconds=lease_seconds)
+
+
+def attach_artifact(job: Job, blob_key: str, size: int) -> None:
+    job.artifact_blob_key = blob_key
+    job.artifact_sha256 = blob_key
+    job.artifact_size_bytes = size
+
+
+def _at(report: dict[str, Any], *path: str) -> Any:
+    value: Any = report
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _int(value: Any) -> int | None:
+    number = _float(value)
+    return int(number) if number is not None else None
+
+
+def apply_summary(job: Job, report: dict[str, Any]) -> None:
+    """Copy the headline numbers of a report (DESIGN.md §5) into the job's summary columns."""
+    job.speedup = _float(report.get("speedup"))
+    job.latency_ms_before = _float(_at(report, "before", "latency_ms", "p50"))
+    job.latency_ms_after = _float(_at(report, "after", "latency_ms", "p50"))
+    job.kernels_before = _int(_at(report, "kernels", "before"))
+    job.kernels_after = _int(_at(report, "kernels", "after"))
+    job.peak_memory_before = _int(_at(report, "before", "peak_memory_bytes"))
+    job.peak_memory_after = _int(_at(report, "after", "peak_memory_bytes"))
+
+
+def complete_job(
+    session: Session, job_id: str, lease_token: str, report: dict[str, Any], now: datetime
+) -> Job:
+    """Succeed the job with its report; its artifact must have been uploaded under this lease.
+
+    Repeating the call with the same token after it succeeded is harmless (returns the job).
+    """
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    if job is not None and job.status == JobStatus.SUCCEEDED and _same_token(job, lease_token):
+        return job
+    job = leased_job(session, job_id, lease_token)
+    if job.artifact_sha256 is None:
+        raise ConflictError(
+            f"job '{job_id}' has no artifact from this attempt: upload the bundle with "
+            f"PUT /v1/worker/jobs/{job_id}/artifact first, then complete the job"
+        )
+    job.report = report
+    apply_summary(job, report)
+    job.progress = 1.0
+    _finish(job, JobStatus.SUCCEEDED, now, None)
+    log.info("job succeeded", extra={"job_id": job.id, "speedup": job.speedup})
+    return job
+
+
+def fail_job(job: Job, error: str, retryable: bool, now: datetime) -> None:
+    """Canceled if the user asked; requeued if retryable and attempts are left; failed otherwise."""
+    error = error[:MAX_ERROR_CHARS]
+    if job.cancel_requested:
+        _finish(job, JobStatus.CANCELED, now, None)
+    elif retryable and job.attempts < job.max_attempts:
+        _requeue(job)
+        job.error = f"attempt {job.attempts} failed (will retry): {error}"
+    elif retryable:
+        _finish(job, JobStatus.FAILED, now, f"{error} (gave up after {job.attempts} attempts)")
+    else:
+        _finish(job, JobStatus.FAILED, now, error)
+    log.info("job failed", extra={"job_id": job.id, "status": job.status, "retryable": retryable})

@@ -1,0 +1,51 @@
+"""Receive a raw request body into the blob store: streamed, hashed on the way, size-limited."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from service.blobs import BlobWriter
+from service.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+
+_FLUSH_BYTES = 1 << 20  # hand the disk 1 MiB at a time, off the event loop
+
+
+def require_content_type(request: Request, *allowed: str) -> None:
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given not in allowed:
+        raise UnsupportedMediaTypeError(
+            f"send the body as raw bytes with 'Content-Type: {allowed[0]}' (got '{given or 'no content type'}')"
+        )
+
+
+def _too_large(limit: int, what: str, setting: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"the {what} is larger than this server's limit of {limit} bytes; "
+        f"send a smaller one or ask the operator to raise the limit ({setting})"
+    )
+
+
+async def receive_body(request: Request, writer: BlobWriter, limit: int, what: str, setting: str) -> None:
+    """Stream the body into `writer`; stop reading and raise 413 as soon as it crosses `limit`
+    (`setting` names the environment variable that sets the limit, for the error message)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, what, setting)
+    buffer = bytearray()
+    try:
+        async for chunk in request.stream():
+            if writer.size + len(buffer) + len(chunk) > limit:
+                raise _too_large(limit, what, setting)
+            buffer += chunk
+            if len(buffer) >= _FLUSH_BYTES:
+                await run_in_threadpool(writer.write, bytes(buffer))
+                buffer.clear()
+    except ClientDisconnect:
+        raise BadRequestError(
+            f"the {what} upload broke off before the whole body arrived; upload it again"
+        ) from None
+    if buffer:
+        await run_in_threadpool(writer.write, bytes(buffer))
+    await run_in_threadpool(writer.close)

@@ -1,0 +1,219 @@
+"""Fixtures of the service tests: a fresh database per test (SQLite file, or PostgreSQL when
+OPFUSE_TEST_POSTGRES_URL is set: one database per session, emptied before each test), the app, a
+TestClient, and keys for two tenants and a worker.
+
+Every test that uses `database_url` (directly or through `client`) runs on both databases. With
+OPFUSE_REQUIRE_POSTGRES=1 an unreachable or unconfigured PostgreSQL fails those tests instead of
+skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from service.app import create_app
+from service.auth import create_key, get_or_create_tenant
+from service.db import make_engine, upgrade_to_head
+from service.models import Scope
+from service.settings import Settings
+
+from .onnx_models import mlp, to_bytes
+
+POSTGRES_URL = os.environ.get("OPFUSE_TEST_POSTGRES_URL", "")
+REQUIRE_POSTGRES = os.environ.get("OPFUSE_REQUIRE_POSTGRES") == "1"
+TABLES = "jobs, models, api_keys, tenants"
+
+
+def _postgres_unavailable(reason: str) -> None:
+    if REQUIRE_POSTGRES:
+        pytest.fail(f"OPFUSE_REQUIRE_POSTGRES=1 but {reason}")
+    pytest.skip(reason)
+
+
+def create_postgres_database(server_url: str) -> str:
+    """A new, uniquely named, empty database on the server of `server_url`; returns its URL."""
+    name = f"opfuse_test_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        engine.dispose()
+    return make_url(server_url).set(database=name).render_as_string(hide_password=False)
+
+
+def create_postgres_schema(server_url: str) -> str:
+    """A new, uniquely named, empty schema; the returned URL makes it the only one on the search path
+    (cheaper than a database, for tests that need an empty one)."""
+    name = f"opfuse_test_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(server_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(f'CREATE SCHEMA "{name}"'))
+    finally:
+        engine.dispose()
+    url = make_url(server_url).update_query_dict({"options": f"-csearch_path={name}"})
+    return url.render_as_string(hide_password=False)
+
+
+def drop_postgres_schema(server_url: str, schema_url: str) -> None:
+    name = str(make_url(schema_url).query["options"]).removeprefix("-csearch_path=")
+    engine = create_engine(server_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+    finally:
+        engine.dispose()
+
+
+def drop_postgres_database(server_url: str, database_url: str) -> None:
+    name = make_url(database_url).database
+    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """The URL of a reachable PostgreSQL (a database to connect to for CREATE/DROP DATABASE)."""
+    if not POSTGRES_URL:
+        _postgres_unavailable("OPFUSE_TEST_POSTGRES_URL is not set")
+    engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 5})
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as exc:
+        _postgres_unavailable(
+            f"PostgreSQL at {make_url(POSTGRES_URL).render_as_string()} is unreachable: {exc}"
+        )
+    finally:
+        engine.dispose()
+    return POSTGRES_URL
+
+
+@pytest.fixture(scope="session")
+def postgres_database(postgres_server: str) -> Iterator[str]:
+    """One migrated database for the whole session, dropped at the end."""
+    url = create_postgres_database(postgres_server)
+    try:
+        upgrade_to_head(url)
+        yield url
+    finally:
+        drop_postgres_database(postgres_server, url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file; each test gets a copy (cheaper than migrating every time)."""
+    path = tmp_path_factory.mktemp("template") / "opfuse.db"
+    upgrade_to_head(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database of its own for this test."""
+    if request.param == "sqlite":
+        path = tmp_path / "home" / "opfuse.db"
+        path.parent.mkdir()
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite:///{path}"
+    url: str = request.getfixturevalue("postgres_database")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+    finally:
+        engine.dispose()
+    return url
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    return Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        home=tmp_path / "home",
+        database_url=database_url,
+        max_upload_bytes=64 * 1024,
+        lease_seconds=30,
+        max_attempts=3,
+        # The tests drive requeue and sweep themselves.
+        requeue_interval_seconds=3600,
+        blob_gc_interval_seconds=3600,
+    )
+
+
+@pytest.fixture
+def client(settings: Settings) -> Iterator[TestClient]:
+    # The database is migrated already (test_migrations covers migrating at app start).
+    with TestClient(create_app(settings, run_migrations=False)) as test_client:
+        yield test_client
+
+
+@dataclass(frozen=True)
+class Keys:
+    admin: str  # tenant "default"
+    user: str  # tenant "default"
+    other: str  # tenant "other"
+    worker: str
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def keys(client: TestClient, settings: Settings) -> Keys:
+    """Keys made straight in the database (test_auth covers the admin API and ensure_local_keys)."""
+    engine = make_engine(settings.database_url)
+    try:
+        with Session(engine) as session, session.begin():
+            default, other = get_or_create_tenant(session, "default"), get_or_create_tenant(session, "other")
+            return Keys(
+                admin=create_key(session, default, Scope.ADMIN),
+                user=create_key(session, default, Scope.USER),
+                other=create_key(session, other, Scope.USER),
+                worker=create_key(session, default, Scope.WORKER),
+            )
+    finally:
+        engine.dispose()
+
+
+def upload(client: TestClient, key: str, data: bytes, name: str = "mlp.onnx") -> dict:
+    response = client.post(
+        "/v1/models",
+        params={"name": name},
+        content=data,
+        headers={**bearer(key), "Content-Type": "application/octet-stream"},
+    )
+    assert response.status_code in (200, 201), response.text
+    body: dict = response.json()
+    return body
+
+
+@pytest.fixture
+def model(client: TestClient, keys: Keys) -> dict:
+    """The MLP (dynamic batch) uploaded by tenant default."""
+    return upload(client, keys.user, to_bytes(mlp()))
+
+
+def create_job(client: TestClient, key: str, model_id: str, **fields: object) -> dict:
+    body = {"model_id": model_id, "input_shapes": {"x": [8, 4]}, **fields}
+    response = client.post("/v1/jobs", json=body, headers=bearer(key))
+    assert response.status_code == 202, response.text
+    job: dict = response.json()
+    return job
