@@ -138,6 +138,8 @@ def graph_from_onnx(model: onnx.ModelProto) -> Graph:
         if spec is None:
             raise ModelError(f"graph input {vi.name!r} has no static shape after specialization")
         inputs.append(spec)
+    if any(o and o not in values for n in nodes for o in n.outputs):
+        _complete_by_dry_run(nodes, inputs, constants, values)
     outputs = []
     for vi in g.output:
         spec = values.get(vi.name)
@@ -155,6 +157,60 @@ def graph_from_onnx(model: onnx.ModelProto) -> Graph:
             "opfuse needs every shape static after input_shapes are applied"
         )
     return Graph(nodes=nodes, inputs=inputs, outputs=outputs, constants=constants, values=values)
+
+
+# Ops whose output shape depends on input values, not only on input shapes.
+DATA_DEPENDENT_OPS = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
+
+
+def _complete_by_dry_run(
+    nodes: list[Node],
+    inputs: list[TensorSpec],
+    constants: dict[str, np.ndarray],
+    values: dict[str, TensorSpec],
+) -> None:
+    """Shapes ONNX inference left open, read off one run of the graph on random inputs (CPU).
+
+    With every input dim bound, a value's shape is fixed unless an op's output size depends on
+    the data; such graphs are refused rather than specialized to one random input.
+    """
+    import torch
+
+    from opfuse.runtime.ops import run_op
+    from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, torch_dtype
+
+    dynamic = sorted({n.op_type for n in nodes if n.op_type in DATA_DEPENDENT_OPS})
+    if dynamic:
+        raise ModelError(
+            f"the model uses {', '.join(dynamic)}, whose output shape depends on the data; opfuse compiles "
+            "static shapes only. Remove it from the exported graph (or make its input constant)."
+        )
+    gen = torch.Generator().manual_seed(0)
+    env: dict[str, torch.Tensor] = {k: from_numpy(v) for k, v in constants.items()}
+    for spec in inputs:
+        dtype = torch_dtype(spec.dtype)
+        if dtype.is_floating_point:
+            env[spec.name] = torch.randn(spec.shape, generator=gen).to(dtype)
+        elif dtype == torch.bool:
+            env[spec.name] = torch.rand(spec.shape, generator=gen) < 0.5
+        else:
+            env[spec.name] = torch.randint(0, 4, spec.shape, generator=gen).to(dtype)
+    with torch.no_grad():
+        for n in nodes:
+            args = [env[x] if x else None for x in n.inputs]
+            try:
+                outs = run_op(n.op_type, args, n.attrs, num_outputs=len(n.outputs))
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise ModelError(
+                    f"node {n.name or n.op_type!r} ({n.op_type}) failed on inputs of the given shapes: {exc}"
+                ) from None
+            for name, t in zip(n.outputs, outs, strict=False):
+                if name:
+                    env[name] = t
+                    if name not in values:
+                        values[name] = TensorSpec(name, DTYPE_NAMES[t.dtype], tuple(t.shape))
 
 
 def _constant_node_value(attrs: dict[str, Any]) -> np.ndarray:
