@@ -167,6 +167,7 @@ def compile(
     atol: float | None = None,
     verify: bool = True,
     progress: ProgressFn | None = None,
+    tune_budget_s: float = 60.0,
 ) -> CompiledModel:
     """Compile an ONNX model into a fused, verified plan (DESIGN.md §6)."""
     if precision not in COMPUTE_DTYPES:
@@ -197,7 +198,22 @@ def compile(
     t = time.perf_counter()
     report_progress("codegen", 0.4)
     base_plan = build_plan(original_graph, FusionPlan([], []), precision, declared_inputs, declared_outputs)
-    plan = build_plan(graph, fusion, precision, declared_inputs, declared_outputs)
+    variants: dict[str, str] = {}
+    configs: dict[str, dict[str, Any]] = {}  # kernel signature -> tuned launch config
+
+    def make_plan(enabled: list[str] | None = None) -> Plan:
+        """The fused plan with the tuned variants and configs (all groups fused when None)."""
+        p = build_plan(
+            graph, fusion, precision, declared_inputs, declared_outputs, enabled=enabled, variants=variants
+        )
+        if configs:
+            from opfuse.tune import kernel_signature
+
+            for k in p.kernels.values():
+                k.config = dict(configs.get(kernel_signature(k), k.config))
+        return p
+
+    plan = make_plan()
     timings["codegen"] = time.perf_counter() - t
 
     rng = np.random.default_rng()
@@ -208,7 +224,16 @@ def compile(
     base_executor.run(profile_feeds)  # warm-up: first-call costs stay out of the profile
     before_times = base_executor.time_steps(profile_feeds)
     timings["profile"] = time.perf_counter() - t
-    timings["tune"] = 0.0
+
+    t = time.perf_counter()
+    tuning: dict[str, Any] = {}
+    if device.startswith("cuda") and plan.kernels:
+        report_progress("tuning", 0.55)
+        tuning = _tune(
+            graph, fusion, plan, make_plan, variants, configs, device, profile_feeds, tune_budget_s
+        )
+        plan = make_plan()
+    timings["tune"] = time.perf_counter() - t
 
     t = time.perf_counter()
     report_progress("verifying", 0.6)
@@ -218,7 +243,7 @@ def compile(
     if verify:
         verifier = _Verifier(original, declared_inputs, device, tol, rng)
         plan, verification = verifier.verify_with_rollback(
-            graph, fusion, plan, precision, declared_inputs, declared_outputs
+            graph, fusion, plan, precision, declared_inputs, declared_outputs, make_plan
         )
     timings["verify"] = time.perf_counter() - t
 
@@ -228,9 +253,10 @@ def compile(
     before_profile = profile_steps(base_plan, before_times)
     after_profile = profile_steps(plan, after_times)
     group_time_before = _group_times(base_plan, before_times, fusion)
-    kernel_time_after = {
-        s.group: t_ms for s, t_ms in zip(plan.steps, after_times, strict=False) if s.kind == "kernel"
-    }
+    kernel_time_after: dict[str, float] = {}
+    for step, t_ms in zip(plan.steps, after_times, strict=False):
+        if step.group:  # a vendor-variant group is its library step plus its epilogue kernel
+            kernel_time_after[step.group] = round(kernel_time_after.get(step.group, 0.0) + t_ms, 6)
     rolled = set(verification["rolled_back"])
     fused_groups = [g for g in fusion.groups if g.id not in rolled]
     kernel_of_group = {k.group: k.id for k in plan.kernels.values()}
@@ -243,6 +269,8 @@ def compile(
             time_ms_before=group_time_before.get(g.id),
             time_ms_after=kernel_time_after.get(g.id),
         )
+        if g.id in variants:
+            d["variant"] = variants[g.id]
         groups_json.append(d)
     not_fused = [nf.to_json() for nf in passes.not_fired + fusion.not_fused]
     for gid in sorted(rolled):
@@ -276,6 +304,7 @@ def compile(
             if info["kind"] == "cuda"
             else "cpu wall time per step (interpreter: not a speed claim)",
         },
+        "tuning": tuning,
         "timings_s": {k: round(v, 4) for k, v in timings.items()},
     }
     manifest = _manifest(original, precision, info, declared_inputs, declared_outputs)
@@ -341,6 +370,7 @@ class _Verifier:
         precision: str,
         inputs: list[Any],
         outputs: list[Any],
+        make_plan: Callable[[list[str] | None], Plan],
     ) -> tuple[Plan, dict[str, Any]]:
         ok, checks = self.check(plan)
         rolled: list[str] = []
@@ -358,13 +388,10 @@ class _Verifier:
             ids = [g.id for g in fusion.groups]
 
             def fails(subset: list[str]) -> bool:
-                p = build_plan(graph, fusion, precision, inputs, outputs, enabled=subset)
-                return not self.check(p)[0]
+                return not self.check(make_plan(subset))[0]
 
             rolled = _bisect_bad(ids, fails)
-            plan = build_plan(
-                graph, fusion, precision, inputs, outputs, enabled=[i for i in ids if i not in rolled]
-            )
+            plan = make_plan([i for i in ids if i not in rolled])
             ok, checks = self.check(plan)
         return plan, self._json(ok, checks, rolled)
 
@@ -381,6 +408,54 @@ class _Verifier:
         if note:
             d["note"] = note
         return d
+
+
+def _tune(
+    graph: Any,
+    fusion: FusionPlan,
+    plan: Plan,
+    make_plan: Callable[[list[str] | None], Plan],
+    variants: dict[str, str],
+    configs: dict[str, dict[str, Any]],
+    device: str,
+    feeds: dict[str, Any],
+    budget_s: float,
+) -> dict[str, Any]:
+    """Launch configs for every kernel, then template vs vendor per anchor group, by measurement."""
+    from opfuse.tune import TuningCache, kernel_signature, step_times, tune_kernel_configs
+
+    deadline = time.perf_counter() + budget_s
+    cache = TuningCache()
+    record: dict[str, Any] = {"kernels": {}, "variants": {}}
+    anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv") and g.variant == "template"]
+    candidates = {"template": plan}
+    if anchors:
+        variants.update({gid: "vendor" for gid in anchors})
+        candidates["vendor"] = make_plan(None)
+        variants.clear()
+    times: dict[str, dict[str, float]] = {}
+    for name, p in candidates.items():
+        executor = Executor(p, device)
+        record["kernels"].update(tune_kernel_configs(p, executor, cache, deadline))
+        for k in p.kernels.values():
+            configs[kernel_signature(k)] = dict(k.config)
+        per_group: dict[str, float] = {}
+        for step, ms in zip(p.steps, step_times(executor, feeds), strict=True):
+            if step.group:
+                per_group[step.group] = per_group.get(step.group, 0.0) + ms
+        times[name] = per_group
+    for gid in anchors:
+        t_ms, v_ms = times["template"].get(gid, float("inf")), times.get("vendor", {}).get(gid, float("inf"))
+        choice = "vendor" if v_ms < t_ms else "template"
+        variants[gid] = choice
+        record["variants"][gid] = {
+            "choice": choice,
+            "template_ms": round(t_ms, 5),
+            "vendor_ms": round(v_ms, 5),
+        }
+    cache.save()
+    record["cache_hits"] = cache.hits
+    return record
 
 
 def _bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
