@@ -26,8 +26,13 @@ class GraphRunner:
                 executor.run_tensors(dict(self.static_in))
         torch.cuda.current_stream(executor.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(executor.device)
+        before = torch.cuda.memory_allocated(executor.device)
         with torch.no_grad(), torch.cuda.graph(self.graph):
             self.static_out = executor.run_tensors(dict(self.static_in))
+        torch.cuda.synchronize(executor.device)
+        # Activations live in the graph's private pool: what it holds is the plan's working memory.
+        self.pool_bytes = int(torch.cuda.memory_allocated(executor.device) - before)
 
     def run_tensors(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for k, v in env.items():
