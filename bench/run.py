@@ -126,6 +126,11 @@ def bench_one(
             row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
             cm.benchmark(iters=iters, warmup=warmup)
             r = cm.report
+            if os.environ.get("OPFUSE_BENCH_REPORTS"):
+                out_dir = os.environ["OPFUSE_BENCH_REPORTS"]
+                os.makedirs(out_dir, exist_ok=True)
+                with open(os.path.join(out_dir, f"{name}-b{batch}-{precision}.json"), "w") as f:
+                    json.dump(r, f, default=str)
             row.update(
                 onnx_eager_ms=r["before"]["latency_ms"]["p50"],
                 opfuse_ms=r["after"]["latency_ms"]["p50"],
