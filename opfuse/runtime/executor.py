@@ -106,68 +106,79 @@ class Executor:
             env[spec.name] = t.to(device=self.device, dtype=torch_dtype(internal.dtype))
         return env
 
-    def run_tensors(self, env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _run_step(self, i: int, step: Step, env: dict[str, torch.Tensor]) -> None:
+        if step.kind == "op":
+            host_args = self.host_args[i]
+            args = [
+                host_args[j] if j in host_args else (env[x] if x else None) for j, x in enumerate(step.inputs)
+            ]
+            outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
+            for name, value in zip(step.outputs, outs, strict=False):
+                if name:
+                    env[name] = value
+            return
+        ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
+        kouts = []
+        for name in step.outputs:
+            spec = self.plan.values[name]
+            kouts.append(torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device))
+        self.modules[step.kernel].launch(*ins, *kouts, config=self.configs[step.kernel])
+        env.update(zip(step.outputs, kouts, strict=True))
+
+    def run_tensors(self, env: dict[str, torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:
+        """Run every step; buffers are freed after their last use unless `keep_all`."""
         env = {**self.constants, **env}
-        for i, step in enumerate(self.plan.steps):
-            if self.step_hook is not None:
-                self.step_hook(i, step)
-            if step.kind == "op":
-                host_args = self.host_args[i]
-                args = [
-                    host_args[j] if j in host_args else (env[x] if x else None)
-                    for j, x in enumerate(step.inputs)
-                ]
-                outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
-                for name, value in zip(step.outputs, outs, strict=False):
-                    if name:
-                        env[name] = value
-            else:
-                ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
-                outs = []
-                for name in step.outputs:
-                    spec = self.plan.values[name]
-                    outs.append(torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device))
-                self.modules[step.kernel].launch(*ins, *outs, config=self.configs[step.kernel])
-                env.update(zip(step.outputs, outs, strict=True))
-            for name in self.dies.get(i, ()):
-                env.pop(name, None)
-        result = {}
-        for spec in self.plan.outputs:
-            result[spec.name] = env[spec.name].to(torch_dtype(spec.dtype))
-        return result
+        with _matmul_precision(self.plan.precision, self.device):
+            for i, step in enumerate(self.plan.steps):
+                if self.step_hook is not None:
+                    self.step_hook(i, step)
+                self._run_step(i, step, env)
+                if not keep_all:
+                    for name in self.dies.get(i, ()):
+                        env.pop(name, None)
+        if keep_all:
+            return env
+        return {spec.name: env[spec.name].to(torch_dtype(spec.dtype)) for spec in self.plan.outputs}
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """numpy in, numpy out; torch in, torch out (DESIGN.md §6)."""
         torch_in = any(isinstance(v, torch.Tensor) for v in feeds.values())
-        with torch.no_grad(), _matmul_precision(self.plan.precision, self.device):
+        with torch.no_grad():
             outs = self.run_tensors(self.prepare_inputs(feeds))
         if torch_in:
             return dict(outs)
         return {k: to_numpy(v) for k, v in outs.items()}
 
-    def time_steps(self, feeds: Mapping[str, Any]) -> list[float]:
-        """Wall time of each step in ms (synchronized on CUDA): the profile of this plan."""
-        times: list[float] = []
-        marks: list[float] = []
+    def time_steps(self, feeds: Mapping[str, Any], reps: int = 5) -> list[float]:
+        """Time of each step in ms: the profile of this plan.
 
-        def hook(i: int, step: Step) -> None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            marks.append(time.perf_counter())
-
+        CUDA: each step is launched `reps` times back to back between two events, so the queue
+        stays full and the figure is the step's device time, not launch latency. CPU: wall time.
+        """
         env = self.prepare_inputs(feeds)
-        self.step_hook = hook
-        try:
-            with torch.no_grad(), _matmul_precision(self.plan.precision, self.device):
-                self.run_tensors(env)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+        with torch.no_grad():
+            if self.device.type != "cuda":
+                marks: list[float] = []
+                self.step_hook = lambda i, step: marks.append(time.perf_counter())
+                try:
+                    self.run_tensors(env)
+                finally:
+                    self.step_hook = None
                 marks.append(time.perf_counter())
-        finally:
-            self.step_hook = None
-        for a, b in itertools.pairwise(marks):
-            times.append((b - a) * 1000.0)
-        return times
+                return [(b - a) * 1000.0 for a, b in itertools.pairwise(marks)]
+            full = self.run_tensors(env, keep_all=True)
+            times = []
+            with _matmul_precision(self.plan.precision, self.device):
+                for i, step in enumerate(self.plan.steps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    scratch = dict(full)
+                    start.record()
+                    for _ in range(reps):
+                        self._run_step(i, step, scratch)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / reps)
+            return times
 
 
 class _matmul_precision:
