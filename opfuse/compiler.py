@@ -48,6 +48,10 @@ def _resolve_device(device: str | None) -> str:
         raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use device='cpu'")
+    if device == "cpu":
+        from opfuse.runtime.kernels import ensure_interpreter
+
+        ensure_interpreter()
     return device
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
+from opfuse.codegen.attention import generate_attention
 from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
@@ -92,6 +93,8 @@ def build_plan(
             rank.append(order[anchor.id])
             ins, outs = group_boundary(graph, epilogue)
             src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
+        elif g.kind == "attention":
+            src = generate_attention(kid, g.match, g.nodes, graph, g.id, precision)
         elif g.kind == "gemm":
             src = generate_gemm(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
         elif g.kind == "conv":

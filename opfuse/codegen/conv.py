@@ -102,9 +102,10 @@ def generate_conv(
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     literals: dict[str, str] = {}
     extra: list[str] = []
+    epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     for name in inputs:
-        if name in (x_name, w_name):
-            continue
+        if name in (x_name, w_name) and name not in epilogue_reads:
+            continue  # read only by the anchor's own operand loads
         value = scalar_constant(graph, name)
         if value is not None and np.isfinite(value) and name != b_name:
             literals[name] = float_literal(value)

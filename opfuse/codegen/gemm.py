@@ -78,9 +78,10 @@ def generate_gemm(
     )
     literals: dict[str, str] = {}
     extra: list[str] = []  # epilogue (and Gemm C) inputs passed as tensors
+    epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     for name in inputs:
-        if name in (a_name, b_name):
-            continue
+        if name in (a_name, b_name) and name not in epilogue_reads:
+            continue  # read only by the anchor's own operand loads
         value = scalar_constant(graph, name)
         if value is not None and np.isfinite(value) and name != c_name:
             literals[name] = float_literal(value)

@@ -26,6 +26,7 @@ class Group:
     # library kernel, then the epilogue as one kernel right after it).
     variant: str = ""
     note: str = ""
+    match: Any = None  # attention: the matched pattern the kernel is generated from
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {

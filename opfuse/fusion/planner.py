@@ -11,15 +11,17 @@ from dataclasses import dataclass
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
+from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
-RULES = (ROW_RULE, GEMM_RULE, CONV_RULE, POINTWISE_RULE)
+RULES = (ATTENTION_RULE, ROW_RULE, GEMM_RULE, CONV_RULE, POINTWISE_RULE)
 
 __all__ = [
+    "ATTENTION_RULE",
     "CONV_RULE",
     "GEMM_RULE",
     "POINTWISE_RULE",
@@ -39,8 +41,15 @@ class FusionPlan:
 
 def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset()) -> FusionPlan:
     not_fused: list[NotFired] = []
-    row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused)
-    in_rows = {n.id for g in row_groups for n in g.nodes}
+    attention: list[Group] = []
+    if ATTENTION_RULE not in disabled:
+        attention, matches = plan_attention_groups(graph, not_fused)
+        for g in attention:
+            g.match = matches[g.id]
+    in_attention = {n.id for g in attention for n in g.nodes}
+    row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused, in_attention)
+    in_rows = {n.id for g in row_groups for n in g.nodes} | in_attention
+    row_groups = attention + row_groups
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled)
     row_groups += gemm_groups
     in_rows |= {n.id for g in gemm_groups for n in g.nodes}

@@ -30,11 +30,11 @@ def _joinable(graph: Graph, node: Node, full: tuple[int, ...]) -> bool:
     return graph.spec(node.outputs[0]).shape in _row_shapes(full)
 
 
-def plan_row_groups(graph: Graph, not_fused: list[NotFired]) -> list[Group]:
+def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None) -> list[Group]:
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     consumers = graph.consumers()
-    assigned: set[str] = set()
+    assigned: set[str] = set(taken or ())
     groups: list[Group] = []
     for anchor in graph.nodes:
         if anchor.op_type not in ROW_OPS or anchor.id in assigned:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from opfuse.errors import ModelError
-from opfuse.runtime.kernels import load_kernel_module
+from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.ops import run_op
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import from_numpy, to_numpy, torch_dtype
@@ -52,6 +52,8 @@ class Executor:
         self.plan = plan
         self.device = torch.device(device)
         self.interpret = self.device.type != "cuda"
+        if self.interpret and plan.kernels:
+            ensure_interpreter()
         self.constants = {
             k: from_numpy(v, self.device).to(torch_dtype(plan.values[k].dtype))
             if k in plan.values

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import sys
 import tempfile
 from types import ModuleType
 
@@ -15,6 +16,22 @@ def _kernel_dir() -> str:
     path = os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def ensure_interpreter() -> None:
+    """Run Triton kernels in its CPU interpreter from now on in this process.
+
+    Triton builds parts of its language at import time for one mode or the other, so the switch
+    must happen before triton is first imported (opfuse imports it lazily for that reason).
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "device='cpu' runs Triton kernels in its interpreter, which must be chosen before triton is "
+            "imported: set TRITON_INTERPRET=1 in the environment of this process"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def load_kernel_module(source: str, interpret: bool) -> ModuleType:
@@ -33,14 +50,18 @@ def load_kernel_module(source: str, interpret: bool) -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     # Triton decides between interpreter and compiler when @triton.jit runs, i.e. at import.
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
+    if interpret:
+        ensure_interpreter()
         spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    else:
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "0"
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
     _loaded[key] = module
     return module

@@ -71,3 +71,13 @@ def test_depthwise_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
     assert g["variant"] == "vendor" and "depthwise" in g["note"]
     assert cm.report["kernels"] == {"before": 3, "after": 2}
     assert [s.kind for s in cm.plan.steps] == ["op", "kernel"]
+
+
+def test_conv_epilogue_may_read_the_conv_input() -> None:
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node("Add", ["c", "x"], ["y"]),
+    ]
+    m = make_model(nodes, {"x": [1, 4, 5, 5]}, {"y": [1, 4, 5, 5]}, {"w": RNG.standard_normal((4, 4, 1, 1))})
+    cm = check_against_ort(m, {"x": [1, 4, 5, 5]})
+    assert cm.report["kernels"] == {"before": 2, "after": 1}

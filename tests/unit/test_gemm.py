@@ -95,3 +95,15 @@ def test_vendor_variant_computes_the_same() -> None:
     np.testing.assert_allclose(
         Executor(vendor, "cpu").run({"x": x})["y"], cm.run({"x": x})["y"], rtol=1e-5, atol=1e-6
     )
+
+
+def test_epilogue_may_read_the_anchor_operand() -> None:
+    # y = relu(x @ w + x): the residual is the GEMM's own input.
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "x"], ["s"]),
+        helper.make_node("Relu", ["s"], ["y"]),
+    ]
+    m = make_model(nodes, {"x": [5, 12]}, {"y": [5, 12]}, {"w": RNG.standard_normal((12, 12)) * 0.3})
+    cm = check_against_ort(m, {"x": [5, 12]})
+    assert cm.report["kernels"] == {"before": 3, "after": 1}

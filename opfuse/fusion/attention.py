@@ -1,0 +1,163 @@
+"""Match attention and plan it as one flash-attention kernel.
+
+    scores = (Q·s1) @ (Kᵀ·s2) [· s3 | / s3] [+ mask | Where(cond, ·, fill)]
+    probs  = Softmax(scores, axis=-1) [guarded by Where(IsNaN(probs), 0, probs)] [Dropout removed]
+    out    = probs @ V
+
+Q, Kᵀ and V are read through their head-split Reshape/Transpose as strided views of the
+projection outputs, and the output is written through the head-merge Transpose/Reshape, so the
+layout ops disappear along with the score matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opfuse.codegen.pointwise import scalar_constant
+from opfuse.fusion.groups import Group, creates_cycle
+from opfuse.fusion.views import StridedView, input_view, output_view
+from opfuse.graph import Graph, Node
+from opfuse.passes.rules import NotFired, node_label
+
+ATTENTION_RULE = "attention"
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class AttentionMatch:
+    q: StridedView
+    k: StridedView  # the Kᵀ view: [B, H, D, Sk]
+    v: StridedView
+    out: StridedView
+    scale: float
+    mask: str = ""  # additive mask [.., Sq, Sk]
+    cond: str = ""  # boolean keep-mask for Where(cond, scores, fill)
+    fill: float = 0.0
+    nan_guard: bool = False
+    nodes: list[Node] = field(default_factory=list)
+
+
+def _sole_consumer(graph: Graph, value: str) -> Node | None:
+    users = graph.consumers().get(value, [])
+    if len(users) != 1 or value in {o.name for o in graph.outputs}:
+        return None
+    return users[0]
+
+
+def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
+    """None: not attention at all; a str: attention, but why it cannot fuse; else the match."""
+    if mm1.op_type != "MatMul":
+        return None
+    nodes = [mm1]
+    scale = 1.0
+    cur = mm1.outputs[0]
+    mask = cond = ""
+    fill = 0.0
+    node = _sole_consumer(graph, cur)
+    while node is not None and node.op_type in ("Mul", "Div") and node.inputs[0] == cur:
+        c = scalar_constant(graph, node.inputs[1])
+        if c is None or c == 0.0:
+            break
+        scale *= c if node.op_type == "Mul" else 1.0 / c
+        nodes.append(node)
+        cur = node.outputs[0]
+        node = _sole_consumer(graph, cur)
+    if node is not None and node.op_type == "Add":
+        other = node.inputs[1] if node.inputs[0] == cur else node.inputs[0]
+        mask = other
+        nodes.append(node)
+        cur = node.outputs[0]
+        node = _sole_consumer(graph, cur)
+    elif node is not None and node.op_type == "Where" and node.inputs[1] == cur:
+        f = scalar_constant(graph, node.inputs[2])
+        if f is None:
+            return "the masking Where fills with a tensor, not a constant"
+        cond, fill = node.inputs[0], f
+        nodes.append(node)
+        cur = node.outputs[0]
+        node = _sole_consumer(graph, cur)
+    if node is None or node.op_type != "Softmax":
+        return None
+    rank = len(graph.spec(cur).shape)
+    if int(node.attrs.get("axis", -1)) % rank != rank - 1:
+        return "softmax is not over the last axis"
+    nodes.append(node)
+    probs = node.outputs[0]
+    users = graph.consumers().get(probs, [])
+    nan_guard = False
+    # The exporter's guard for fully masked rows: Where(IsNaN(p), 0, p).
+    isnan = [u for u in users if u.op_type == "IsNaN"]
+    where = [u for u in users if u.op_type == "Where" and u.inputs[2] == probs]
+    if len(users) == 2 and isnan and where and where[0].inputs[0] == isnan[0].outputs[0]:
+        if scalar_constant(graph, where[0].inputs[1]) != 0.0:
+            return "the NaN guard does not fill with zero"
+        nan_guard = True
+        nodes += [isnan[0], where[0]]
+        probs = where[0].outputs[0]
+    node = _sole_consumer(graph, probs)
+    while node is not None and node.op_type in ("Dropout", "Identity"):
+        nodes.append(node)
+        probs = node.outputs[0]
+        node = _sole_consumer(graph, probs)
+    if node is None or node.op_type != "MatMul" or node.inputs[0] != probs:
+        return None
+    mm2 = node
+    nodes.append(mm2)
+    q = input_view(graph, mm1.inputs[0])
+    k = input_view(graph, mm1.inputs[1])
+    v = input_view(graph, mm2.inputs[1])
+    out = output_view(graph, mm2.outputs[0])
+    for view in (q, k, v):
+        if len(view.shape) not in (3, 4):
+            return f"operands of rank {len(view.shape)}: attention kernels take [B, H, S, D] or [B, S, D]"
+    d = q.shape[-1]
+    if k.shape[-2] != d or v.shape[-1] > MAX_HEAD_DIM or d > MAX_HEAD_DIM:
+        return f"head dim {d} (value dim {v.shape[-1]}) over {MAX_HEAD_DIM}"
+    if len(graph.spec(mm1.inputs[0]).shape) != len(graph.spec(mm1.inputs[1]).shape):
+        return "Q and K have different ranks (broadcast batch)"
+    for name in (mm1.inputs[0], mm1.inputs[1], mm2.inputs[1]):
+        if graph.spec(name).dtype not in ("float32", "float16", "bfloat16"):
+            return f"operand of type {graph.spec(name).dtype}"
+    scale *= q.scale * k.scale
+    if v.scale != 1.0:
+        return "the value operand is scaled"
+    nodes += q.nodes + k.nodes + v.nodes + out.nodes
+    return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes)
+
+
+def plan_attention_groups(
+    graph: Graph, not_fused: list[NotFired]
+) -> tuple[list[Group], dict[str, AttentionMatch]]:
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    groups: list[Group] = []
+    matches: dict[str, AttentionMatch] = {}
+    taken: set[str] = set()
+    for n in graph.nodes:
+        if n.op_type != "MatMul" or n.id in taken:
+            continue
+        m = match_attention(graph, n)
+        if m is None:
+            continue
+        if isinstance(m, str):
+            not_fused.append(NotFired(ATTENTION_RULE, [node_label(n)], m))
+            continue
+        ids = {x.id for x in m.nodes}
+        if ids & taken:
+            continue
+        through = creates_cycle(graph, ids, order)
+        if through is not None:
+            not_fused.append(
+                NotFired(
+                    ATTENTION_RULE,
+                    [node_label(n)],
+                    f"fusing would create a cycle through {node_label(through)}",
+                )
+            )
+            continue
+        nodes = [x for x in graph.nodes if x.id in ids]
+        inputs = [m.q.base, m.k.base, m.v.base] + [x for x in (m.mask, m.cond) if x]
+        gid = f"a{len(groups)}"
+        groups.append(Group(gid, "attention", ATTENTION_RULE, nodes, inputs, [m.out.base]))
+        matches[gid] = m
+        taken |= ids
+    return groups, matches

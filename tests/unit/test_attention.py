@@ -1,0 +1,127 @@
+"""Flash attention: the score matrix, softmax and head split/merge in one kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.unit.test_fusion import check_against_ort
+
+RNG = np.random.default_rng(3)
+B, S, H, D = 2, 24, 3, 16
+
+
+def _attention_model(mask: str = "", scale_where: str = "qk", nan_guard: bool = False) -> onnx.ModelProto:
+    """Self-attention as exporters write it: projections, head split, scores, softmax, head merge."""
+    hd = H * D
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "wq"], ["q0"]),
+        n("MatMul", ["x", "wk"], ["k0"]),
+        n("MatMul", ["x", "wv"], ["v0"]),
+        n("Reshape", ["q0", "split"], ["q1"]),
+        n("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["k0", "split"], ["k1"]),
+        n("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Reshape", ["v0", "split"], ["v1"]),
+        n("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+    ]
+    inits = {
+        "wq": RNG.standard_normal((hd, hd)) * 0.2,
+        "wk": RNG.standard_normal((hd, hd)) * 0.2,
+        "wv": RNG.standard_normal((hd, hd)) * 0.2,
+        "c": np.array(D**-0.25),
+        "full": np.array(float(np.sqrt(D))),
+    }
+    ints = {"split": np.array([B, S, H, D], dtype=np.int64), "merge": np.array([B, S, hd], dtype=np.int64)}
+    if scale_where == "qk":
+        nodes += [
+            n("Mul", ["q", "c"], ["qs"]),
+            n("Mul", ["kt", "c"], ["ks"]),
+            n("MatMul", ["qs", "ks"], ["s0"]),
+        ]
+        last = "s0"
+    else:
+        nodes += [n("MatMul", ["q", "kt"], ["s"]), n("Div", ["s", "full"], ["s0"])]
+        last = "s0"
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, hd])]
+    bools: dict[str, np.ndarray] = {}
+    if mask == "add":
+        inputs.append(helper.make_tensor_value_info("m", TensorProto.FLOAT, [B, 1, 1, S]))
+        nodes.append(n("Add", [last, "m"], ["s1"]))
+        last = "s1"
+    elif mask == "causal":
+        bools["keep"] = np.tril(np.ones((S, S), dtype=bool))[None, None]
+        inits["neg"] = np.array(-np.inf)
+        nodes.append(n("Where", ["keep", last, "neg"], ["s1"]))
+        last = "s1"
+    nodes.append(n("Softmax", [last], ["p"], axis=-1))
+    if nan_guard:
+        inits["zero"] = np.array(0.0)
+        nodes += [n("IsNaN", ["p"], ["isnan"]), n("Where", ["isnan", "zero", "p"], ["pg"])]
+        probs = "pg"
+    else:
+        probs = "p"
+    nodes += [
+        n("MatMul", [probs, "v"], ["o"]),
+        n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["ot", "merge"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, S, hd])],
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()]
+        + [numpy_helper.from_array(v, k) for k, v in {**ints, **bools}.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def _shapes(mask: str) -> dict[str, list[int]]:
+    return {"x": [B, S, H * D], **({"m": [B, 1, 1, S]} if mask == "add" else {})}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_exported_self_attention_is_one_kernel(precision: str) -> None:
+    m = _attention_model()
+    cm = check_against_ort(m, _shapes(""), "fp32" if precision == "fp32" else "fp16")
+    if precision == "bf16":
+        from opfuse.compiler import compile as opfuse_compile
+
+        cm = opfuse_compile(m, _shapes(""), precision="bf16", device="cpu")
+        assert cm.report["verification"]["passed"] and not cm.report["verification"]["rolled_back"]
+    groups = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "attention"]
+    assert len(groups) == 1
+    # three projections, then one kernel: no Reshape/Transpose copies, no score matrix.
+    assert [s.op_type or "kernel" for s in cm.plan.steps] == ["MatMul", "MatMul", "MatMul", "kernel"]
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "attention" and k.inputs == ["q0", "k0", "v0"] and k.outputs == ["y"]
+
+
+@pytest.mark.parametrize(
+    "mask, scale_where, guard", [("add", "div", False), ("causal", "qk", True), ("causal", "div", False)]
+)
+def test_masked_and_causal_attention(mask: str, scale_where: str, guard: bool) -> None:
+    m = _attention_model(mask, scale_where, guard)
+    cm = check_against_ort(m, _shapes(mask))
+    assert cm.report["kernels"]["after"] == 4
+    (k,) = cm.plan.kernels.values()
+    assert ("tl.where(keep != 0" in k.source) == (mask == "causal")
+
+
+def test_softmax_over_another_axis_is_not_attention() -> None:
+    m = _attention_model()
+    for node in m.graph.node:
+        if node.op_type == "Softmax":
+            node.attribute[0].i = 2
+    cm = check_against_ort(m, _shapes(""))
+    assert not [g for g in cm.report["fusion"]["groups"] if g["kind"] == "attention"]
+    assert any(
+        nf["rule"] == "attention" and "last axis" in nf["reason"] for nf in cm.report["fusion"]["not_fused"]
+    )
