@@ -122,7 +122,9 @@ def bench_one(
         shapes = {k: list(v.shape) for k, v in zm.example.items()}
         try:
             t0 = time.perf_counter()
-            cm = opfuse.compile(path, input_shapes=shapes, precision=precision, device="cuda")
+            cm = opfuse.compile(
+                path, input_shapes=shapes, precision=precision, device="cuda", tune_budget_s=TUNE_BUDGET_S
+            )
             row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
             cm.benchmark(iters=iters, warmup=warmup)
             r = cm.report
@@ -194,7 +196,10 @@ def main() -> None:
         "--compile-modes", default="default", help="torch.compile modes, e.g. default,max-autotune"
     )
     ap.add_argument("--out", default="bench/out/results.json")
+    ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
     args = ap.parse_args()
+    global TUNE_BUDGET_S
+    TUNE_BUDGET_S = args.tune_budget
     if not torch.cuda.is_available():
         sys.exit("bench/run.py needs a CUDA GPU")
     rows = []

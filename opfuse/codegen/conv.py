@@ -8,10 +8,12 @@ accumulator tile before its one store.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant
-from opfuse.codegen.rowwise import next_pow2
+from opfuse.codegen.rowwise import matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
@@ -128,7 +130,7 @@ def generate_conv(
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line()
-    config = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "UPCAST": False, "num_warps": 4, "num_stages": 3}
+    config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (
         min(256, max(16, next_pow2(m))),

@@ -7,10 +7,12 @@ so the bias-add, activation and residual never round-trip through memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant
-from opfuse.codegen.rowwise import _input_expr, next_pow2
+from opfuse.codegen.rowwise import _input_expr, matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
@@ -99,15 +101,7 @@ def generate_gemm(
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line()
-    config = {
-        "BLOCK_M": 64,
-        "BLOCK_N": 64,
-        "BLOCK_K": 32,
-        "GROUP_M": 8,
-        "UPCAST": False,
-        "num_warps": 4,
-        "num_stages": 3,
-    }
+    config: dict[str, Any] = {**matmul_tile_config(m, n, k), "GROUP_M": 8, "UPCAST": False}
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (min(128, max(16, next_pow2(x))) for x in (m, n, k))
     # Triton's CPU interpreter multiplies bfloat16 tiles wrongly; there they are widened first.

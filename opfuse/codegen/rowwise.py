@@ -23,6 +23,16 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
+    """A starting tile for an M×N×K product on the GPU, before any tuning: tiles no larger than
+    the problem (small M at batch 1 wastes a 64-row tile), 8 warps for the big ones."""
+    bm = min(128, max(16, next_pow2(m)))
+    bn = min(128, max(32, next_pow2(n)))
+    bk = 64 if k >= 64 else 32
+    warps = 8 if bm * bn >= 128 * 128 else 4
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 3}
+
+
 def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
     """The axes a row op reduces over (normalized), or None when they are not constant."""
     rank = len(graph.spec(node.inputs[0]).shape)
