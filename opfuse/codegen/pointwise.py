@@ -127,6 +127,11 @@ def _pow(a: list[str], n: Node, c: list[float | None]) -> str:
     return f"tl.exp({float_literal(e)} * tl.log({x}))"
 
 
+@emitter("Where")
+def _where(a: list[str], n: Node, c: list[float | None]) -> str:
+    return f"tl.where({a[0]} != 0.0, {a[1]}, {a[2]})"
+
+
 @emitter("Cast")
 def _cast(a: list[str], n: Node, c: list[float | None]) -> str:
     target = ONNX_FLOAT_CASTS[int(n.attrs["to"])]
@@ -151,7 +156,12 @@ def pointwise_reason(graph: Graph, node: Node) -> str | None:
     outs = [o for o in node.outputs if o]
     if len(outs) != 1:
         return "the node has more than one output"
-    for name in [*[x for x in node.inputs if x], *outs]:
+    checked = [*[x for x in node.inputs if x], *outs]
+    if node.op_type == "Where":
+        if graph.spec(node.inputs[0]).dtype != "bool":
+            return "Where with a non-boolean condition"
+        checked = checked[1:]  # the condition is a bool mask; the values must be float
+    for name in checked:
         if graph.spec(name).dtype not in FLOAT_TYPES:
             return f"value of type {graph.spec(name).dtype}: pointwise kernels take float32/float16/bfloat16"
     if node.op_type == "Pow" and scalar_constant(graph, node.inputs[1]) is None:

@@ -71,3 +71,50 @@ fold_batchnorm = Rule(
     _rewrite,
     doc="Conv followed by inference BatchNormalization becomes one Conv with scaled weights and a new bias.",
 )
+
+
+def _match_affine(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "BatchNormalization":
+        return None
+    return {"nodes": [node]}
+
+
+def _check_affine(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    if len([o for o in node.outputs if o]) > 1:
+        return "BatchNormalization is in training mode (it has running-statistics outputs)"
+    if any(name and name not in graph.constants for name in node.inputs[1:5]):
+        return "scale, bias, mean or variance is not a constant"
+    if len(graph.spec(node.inputs[0]).shape) < 2:
+        return "input has no channel axis"
+    return None
+
+
+def _rewrite_affine(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    x = graph.spec(node.inputs[0])
+    eps = float(node.attrs.get("epsilon", 1e-5))
+    scale, bias, mean, var = (graph.constants[n].astype(np.float64) for n in node.inputs[1:5])
+    a = scale / np.sqrt(var + eps)
+    b = bias - mean * a
+    # Channels are axis 1: shape the per-channel constants [C, 1, ..., 1] so they broadcast there.
+    cshape = (x.shape[1],) + (1,) * (len(x.shape) - 2)
+    dtype = graph.constants[node.inputs[1]].dtype
+    a_name, b_name, mid = f"{node.id}_bn_a", f"{node.id}_bn_b", f"{node.id}_bn_scaled"
+    graph.constants[a_name] = a.reshape(cshape).astype(dtype)
+    graph.constants[b_name] = b.reshape(cshape).astype(dtype)
+    graph.values[a_name] = TensorSpec(a_name, graph.values[node.inputs[1]].dtype, cshape)
+    graph.values[b_name] = TensorSpec(b_name, graph.values[node.inputs[1]].dtype, cshape)
+    graph.values[mid] = TensorSpec(mid, x.dtype, x.shape)
+    i = graph.nodes.index(node)
+    mul = Node(f"{node.id}a", "Mul", [node.inputs[0], a_name], [mid], {}, node.name)
+    add = Node(f"{node.id}b", "Add", [mid, b_name], [node.outputs[0]], {}, node.name)
+    graph.nodes[i : i + 1] = [mul, add]
+
+
+batchnorm_to_affine = Rule(
+    "batchnorm_to_affine",
+    _match_affine,
+    _check_affine,
+    _rewrite_affine,
+    doc="A BatchNormalization that cannot fold into a Conv becomes x*a + b with per-channel constants, "
+    "which then fuse with their neighbours (BN+Relu in one kernel).",
+)

@@ -10,7 +10,7 @@ import onnx
 
 from opfuse.frontend.load import infer_shapes
 from opfuse.graph import Graph
-from opfuse.passes.batchnorm import fold_batchnorm
+from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
@@ -18,7 +18,7 @@ from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 log = logging.getLogger(__name__)
 
 # Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
-RULES: list[Rule] = [eliminate_noops, fold_batchnorm]
+RULES: list[Rule] = [eliminate_noops, fold_batchnorm, batchnorm_to_affine]
 
 
 @dataclass

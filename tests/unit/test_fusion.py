@@ -109,7 +109,8 @@ def test_batchnorm_fold_says_why_not() -> None:
     cm = check_against_ort(m, {"x": [2, 4, 8, 8]})
     nf = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "fold_batchnorm"]
     assert nf and "also used elsewhere" in nf[0]["reason"] and nf[0]["nodes"] == ["conv", "bn"]
-    assert cm.report["fusion"]["passes"]["fired"] == {}
+    # It still fuses: as a per-channel x*a + b in the Relu's kernel.
+    assert cm.report["fusion"]["passes"]["fired"] == {"batchnorm_to_affine": 1}
 
 
 BROADCASTS = [
@@ -218,7 +219,7 @@ def test_disabling_the_pointwise_rule_fuses_nothing() -> None:
         residual_mlp(),
         {"x": [2, 32]},
         device="cpu",
-        fusion_disable=["pointwise", "row_reduction", "gemm_epilogue", "fold_batchnorm"],
+        fusion_disable=["pointwise", "row_reduction", "gemm_epilogue", "attention", "fold_batchnorm"],
     )
     assert cm.report["kernels"] == {"before": 19, "after": 19}
     assert cm.plan.kernels == {}
@@ -287,3 +288,33 @@ def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
         opfuse.load(tmp_path / "junk.zip", device="cpu")
     with pytest.raises(opfuse.ModelError, match="compiled for"):
         loaded.run({"x": np.ones((5, 32), np.float32)})
+
+
+def test_unfoldable_batchnorm_fuses_with_relu_as_affine() -> None:
+    c = 6
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["bn"], epsilon=1e-3),
+        helper.make_node("Relu", ["bn"], ["y"]),
+    ]
+    inits = {
+        "s": 1 + RNG.standard_normal(c) * 0.1,
+        "b": RNG.standard_normal(c),
+        "m": RNG.standard_normal(c),
+        "v": 0.5 + RNG.random(c),
+    }
+    m = make_model(nodes, {"x": [2, c, 5, 5]}, {"y": [2, c, 5, 5]}, inits)
+    cm = check_against_ort(m, {"x": [2, c, 5, 5]})
+    assert cm.report["kernels"] == {"before": 2, "after": 1}
+    assert cm.report["fusion"]["passes"]["fired"] == {"batchnorm_to_affine": 1}
+
+
+def test_where_with_a_bool_mask_fuses() -> None:
+    nodes = [
+        helper.make_node("Greater", ["x", "t"], ["c"]),
+        helper.make_node("Mul", ["x", "t"], ["xs"]),
+        helper.make_node("Where", ["c", "xs", "x"], ["w"]),
+        helper.make_node("Sigmoid", ["w"], ["y"]),
+    ]
+    m = make_model(nodes, {"x": [4, 9]}, {"y": [4, 9]}, {"t": np.array(0.3)})
+    cm = check_against_ort(m, {"x": [4, 9]})
+    assert cm.report["kernels"] == {"before": 4, "after": 2}  # Greater makes the bool mask, then one kernel
