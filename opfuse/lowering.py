@@ -100,7 +100,7 @@ def build_plan(
         elif g.kind == "conv":
             src = generate_conv(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
         elif g.kind == "rowwise":
-            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full)
+            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split)
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)
         kernels[kid] = KernelInfo(kid, src.kind, g.id, src.inputs, src.outputs, src.config, src.source)

@@ -1,9 +1,11 @@
-"""Triton source for a row group: reductions over the last axis with their prologue and epilogue.
+"""Triton source for a row group: reductions over trailing axes with their prologue and epilogue.
 
-One program owns one row of R elements, held in registers: pointwise prologue, any number of
-reductions over the row (Softmax, LogSoftmax, LayerNormalization, ReduceMean/Sum/Max/Min), and the
-pointwise epilogue, with one load of each input and one store of each output. Values are either
-row vectors (the full shape) or per-row scalars (the reduced shape).
+The shape splits at the first reduced axis: leading dims index rows, the trailing dims (flattened)
+are one row of R elements, held in one program's registers. The program runs the pointwise
+prologue, any number of reductions over the row (Softmax, LogSoftmax, LayerNormalization,
+InstanceNormalization, ReduceMean/Sum/Max/Min, GlobalAverage/MaxPool), and the pointwise epilogue,
+with one load of each input and one store of each output. Values are either row vectors (the full
+shape) or per-row scalars (the reduced shape).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
 ROW_REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"})
-ROW_OPS = ROW_REDUCTIONS | {"Softmax", "LogSoftmax", "LayerNormalization"}
+GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool"})
+ROW_OPS = (
+    ROW_REDUCTIONS | GLOBAL_POOLS | {"Softmax", "LogSoftmax", "LayerNormalization", "InstanceNormalization"}
+)
 MAX_ROW = 16384  # a row lives in one program's registers
 
 
@@ -50,7 +55,16 @@ def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
     if node.op_type == "LayerNormalization":
         axis = int(node.attrs.get("axis", -1)) % rank
         return list(range(axis, rank))
+    if node.op_type in GLOBAL_POOLS or node.op_type == "InstanceNormalization":
+        return list(range(2, rank))
     return [int(node.attrs.get("axis", -1)) % rank]
+
+
+def row_split(graph: Graph, node: Node) -> int:
+    """The first reduced axis: dims before it index rows, dims from it on form one row."""
+    axes = reduced_axes(graph, node)
+    assert axes
+    return axes[0]
 
 
 def row_op_reason(graph: Graph, node: Node) -> str | None:
@@ -64,37 +78,59 @@ def row_op_reason(graph: Graph, node: Node) -> str | None:
     rank = len(x.shape)
     if axes is None:
         return "the reduction axes are not constant"
-    if axes != [rank - 1]:
-        return f"reduces over axes {axes}: row kernels reduce over the last axis only"
-    if x.shape[-1] > MAX_ROW:
-        return f"a row of {x.shape[-1]} elements does not fit one program (limit {MAX_ROW})"
+    if not axes or axes != list(range(axes[0], rank)):
+        return f"reduces over axes {axes}: row kernels reduce over trailing axes only"
+    r = int(np.prod(x.shape[axes[0] :], dtype=np.int64))
+    if r > MAX_ROW:
+        return f"a row of {r} elements does not fit one program (limit {MAX_ROW})"
+    if (
+        node.op_type in ("LayerNormalization", "InstanceNormalization")
+        and len([o for o in node.outputs if o]) > 1
+    ):
+        return f"the extra outputs of {node.op_type} are used"
     if node.op_type == "LayerNormalization":
-        if len([o for o in node.outputs if o]) > 1:
-            return "the mean / inverse-std outputs of LayerNormalization are used"
         for p in node.inputs[1:3]:
-            if p and graph.spec(p).shape not in ((x.shape[-1],), ()):
-                return "scale or bias is not a vector over the normalized axis"
+            if p and graph.spec(p).shape not in (tuple(x.shape[axes[0] :]), ()):
+                return "scale or bias does not cover the normalized axes"
     return None
 
 
-def _input_expr(shape: tuple[int, ...], full: tuple[int, ...]) -> tuple[str | None, bool]:
-    """(index expression, is_vector) for loading an input broadcast to `full` from row `row`."""
+def _input_expr(
+    shape: tuple[int, ...], full: tuple[int, ...], split: int | None = None
+) -> tuple[str | None, bool]:
+    """(index expression, is_vector) for loading an input broadcast to `full` from row `row`.
+
+    Dims before `split` (default: the last axis) index rows; the trailing dims are the row,
+    addressed by `cols`. An input either covers the whole row or is constant along it.
+    """
     rank = len(full)
+    k = rank - 1 if split is None else split
     padded = (1,) * (rank - len(shape)) + tuple(shape)
     strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(rank)]
-    row_strides = [int(np.prod(full[d + 1 : rank - 1], dtype=np.int64)) for d in range(rank - 1)]
+    row_strides = [int(np.prod(full[d + 1 : k], dtype=np.int64)) for d in range(k)]
     terms = []
-    for d in range(rank - 1):
+    for d in range(k):
         if padded[d] == 1:
             continue
         coord = f"((row // {row_strides[d]}) % {full[d]})" if row_strides[d] > 1 else f"(row % {full[d]})"
         terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
-    vector = padded[-1] != 1 and full[-1] != 1
+    trailing, whole = padded[k:], tuple(full[k:])
+    vector = trailing == whole and int(np.prod(whole, dtype=np.int64)) != 1
+    if not vector and any(t != 1 for t in trailing):
+        raise ValueError(f"input of shape {shape} varies along only part of the row {whole}")
     if vector:
         terms.append("cols")
     if not terms:
         return None, False
     return " + ".join(terms), vector
+
+
+def row_input_reason(shape: tuple[int, ...], full: tuple[int, ...], split: int) -> str | None:
+    try:
+        _input_expr(shape, full, split)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def generate_rowwise(
@@ -105,14 +141,23 @@ def generate_rowwise(
     graph: Graph,
     group_id: str,
     full: tuple[int, ...],
+    split: int | None = None,
 ) -> KernelSource:
-    rows = int(np.prod(full[:-1], dtype=np.int64)) if len(full) > 1 else 1
-    r = full[-1]
+    k = len(full) - 1 if split is None or split < 0 else split
+    rows = int(np.prod(full[:k], dtype=np.int64))
+    r = int(np.prod(full[k:], dtype=np.int64))
     block = next_pow2(r)
     fn = f"{kernel_id}_rowwise"
     literals: dict[str, str] = {}
     tensor_inputs: list[str] = []
+    # Reduction axes are compile-time facts already in the code, not data to load.
+    axes_only = {
+        n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
+    }
+    axes_only -= {x for n in nodes if n.op_type not in ROW_REDUCTIONS for x in n.inputs}
     for name in inputs:
+        if name in axes_only:
+            continue
         value = scalar_constant(graph, name)
         if value is not None and np.isfinite(value):
             literals[name] = float_literal(value)
@@ -141,8 +186,13 @@ def generate_rowwise(
         buf.line("row = tl.program_id(0).to(tl.int64)")
         buf.line("cols = tl.arange(0, BLOCK_R)")
         buf.line(f"cmask = cols < {r}")
+        per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
         for i, name in enumerate(tensor_inputs):
-            idx, vector = _input_expr(graph.spec(name).shape, full)
+            if name in per_channel:  # InstanceNormalization scale/bias: one value per channel (axis 1)
+                buf.line(f"x{i} = tl.load(in{i} + (row % {full[1]})).to(tl.float32)")
+                regs[name] = f"x{i}"
+                continue
+            idx, vector = _input_expr(graph.spec(name).shape, full, k)
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
             elif vector:
@@ -152,18 +202,18 @@ def generate_rowwise(
             regs[name] = f"x{i}"
         regs.update(literals)
         for j, n in enumerate(nodes):
-            a = [regs[x] if x else "" for x in n.inputs]
+            a = [regs.get(x, "") if x else "" for x in n.inputs]
             v = f"v{j}"
             if n.op_type in EMITTERS:
                 consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
                 buf.line(f"{v} = {EMITTERS[n.op_type](a, n, consts)}  # {n.id} {n.op_type}")
-            elif n.op_type in ("ReduceSum", "ReduceMean"):
+            elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
                 buf.line(f"{v} = tl.sum(tl.where(cmask, {a[0]}, 0.0), axis=0)  # {n.id} {n.op_type}")
-                if n.op_type == "ReduceMean":
+                if n.op_type != "ReduceSum":
                     buf.line(f"{v} = {v} / {r}.0")
-            elif n.op_type in ("ReduceMax", "ReduceMin"):
+            elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
                 fn_name, pad = (
-                    ("tl.max", 'float("-inf")') if n.op_type == "ReduceMax" else ("tl.min", 'float("inf")')
+                    ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", 'float("-inf")')
                 )
                 buf.line(f"{v} = {fn_name}(tl.where(cmask, {a[0]}, {pad}), axis=0)  # {n.id} {n.op_type}")
             elif n.op_type in ("Softmax", "LogSoftmax"):
@@ -176,6 +226,16 @@ def generate_rowwise(
                     buf.line(f"{v} = {v}_exp / {v}_sum")
                 else:
                     buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
+            elif n.op_type == "InstanceNormalization":
+                eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
+                channels = full[1]
+                buf.line(
+                    f"{v}_mean = tl.sum(tl.where(cmask, {a[0]}, 0.0), axis=0) / {r}.0  # {n.id} InstanceNormalization"
+                )
+                buf.line(f"{v}_diff = tl.where(cmask, {a[0]} - {v}_mean, 0.0)")
+                buf.line(f"{v}_rstd = 1.0 / tl.sqrt(tl.sum({v}_diff * {v}_diff, axis=0) / {r}.0 + {eps})")
+                buf.line(f"{v} = {v}_diff * {v}_rstd * {a[1]} + {a[2]}")
+                del channels
             elif n.op_type == "LayerNormalization":
                 eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
                 buf.line(
@@ -194,7 +254,7 @@ def generate_rowwise(
             regs[n.outputs[0]] = v
         for i, name in enumerate(outputs):
             spec = graph.spec(name)
-            if spec.shape and spec.shape[-1] == r and spec.numel == rows * r and r != 1:
+            if spec.numel == rows * r and r != 1:
                 buf.line(
                     f"tl.store(out{i} + row * {r} + cols, {regs[name]}.to(out{i}.dtype.element_ty), mask=cmask)"
                 )

@@ -22,6 +22,7 @@ class Group:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     full: tuple[int, ...] = ()  # rowwise: the row space (the reduced input's shape)
+    split: int = -1  # rowwise: the first reduced axis (dims from it on form one row)
     # Anchor groups: "template" (the anchor's Triton kernel runs the epilogue) or "vendor" (the
     # library kernel, then the epilogue as one kernel right after it).
     variant: str = ""

@@ -10,7 +10,7 @@ group's caps.
 from __future__ import annotations
 
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.codegen.rowwise import ROW_OPS, row_op_reason
+from opfuse.codegen.rowwise import ROW_OPS, row_input_reason, row_op_reason, row_split
 from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
@@ -18,16 +18,23 @@ from opfuse.passes.rules import NotFired, node_label
 ROW_RULE = "row_reduction"
 
 
-def _row_shapes(full: tuple[int, ...]) -> set[tuple[int, ...]]:
-    return {full, (*full[:-1], 1), full[:-1]}
+def _row_shapes(full: tuple[int, ...], split: int) -> set[tuple[int, ...]]:
+    return {full, (*full[:split], *([1] * (len(full) - split))), full[:split]}
 
 
-def _joinable(graph: Graph, node: Node, full: tuple[int, ...]) -> bool:
+def _joinable(graph: Graph, node: Node, full: tuple[int, ...], split: int) -> bool:
     if node.op_type in ROW_OPS:
-        return row_op_reason(graph, node) is None and graph.spec(node.inputs[0]).shape == full
+        return (
+            row_op_reason(graph, node) is None
+            and graph.spec(node.inputs[0]).shape == full
+            and row_split(graph, node) == split
+        )
     if pointwise_reason(graph, node) is not None:
         return False
-    return graph.spec(node.outputs[0]).shape in _row_shapes(full)
+    if graph.spec(node.outputs[0]).shape not in _row_shapes(full, split):
+        return False
+    # Every input must cover the whole row or be constant along it.
+    return all(row_input_reason(graph.spec(x).shape, full, split) is None for x in node.inputs if x)
 
 
 def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None) -> list[Group]:
@@ -44,6 +51,7 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
             not_fused.append(NotFired(ROW_RULE, [node_label(anchor)], reason))
             continue
         full = graph.spec(anchor.inputs[0]).shape
+        split = row_split(graph, anchor)
         members = {anchor.id}
         refused: set[str] = set()
         # A cycle may vanish once the nodes between join, so those refusals are retried.
@@ -63,7 +71,7 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
-                if not _joinable(graph, cand, full):
+                if not _joinable(graph, cand, full, split):
                     continue
                 merged = members | {cand.id}
                 nodes = [n for n in graph.nodes if n.id in merged]
@@ -94,5 +102,5 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
         nodes = [n for n in graph.nodes if n.id in members]
         ins, outs = group_boundary(graph, nodes)
         assigned |= members
-        groups.append(Group(f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=full))
+        groups.append(Group(f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=full, split=split))
     return groups
