@@ -56,7 +56,11 @@ def kernel_signature(k: KernelInfo) -> str:
     """What decides a kernel's best config: its code without ids or comments, on this GPU and stack."""
     import triton
 
-    body = "\n".join(line for line in k.source.splitlines() if not line.lstrip().startswith("#"))
+    body = "\n".join(
+        line
+        for line in k.source.splitlines()
+        if not line.lstrip().startswith("#") and not line.startswith(("CONFIG", "INTERPRETER_CONFIG"))
+    )
     body = re.sub(r"\bk\d+_", "K_", body)
     stack = f"{torch.cuda.get_device_name()}|{torch.__version__}|{triton.__version__}"
     return hashlib.sha256(f"{stack}\n{body}".encode()).hexdigest()
@@ -96,12 +100,17 @@ def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:
 
 
 def time_launch(fn: Any, reps: int = 10) -> float:
+    """Device time of one launch: `reps` launches captured in a CUDA graph, replayed."""
     fn()  # compile and warm
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps

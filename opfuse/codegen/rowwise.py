@@ -29,13 +29,11 @@ def next_pow2(n: int) -> int:
 
 
 def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
-    """A starting tile for an M×N×K product on the GPU, before any tuning: tiles no larger than
-    the problem (small M at batch 1 wastes a 64-row tile), 8 warps for the big ones."""
-    bm = min(128, max(16, next_pow2(m)))
-    bn = min(128, max(32, next_pow2(n)))
-    bk = 64 if k >= 64 else 32
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 3}
+    """A starting tile for an M×N×K product on the GPU, before any tuning: 64×64×32 (measured the
+    better default on the H200 for the zoo), shrunk where the problem is smaller (batch 1)."""
+    bm = min(64, max(16, next_pow2(m)))
+    bn = min(64, max(32, next_pow2(n)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
 
 
 def reduced_axes(graph: Graph, node: Node) -> list[int] | None:

@@ -107,3 +107,31 @@ def test_epilogue_may_read_the_anchor_operand() -> None:
     m = make_model(nodes, {"x": [5, 12]}, {"y": [5, 12]}, {"w": RNG.standard_normal((12, 12)) * 0.3})
     cm = check_against_ort(m, {"x": [5, 12]})
     assert cm.report["kernels"] == {"before": 3, "after": 1}
+
+
+def test_flattened_linear_layer_becomes_matmul_with_fused_epilogue() -> None:
+    # GPT-2 style: Reshape [B,S,K]->[B*S,K], Gemm(transB) + bias, Reshape back, then GELU (tanh form).
+    from onnx import numpy_helper
+
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("Gemm", ["x2", "w", "b"], ["g"], transB=1),
+        helper.make_node("Reshape", ["g", "unflat"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["t"]),
+        helper.make_node("Mul", ["h", "t"], ["y"]),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [2, 5, 16]},
+        {"y": [2, 5, 24]},
+        {"w": RNG.standard_normal((24, 16)) * 0.3, "b": RNG.standard_normal(24)},
+    )
+    m.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([10, 16], dtype=np.int64), "flat"),
+            numpy_helper.from_array(np.array([2, 5, 24], dtype=np.int64), "unflat"),
+        ]
+    )
+    cm = check_against_ort(m, {"x": [2, 5, 16]})
+    assert cm.report["fusion"]["passes"]["fired"].get("gemm_to_matmul") == 1
+    assert cm.report["kernels"] == {"before": 3, "after": 1}
