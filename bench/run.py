@@ -202,7 +202,15 @@ def main() -> None:
     TUNE_BUDGET_S = args.tune_budget
     if not torch.cuda.is_available():
         sys.exit("bench/run.py needs a CUDA GPU")
-    rows = []
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "opfuse": opfuse.__version__,
+        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
+    rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         for batch in [int(b) for b in args.batches.split(",")]:
             for precision in args.precision.split(","):
@@ -219,19 +227,17 @@ def main() -> None:
                         {"model": name, "batch": batch, "precision": precision, "error": repr(exc)[:300]}
                     )
                 torch.cuda.empty_cache()
-    meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "opfuse": opfuse.__version__,
-        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
-    }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                # Each row is kept as soon as it is measured: a run cut short still leaves its rows.
+                _write(args.out, meta, rows)
+                print_table(rows[-1:])
     print(json.dumps(meta))
     print_table(rows)
+
+
+def _write(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 def _commit() -> str:
