@@ -7,6 +7,7 @@ CPU (Triton interpreter): wall time; the numbers describe the interpreter, not a
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Protocol
 
@@ -24,6 +25,47 @@ def _percentiles(ms: list[float]) -> dict[str, float]:
         "p99": float(np.percentile(a, 99)),
         "mean": float(a.mean()),
     }
+
+
+class _UtilizationSampler:
+    """GPU utilization (NVML) sampled in a thread while the timed loop runs; None without NVML."""
+
+    def __init__(self, device_index: int, period_s: float = 0.005) -> None:
+        self.samples: list[int] = []
+        self.period_s = period_s
+        self.stop = threading.Event()
+        self.handle: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.nvml = pynvml
+        except Exception:  # NVML is optional: no library, no permission, no device
+            self.handle = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.samples.append(int(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
+            except Exception:
+                return
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> _UtilizationSampler:
+        if self.handle is not None:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.handle is not None:
+            self.thread.join(timeout=1.0)
+
+    @property
+    def mean(self) -> float | None:
+        return float(np.mean(self.samples)) if self.samples else None
 
 
 def _count_launches(executor: Executor, env: dict[str, torch.Tensor]) -> int | None:
@@ -60,17 +102,20 @@ def measure(
             run(dict(envs[i % len(envs)]))
         times: list[float] = []
         peak = None
+        util: float | None = None
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            for i in range(iters):
-                starts[i].record()
-                run(dict(envs[i % len(envs)]))
-                ends[i].record()
-            torch.cuda.synchronize()
+            with _UtilizationSampler(executor.device.index or 0) as sampler:
+                for i in range(iters):
+                    starts[i].record()
+                    run(dict(envs[i % len(envs)]))
+                    ends[i].record()
+                torch.cuda.synchronize()
+            util = sampler.mean
             times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
             peak = int(torch.cuda.max_memory_allocated() - base)
             peak = max(peak, int(getattr(runner, "pool_bytes", 0)))
@@ -86,6 +131,6 @@ def measure(
         "peak_memory_bytes": peak,
         "kernel_launches_measured": _count_launches(executor, envs[0]) if cuda else None,
         "cuda_graph": runner is not None,
-        "gpu_util_pct": None,
+        "gpu_util_pct": util,
         "iterations": iters,
     }
