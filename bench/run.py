@@ -169,7 +169,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         tcg = ms("torch_compile_cudagraph")
         ours = r.get("opfuse_ms", math.nan)
         ratio = ours / tcg if tcg == tcg and ours == ours else math.nan
-        if ratio == ratio:
+        if ratio == ratio and r.get("verified") is not False:
             ratios.append(ratio)
         print(
             f"{r['model']:<20}{r['batch']:>4} {r['precision']:<5}{r.get('onnx_eager_ms', math.nan):>11.3f}"
@@ -177,6 +177,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{ratio:>8.2f}{str(r.get('kernels_before')) + '/' + str(r.get('kernels_after')):>11}"
             f"{r.get('opfuse_compile_s', math.nan):>10.1f}"
         )
+        if r.get("verified") is False:
+            print(
+                f"    UNVERIFIED: opfuse's output differs from onnxruntime (rel L2 {r.get('rel_l2')}); not a result"
+            )
         if "opfuse_error" in r:
             print(f"    opfuse error: {r['opfuse_error'][:200]}")
     if ratios:

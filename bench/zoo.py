@@ -17,8 +17,21 @@ class ZooModel:
     kind: str  # "cnn" | "transformer"
 
 
+def _randomize_zero_init(module: torch.nn.Module) -> torch.nn.Module:
+    """Random weights where the library initializes to zero (ViT's head, some classifiers): a
+    model whose output is identically zero makes verification say nothing."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() >= 2 and float(p.abs().max()) == 0.0:
+                p.copy_(torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
+    return module
+
+
 def _vision(name: str, ctor: Callable[[], torch.nn.Module], batch: int, size: int = 224) -> ZooModel:
-    return ZooModel(name, ctor().eval(), {"x": torch.randn(batch, 3, size, size)}, "cnn")
+    return ZooModel(
+        name, _randomize_zero_init(ctor()).eval(), {"x": torch.randn(batch, 3, size, size)}, "cnn"
+    )
 
 
 def _hf(name: str, batch: int, seq: int) -> ZooModel:
@@ -44,7 +57,9 @@ def _hf(name: str, batch: int, seq: int) -> ZooModel:
         raise KeyError(name)
     cfg.return_dict = False
     ids = torch.randint(0, 1000, (batch, seq))
-    return ZooModel(name, _FirstOutput(model.eval()), {"input_ids": ids}, "transformer")
+    # eval() on the wrapper too: the exporter traces in the top module's mode, and a wrapper left in
+    # training mode exports every Dropout with training_mode=true.
+    return ZooModel(name, _FirstOutput(model).eval(), {"input_ids": ids}, "transformer")
 
 
 class _FirstOutput(torch.nn.Module):
