@@ -53,7 +53,7 @@ def build_plan(
     """The plan with the groups in `enabled` fused (all groups when None)."""
     variants = variants or {}
     on: list[Group] = [g for g in fusion.groups if enabled is None or g.id in enabled]
-    in_group = {n.id: g for g in on for n in g.nodes}
+    in_group = {n.id: g for g in on for n in [*g.nodes, *g.absorbed]}
     steps: list[Step] = []
     rank: list[int] = []
     kernels: dict[str, KernelInfo] = {}
@@ -102,7 +102,7 @@ def build_plan(
         elif g.kind == "rowwise":
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split)
         else:
-            src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id)
+            src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
         kernels[kid] = KernelInfo(kid, src.kind, g.id, src.inputs, src.outputs, src.config, src.source)
         steps.append(
             Step(

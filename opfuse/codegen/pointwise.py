@@ -185,15 +185,36 @@ class KernelSource:
     config: dict[str, Any]
 
 
-def _broadcast_index(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str | None:
-    """Index expression into an input broadcast to out_shape; None for a scalar."""
+def _broadcast_index(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+) -> str | None:
+    """Index expression into an input broadcast to out_shape; None for a scalar.
+
+    `strides`: the input read through a folded Transpose/Reshape, as strides into its buffer.
+    """
     if int(np.prod(in_shape, dtype=np.int64)) == 1:
         return None
     padded = (1,) * (len(out_shape) - len(in_shape)) + tuple(in_shape)
+    contiguous = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(len(padded))]
+    if strides is not None:
+        given = [0] * (len(padded) - len(strides)) + list(strides)
+        if given != contiguous:
+            out_strides = [int(np.prod(out_shape[d + 1 :], dtype=np.int64)) for d in range(len(out_shape))]
+            terms = []
+            for d in range(len(padded)):
+                if padded[d] == 1 or given[d] == 0:
+                    continue
+                coord = (
+                    f"((offs // {out_strides[d]}) % {out_shape[d]})"
+                    if out_strides[d] > 1
+                    else f"(offs % {out_shape[d]})"
+                )
+                terms.append(f"{coord} * {given[d]}" if given[d] != 1 else coord)
+            return "(" + " + ".join(terms) + ")"
     if padded == tuple(out_shape):
         return "offs"
     # Strides of the (contiguous) input, and of the output's iteration space.
-    in_strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(len(padded))]
+    in_strides = contiguous
     out_strides = [int(np.prod(out_shape[d + 1 :], dtype=np.int64)) for d in range(len(out_shape))]
     live = [d for d in range(len(padded)) if padded[d] != 1]
     # A contiguous trailing block (e.g. a bias over the last dims): offs modulo its size.
@@ -217,7 +238,10 @@ def generate_pointwise(
     outputs: list[str],
     graph: Graph,
     group_id: str,
+    views: dict[str, Any] | None = None,
 ) -> KernelSource:
+    """`views`: external inputs read through folded layout ops ({value: StridedView})."""
+    views = views or {}
     shape = graph.spec(outputs[0]).shape
     numel = graph.spec(outputs[0]).numel
     fn = f"{kernel_id}_pointwise"
@@ -253,7 +277,12 @@ def generate_pointwise(
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
         for i, name in enumerate(tensor_inputs):
-            idx = _broadcast_index(graph.spec(name).shape, shape)
+            view = views.get(name)
+            idx = (
+                _broadcast_index(view.shape, shape, view.strides)
+                if view is not None
+                else _broadcast_index(graph.spec(name).shape, shape)
+            )
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
             else:
@@ -275,6 +304,7 @@ def generate_pointwise(
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
         buf.line(f'{fn}[(triton.cdiv(N, c["BLOCK"]),)]({", ".join(args)}, N, **c)')
+    passed = [views[x].base if x in views else x for x in tensor_inputs]
     return KernelSource(
-        kernel_id, "pointwise", buf.getvalue(), tensor_inputs, list(outputs), {"BLOCK": 1024, "num_warps": 4}
+        kernel_id, "pointwise", buf.getvalue(), passed, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )

@@ -28,6 +28,10 @@ class Group:
     variant: str = ""
     note: str = ""
     match: Any = None  # attention: the matched pattern the kernel is generated from
+    # Pointwise: external inputs read through folded Reshape/Transpose ({value: StridedView}), and
+    # the layout nodes that disappear with them.
+    views: dict[str, Any] = field(default_factory=dict)
+    absorbed: list[Node] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -36,6 +40,8 @@ class Group:
             "rule": self.rule,
             "nodes": [node_label(n) for n in self.nodes],
         }
+        if self.absorbed:
+            d["layout_folded"] = [node_label(n) for n in self.absorbed]
         if self.variant:
             d["variant"] = self.variant
         if self.note:

@@ -14,11 +14,13 @@ from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
+from opfuse.fusion.views import input_view
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
-RULES = (ATTENTION_RULE, ROW_RULE, GEMM_RULE, CONV_RULE, POINTWISE_RULE)
+LAYOUT_RULE = "layout_views"
+RULES = (ATTENTION_RULE, ROW_RULE, GEMM_RULE, CONV_RULE, POINTWISE_RULE, LAYOUT_RULE)
 
 __all__ = [
     "ATTENTION_RULE",
@@ -113,6 +115,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         for m in mine:
             group_of[m] = idx
     groups: list[Group] = list(row_groups)
+    claimed = {n.id for g in groups for n in g.nodes}
     count = 0
     for ids in members:
         if not ids:
@@ -121,6 +124,24 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         if len(nodes) == 1:
             continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
         ins, outs = group_boundary(graph, nodes)
-        groups.append(Group(f"g{count}", "pointwise", POINTWISE_RULE, nodes, ins, outs))
+        group = Group(f"g{count}", "pointwise", POINTWISE_RULE, nodes, ins, outs)
+        if LAYOUT_RULE not in disabled:
+            _fold_layout(graph, group, claimed)
+        groups.append(group)
         count += 1
     return FusionPlan(groups, not_fused)
+
+
+def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
+    """Read inputs produced by Reshape/Transpose straight from the buffer behind them."""
+    for x in list(group.inputs):
+        if x in graph.constants:
+            continue
+        view = input_view(graph, x, allow_scale=False)
+        if not view.nodes or any(n.id in claimed for n in view.nodes) or view.base in graph.constants:
+            continue
+        if any(n.op_type not in ("Reshape", "Transpose") for n in view.nodes):
+            continue
+        group.views[x] = view
+        group.absorbed += view.nodes
+        claimed |= {n.id for n in view.nodes}

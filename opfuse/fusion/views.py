@@ -28,7 +28,7 @@ def _single_use(graph: Graph, name: str) -> bool:
     return len(graph.consumers().get(name, [])) == 1 and name not in {o.name for o in graph.outputs}
 
 
-def input_view(graph: Graph, value: str) -> StridedView:
+def input_view(graph: Graph, value: str, allow_scale: bool = True) -> StridedView:
     """Walk back from `value` through Transpose, one Reshape of a contiguous buffer, and scalar
     Mul/Div; each step folds only when its output feeds nothing else."""
     producers = graph.producers()
@@ -43,6 +43,8 @@ def input_view(graph: Graph, value: str) -> StridedView:
             break
         if p.op_type == "Transpose":
             perms.append([int(x) for x in p.attrs.get("perm", list(range(len(graph.spec(cur).shape))[::-1]))])
+        elif not allow_scale and p.op_type in ("Mul", "Div"):
+            break
         elif p.op_type in ("Mul", "Div") and scalar_constant(graph, p.inputs[1]) is not None:
             c = scalar_constant(graph, p.inputs[1])
             assert c is not None

@@ -318,3 +318,23 @@ def test_where_with_a_bool_mask_fuses() -> None:
     m = make_model(nodes, {"x": [4, 9]}, {"y": [4, 9]}, {"t": np.array(0.3)})
     cm = check_against_ort(m, {"x": [4, 9]})
     assert cm.report["kernels"] == {"before": 4, "after": 2}  # Greater makes the bool mask, then one kernel
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_transpose_and_reshape_become_index_arithmetic(precision: str) -> None:
+    from onnx import numpy_helper
+
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),  # [2, 5, 4] -> [2, 4, 5]
+        helper.make_node("Reshape", ["z", "shape"], ["zr"]),  # [40] -> [2, 4, 5]
+        helper.make_node("Add", ["xt", "zr"], ["s"]),
+        helper.make_node("Relu", ["s"], ["y"]),
+    ]
+    m = make_model(nodes, {"x": [2, 5, 4], "z": [40]}, {"y": [2, 4, 5]})
+    m.graph.initializer.append(numpy_helper.from_array(np.array([2, 4, 5], dtype=np.int64), "shape"))
+    cm = check_against_ort(m, {"x": [2, 5, 4], "z": [40]}, precision)
+    (k,) = cm.plan.kernels.values()
+    assert k.inputs == ["x", "z"]  # read straight from the buffers behind the layout ops
+    assert [s.kind for s in cm.plan.steps] == ["kernel"]
+    (g,) = cm.report["fusion"]["groups"]
+    assert sorted(g["layout_folded"]) == ["Reshape#n1", "Transpose#n0"]
