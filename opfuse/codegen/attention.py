@@ -90,7 +90,7 @@ def generate_attention(
         buf.line(f"rd = tl.arange(0, {dp})")
         buf.line(f"rdv = tl.arange(0, {dvp})")
         buf.line(
-            f"q_tile = tl.load(q + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
+            f"q_tile = tl.load(q + {m.q.offset} + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
             f"mask=(rm[:, None] < {sq}) & (rd[None, :] < {d}), other=0.0)"
         )
         buf.line("if UPCAST:")
@@ -103,11 +103,11 @@ def generate_attention(
         with buf.indent():
             buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
             buf.line(
-                f"k_tile = tl.load(k + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
+                f"k_tile = tl.load(k + {m.k.offset} + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
                 f"mask=(rd[:, None] < {d}) & (rn[None, :] < {sk}), other=0.0)"
             )
             buf.line(
-                f"v_tile = tl.load(v + b * {vst[0]} + h * {vst[1]} + rn[:, None] * {vst[2]} + rdv[None, :] * {vst[3]}, "
+                f"v_tile = tl.load(v + {m.v.offset} + b * {vst[0]} + h * {vst[1]} + rn[:, None] * {vst[2]} + rdv[None, :] * {vst[3]}, "
                 f"mask=(rn[:, None] < {sk}) & (rdv[None, :] < {dv}), other=0.0)"
             )
             buf.line("if UPCAST:")

@@ -44,7 +44,7 @@ def _sole_consumer(graph: Graph, value: str) -> Node | None:
     return users[0]
 
 
-def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
+def match_attention(graph: Graph, mm1: Node, allow_split: bool = True) -> AttentionMatch | str | None:
     """None: not attention at all; a str: attention, but why it cannot fuse; else the match."""
     if mm1.op_type != "MatMul":
         return None
@@ -103,9 +103,9 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         return None
     mm2 = node
     nodes.append(mm2)
-    q = input_view(graph, mm1.inputs[0])
-    k = input_view(graph, mm1.inputs[1])
-    v = input_view(graph, mm2.inputs[1])
+    q = input_view(graph, mm1.inputs[0], allow_split=allow_split)
+    k = input_view(graph, mm1.inputs[1], allow_split=allow_split)
+    v = input_view(graph, mm2.inputs[1], allow_split=allow_split)
     out = output_view(graph, mm2.outputs[0])
     for view in (q, k, v):
         if len(view.shape) not in (3, 4):
@@ -125,6 +125,20 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
     return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes)
 
 
+def _splits_fully_absorbed(graph: Graph, m: AttentionMatch) -> bool:
+    """A folded Split disappears from the plan: every output must be read inside the group."""
+    ids = {x.id for x in m.nodes}
+    consumers = graph.consumers()
+    for node in m.nodes:
+        if node.op_type == "Split":
+            for out in node.outputs:
+                if not out or out in {o.name for o in graph.outputs}:
+                    return False
+                if any(c.id not in ids for c in consumers.get(out, [])):
+                    return False
+    return True
+
+
 def plan_attention_groups(
     graph: Graph, not_fused: list[NotFired]
 ) -> tuple[list[Group], dict[str, AttentionMatch]]:
@@ -136,6 +150,8 @@ def plan_attention_groups(
         if n.op_type != "MatMul" or n.id in taken:
             continue
         m = match_attention(graph, n)
+        if isinstance(m, AttentionMatch) and not _splits_fully_absorbed(graph, m):
+            m = match_attention(graph, n, allow_split=False)  # a Split feeding others must stay
         if m is None:
             continue
         if isinstance(m, str):

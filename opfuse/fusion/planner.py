@@ -137,7 +137,7 @@ def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
     for x in list(group.inputs):
         if x in graph.constants:
             continue
-        view = input_view(graph, x, allow_scale=False)
+        view = input_view(graph, x, allow_scale=False, allow_split=False)
         if not view.nodes or any(n.id in claimed for n in view.nodes) or view.base in graph.constants:
             continue
         if any(n.op_type not in ("Reshape", "Transpose") for n in view.nodes):

@@ -125,3 +125,49 @@ def test_softmax_over_another_axis_is_not_attention() -> None:
     assert any(
         nf["rule"] == "attention" and "last axis" in nf["reason"] for nf in cm.report["fusion"]["not_fused"]
     )
+
+
+def test_views_through_reshape_chains_and_split() -> None:
+    """GPT-2 style: one QKV projection split in three, heads split by Reshape/Transpose chains."""
+    from opfuse.fusion.views import view_strides
+
+    assert view_strides((2, 3, 4), (12, 4, 1), (6, 4)) == (4, 1)
+    assert view_strides((2, 4, 3), (12, 1, 4), (8, 3)) is None  # transposed: a copy is needed
+    assert view_strides((4, 6), (1, 4), (4, 2, 3)) == (1, 12, 4)
+
+    n = helper.make_node
+    hd = H * D
+    nodes = [
+        n("MatMul", ["x", "wqkv"], ["qkv"]),
+        n("Split", ["qkv"], ["q0", "k0", "v0"], axis=2, num_outputs=3),
+        n("Reshape", ["q0", "split"], ["q1"]),
+        n("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["k0", "split"], ["k1"]),
+        n("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+        n("Reshape", ["v0", "split"], ["v1"]),
+        n("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+        n("MatMul", ["q", "kt"], ["s"]),
+        n("Mul", ["s", "c"], ["s1"]),
+        n("Softmax", ["s1"], ["p"], axis=-1),
+        n("MatMul", ["p", "v"], ["o"]),
+        n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+        n("Reshape", ["ot", "merge"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "qkv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [B, S, hd])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [B, S, hd])],
+        initializer=[
+            numpy_helper.from_array((RNG.standard_normal((hd, 3 * hd)) * 0.2).astype(np.float32), "wqkv"),
+            numpy_helper.from_array(np.array(D**-0.5, dtype=np.float32), "c"),
+            numpy_helper.from_array(np.array([B, S, H, D], dtype=np.int64), "split"),
+            numpy_helper.from_array(np.array([B, S, hd], dtype=np.int64), "merge"),
+        ],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    cm = check_against_ort(m, {"x": [B, S, hd]})
+    assert [s.op_type or "kernel" for s in cm.plan.steps] == ["MatMul", "kernel"]
+    (k,) = cm.plan.kernels.values()
+    assert k.inputs == ["qkv", "qkv", "qkv"] and f"k + {hd} +" in k.source and f"v + {2 * hd} +" in k.source
