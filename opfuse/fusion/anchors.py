@@ -9,7 +9,7 @@ from __future__ import annotations
 from opfuse.codegen.conv import conv_anchor_reason
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.fusion.groups import Group, creates_cycle, group_boundary
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
@@ -56,17 +56,9 @@ def plan_anchor_groups(
                     if graph.spec(c.outputs[0]).shape != out_shape:
                         continue
                     merged = members | {c.id}
-                    nodes = [x for x in graph.nodes if x.id in merged]
-                    ins, outs = group_boundary(graph, nodes)
-                    why = None
-                    if len(merged) - 1 > MAX_EPILOGUE_NODES:
-                        why = f"the epilogue would exceed {MAX_EPILOGUE_NODES} nodes"
-                    elif len(ins) - 2 + len(outs) > MAX_EPILOGUE_TENSORS:
-                        why = f"the epilogue would load or store more than {MAX_EPILOGUE_TENSORS} tensors"
-                    else:
-                        through = creates_cycle(graph, merged, order)
-                        if through is not None:
-                            why = f"joining would create a cycle through {node_label(through)} ({through.op_type})"
+                    why, _ = merge_refusal(
+                        graph, merged, order, MAX_EPILOGUE_NODES + 1, MAX_EPILOGUE_TENSORS, fixed_tensors=2
+                    )
                     if why is not None:
                         pending[c.id] = why
                         continue
@@ -76,7 +68,7 @@ def plan_anchor_groups(
         by_id = {x.id: x for x in graph.nodes}
         for cid, why in pending.items():
             if cid not in members:
-                not_fused.append(NotFired(GEMM_RULE, [node_label(anchor), node_label(by_id[cid])], why))
+                not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
         if len(members) == 1:
             continue  # nothing to fuse: the vendor kernel runs the anchor alone
         nodes = [x for x in graph.nodes if x.id in members]

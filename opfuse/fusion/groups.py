@@ -89,3 +89,26 @@ def creates_cycle(graph: Graph, members: set[str], order: dict[str, int]) -> Nod
                     return n
                 frontier.append(c)
     return None
+
+
+def merge_refusal(
+    graph: Graph,
+    merged: set[str],
+    order: dict[str, int],
+    max_nodes: int = MAX_GROUP_NODES,
+    max_tensors: int = MAX_GROUP_TENSORS,
+    fixed_tensors: int = 0,
+) -> tuple[str | None, bool]:
+    """Why `merged` cannot be one kernel (None if it can), and whether the reason is a cycle (a
+    cycle may vanish once the nodes between join; a cap will not). `fixed_tensors` are loads the
+    kernel makes anyway (a GEMM's two operands) and do not count against the cap."""
+    nodes = [n for n in graph.nodes if n.id in merged]
+    ins, outs = group_boundary(graph, nodes)
+    if len(merged) > max_nodes:
+        return f"would exceed {max_nodes} nodes in one kernel", False
+    if len(ins) - fixed_tensors + len(outs) > max_tensors:
+        return f"would exceed {max_tensors} tensors loaded or stored by one kernel", False
+    through = creates_cycle(graph, merged, order)
+    if through is not None:
+        return f"merging would create a cycle through {node_label(through)} ({through.op_type})", True
+    return None, False

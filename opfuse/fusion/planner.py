@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
-from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
 from opfuse.fusion.views import input_view
 from opfuse.graph import Graph
@@ -93,17 +93,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
                 candidates.append(group_of[p.id])
         for gi in candidates:
             merged = mine | members[gi]
-            nodes = [m for m in graph.nodes if m.id in merged]
-            ins, outs = group_boundary(graph, nodes)
-            reason = None
-            if len(merged) > MAX_GROUP_NODES:
-                reason = f"would exceed {MAX_GROUP_NODES} nodes in one kernel"
-            elif len(ins) + len(outs) > MAX_GROUP_TENSORS:
-                reason = f"would exceed {MAX_GROUP_TENSORS} tensors loaded or stored by one kernel"
-            else:
-                through = creates_cycle(graph, merged, order)
-                if through is not None:
-                    reason = f"merging would create a cycle through {node_label(through)} ({through.op_type})"
+            reason, _ = merge_refusal(graph, merged, order)
             if reason is not None:
                 labels = [*[node_label(m) for m in graph.nodes if m.id in members[gi]][:3], node_label(n)]
                 not_fused.append(NotFired(POINTWISE_RULE, labels, reason))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.codegen.rowwise import ROW_OPS, row_input_reason, row_op_reason, row_split
-from opfuse.fusion.groups import MAX_GROUP_NODES, MAX_GROUP_TENSORS, Group, creates_cycle, group_boundary
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
@@ -74,20 +74,10 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
                 if not _joinable(graph, cand, full, split):
                     continue
                 merged = members | {cand.id}
-                nodes = [n for n in graph.nodes if n.id in merged]
-                ins, outs = group_boundary(graph, nodes)
-                why = None
-                if len(merged) > MAX_GROUP_NODES:
-                    why = f"would exceed {MAX_GROUP_NODES} nodes in one kernel"
-                elif len(ins) + len(outs) > MAX_GROUP_TENSORS:
-                    why = f"would exceed {MAX_GROUP_TENSORS} tensors loaded or stored by one kernel"
-                else:
-                    through = creates_cycle(graph, merged, order)
-                    if through is not None:
-                        pending[cand.id] = (
-                            f"joining would create a cycle through {node_label(through)} ({through.op_type})"
-                        )
-                        continue
+                why, is_cycle = merge_refusal(graph, merged, order)
+                if why is not None and is_cycle:
+                    pending[cand.id] = why
+                    continue
                 if why is not None:
                     refused.add(cand.id)
                     not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(cand)], why))
