@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant
+from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant, split_literals
 from opfuse.codegen.rowwise import matmul_tile_config, next_pow2
-from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
+from opfuse.codegen.source import SourceBuffer, comment_text
 from opfuse.graph import Graph, Node
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
@@ -102,17 +102,10 @@ def generate_conv(
     k = p["C"] * p["KH"] * p["KW"]
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
-    literals: dict[str, str] = {}
-    extra: list[str] = []
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    for name in inputs:
-        if name in (x_name, w_name) and name not in epilogue_reads:
-            continue  # read only by the anchor's own operand loads
-        value = scalar_constant(graph, name)
-        if value is not None and np.isfinite(value) and name != b_name:
-            literals[name] = float_literal(value)
-        elif name not in extra:
-            extra.append(name)
+    # The anchor's operands are loaded tile by tile; the epilogue loads them again only if it reads them.
+    operands_only = {x_name, w_name} - epilogue_reads
+    literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     args = ["x", "w"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     fn = f"{kernel_id}_conv"
     prec = ""

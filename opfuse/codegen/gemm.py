@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant
+from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant, split_literals
 from opfuse.codegen.rowwise import _input_expr, matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
@@ -78,17 +78,10 @@ def generate_gemm(
     c_name = (
         anchor.inputs[2] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     )
-    literals: dict[str, str] = {}
-    extra: list[str] = []  # epilogue (and Gemm C) inputs passed as tensors
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    for name in inputs:
-        if name in (a_name, b_name) and name not in epilogue_reads:
-            continue  # read only by the anchor's own operand loads
-        value = scalar_constant(graph, name)
-        if value is not None and np.isfinite(value) and name != c_name:
-            literals[name] = float_literal(value)
-        elif name not in extra:
-            extra.append(name)
+    # The anchor's operands are loaded tile by tile; the epilogue loads them again only if it reads them.
+    operands_only = {a_name, b_name} - epilogue_reads
+    literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={c_name} - {""})
     tensor_inputs = [a_name, b_name, *extra]
     args = ["a", "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     fn = f"{kernel_id}_gemm"
