@@ -1,14 +1,14 @@
 """The FastAPI application factory: `create_app(settings)`.
 
-At start (lifespan) it migrates the database to head and starts the periodic tasks: requeue of
-expired leases and the blob sweep.
+At start (lifespan) it migrates the database to head and starts the background tasks: requeue of
+expired leases, the blob sweep, webhook delivery.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from functools import partial
 from typing import Any
 
@@ -17,19 +17,24 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service import maintenance
+from service import maintenance, webhooks
 from service.api.routes import admin, health, jobs, models, worker
-from service.blobs import BlobStore
+from service.body_limits import BodyLimitsMiddleware
+from service.check_budget import CheckBudget
 from service.db import make_engine, make_session_factory, upgrade_to_head
 from service.errors import ServiceError
 from service.logging import get_logger
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
+from service.rate_limit import RateLimiter
 from service.settings import Settings
 
 log = get_logger("app")
 
 API_VERSION = "1"
+
+# Requests whose bodies stream into the server (each route enforces its own size limit).
+STREAMED_UPLOADS = (("POST", r"/v1/models"), ("PUT", r"/v1/worker/jobs/[^/]+/artifact"))
 
 
 def _location(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -60,29 +65,30 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
     session_factory = make_session_factory(engine)
-    blobs = BlobStore(settings.blob_dir)
     metrics = Metrics(session_factory)
+
+    def background() -> list[Coroutine[Any, Any, None]]:
+        return [
+            maintenance.run_every(
+                settings.requeue_interval_seconds,
+                "requeue",
+                partial(maintenance.requeue_expired_leases, session_factory, metrics),
+            ),
+            maintenance.run_every(
+                settings.blob_gc_interval_seconds,
+                "blob sweep",
+                partial(maintenance.sweep_blobs, session_factory),
+            ),
+            webhooks.deliver_forever(session_factory, settings, metrics),
+        ]
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if run_migrations:
-            await asyncio.to_thread(upgrade_to_head, settings.database_url)
-        tasks = [
-            asyncio.create_task(
-                maintenance.run_every(
-                    settings.requeue_interval_seconds,
-                    "requeue",
-                    partial(maintenance.requeue_expired_leases, session_factory),
-                )
-            ),
-            asyncio.create_task(
-                maintenance.run_every(
-                    settings.blob_gc_interval_seconds,
-                    "blob sweep",
-                    partial(maintenance.sweep_blobs, session_factory, blobs, settings.blob_gc_grace_seconds),
-                )
-            ),
-        ]
+            await asyncio.to_thread(upgrade_to_head, settings.database_url, settings.legacy_blob_dir)
+        settings.tmp_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(maintenance.remove_stale_spools, settings.tmp_dir)
+        tasks = [asyncio.create_task(work) for work in background()]
         log.info("api ready", extra={"database": engine.url.render_as_string(hide_password=True)})
         try:
             yield
@@ -101,11 +107,18 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = session_factory
-    app.state.blobs = blobs
     app.state.metrics = metrics
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min)
+    app.state.check_budget = CheckBudget(settings.check_budget_bytes)
     for router in (models.router, jobs.router, admin.router, worker.router, health.router):
         app.include_router(router)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(
+        BodyLimitsMiddleware,
+        max_json_bytes=settings.max_json_bytes,
+        timeout_seconds=settings.request_timeout_seconds,
+        streamed=STREAMED_UPLOADS,
+    )
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
     return app

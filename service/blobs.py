@@ -1,147 +1,154 @@
-"""Content-addressed blob store on the local filesystem: `blob_dir/<sha[:2]>/<sha>`.
+"""Content-addressed blobs in the database: `blobs` (sha256, size) and `blob_chunks` (the bytes in
+pieces of `blob_chunk_bytes`, each with its own sha256).
 
-Blobs are written through a temp file in `blob_dir/tmp` and published by an atomic rename, so a
-reader never sees half a file. The sha256 is computed while the bytes stream in; nothing is ever held
-whole in memory.
+A blob is written in the caller's transaction, so it appears together with the row that references
+it, or not at all. It is read back one chunk per short transaction (a download never holds the
+database), every chunk checked against its sha256 before it is handed out, and the whole blob's
+sha256 checked before its last chunk is: a damaged blob is never served whole.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
-import re
-import tempfile
-import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
-from types import TracebackType
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+from sqlalchemy import ColumnElement, and_, exists, insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
+from service.logging import get_logger
+from service.models import Blob, BlobChunk, Job, Model
+from service.spool import UploadSpool
 
-class BlobStore:
-    """Files named by the sha256 of their content."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.tmp_dir = root / "tmp"
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-
-    def path(self, key: str) -> Path:
-        if not _SHA256.fullmatch(key):
-            raise ValueError(f"not a blob key (64 lowercase hex digits): {key!r}")
-        return self.root / key[:2] / key
-
-    def exists(self, key: str) -> bool:
-        return self.path(key).is_file()
-
-    @contextlib.contextmanager
-    def lock(self, exclusive: bool) -> Iterator[None]:
-        # Publishing (shared) and sweeping (exclusive) exclude each other, also across processes.
-        with open(self.root / ".lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def writer(self) -> BlobWriter:
-        return BlobWriter(self)
-
-    def keys(self) -> Iterable[str]:
-        for shard in self.root.iterdir():
-            if shard.is_dir() and len(shard.name) == 2:
-                yield from (p.name for p in shard.iterdir() if _SHA256.fullmatch(p.name))
-
-    def delete(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
-
-    def sweep(self, referenced: set[str], grace_seconds: float) -> list[str]:
-        """Delete blobs no row references and nobody touched in `grace_seconds`; returns their keys.
-
-        The grace period protects a blob whose upload renamed it into place but has not committed
-        its row yet (a publish refreshes the file's mtime).
-        """
-        cutoff = time.time() - grace_seconds
-        removed = []
-        with self.lock(exclusive=True):
-            for key in list(self.keys()):
-                if key in referenced:
-                    continue
-                path = self.path(key)
-                try:
-                    if path.stat().st_mtime <= cutoff:
-                        path.unlink()
-                        removed.append(key)
-                except FileNotFoundError:
-                    continue
-        return removed
+log = get_logger("blobs")
 
 
-class BlobWriter:
-    """Stream bytes into a temp file while hashing them; `publish()` moves it to its content address.
+class BlobCorruptError(Exception):
+    """Stored bytes do not match their sha256 (or pieces are missing): the database is damaged."""
 
-    Use as a context manager: leaving it without publishing removes the temp file.
-    """
 
-    def __init__(self, store: BlobStore) -> None:
-        self._store = store
-        fd, name = tempfile.mkstemp(dir=store.tmp_dir, prefix="upload-")
-        self._file = os.fdopen(fd, "wb")
-        self.temp_path = Path(name)
-        self._hash = hashlib.sha256()
-        self.size = 0
-        self._head = b""
-
-    @property
-    def head(self) -> bytes:
-        """The first few bytes written (enough to check a file's magic number)."""
-        return self._head
-
-    def write(self, chunk: bytes) -> None:
-        if len(self._head) < 8:
-            self._head += chunk[: 8 - len(self._head)]
-        self._file.write(chunk)
-        self._hash.update(chunk)
-        self.size += len(chunk)
-
-    def close(self) -> None:
-        """Finish writing (flushed and fsynced); the temp file stays readable until publish/discard."""
-        if not self._file.closed:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-
-    @property
-    def sha256(self) -> str:
-        return self._hash.hexdigest()
-
-    def publish(self) -> str:
-        """Move the bytes to `<sha[:2]>/<sha>` (atomically) and return the key."""
-        self.close()
-        key = self.sha256
-        target = self._store.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with self._store.lock(exclusive=False):
-            if target.exists():
-                # Same content is already there; refresh its mtime so a sweep leaves it alone.
-                self.temp_path.unlink(missing_ok=True)
-                os.utime(target)
-            else:
-                os.replace(self.temp_path, target)
+def store_blob(session: Session, spool: UploadSpool, chunk_bytes: int) -> str:
+    """Store the spool's bytes under their sha256 (once: the same bytes again are not copied);
+    returns the key. Runs in the caller's transaction."""
+    key = spool.sha256
+    if session.get(Blob, key) is not None:
         return key
+    try:
+        with session.begin_nested():
+            session.add(Blob(sha256=key, size_bytes=spool.size, chunk_count=-(-spool.size // chunk_bytes)))
+    except IntegrityError:
+        return key  # a concurrent upload of the same bytes committed first
+    with spool.path.open("rb") as f:
+        for seq, chunk in enumerate(iter(lambda: f.read(chunk_bytes), b"")):
+            # One row at a time: a big blob never sits in memory.
+            session.execute(
+                insert(BlobChunk).values(
+                    blob_sha256=key, seq=seq, sha256=hashlib.sha256(chunk).hexdigest(), data=chunk
+                )
+            )
+    return key
 
-    def discard(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        self.temp_path.unlink(missing_ok=True)
 
-    def __enter__(self) -> BlobWriter:
-        return self
+def _read_chunk(session: Session, key: str, seq: int) -> BlobChunk | None:
+    return session.scalar(select(BlobChunk).where(BlobChunk.blob_sha256 == key, BlobChunk.seq == seq))
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.discard()
+
+class BlobReader:
+    """Reads one blob chunk by chunk, verified. `first()` reads and checks the first chunk up front,
+    so a damaged small blob is refused before a response starts."""
+
+    def __init__(self, session_factory: sessionmaker[Session], blob: Blob) -> None:
+        self._session_factory = session_factory
+        self.key = blob.sha256
+        self.size = blob.size_bytes
+        self.chunk_count = blob.chunk_count
+        self._whole = hashlib.sha256()
+        self._seen = 0
+        self._next_seq = 0
+        self._held: bytes | None = None
+
+    def _corrupt(self, why: str) -> BlobCorruptError:
+        log.error("blob is damaged; download aborted", extra={"blob_key": self.key, "reason": why})
+        return BlobCorruptError(f"blob {self.key} is damaged: {why}")
+
+    def _next(self, session: Session | None = None) -> bytes | None:
+        """The next verified chunk (read in `session`, else in a short one of its own); the last
+        one only once the whole sha256 matched."""
+        seq = self._next_seq
+        if seq >= self.chunk_count:
+            return None
+        if session is not None:
+            chunk = _read_chunk(session, self.key, seq)
+        else:
+            with self._session_factory() as own:
+                chunk = _read_chunk(own, self.key, seq)
+        if chunk is None:
+            raise self._corrupt(f"chunk {seq} of {self.chunk_count} is missing")
+        data = bytes(chunk.data)
+        if hashlib.sha256(data).hexdigest() != chunk.sha256:
+            raise self._corrupt(f"chunk {seq} does not match its sha256")
+        self._whole.update(data)
+        self._seen += len(data)
+        self._next_seq += 1
+        if self._next_seq == self.chunk_count:
+            if self._seen != self.size:
+                raise self._corrupt(f"its chunks hold {self._seen} bytes, not {self.size}")
+            if self._whole.hexdigest() != self.key:
+                raise self._corrupt("the bytes do not match the blob's sha256")
+        return data
+
+    def first(self, session: Session) -> None:
+        """Read (and hold) the first chunk now, in the request's session (on SQLite a second
+        transaction would wait for the request's own)."""
+        if self._held is None:
+            self._held = self._next(session)
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._held is not None:
+            yield self._held
+            self._held = None
+        while (data := self._next()) is not None:
+            yield data
+
+
+def open_blob(session: Session, session_factory: sessionmaker[Session], key: str) -> BlobReader:
+    """A reader for blob `key`; its first chunk is read and verified already."""
+    blob = session.get(Blob, key)
+    if blob is None:
+        log.error("blob missing", extra={"blob_key": key})
+        raise BlobCorruptError(f"blob {key} is referenced but missing from the database")
+    reader = BlobReader(session_factory, blob)
+    reader.first(session)
+    return reader
+
+
+def _unreferenced() -> ColumnElement[bool]:
+    return and_(
+        ~exists().where(Model.blob_key == Blob.sha256),
+        ~exists().where(Job.artifact_blob_key == Blob.sha256),
+    )
+
+
+def delete_unreferenced(session: Session, keys: Iterable[str]) -> list[str]:
+    """Delete those of `keys` that no model or job references; returns the deleted keys.
+
+    A blob that a concurrent transaction has just started to reference is kept: its foreign key
+    refuses the delete.
+    """
+    deleted = []
+    for key in sorted(set(keys)):
+        blob = session.scalar(select(Blob).where(Blob.sha256 == key, _unreferenced()))
+        if blob is None:
+            continue
+        try:
+            with session.begin_nested():
+                session.delete(blob)
+        except IntegrityError:
+            continue
+        deleted.append(key)
+    return deleted
+
+
+def unreferenced_keys(session: Session, limit: int = 1000) -> list[str]:
+    """Blobs that nothing references (left behind by replaced or abandoned artifacts)."""
+    return list(session.scalars(select(Blob.sha256).where(_unreferenced()).limit(limit)))

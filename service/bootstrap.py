@@ -60,7 +60,7 @@ def ensure_local_keys(settings: Settings) -> tuple[str, str]:
     """Migrate the database, then return (admin key, worker key) of tenant `default`, creating
     them and their files ($OPFUSE_HOME/api_key, $OPFUSE_HOME/worker_key) when needed."""
     settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    upgrade_to_head(settings.database_url)
+    upgrade_to_head(settings.database_url, settings.legacy_blob_dir)
     engine = make_engine(settings.database_url)
     try:
         with Session(engine) as session, session.begin():

@@ -75,13 +75,19 @@ def alembic_config(database_url: str) -> Config:
     return config
 
 
-def upgrade_to_head(database_url: str) -> None:
-    """`alembic upgrade head` on `database_url` (creates a SQLite file's directory first)."""
+def upgrade_to_head(database_url: str, legacy_blob_dir: Path | None = None) -> None:
+    """`alembic upgrade head` on `database_url` (creates a SQLite file's directory first).
+
+    `legacy_blob_dir`: where a server from before blobs moved into the database kept them
+    (default: OPFUSE_BLOB_DIR, else $OPFUSE_HOME/blobs); migration 0002 copies them in.
+    """
     engine = make_engine(database_url)
     try:
         with engine.connect() as connection:
             config = alembic_config(database_url)
             config.attributes["connection"] = connection
+            if legacy_blob_dir is not None:
+                config.attributes["legacy_blob_dir"] = str(legacy_blob_dir)
             command.upgrade(config, "head")
     finally:
         engine.dispose()

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class ServiceError(Exception):
     status_code = 400
@@ -51,3 +53,14 @@ class UnsupportedMediaTypeError(ServiceError):
 
 class UnprocessableError(ServiceError):
     status_code = 422
+
+
+class RequestTimeoutError(ServiceError):
+    status_code = 408
+
+
+class TooManyRequestsError(ServiceError):
+    status_code = 429
+
+    def __init__(self, detail: str, retry_after_seconds: float) -> None:
+        super().__init__(detail, headers={"Retry-After": str(max(1, math.ceil(retry_after_seconds)))})

@@ -1,19 +1,37 @@
-"""Jobs as users see them: create (validated against the model, idempotent), list, cancel."""
+"""Jobs as users see them: create (validated against the model and the tenant's limits,
+idempotent), list (filtered, in any order of the summary metrics), cancel."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service import webhooks
 from service.clock import utcnow
-from service.errors import ConflictError, NotFoundError, UnprocessableError
+from service.errors import ConflictError, NotFoundError, TooManyRequestsError, UnprocessableError
 from service.model_registry import find_model
-from service.models import FINISHED_STATUSES, Job, JobStatus, Model
-from service.pagination import paginate
+from service.models import FINISHED_STATUSES, Job, JobStatus, Model, Tenant
+from service.pagination import Ordering, paginate, parse_ordering
+from service.queue import finish_job
 from service.schemas import JobCreate
+from service.settings import Settings
+
+# What `GET /v1/jobs?order_by=` accepts (each also with a leading "-": largest first).
+ORDER_BY_TIME = ("created_at", "finished_at")
+ORDER_BY_NUMBER = (
+    "speedup",
+    "latency_ms_before",
+    "latency_ms_after",
+    "kernels_before",
+    "kernels_after",
+    "peak_memory_before",
+    "peak_memory_after",
+)
+QUEUE_FULL_RETRY_SECONDS = 30
 
 
 def find_job(session: Session, tenant_id: int, job_id: str) -> Job:
@@ -70,8 +88,17 @@ def shape_problems(inputs: list[dict[str, Any]], input_shapes: dict[str, list[in
     return problems
 
 
-def check_input_shapes(model: Model, input_shapes: dict[str, list[int]]) -> None:
-    problems = shape_problems(model.inputs, input_shapes)
+def size_problems(input_shapes: dict[str, list[int]], max_elements: int) -> list[str]:
+    return [
+        f"input_shapes gives input '{name}' {math.prod(dims)} elements, over this server's limit of "
+        f"{max_elements} (OPFUSE_MAX_INPUT_ELEMENTS)"
+        for name, dims in input_shapes.items()
+        if math.prod(dims) > max_elements
+    ]
+
+
+def check_input_shapes(model: Model, input_shapes: dict[str, list[int]], max_elements: int) -> None:
+    problems = shape_problems(model.inputs, input_shapes) + size_problems(input_shapes, max_elements)
     if problems:
         raise UnprocessableError("; ".join(problems))
 
@@ -90,10 +117,35 @@ def _replay(job: Job, body: JobCreate, key: str) -> Job:
     return job
 
 
+def check_queue_limit(session: Session, tenant_id: int, limit: int) -> None:
+    """429 when the tenant has `limit` jobs queued already (0: no limit).
+
+    The tenant row is locked first (PostgreSQL), so concurrent creates count one after the other.
+    """
+    if limit <= 0:
+        return
+    # FOR NO KEY UPDATE: inserts that reference the tenant (keys, jobs) do not wait for it.
+    session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True))
+    queued = session.scalar(
+        select(func.count())
+        .select_from(Job)
+        .where(Job.tenant_id == tenant_id, Job.status == JobStatus.QUEUED.value)
+    )
+    if queued is not None and queued >= limit:
+        raise TooManyRequestsError(
+            f"your tenant has {queued} jobs queued, the most this server allows "
+            f"(OPFUSE_MAX_QUEUED_JOBS_PER_TENANT={limit}); wait for some to start, or cancel some",
+            QUEUE_FULL_RETRY_SECONDS,
+        )
+
+
 def create_job(
-    session: Session, tenant_id: int, body: JobCreate, idempotency_key: str | None, max_attempts: int
+    session: Session, tenant_id: int, body: JobCreate, idempotency_key: str | None, settings: Settings
 ) -> Job:
     """A new queued job, or the job this Idempotency-Key already created for the same request."""
+    webhook_url = str(body.webhook_url) if body.webhook_url else None
+    if webhook_url is not None:
+        webhooks.check_url(webhook_url, settings)  # first: DNS can be slow, and no lock is held yet
     if idempotency_key is not None:
         earlier = session.scalar(
             select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)
@@ -102,15 +154,18 @@ def create_job(
             return _replay(earlier, body, idempotency_key)
     # FOR SHARE: a concurrent DELETE of the model waits for this job (and then sees it).
     model = find_model(session, tenant_id, body.model_id, lock="share")
-    check_input_shapes(model, body.input_shapes)
+    check_input_shapes(model, body.input_shapes, settings.max_input_elements)
+    if webhook_url is not None:
+        webhooks.check_secret(session, tenant_id, settings)
+    check_queue_limit(session, tenant_id, settings.max_queued_jobs_per_tenant)
     job = Job(
         tenant_id=tenant_id,
         model_id=model.id,
         options=body.options(),
         status=JobStatus.QUEUED.value,
-        max_attempts=max_attempts,
+        max_attempts=settings.max_attempts,
         idempotency_key=idempotency_key,
-        webhook_url=str(body.webhook_url) if body.webhook_url else None,
+        webhook_url=webhook_url,
     )
     try:
         with session.begin_nested():
@@ -128,11 +183,17 @@ def create_job(
     return job
 
 
+def job_ordering(order_by: str) -> Ordering:
+    """`order_by` of GET /v1/jobs; 422 naming the choices when unknown."""
+    return parse_ordering(order_by, ORDER_BY_NUMBER, ORDER_BY_TIME)
+
+
 def list_jobs(
     session: Session,
     tenant_id: int,
     status: JobStatus | None,
     model_id: str | None,
+    ordering: Ordering,
     limit: int,
     cursor: str | None,
 ) -> tuple[list[Job], str | None]:
@@ -141,7 +202,7 @@ def list_jobs(
         stmt = stmt.where(Job.status == status.value)
     if model_id is not None:
         stmt = stmt.where(Job.model_id == model_id)
-    return paginate(session, stmt, Job.created_at, Job.id, limit, cursor)
+    return paginate(session, stmt, Job, ordering, limit, cursor)
 
 
 def cancel_job(session: Session, tenant_id: int, job_id: str) -> Job:
@@ -151,8 +212,7 @@ def cancel_job(session: Session, tenant_id: int, job_id: str) -> Job:
     if job.status in FINISHED_STATUSES:
         raise ConflictError(f"job '{job_id}' already {job.status}; there is nothing to cancel")
     if job.status == JobStatus.QUEUED:
-        job.status = JobStatus.CANCELED.value
-        job.finished_at = utcnow()
+        finish_job(session, job, JobStatus.CANCELED, utcnow(), None)
     else:
         job.cancel_requested = True
     return job

@@ -1,5 +1,6 @@
-"""The outermost layer of every request: a request id, one structured log line, HTTP metrics,
-and a JSON 500 (logged with its traceback) for any exception nothing else handled.
+"""The outermost layer of every request: a request id, log fields bound for the request (job and
+worker ids), one structured log line, HTTP metrics, job metrics once the request's transaction
+committed, and a JSON 500 (logged with its traceback) for any exception nothing else handled.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.logging import get_logger, request_id_var
+from service.logging import get_logger, log_fields_var, request_id_var
 from service.metrics import Metrics
 
 log = get_logger("http")
@@ -46,6 +47,7 @@ class RequestContextMiddleware:
             return
         request_id = _request_id(scope)
         token = request_id_var.set(request_id)
+        fields_token = log_fields_var.set({})
         started = time.perf_counter()
         response: dict[str, Any] = {"status": 500, "started": False}
 
@@ -57,7 +59,10 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            with self.metrics.collecting() as pending:
+                await self.app(scope, receive, send_with_id)
+            if response["status"] < 400:  # the request's transaction committed
+                self.metrics.apply(pending)
         except Exception:
             log.exception("unhandled error", extra=self._fields(scope, 500, started))
             if response["started"]:
@@ -69,6 +74,7 @@ class RequestContextMiddleware:
                 scope["method"], _route(scope), status, time.perf_counter() - started
             )
             log.info("request", extra=self._fields(scope, status, started))
+            log_fields_var.reset(fields_token)
             request_id_var.reset(token)
 
     @staticmethod
@@ -82,7 +88,7 @@ class RequestContextMiddleware:
         }
         params = scope.get("path_params") or {}
         for key in ("job_id", "model_id"):
-            if key in params:
+            if key in params and key not in (log_fields_var.get() or {}):
                 fields[key] = params[key]
         return fields
 

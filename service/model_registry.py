@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -9,14 +11,19 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from opfuse.errors import ModelError
-from opfuse.frontend.inspect import ModelInfo, inspect_model
-from service.blobs import BlobWriter
-from service.errors import ConflictError, NotFoundError, UnprocessableError
+from opfuse.frontend.inspect import ModelInfo
+from service.blobs import delete_unreferenced, store_blob
+from service.check_budget import CheckBudget
+from service.errors import ConflictError, NotFoundError
+from service.model_checks import ModelLimits, check_and_describe, parse_upload
+from service.model_zip import model_from_zip
 from service.models import ACTIVE_STATUSES, Job, Model
-from service.pagination import paginate
+from service.pagination import CREATED_DESC, paginate
+from service.spool import UploadSpool
 
 DEFAULT_MODEL_NAME = "model"
+ONNX_CONTENT_TYPE = "application/octet-stream"
+ZIP_CONTENT_TYPE = "application/zip"
 
 
 def find_model(
@@ -40,55 +47,81 @@ def find_by_sha256(session: Session, tenant_id: int, sha256: str) -> Model | Non
     return session.scalar(select(Model).where(Model.tenant_id == tenant_id, Model.sha256 == sha256))
 
 
-def describe_model_file(path: Path, size: int) -> ModelInfo:
-    """Parse, check and describe an uploaded file (opfuse.frontend: parse_model, check_model,
-    default_opset); 422 with the reason when it is not a valid, self-contained ONNX model."""
-    if size == 0:
-        raise UnprocessableError("the request body is empty: send the bytes of the .onnx file")
-    try:
-        return inspect_model(path)
-    except ModelError as exc:
-        raise UnprocessableError(str(exc)) from None
+def describe_model_file(path: Path, limits: ModelLimits) -> ModelInfo:
+    """Parse, check and describe a raw .onnx upload; 422 with every reason when it is not a valid,
+    self-contained ONNX model within the server's limits."""
+    return check_and_describe(parse_upload(path.read_bytes()), limits)
 
 
-def check_upload(
-    session_factory: sessionmaker[Session], tenant_id: int, writer: BlobWriter
-) -> ModelInfo | None:
-    """Validate an upload, unless the tenant already has these bytes (then None: nothing to check).
+@dataclass
+class PreparedUpload:
+    """What to store for an upload: the model's bytes, and its description (None: the tenant has
+    these bytes already, nothing to check)."""
+
+    spool: UploadSpool
+    info: ModelInfo | None
+
+
+def prepare_upload(
+    session_factory: sessionmaker[Session],
+    tenant_id: int,
+    upload: UploadSpool,
+    content_type: str,
+    limits: ModelLimits,
+    budget: CheckBudget,
+    stack: ExitStack,
+) -> PreparedUpload:
+    """Check an upload (a raw .onnx, or a zip with external data made self-contained here).
 
     Runs before the request's transaction starts, so a slow check of a big model holds no locks.
+    A check holds the model in memory, so it waits for room in `budget`. A spool made here is
+    discarded when `stack` closes.
     """
+    if content_type == ZIP_CONTENT_TYPE:
+        with budget.hold(upload.size):
+            model = model_from_zip(upload.path, limits)
+            info = check_and_describe(model, limits)
+            data = model.SerializeToString()
+            del model
+            spool = stack.enter_context(UploadSpool.of_bytes(upload.path.parent, data))
+        return PreparedUpload(spool, info)
     with session_factory() as session:
-        if find_by_sha256(session, tenant_id, writer.sha256) is not None:
-            return None
-    return describe_model_file(writer.temp_path, writer.size)
+        if find_by_sha256(session, tenant_id, upload.sha256) is not None:
+            return PreparedUpload(upload, None)
+    with budget.hold(upload.size):
+        return PreparedUpload(upload, describe_model_file(upload.path, limits))
 
 
 def save_model(
-    session: Session, tenant_id: int, writer: BlobWriter, name: str, info: ModelInfo | None
+    session: Session,
+    tenant_id: int,
+    upload: PreparedUpload,
+    name: str,
+    limits: ModelLimits,
+    chunk_bytes: int,
 ) -> tuple[Model, bool]:
-    """The tenant's model with these bytes, and whether it is new (publishing the blob if so)."""
-    existing = find_by_sha256(session, tenant_id, writer.sha256)
+    """The tenant's model with these bytes, and whether it is new (storing the blob if so)."""
+    spool = upload.spool
+    existing = find_by_sha256(session, tenant_id, spool.sha256)
     if existing is not None:
         return existing, False
-    if info is None:  # the copy check_upload saw was deleted since
-        info = describe_model_file(writer.temp_path, writer.size)
+    info = upload.info or describe_model_file(spool.path, limits)  # the copy seen before was deleted
     model = Model(
         tenant_id=tenant_id,
         name=name,
-        sha256=writer.sha256,
-        size_bytes=writer.size,
+        sha256=spool.sha256,
+        size_bytes=spool.size,
         opset=info.opset,
         inputs=[vars(t) for t in info.inputs],
         outputs=[vars(t) for t in info.outputs],
-        blob_key=writer.publish(),
+        blob_key=store_blob(session, spool, chunk_bytes),
     )
     try:
         with session.begin_nested():
             session.add(model)
     except IntegrityError:
         # A concurrent upload of the same bytes committed first: answer with its model.
-        existing = find_by_sha256(session, tenant_id, writer.sha256)
+        existing = find_by_sha256(session, tenant_id, spool.sha256)
         if existing is None:
             raise
         return existing, False
@@ -99,14 +132,12 @@ def list_models(
     session: Session, tenant_id: int, limit: int, cursor: str | None
 ) -> tuple[list[Model], str | None]:
     stmt = select(Model).where(Model.tenant_id == tenant_id)
-    return paginate(session, stmt, Model.created_at, Model.id, limit, cursor)
+    return paginate(session, stmt, Model, CREATED_DESC, limit, cursor)
 
 
 def delete_model(session: Session, tenant_id: int, model_id: str) -> None:
-    """Delete a model and its finished jobs; 409 while it has queued or running jobs.
-
-    The blobs are removed later by the blob sweep, once nothing references them.
-    """
+    """Delete a model, its finished jobs, and the blobs (model, bundles) nothing else uses;
+    409 while it has queued or running jobs."""
     model = find_model(session, tenant_id, model_id, lock="update")
     active = session.scalar(
         select(func.count()).select_from(Job).where(Job.model_id == model.id, Job.status.in_(ACTIVE_STATUSES))
@@ -116,5 +147,13 @@ def delete_model(session: Session, tenant_id: int, model_id: str) -> None:
             f"model '{model_id}' has {active} queued or running job(s); cancel them "
             "(POST /v1/jobs/{id}/cancel) or let them finish, then delete the model"
         )
+    blob_keys = {model.blob_key}
+    blob_keys.update(
+        key
+        for key in session.scalars(select(Job.artifact_blob_key).where(Job.model_id == model.id))
+        if key is not None
+    )
     session.execute(delete(Job).where(Job.model_id == model.id))
     session.delete(model)
+    session.flush()
+    delete_unreferenced(session, blob_keys)

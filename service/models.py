@@ -1,4 +1,5 @@
-"""The database schema as SQLAlchemy 2 typed ORM classes: tenants, API keys, models and jobs.
+"""The database schema as SQLAlchemy 2 typed ORM classes: tenants, API keys, blobs, models, jobs and
+webhook deliveries.
 
 Works on SQLite and PostgreSQL. Every timestamp is timezone-aware UTC in Python (`UTCDateTime`).
 Alembic's migrations (migrations/versions) must produce exactly this schema; a test checks it.
@@ -22,6 +23,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -55,6 +57,12 @@ class JobStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELED = "canceled"
+
+
+class DeliveryStatus(StrEnum):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
 
 
 class Stage(StrEnum):
@@ -111,6 +119,8 @@ class Tenant(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
+    # Signs the tenant's webhooks (HMAC-SHA256); null: the server's OPFUSE_WEBHOOK_SECRET.
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -128,8 +138,35 @@ class ApiKey(Base):
     revoked: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
+class Blob(Base):
+    """Bytes stored by their sha256 (content-addressed): an uploaded model or a bundle.
+
+    The bytes are in `blob_chunks`; a model or job row references a blob by foreign key, so a blob
+    that something uses cannot be deleted.
+    """
+
+    __tablename__ = "blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    chunk_count: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class BlobChunk(Base):
+    """One piece of a blob (1–4 MiB), with its own sha256 so a damaged piece is never served."""
+
+    __tablename__ = "blob_chunks"
+
+    blob_sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Model(Base):
-    """An uploaded ONNX model; its bytes live in the blob store under `blob_key` (= sha256)."""
+    """An uploaded ONNX model (self-contained: external data is inlined); its bytes are the blob
+    `blob_key` (= sha256)."""
 
     __tablename__ = "models"
     __table_args__ = (
@@ -145,7 +182,7 @@ class Model(Base):
     opset: Mapped[int] = mapped_column(Integer)
     inputs: Mapped[list[Any]] = mapped_column(JSON)
     outputs: Mapped[list[Any]] = mapped_column(JSON)
-    blob_key: Mapped[str] = mapped_column(String(64))
+    blob_key: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -157,6 +194,7 @@ class Job(Base):
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index(None, "tenant_id", "created_at"),
         Index(None, "status", "created_at"),
+        Index(None, "tenant_id", "status"),
         CheckConstraint(f"status IN ({_in(JobStatus)})", name="status"),
         CheckConstraint(f"stage IS NULL OR stage IN ({_in(Stage)})", name="stage"),
     )
@@ -184,7 +222,7 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     report: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    artifact_blob_key: Mapped[str | None] = mapped_column(String(64))
+    artifact_blob_key: Mapped[str | None] = mapped_column(ForeignKey("blobs.sha256"), index=True)
     artifact_sha256: Mapped[str | None] = mapped_column(String(64))
     artifact_size_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
@@ -199,4 +237,28 @@ class Job(Base):
 
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column()
+    stage_started_at: Mapped[datetime | None] = mapped_column()  # null: the stage began at started_at
     finished_at: Mapped[datetime | None] = mapped_column()
+
+
+class WebhookDelivery(Base):
+    """The outbox of webhook calls: written in the transaction that ends the job, sent afterwards by
+    the API's delivery task, retried with backoff; a restart loses nothing."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index(None, "status", "next_attempt_at"),
+        CheckConstraint(f"status IN ({_in(DeliveryStatus)})", name="status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    url: Mapped[str] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)  # the exact JSON body that is signed and sent
+    status: Mapped[str] = mapped_column(String(16), default=DeliveryStatus.PENDING.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column()

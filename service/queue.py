@@ -4,6 +4,9 @@ Fencing: every worker write names the lease token it got from its claim; the row
 token compared before anything changes, so a worker whose lease expired (and whose job may now run
 elsewhere) can change nothing. `lease_epoch` counts claims. Expired leases go back to the queue until
 `max_attempts` claims were used up.
+
+Every end of a job goes through `finish_job`, which also puts its webhook in the outbox and records
+its duration; every change of stage records how long the stage before took.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, select, update
+from sqlalchemy import ColumnElement, CursorResult, or_, select, update
 from sqlalchemy.orm import Session
 
+from service import webhooks
 from service.errors import ConflictError, LeaseLostError, NotFoundError
 from service.logging import get_logger
+from service.metrics import record_job, record_stage
 from service.models import Job, JobStatus, Stage
+from service.targets import Target, device_kind
 
 log = get_logger("queue")
 
@@ -26,13 +32,23 @@ MAX_ERROR_CHARS = 10_000
 _CLAIM_RETRIES = 5
 
 
-def _release(job: Job) -> None:
+def _end_stage(job: Job, now: datetime) -> None:
+    """The current stage is over: record its duration (it began at stage_started_at, or at the
+    claim when the worker has not moved on yet)."""
+    began = job.stage_started_at or job.started_at
+    if job.stage is not None and began is not None:
+        record_stage(job.stage, (now - began).total_seconds())
+    job.stage_started_at = None
+
+
+def _release(job: Job, now: datetime) -> None:
+    _end_stage(job, now)
     job.lease_expires_at = None
     job.stage = None
 
 
-def _requeue(job: Job) -> None:
-    _release(job)
+def _requeue(job: Job, now: datetime) -> None:
+    _release(job, now)
     job.status = JobStatus.QUEUED.value
     job.lease_token = None
     job.worker_id = None
@@ -40,11 +56,14 @@ def _requeue(job: Job) -> None:
     job.progress = 0.0
 
 
-def _finish(job: Job, status: JobStatus, now: datetime, error: str | None) -> None:
-    _release(job)
+def finish_job(session: Session, job: Job, status: JobStatus, now: datetime, error: str | None) -> None:
+    """End the job (succeeded, failed or canceled): its webhook goes to the outbox."""
+    _release(job, now)
     job.status = status.value
     job.error = error
     job.finished_at = now
+    record_job(status.value, (now - job.created_at).total_seconds())
+    webhooks.enqueue(session, job)
 
 
 def requeue_expired(session: Session, now: datetime) -> list[Job]:
@@ -57,9 +76,10 @@ def requeue_expired(session: Session, now: datetime) -> list[Job]:
     ).all()
     for job in expired:
         if job.cancel_requested:
-            _finish(job, JobStatus.CANCELED, now, None)
+            finish_job(session, job, JobStatus.CANCELED, now, None)
         elif job.attempts >= job.max_attempts:
-            _finish(
+            finish_job(
+                session,
                 job,
                 JobStatus.FAILED,
                 now,
@@ -67,7 +87,7 @@ def requeue_expired(session: Session, now: datetime) -> list[Job]:
                 f"(last worker: {job.worker_id})",
             )
         else:
-            _requeue(job)
+            _requeue(job, now)
         log.warning(
             "lease expired",
             extra={
@@ -80,19 +100,29 @@ def requeue_expired(session: Session, now: datetime) -> list[Job]:
     return list(expired)
 
 
+def _runs_on(kind: str) -> ColumnElement[bool]:
+    """Jobs a worker of this device kind may take: target `any` (or none, from before targets
+    existed) or exactly its kind. Reads the target out of the options JSON, on SQLite
+    (json_extract) and PostgreSQL (->>) alike."""
+    target = Job.options["target"].as_string()
+    return or_(target.is_(None), target.in_((Target.ANY.value, kind)))
+
+
 def claim_job(
     session: Session, worker_id: str, device: str, lease_seconds: float, now: datetime
 ) -> Job | None:
-    """Requeue expired leases, then take the oldest queued job of any tenant; None if there is none.
+    """Requeue expired leases, then take the oldest queued job of any tenant that this worker's
+    device serves (its target is `any` or the device's kind); None if there is none.
 
     PostgreSQL: SELECT ... FOR UPDATE SKIP LOCKED, so concurrent claims take different jobs.
     SQLite: a conditional UPDATE ... WHERE status = 'queued' whose rowcount says who won.
     """
     requeue_expired(session, now)
+    kind = device_kind(device)
     for _ in range(_CLAIM_RETRIES):
         job_id = session.scalar(
             select(Job.id)
-            .where(Job.status == JobStatus.QUEUED.value)
+            .where(Job.status == JobStatus.QUEUED.value, _runs_on(kind))
             .order_by(Job.created_at, Job.id)
             .limit(1)
             .with_for_update(skip_locked=True)
@@ -131,6 +161,7 @@ def claim_job(
                 extra={
                     "job_id": job.id,
                     "worker_id": worker_id,
+                    "device_kind": kind,
                     "attempts": job.attempts,
                     "lease_epoch": job.lease_epoch,
                 },
@@ -159,8 +190,11 @@ def leased_job(session: Session, job_id: str, lease_token: str) -> Job:
 
 
 def heartbeat(job: Job, stage: Stage | None, progress: float, lease_seconds: float, now: datetime) -> None:
-    if stage is not None:
+    """Renew the lease; a new stage ends the one before (its duration is recorded)."""
+    if stage is not None and stage.value != job.stage:
+        _end_stage(job, now)
         job.stage = stage.value
+        job.stage_started_at = now
     job.progress = progress
     job.lease_expires_at = now + timedelta(seconds=lease_seconds)
 
@@ -221,21 +255,21 @@ def complete_job(
     job.report = report
     apply_summary(job, report)
     job.progress = 1.0
-    _finish(job, JobStatus.SUCCEEDED, now, None)
+    finish_job(session, job, JobStatus.SUCCEEDED, now, None)
     log.info("job succeeded", extra={"job_id": job.id, "speedup": job.speedup})
     return job
 
 
-def fail_job(job: Job, error: str, retryable: bool, now: datetime) -> None:
+def fail_job(session: Session, job: Job, error: str, retryable: bool, now: datetime) -> None:
     """Canceled if the user asked; requeued if retryable and attempts are left; failed otherwise."""
     error = error[:MAX_ERROR_CHARS]
     if job.cancel_requested:
-        _finish(job, JobStatus.CANCELED, now, None)
+        finish_job(session, job, JobStatus.CANCELED, now, None)
     elif retryable and job.attempts < job.max_attempts:
-        _requeue(job)
+        _requeue(job, now)
         job.error = f"attempt {job.attempts} failed (will retry): {error}"
     elif retryable:
-        _finish(job, JobStatus.FAILED, now, f"{error} (gave up after {job.attempts} attempts)")
+        finish_job(session, job, JobStatus.FAILED, now, f"{error} (gave up after {job.attempts} attempts)")
     else:
-        _finish(job, JobStatus.FAILED, now, error)
+        finish_job(session, job, JobStatus.FAILED, now, error)
     log.info("job failed", extra={"job_id": job.id, "status": job.status, "retryable": retryable})

@@ -9,8 +9,10 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from service.models import Job, JobStatus, Model, Scope, Stage
+from service.targets import Target
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
+TENANT_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 ItemT = TypeVar("ItemT")
 
 
@@ -79,7 +81,10 @@ class JobCreate(BaseModel):
     fusion: FusionOptions = Field(default_factory=FusionOptions)
     verify: VerifyOptions = Field(default_factory=VerifyOptions)
     webhook_url: AnyHttpUrl | None = None
-    target: str = Field(default="any", min_length=1, max_length=100)
+    target: Target = Field(
+        default=Target.ANY,
+        description="the device kind to run on: `any`, `cpu` or a GPU kind such as `h200` (service.targets)",
+    )
 
     def options(self) -> dict[str, Any]:
         """What the worker needs to run the job (stored as the job's `options`)."""
@@ -88,7 +93,7 @@ class JobCreate(BaseModel):
             "precision": self.precision,
             "fusion": self.fusion.model_dump(),
             "verify": self.verify.model_dump(),
-            "target": self.target,
+            "target": self.target.value,
         }
 
 
@@ -156,7 +161,7 @@ class JobOut(BaseModel):
 
 class ApiKeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tenant: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$", description="created if new")
+    tenant: str = Field(pattern=TENANT_PATTERN, description="created if new")
     scope: Scope = Scope.USER
 
 
@@ -164,6 +169,11 @@ class ApiKeyOut(BaseModel):
     key: str = Field(description="shown once; only its hash is stored")
     tenant: str
     scope: Scope
+
+
+class WebhookSecretOut(BaseModel):
+    tenant: str
+    webhook_secret: str = Field(description="verify X-Opfuse-Signature (HMAC-SHA256 of the body) with it")
 
 
 # -- worker protocol ----------------------------------------------------------------------------

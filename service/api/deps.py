@@ -1,4 +1,5 @@
-"""FastAPI dependencies as `Annotated` aliases: settings, stores, the request's session, the caller.
+"""FastAPI dependencies as `Annotated` aliases: settings, metrics, the request's session, the caller
+(rate-limited per key).
 
 `SessionDep` is the request's one transaction: committed when the route returns normally, rolled back
 when it raises, and (scope "function") finished before the response is sent, so a client that sees
@@ -15,9 +16,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth import Principal, authenticate
-from service.blobs import BlobStore
 from service.errors import ForbiddenError
+from service.metrics import Metrics
 from service.models import Scope
+from service.rate_limit import RateLimiter
 from service.settings import Settings
 
 # Declared for the OpenAPI docs ("Authorize" button); the key itself is checked in get_principal.
@@ -29,9 +31,9 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
-def get_blobs(request: Request) -> BlobStore:
-    blobs: BlobStore = request.app.state.blobs
-    return blobs
+def get_metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
 
 
 def get_session_factory(request: Request) -> sessionmaker[Session]:
@@ -40,7 +42,7 @@ def get_session_factory(request: Request) -> sessionmaker[Session]:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-BlobsDep = Annotated[BlobStore, Depends(get_blobs)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_session_factory)]
 
 
@@ -67,7 +69,11 @@ def get_principal(
     # Its own short transaction: the request's transaction starts only when the route needs it
     # (an upload streams for a long time before that).
     with factory() as session:
-        return authenticate(session, request.headers.get("authorization"))
+        principal = authenticate(session, request.headers.get("authorization"))
+    if principal.scope != Scope.WORKER:  # workers poll by design; their pace is the fleet's
+        limiter: RateLimiter = request.app.state.rate_limiter
+        limiter.take(principal.key_id)
+    return principal
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

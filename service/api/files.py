@@ -1,24 +1,39 @@
-"""Streaming a stored blob as a download, with its sha256 as the ETag."""
+"""Downloads of stored blobs: streamed chunk by chunk from the database, ETag = the sha256."""
 
 from __future__ import annotations
 
 from fastapi import Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session, sessionmaker
 
-from service.blobs import BlobStore
-from service.logging import get_logger
-
-log = get_logger("files")
+from service.blobs import open_blob
 
 
-def blob_response(request: Request, blobs: BlobStore, key: str, media_type: str, filename: str) -> Response:
-    """A streamed FileResponse (ETag = `"<sha256>"`), or 304 when the client's If-None-Match has it."""
+def _quote_filename(filename: str) -> str:
+    safe = "".join(c if c.isprintable() and c not in '"\\' else "_" for c in filename)
+    return safe.encode("ascii", "replace").decode("ascii").replace("?", "_")
+
+
+def blob_response(
+    request: Request,
+    session: Session,
+    session_factory: sessionmaker[Session],
+    key: str,
+    media_type: str,
+    filename: str,
+) -> Response:
+    """The blob streamed (ETag `"<sha256>"`), or 304 when the client's If-None-Match has it.
+
+    Its first chunk is read and verified before the response starts, so a damaged blob of one chunk
+    is a 500; a later damaged chunk aborts the download before any of its bytes are sent.
+    """
     etag = f'"{key}"'
     if etag in [t.strip() for t in request.headers.get("if-none-match", "").split(",")]:
         return Response(status_code=304, headers={"ETag": etag})
-    path = blobs.path(key)
-    if not path.is_file():
-        # The row exists but the file is gone: the store was damaged or pruned by hand.
-        log.error("blob missing", extra={"blob_key": key})
-        raise FileNotFoundError(f"blob {key} is missing from the blob store")
-    return FileResponse(path, media_type=media_type, filename=filename, headers={"ETag": etag})
+    reader = open_blob(session, session_factory, key)
+    headers = {
+        "ETag": etag,
+        "Content-Length": str(reader.size),
+        "Content-Disposition": f'attachment; filename="{_quote_filename(filename)}"',
+    }
+    return StreamingResponse(iter(reader), media_type=media_type, headers=headers)

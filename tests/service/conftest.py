@@ -13,15 +13,18 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
+from service import webhooks
 from service.app import create_app
 from service.auth import create_key, get_or_create_tenant
 from service.db import make_engine, upgrade_to_head
@@ -32,7 +35,8 @@ from .onnx_models import mlp, to_bytes
 
 POSTGRES_URL = os.environ.get("OPFUSE_TEST_POSTGRES_URL", "")
 REQUIRE_POSTGRES = os.environ.get("OPFUSE_REQUIRE_POSTGRES") == "1"
-TABLES = "jobs, models, api_keys, tenants"
+# Children first. DELETE, not TRUNCATE: several times faster on tables this small.
+TABLES = ("webhook_deliveries", "jobs", "models", "blob_chunks", "blobs", "api_keys", "tenants")
 
 
 def _postgres_unavailable(reason: str) -> None:
@@ -128,18 +132,33 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database of its own for this test."""
     if request.param == "sqlite":
-        path = tmp_path / "home" / "opfuse.db"
-        path.parent.mkdir()
-        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
-        return f"sqlite:///{path}"
+        sqlite_url: str = request.getfixturevalue("sqlite_database_url")
+        return sqlite_url
     url: str = request.getfixturevalue("postgres_database")
     engine = make_engine(url)
     try:
         with engine.begin() as connection:
-            connection.execute(text(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE"))
+            for table in TABLES:
+                connection.execute(text(f"DELETE FROM {table}"))
     finally:
         engine.dispose()
     return url
+
+
+@pytest.fixture
+def sqlite_database_url(sqlite_template: Path, tmp_path: Path) -> str:
+    """A migrated, empty SQLite database; a module whose tests need no PostgreSQL run overrides
+    `database_url` with it."""
+    path = tmp_path / "home" / "opfuse.db"
+    path.parent.mkdir(exist_ok=True)
+    shutil.copyfile(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def public_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host name resolves to a public address (no DNS in tests)."""
+    monkeypatch.setattr(webhooks, "resolve", lambda host, port: ["93.184.216.34"])
 
 
 @pytest.fixture
@@ -151,9 +170,11 @@ def settings(database_url: str, tmp_path: Path) -> Settings:
         max_upload_bytes=64 * 1024,
         lease_seconds=30,
         max_attempts=3,
-        # The tests drive requeue and sweep themselves.
+        webhook_secret=SecretStr("test-webhook-secret"),
+        # The tests drive requeue, sweep and webhook delivery themselves.
         requeue_interval_seconds=3600,
         blob_gc_interval_seconds=3600,
+        webhook_interval_seconds=3600,
     )
 
 
@@ -217,3 +238,10 @@ def create_job(client: TestClient, key: str, model_id: str, **fields: object) ->
     assert response.status_code == 202, response.text
     job: dict = response.json()
     return job
+
+
+@contextmanager
+def client_with(settings: Settings, **overrides: object) -> Iterator[TestClient]:
+    """A TestClient of an app with some settings changed (same database)."""
+    with TestClient(create_app(settings.model_copy(update=overrides), run_migrations=False)) as test_client:
+        yield test_client

@@ -77,3 +77,53 @@ def test_log_lines_are_json_with_request_and_job_ids() -> None:
     entry = json.loads(line)
     assert entry["msg"] == "job claimed" and entry["job_id"] == "abc" and entry["request_id"] == "req-9"
     assert entry["level"] == "info" and entry["ts"].endswith("+00:00")
+
+
+class _JsonLines(logging.Handler):
+    """Formats each record as it is logged (the request's bound fields are live only then)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+def test_job_stages_workers_and_logs_are_observed(client: TestClient, keys: Keys, model: dict) -> None:
+    from .test_worker import Worker, bundle
+
+    job = create_job(client, keys.user, model["id"])
+    worker = Worker(client, keys.worker, worker_id="gpu-7")
+    token = worker.claim().json()["lease_token"]
+    lines = _JsonLines()
+    logger = logging.getLogger("opfuse.service")
+    logger.addHandler(lines)
+    previous_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for stage in ("profiling", "profiling", "verifying"):
+            assert worker.heartbeat(job["id"], token, stage=stage).status_code == 200
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(previous_level)
+    worker.artifact(job["id"], token, bundle())
+    assert worker.complete(job["id"], token).status_code == 200
+
+    beats = [line for line in lines.lines if line["msg"] == "request"]
+    assert len(beats) == 3
+    assert all(line["job_id"] == job["id"] and line["worker_id"] == "gpu-7" for line in beats)
+
+    text = client.get("/metrics").text
+    for stage in ("loading", "profiling", "verifying"):  # each ended once (the last at completion)
+        assert f'opfuse_job_stage_duration_seconds_count{{stage="{stage}"}} 1.0' in text
+    assert 'opfuse_job_duration_seconds_count{status="succeeded"} 1.0' in text
+    assert 'opfuse_worker_last_seen_timestamp_seconds{worker_id="gpu-7"}' in text
+    for name in (
+        "opfuse_jobs{",
+        "opfuse_queue_depth",
+        "opfuse_http_requests_total",
+        "opfuse_webhook_deliveries",
+    ):
+        assert name in text, name

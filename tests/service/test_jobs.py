@@ -91,7 +91,9 @@ def test_unknown_model_is_404(client: TestClient, keys: Keys) -> None:
     assert "GET /v1/models" in response.json()["detail"]
 
 
-def test_idempotency_key_gives_the_same_job(client: TestClient, keys: Keys, model: dict) -> None:
+def test_idempotency_key_gives_the_same_job(
+    client: TestClient, keys: Keys, model: dict, public_dns: None
+) -> None:
     body = {"model_id": model["id"], "input_shapes": {"x": [8, 4]}, "webhook_url": "https://example.com/hook"}
     first = post_job(client, keys.user, body, **{"Idempotency-Key": "k1"})
     again = post_job(client, keys.user, body, **{"Idempotency-Key": "k1"})
@@ -157,3 +159,73 @@ def test_another_tenants_job_is_404(client: TestClient, keys: Keys, model: dict)
         response = client.request(method, f"/v1/jobs/{job['id']}{suffix}", headers=bearer(keys.other))
         assert response.status_code == 404, suffix
     assert client.get(f"/v1/jobs/{job['id']}", headers=bearer(keys.user)).json()["status"] == "queued"
+
+
+def _finish_with(client: TestClient, keys: Keys, job_id: str, speedup: float | None) -> None:
+    from .test_worker import Worker, bundle
+
+    worker = Worker(client, keys.worker)
+    claimed = worker.claim().json()
+    assert claimed["job"]["id"] == job_id
+    token = claimed["lease_token"]
+    assert worker.artifact(job_id, token, bundle()).status_code == 200
+    report: dict = {"kernels": {"before": 3, "after": 1}}
+    if speedup is not None:
+        report |= {"speedup": speedup, "after": {"latency_ms": {"p50": 10 / speedup}}}
+    assert worker.complete(job_id, token, report).status_code == 200
+
+
+def _pages(client: TestClient, key: str, **params: object) -> list[str]:
+    out, cursor = [], None
+    while True:
+        query = {**params, "limit": 2} | ({"cursor": cursor} if cursor else {})
+        response = client.get("/v1/jobs", params=query, headers=bearer(key))
+        assert response.status_code == 200, response.text
+        out += [j["id"] for j in response.json()["items"]]
+        cursor = response.json()["next_cursor"]
+        if not cursor:
+            return out
+
+
+def test_order_by_a_metric_pages_correctly_with_nulls_last(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    speedups = [1.5, None, 3.0, 1.5, 0.8, 1.5]
+    jobs = [create_job(client, keys.user, model["id"])["id"] for _ in speedups]
+    for job_id, speedup in zip(jobs, speedups, strict=True):
+        _finish_with(client, keys, job_id, speedup)
+    queued = create_job(client, keys.user, model["id"])["id"]  # no metrics at all
+    values = dict(zip(jobs, speedups, strict=True)) | {queued: None}
+
+    def expected(descending: bool) -> list[str]:
+        known = sorted(
+            (j for j, v in values.items() if v is not None),
+            key=lambda j: (values[j], j),
+            reverse=descending,
+        )
+        unknown = sorted((j for j, v in values.items() if v is None), reverse=descending)
+        return known + unknown
+
+    assert _pages(client, keys.user, order_by="-speedup") == expected(descending=True)
+    assert _pages(client, keys.user, order_by="speedup") == expected(descending=False)
+    # latency_ms_after = 10 / speedup: the same jobs, the other way round.
+    by_latency = _pages(client, keys.user, order_by="latency_ms_after")
+    assert [values[j] for j in by_latency] == [3.0, 1.5, 1.5, 1.5, 0.8, None, None]
+    assert _pages(client, keys.user, order_by="created_at") == [*jobs, queued]
+    assert _pages(client, keys.user, order_by="-created_at") == [queued, *jobs[::-1]]
+    assert _pages(client, keys.user, order_by="-speedup", status="queued") == [queued]
+
+
+def test_order_by_is_checked_and_cursors_belong_to_their_order(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    for _ in range(3):
+        create_job(client, keys.user, model["id"])
+    bad = client.get("/v1/jobs", params={"order_by": "-password"}, headers=bearer(keys.user))
+    assert bad.status_code == 422 and "-speedup" in bad.json()["detail"]
+    page = client.get("/v1/jobs", params={"limit": 1, "order_by": "speedup"}, headers=bearer(keys.user))
+    cursor = page.json()["next_cursor"]
+    other = client.get(
+        "/v1/jobs", params={"limit": 1, "order_by": "-speedup", "cursor": cursor}, headers=bearer(keys.user)
+    )
+    assert other.status_code == 400 and "order_by=speedup" in other.json()["detail"]

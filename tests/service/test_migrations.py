@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,10 +12,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from service.app import create_app
-from service.db import alembic_config, make_engine, migrations_dir, upgrade_to_head
+from service.blobs import open_blob
+from service.db import alembic_config, make_engine, make_session_factory, migrations_dir, upgrade_to_head
 from service.models import Base
 from service.settings import Settings
 
@@ -75,3 +77,35 @@ def test_the_app_migrates_at_start(empty_database: str, tmp_path: Path) -> None:
     with TestClient(create_app(settings)) as client:
         assert client.get("/readyz").status_code == 200
     assert schema_diff(empty_database) == []
+
+
+def test_0002_moves_file_blobs_into_the_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    command.upgrade(alembic_config(url), "0001")
+    data = b"an onnx model, as the old file store kept it"
+    key = hashlib.sha256(data).hexdigest()
+    legacy = tmp_path / "blobs"
+    (legacy / key[:2]).mkdir(parents=True)
+    (legacy / key[:2] / key).write_bytes(data)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                text("INSERT INTO tenants (id, name, created_at) VALUES (1, 't', '2026-01-01')")
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO models (id, tenant_id, name, sha256, size_bytes, opset, inputs, outputs, "
+                    "blob_key, created_at) VALUES ('m', 1, 'm', :k, :n, 17, '[]', '[]', :k, '2026-01-01')"
+                ),
+                {"k": key, "n": len(data)},
+            )
+        with pytest.raises(RuntimeError, match="OPFUSE_BLOB_DIR"):
+            upgrade_to_head(url, tmp_path / "elsewhere")
+        upgrade_to_head(url, legacy)
+        with make_session_factory(engine)() as session:
+            reader = open_blob(session, make_session_factory(engine), key)
+        assert b"".join(reader) == data
+    finally:
+        engine.dispose()
+    assert schema_diff(url) == []

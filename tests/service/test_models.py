@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from service import maintenance
 from service.settings import Settings
 
 from .conftest import Keys, bearer, create_job, upload
@@ -97,7 +95,7 @@ def test_over_the_size_limit_is_413_and_stores_nothing(
     assert response.status_code == 413
     assert "limit" in response.json()["detail"]
     assert client.get("/v1/models", headers=bearer(keys.user)).json()["items"] == []
-    assert list(Path(settings.blob_dir, "tmp").iterdir()) == []
+    assert list(settings.tmp_dir.iterdir()) == []
 
 
 def test_list_is_paginated_newest_first(client: TestClient, keys: Keys) -> None:
@@ -160,25 +158,3 @@ def test_another_tenants_model_is_404(client: TestClient, keys: Keys, model: dic
         "/v1/jobs", json={"model_id": model["id"], "input_shapes": {"x": [1, 4]}}, headers=bearer(keys.other)
     )
     assert response.status_code == 404
-
-
-def test_sweep_removes_the_blobs_of_deleted_models(
-    client: TestClient, keys: Keys, settings: Settings
-) -> None:
-    kept = upload(client, keys.user, to_bytes(mlp(bias=1.0)))
-    gone = upload(client, keys.user, to_bytes(mlp(bias=2.0)))
-    shared = to_bytes(mlp(bias=3.0))
-    mine, theirs = upload(client, keys.user, shared), upload(client, keys.other, shared)
-    for model in (gone, mine):
-        assert client.delete(f"/v1/models/{model['id']}", headers=bearer(keys.user)).status_code == 204
-    app = client.app
-    removed = maintenance.sweep_blobs(app.state.session_factory, app.state.blobs, grace_seconds=0)  # type: ignore[attr-defined]
-    assert removed == [gone["sha256"]]  # the shared bytes are still the other tenant's model
-    for model in (kept, theirs):
-        assert (
-            client.get(
-                f"/v1/models/{model['id']}/content",
-                headers=bearer(keys.other if model is theirs else keys.user),
-            ).status_code
-            == 200
-        )

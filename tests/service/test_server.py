@@ -35,7 +35,7 @@ def test_settings_come_from_opfuse_variables(monkeypatch: pytest.MonkeyPatch, tm
     settings = Settings()
     assert settings.home == tmp_path / "h"
     assert settings.database_url == f"sqlite:///{tmp_path / 'h' / 'opfuse.db'}"
-    assert settings.blob_dir == tmp_path / "h" / "blobs"
+    assert settings.tmp_dir == tmp_path / "h" / "tmp"
     assert (settings.port, settings.max_attempts, settings.lease_seconds) == (9001, 5, 60)
     assert settings.max_upload_bytes == 1024**3
     monkeypatch.setenv("OPFUSE_DATABASE_URL", "postgresql+psycopg://db/opfuse")
@@ -73,3 +73,26 @@ def test_run_server_serves_until_sigterm_without_torch(tmp_path: Path) -> None:
     assert not (home / "server.json").exists()
     for line in err.strip().splitlines():
         json.loads(line)  # every log line is one JSON object
+
+
+def test_python_m_service_migrates_and_makes_keys(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sqlalchemy.orm import Session
+
+    from service.__main__ import main
+    from service.auth import find_key
+    from service.db import make_engine
+
+    url = f"sqlite:///{tmp_path / 'deploy.db'}"
+    monkeypatch.setenv("OPFUSE_HOME", str(tmp_path / "h"))
+    monkeypatch.setenv("OPFUSE_DATABASE_URL", url)
+    assert main(["migrate"]) == 0
+    assert main(["create-key", "--tenant", "team-x", "--scope", "worker"]) == 0
+    key = capsys.readouterr().out.strip()
+    engine = make_engine(url)
+    with Session(engine) as session:
+        found = find_key(session, key)
+        assert found is not None and found[0].scope == "worker" and found[1].name == "team-x"
+    engine.dispose()
+    assert main(["create-key", "--tenant", "Not Valid"]) == 2

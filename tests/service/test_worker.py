@@ -9,6 +9,7 @@ import threading
 import zipfile
 from datetime import timedelta
 
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
@@ -202,7 +203,8 @@ def test_expired_leases_requeue_until_max_attempts(
         claimed = worker.claim().json()
         assert claimed["job"]["id"] == job["id"] and claimed["job"]["attempts"] == attempt
         expire_lease(settings, job["id"])
-        changed = maintenance.requeue_expired_leases(client.app.state.session_factory)  # the periodic task
+        app: FastAPI = client.app  # type: ignore[assignment]
+        changed = maintenance.requeue_expired_leases(app.state.session_factory)  # the periodic task
         assert changed == 1
         state = get_job(client, keys, job["id"])
         if attempt < 3:

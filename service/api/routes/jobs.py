@@ -1,16 +1,16 @@
-"""/v1/jobs: create (idempotent), list, get, report, artifact, cancel."""
+"""/v1/jobs: create (idempotent), list (filtered, sorted), get, report, artifact, cancel."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import FileResponse
 
 from service import jobs
-from service.api.deps import BlobsDep, SessionDep, SettingsDep, UserDep
+from service.api.deps import SessionDep, SessionFactoryDep, SettingsDep, UserDep
 from service.api.files import blob_response
 from service.errors import NotFoundError
+from service.logging import bind_log_fields
 from service.models import JobStatus
 from service.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from service.schemas import JobCreate, JobOut, Page
@@ -21,9 +21,21 @@ IdempotencyKey = Annotated[
     str | None,
     Header(alias="Idempotency-Key", min_length=1, max_length=255, description="same key, same job"),
 ]
+OrderBy = Annotated[
+    str,
+    Query(
+        description="a column, largest first with a leading '-': created_at, finished_at, speedup, "
+        "latency_ms_before, latency_ms_after, kernels_before, kernels_after, peak_memory_before, "
+        "peak_memory_after; jobs without a value come last",
+        max_length=64,
+    ),
+]
+_TOO_MANY: dict[int | str, dict[str, Any]] = {
+    429: {"description": "the tenant's queue is full (Retry-After says when to try again)"}
+}
 
 
-@router.post("", status_code=202)
+@router.post("", status_code=202, responses=_TOO_MANY)
 def create_job(
     body: JobCreate,
     principal: UserDep,
@@ -32,7 +44,8 @@ def create_job(
     idempotency_key: IdempotencyKey = None,
 ) -> JobOut:
     """Queue a fusion job. With an Idempotency-Key, repeating the request returns the same job."""
-    job = jobs.create_job(session, principal.tenant_id, body, idempotency_key, settings.max_attempts)
+    job = jobs.create_job(session, principal.tenant_id, body, idempotency_key, settings)
+    bind_log_fields(job_id=job.id)
     return JobOut.from_row(job)
 
 
@@ -42,11 +55,15 @@ def list_jobs(
     session: SessionDep,
     status: JobStatus | None = None,
     model_id: str | None = None,
+    order_by: OrderBy = "-created_at",
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     cursor: str | None = None,
 ) -> Page[JobOut]:
-    """The tenant's jobs, newest first, optionally only one status or one model."""
-    rows, next_cursor = jobs.list_jobs(session, principal.tenant_id, status, model_id, limit, cursor)
+    """The tenant's jobs, newest first or in `order_by`, optionally only one status or one model."""
+    ordering = jobs.job_ordering(order_by)
+    rows, next_cursor = jobs.list_jobs(
+        session, principal.tenant_id, status, model_id, ordering, limit, cursor
+    )
     return Page[JobOut](items=[JobOut.from_row(j) for j in rows], next_cursor=next_cursor)
 
 
@@ -68,11 +85,15 @@ def get_report(job_id: str, principal: UserDep, session: SessionDep) -> dict[str
 
 @router.get(
     "/{job_id}/artifact",
-    response_class=FileResponse,
+    response_class=Response,
     responses={200: {"content": {"application/zip": {}}, "description": "the bundle; ETag is its sha256"}},
 )
 def get_artifact(
-    job_id: str, request: Request, principal: UserDep, session: SessionDep, blobs: BlobsDep
+    job_id: str,
+    request: Request,
+    principal: UserDep,
+    session: SessionDep,
+    session_factory: SessionFactoryDep,
 ) -> Response:
     """The fused bundle (zip), streamed; ETag is `"<sha256>"`."""
     job = jobs.find_job(session, principal.tenant_id, job_id)
@@ -80,7 +101,9 @@ def get_artifact(
         raise NotFoundError(
             f"job '{job_id}' has no artifact (it is {job.status}); a job has one once it succeeded"
         )
-    return blob_response(request, blobs, job.artifact_blob_key, "application/zip", f"{job.id}.opfuse.zip")
+    return blob_response(
+        request, session, session_factory, job.artifact_blob_key, "application/zip", f"{job.id}.opfuse.zip"
+    )
 
 
 @router.post("/{job_id}/cancel")

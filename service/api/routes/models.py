@@ -1,28 +1,35 @@
-"""/v1/models: upload (streamed, validated, deduplicated), list, get, download, delete."""
+"""/v1/models: upload (streamed, validated, deduplicated; raw .onnx or a zip with external data),
+list, get, download, delete."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
-from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from service import model_registry
-from service.api.deps import BlobsDep, SessionDep, SessionFactoryDep, SettingsDep, UserDep
+from service.api.deps import SessionDep, SessionFactoryDep, SettingsDep, UserDep
 from service.api.files import blob_response
+from service.logging import bind_log_fields
+from service.model_checks import ModelLimits
+from service.model_registry import ONNX_CONTENT_TYPE, ZIP_CONTENT_TYPE
 from service.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from service.schemas import ModelOut, Page
+from service.spool import UploadSpool
 from service.uploads import receive_body, require_content_type
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+NameQuery = Annotated[str, Query(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
-_ONNX_BODY = {
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_MODEL_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "content": {ONNX_CONTENT_TYPE: _BINARY, ZIP_CONTENT_TYPE: _BINARY},
     }
 }
 
@@ -30,7 +37,7 @@ _ONNX_BODY = {
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    openapi_extra=_ONNX_BODY,
+    openapi_extra=_MODEL_BODY,
     responses={200: {"model": ModelOut, "description": "these bytes were uploaded before"}},
 )
 async def upload_model(
@@ -39,22 +46,36 @@ async def upload_model(
     principal: UserDep,
     session: SessionDep,
     session_factory: SessionFactoryDep,
-    blobs: BlobsDep,
     settings: SettingsDep,
-    name: Annotated[str, Query(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]+$")] = (
-        model_registry.DEFAULT_MODEL_NAME
-    ),
+    name: NameQuery = model_registry.DEFAULT_MODEL_NAME,
 ) -> ModelOut:
-    """Upload the raw bytes of an .onnx file; 201 for a new model, 200 if the tenant has these bytes."""
-    require_content_type(request, "application/octet-stream")
-    with blobs.writer() as writer:
-        await receive_body(request, writer, settings.max_upload_bytes, "model", "OPFUSE_MAX_UPLOAD_BYTES")
-        info = await run_in_threadpool(
-            model_registry.check_upload, session_factory, principal.tenant_id, writer
+    """Upload the raw bytes of an .onnx file, or a zip of an .onnx file and its external data files;
+    201 for a new model, 200 if the tenant has these bytes."""
+    kind = require_content_type(request, ONNX_CONTENT_TYPE, ZIP_CONTENT_TYPE)
+    limits = ModelLimits.of(settings)
+    with ExitStack() as stack:
+        upload = stack.enter_context(UploadSpool(settings.tmp_dir))
+        await receive_body(request, upload, settings.max_upload_bytes, "model", "OPFUSE_MAX_UPLOAD_BYTES")
+        prepared = await run_in_threadpool(
+            model_registry.prepare_upload,
+            session_factory,
+            principal.tenant_id,
+            upload,
+            kind,
+            limits,
+            request.app.state.check_budget,
+            stack,
         )
         model, created = await run_in_threadpool(
-            model_registry.save_model, session, principal.tenant_id, writer, name, info
+            model_registry.save_model,
+            session,
+            principal.tenant_id,
+            prepared,
+            name,
+            limits,
+            settings.blob_chunk_bytes,
         )
+    bind_log_fields(model_id=model.id)
     if not created:
         response.status_code = status.HTTP_200_OK
     return ModelOut.from_row(model)
@@ -74,16 +95,21 @@ def get_model(model_id: str, principal: UserDep, session: SessionDep) -> ModelOu
     return ModelOut.from_row(model_registry.find_model(session, principal.tenant_id, model_id))
 
 
-@router.get("/{model_id}/content", response_class=FileResponse)
+@router.get("/{model_id}/content", response_class=Response)
 def get_model_content(
-    model_id: str, request: Request, principal: UserDep, session: SessionDep, blobs: BlobsDep
+    model_id: str,
+    request: Request,
+    principal: UserDep,
+    session: SessionDep,
+    session_factory: SessionFactoryDep,
 ) -> Response:
-    """The original bytes, streamed; ETag is their sha256."""
+    """The stored bytes (the self-contained .onnx), streamed; ETag is their sha256."""
     model = model_registry.find_model(session, principal.tenant_id, model_id)
-    return blob_response(request, blobs, model.blob_key, "application/octet-stream", model.name)
+    return blob_response(request, session, session_factory, model.blob_key, ONNX_CONTENT_TYPE, model.name)
 
 
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_model(model_id: str, principal: UserDep, session: SessionDep) -> None:
-    """Delete the model and its finished jobs; 409 while it has queued or running jobs."""
+    """Delete the model, its finished jobs and the stored bytes nothing else uses; 409 while it
+    has queued or running jobs."""
     model_registry.delete_model(session, principal.tenant_id, model_id)

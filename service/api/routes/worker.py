@@ -9,17 +9,19 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request, Response
-from fastapi.responses import FileResponse
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from service import queue
-from service.api.deps import BlobsDep, SessionDep, SessionFactoryDep, SettingsDep, WorkerDep
+from service.api.deps import MetricsDep, SessionDep, SessionFactoryDep, SettingsDep, WorkerDep
 from service.api.files import blob_response
-from service.blobs import BlobWriter
+from service.blobs import store_blob
 from service.clock import utcnow
 from service.errors import UnprocessableError
-from service.models import Model
+from service.logging import bind_log_fields
+from service.metrics import Metrics
+from service.model_zip import ZIP_MAGIC
+from service.models import Job, Model
 from service.schemas import (
     ArtifactOut,
     ClaimOut,
@@ -31,23 +33,33 @@ from service.schemas import (
     JobOut,
     ModelOut,
 )
+from service.spool import UploadSpool
 from service.uploads import receive_body, require_content_type
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"])
 
 LeaseToken = Annotated[str, Header(alias="Lease-Token", min_length=1, description="the token from the claim")]
 
-_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with entries / an empty zip
+
+def _seen(metrics: Metrics, job: Job) -> None:
+    """Log lines of this request carry the worker's id; /metrics has when it was last heard from."""
+    bind_log_fields(worker_id=job.worker_id)
+    if job.worker_id:
+        metrics.workers.seen(job.worker_id)
 
 
 @router.post("/claim", response_model=ClaimOut, responses={204: {"description": "nothing queued"}})
 def claim(
-    body: ClaimRequest, _worker: WorkerDep, session: SessionDep, settings: SettingsDep
+    body: ClaimRequest, _worker: WorkerDep, session: SessionDep, settings: SettingsDep, metrics: MetricsDep
 ) -> Response | ClaimOut:
-    """Take the oldest queued job under a lease (requeueing expired leases first); 204 if none."""
+    """Take the oldest queued job this worker's device serves (target `any` or the device's kind,
+    service.targets.device_kind) under a lease, requeueing expired leases first; 204 if none."""
+    bind_log_fields(worker_id=body.worker_id)
+    metrics.workers.seen(body.worker_id)
     job = queue.claim_job(session, body.worker_id, body.device, settings.lease_seconds, utcnow())
     if job is None:
         return Response(status_code=204)
+    bind_log_fields(job_id=job.id)
     model = session.get(Model, job.model_id)
     assert model is not None and job.lease_token is not None and job.lease_expires_at is not None
     return ClaimOut(
@@ -59,28 +71,38 @@ def claim(
     )
 
 
-@router.get("/jobs/{job_id}/model", response_class=FileResponse)
+@router.get("/jobs/{job_id}/model", response_class=Response)
 def get_model(
     job_id: str,
     request: Request,
     lease_token: LeaseToken,
     _worker: WorkerDep,
     session: SessionDep,
-    blobs: BlobsDep,
+    session_factory: SessionFactoryDep,
+    metrics: MetricsDep,
 ) -> Response:
     """The job's model bytes, streamed; ETag is their sha256."""
     job = queue.leased_job(session, job_id, lease_token)
+    _seen(metrics, job)
     model = session.get(Model, job.model_id)
     assert model is not None
-    return blob_response(request, blobs, model.blob_key, "application/octet-stream", f"{model.id}.onnx")
+    return blob_response(
+        request, session, session_factory, model.blob_key, "application/octet-stream", f"{model.id}.onnx"
+    )
 
 
 @router.post("/jobs/{job_id}/heartbeat")
 def heartbeat(
-    job_id: str, body: HeartbeatRequest, _worker: WorkerDep, session: SessionDep, settings: SettingsDep
+    job_id: str,
+    body: HeartbeatRequest,
+    _worker: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
 ) -> HeartbeatOut:
     """Renew the lease and report progress; `cancel: true` means the user canceled the job."""
     job = queue.leased_job(session, job_id, body.lease_token)
+    _seen(metrics, job)
     queue.heartbeat(job, body.stage, body.progress, settings.lease_seconds, utcnow())
     assert job.lease_expires_at is not None
     return HeartbeatOut(cancel=job.cancel_requested, lease_expires_at=job.lease_expires_at)
@@ -91,14 +113,17 @@ def _check_lease(session_factory: sessionmaker[Session], job_id: str, lease_toke
         queue.leased_job(session, job_id, lease_token)
 
 
-def _store_artifact(session: Session, job_id: str, lease_token: str, writer: BlobWriter) -> ArtifactOut:
-    if not writer.head.startswith(_ZIP_MAGIC):
+def _store_artifact(
+    session: Session, job_id: str, lease_token: str, spool: UploadSpool, chunk_bytes: int
+) -> ArtifactOut:
+    if not spool.head.startswith(ZIP_MAGIC):
         raise UnprocessableError(
             "the artifact is not a zip file: upload the bundle (a .opfuse.zip) as produced"
         )
     job = queue.leased_job(session, job_id, lease_token)  # the lease may have been lost during the upload
-    queue.attach_artifact(job, writer.publish(), writer.size)
-    return ArtifactOut(sha256=writer.sha256, size_bytes=writer.size)
+    bind_log_fields(worker_id=job.worker_id)
+    queue.attach_artifact(job, store_blob(session, spool, chunk_bytes), spool.size)
+    return ArtifactOut(sha256=spool.sha256, size_bytes=spool.size)
 
 
 @router.put(
@@ -117,7 +142,6 @@ async def upload_artifact(
     _worker: WorkerDep,
     session: SessionDep,
     session_factory: SessionFactoryDep,
-    blobs: BlobsDep,
     settings: SettingsDep,
 ) -> ArtifactOut:
     """The bundle (zip), streamed; kept only if the lease is still current when it has arrived."""
@@ -125,22 +149,31 @@ async def upload_artifact(
     await run_in_threadpool(
         _check_lease, session_factory, job_id, lease_token
     )  # refuse early, before the bytes
-    with blobs.writer() as writer:
+    with UploadSpool(settings.tmp_dir) as spool:
         await receive_body(
-            request, writer, settings.max_artifact_bytes, "artifact", "OPFUSE_MAX_ARTIFACT_BYTES"
+            request, spool, settings.max_artifact_bytes, "artifact", "OPFUSE_MAX_ARTIFACT_BYTES"
         )
-        return await run_in_threadpool(_store_artifact, session, job_id, lease_token, writer)
+        return await run_in_threadpool(
+            _store_artifact, session, job_id, lease_token, spool, settings.blob_chunk_bytes
+        )
 
 
 @router.post("/jobs/{job_id}/complete")
-def complete(job_id: str, body: CompleteRequest, _worker: WorkerDep, session: SessionDep) -> JobOut:
+def complete(
+    job_id: str, body: CompleteRequest, _worker: WorkerDep, session: SessionDep, metrics: MetricsDep
+) -> JobOut:
     """Succeed the job with its report (after its artifact was uploaded under this lease)."""
-    return JobOut.from_row(queue.complete_job(session, job_id, body.lease_token, body.report, utcnow()))
+    job = queue.complete_job(session, job_id, body.lease_token, body.report, utcnow())
+    _seen(metrics, job)
+    return JobOut.from_row(job)
 
 
 @router.post("/jobs/{job_id}/fail")
-def fail(job_id: str, body: FailRequest, _worker: WorkerDep, session: SessionDep) -> JobOut:
+def fail(
+    job_id: str, body: FailRequest, _worker: WorkerDep, session: SessionDep, metrics: MetricsDep
+) -> JobOut:
     """Give the job up: canceled if the user asked, requeued if retryable and attempts are left, else failed."""
     job = queue.leased_job(session, job_id, body.lease_token)
-    queue.fail_job(job, body.error, body.retryable, utcnow())
+    _seen(metrics, job)
+    queue.fail_job(session, job, body.error, body.retryable, utcnow())
     return JobOut.from_row(job)
