@@ -10,6 +10,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import ModelError
+from opfuse.frontend.validate import sort_and_check_graph
 
 # ONNX element types opfuse names in its API and reports.
 DTYPE_NAMES: dict[int, str] = {
@@ -94,13 +95,18 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
 
 
 def check_model(model: onnx.ModelProto) -> None:
-    """The onnx checker plus opfuse's own refusals. Raises ModelError with the reason."""
+    """opfuse's own refusals and structural checks, then the onnx checker. Raises ModelError.
+
+    A graph whose nodes are listed out of order (but acyclic) is put in order, in place.
+    """
     if uses_external_data(model):
         raise ModelError(
             "the model keeps its weights in external data files, which an upload cannot carry; "
             "save it with all tensors inside the .onnx file "
             "(onnx.save_model(model, path, save_as_external_data=False)) and upload that"
         )
+    if model.HasField("graph"):
+        sort_and_check_graph(model.graph)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:

@@ -6,14 +6,20 @@ import os
 from collections.abc import Mapping, Sequence
 
 import onnx
-from onnx import shape_inference, version_converter
+from onnx import shape_inference
 
 from opfuse.errors import ModelError
-from opfuse.frontend.inspect import check_model, default_opset, parse_model
+from opfuse.frontend.control_flow import fold_compile_time_values
+from opfuse.frontend.inspect import check_model, parse_model
+from opfuse.frontend.opsets import CANONICAL_OPSET, check_node_versions, convert_opset
+from opfuse.frontend.static_values import check_static_shape_inputs
+from opfuse.frontend.unsupported import check_inference_mode, check_supported
+from opfuse.frontend.validate import check_value_types
 
-# Every model is converted to this opset before passes run; runtime ops follow its semantics.
-CANONICAL_OPSET = 18
-DEFAULT_DOMAINS = ("", "ai.onnx")
+# Retired ops the version converter replaces (Upsample -> Resize, Scatter -> ScatterElements).
+RENAMED_BY_CONVERSION = frozenset({"Upsample", "Scatter"})
+
+__all__ = ["CANONICAL_OPSET", "check_supported", "infer_shapes", "load_and_specialize", "read_model"]
 
 
 def read_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
@@ -33,48 +39,6 @@ def read_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
     return model
 
 
-def unsupported_ops(model: onnx.ModelProto, supported: frozenset[str]) -> dict[str, list[str]]:
-    """Op types opfuse cannot run, each with the node names that use it."""
-    found: dict[str, list[str]] = {}
-    for i, node in enumerate(model.graph.node):
-        key = node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
-        if node.domain in DEFAULT_DOMAINS and node.op_type in supported:
-            continue
-        found.setdefault(key, []).append(node.name or f"#{i}")
-    return found
-
-
-def check_supported(model: onnx.ModelProto, supported: frozenset[str]) -> None:
-    missing = unsupported_ops(model, supported)
-    if not missing:
-        return
-    parts = []
-    for op, names in sorted(missing.items()):
-        shown = ", ".join(repr(n) for n in names[:5])
-        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        parts.append(f"{op} (nodes {shown}{more})")
-    raise ModelError(
-        f"the model uses {len(missing)} op type(s) opfuse does not support: " + "; ".join(parts) + ". "
-        "Export without them (e.g. decompose them in the exporter) or file a request for the op."
-    )
-
-
-def convert_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    opset = default_opset(model)
-    if opset == CANONICAL_OPSET:
-        return model
-    try:
-        return version_converter.convert_version(model, CANONICAL_OPSET)
-    except Exception as exc:
-        if opset > CANONICAL_OPSET:
-            # Newer opsets changed few ops we run; the runtime follows opset-18 semantics for the rest.
-            return model
-        raise ModelError(
-            f"cannot convert the model from opset {opset} to opset {CANONICAL_OPSET}: {exc}. "
-            f"Re-export it at opset {CANONICAL_OPSET}."
-        ) from None
-
-
 def drop_initializer_inputs(model: onnx.ModelProto, fed: Sequence[str]) -> None:
     """Old models (IR < 4) list initializers as graph inputs: treat them as constants unless fed."""
     init_names = {init.name for init in model.graph.initializer}
@@ -82,6 +46,9 @@ def drop_initializer_inputs(model: onnx.ModelProto, fed: Sequence[str]) -> None:
     if len(keep) != len(model.graph.input):
         del model.graph.input[:]
         model.graph.input.extend(keep)
+        # Initializers that are not inputs are only valid from IR version 4 (onnx's version
+        # converter refuses them, as "undefined", in an older model).
+        model.ir_version = max(model.ir_version, 4)
 
 
 def specialize_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None) -> None:
@@ -101,8 +68,9 @@ def specialize_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequenc
         given = shapes.get(vi.name)
         dims = list(tt.shape.dim) if tt.HasField("shape") else None
         if given is not None:
-            if any(d <= 0 for d in given):
-                problems.append(f"input {vi.name!r}: every dim must be a positive integer, got {given}")
+            # 0 is a valid size (an empty tensor); only negative sizes are meaningless.
+            if any(d < 0 for d in given):
+                problems.append(f"input {vi.name!r}: every dim must be a non-negative integer, got {given}")
                 continue
             if dims is not None and len(dims) != len(given):
                 problems.append(f"input {vi.name!r} has rank {len(dims)} but input_shapes gives {given}")
@@ -136,11 +104,23 @@ def specialize_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequenc
 
 
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """ONNX shape inference, strict: a type or shape contradiction is the model's error.
+
+    With data propagation first (it makes shapes computed by Shape arithmetic static); onnx's data
+    propagation itself fails on some valid graphs (2-D integer tensors such as position grids), so
+    a failure there is retried without it before it counts against the model.
+    """
     try:
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception:
+        pass
+    try:
+        return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
     except Exception as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelError(f"ONNX shape inference failed on the specialized model: {msg}") from None
+        raise ModelError(
+            f"ONNX shape inference failed on the specialized model (its types or shapes are inconsistent): {msg}"
+        ) from None
 
 
 def load_and_specialize(
@@ -148,19 +128,30 @@ def load_and_specialize(
     input_shapes: Mapping[str, Sequence[int]] | None,
     supported: frozenset[str],
 ) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """Returns (original as uploaded, specialized canonical model with inferred shapes)."""
+    """Returns (original as uploaded, specialized canonical model with inferred shapes).
+
+    Every refusal is a ModelError, raised before any compile work: malformed graphs and bad types
+    first (read_model, check_value_types), then unsupported ops (all of them at once), unbound dims,
+    training mode, ops of unreviewed newer versions, type or shape contradictions (ONNX shape
+    inference), If nodes on run-time data, and shapes that would depend on run-time data.
+    """
     original = read_model(source)
     model = onnx.ModelProto()
     model.CopyFrom(original)
+    check_value_types(model)
+    # Before conversion, so that an op the converter cannot handle is reported as unsupported. An If
+    # may still go: inlined when its condition is known once shapes are bound.
+    check_supported(model, supported | RENAMED_BY_CONVERSION | {"If"})
     drop_initializer_inputs(model, list((input_shapes or {}).keys()))
     specialize_shapes(model, input_shapes)
-    try:
-        model = convert_opset(model)
-    except ModelError:
-        check_supported(original, supported)  # an unsupported op is the better explanation
-        raise
-    # Checked after conversion: conversion renames a few retired ops (e.g. Upsample -> Resize).
-    check_supported(model, supported)
+    model = convert_opset(model)
+    check_inference_mode(model)
+    check_node_versions(model)
     del model.graph.value_info[:]
-    model = infer_shapes(model)
+    model = fold_compile_time_values(infer_shapes(model), infer_shapes)
+    # Again: what inlined If branches brought in is checked too.
+    check_supported(model, supported)
+    check_node_versions(model)
+    check_value_types(model, model.graph.value_info)
+    check_static_shape_inputs(model)
     return original, model

@@ -1,6 +1,8 @@
 """Per-op torch kernels for ONNX nodes that are not fused: the unfused "before" runtime.
 
-`run_op(op_type, inputs, attrs, num_outputs)` runs one default-domain node with opset-18 semantics.
+`run_op(op_type, inputs, attrs, num_outputs)` runs one default-domain node with opset-18 semantics,
+extended to the newer versions opfuse/frontend/opsets.py lists as reviewed (new attributes and types
+whose defaults keep the old meaning; GroupNormalization's per-channel scale is told apart by shape).
 Inputs stay on their device and outputs follow them; attributes come decoded to plain Python values
 (numpy arrays for TENSOR attributes), with absent ones absent. The kernels live in the `ops_*`
 modules beside this one, one family per module, registered in `ops_registry.OP_TABLE`.
@@ -13,13 +15,35 @@ from typing import Any
 import torch
 
 from opfuse.errors import ModelError
-from opfuse.runtime import ops_elementwise, ops_nn, ops_reduce, ops_shape
+from opfuse.runtime import (
+    ops_attention,
+    ops_conv,
+    ops_elementwise,
+    ops_image,
+    ops_index,
+    ops_math,
+    ops_nn,
+    ops_norm,
+    ops_reduce,
+    ops_shape,
+)
 from opfuse.runtime.ops_registry import NUM_OUTPUTS_KEY, ONNX_TORCH_DTYPES, OP_TABLE, OpImpl, onnx_torch_dtype
 
 __all__ = ["ONNX_TORCH_DTYPES", "SUPPORTED_OPS", "VIEW_OPS", "OpImpl", "onnx_torch_dtype", "run_op"]
 
 # Importing the op modules is what fills OP_TABLE; naming them keeps that import from looking unused.
-_OP_MODULES = (ops_elementwise, ops_nn, ops_reduce, ops_shape)
+_OP_MODULES = (
+    ops_attention,
+    ops_conv,
+    ops_elementwise,
+    ops_image,
+    ops_index,
+    ops_math,
+    ops_nn,
+    ops_norm,
+    ops_reduce,
+    ops_shape,
+)
 
 SUPPORTED_OPS: frozenset[str] = frozenset(OP_TABLE)
 
@@ -48,7 +72,7 @@ VIEW_OPS: frozenset[str] = frozenset(
 def run_op(
     op_type: str, inputs: list[torch.Tensor | None], attrs: dict[str, Any], num_outputs: int = 1
 ) -> list[torch.Tensor]:
-    """Run one ONNX node (default domain, opset 18) with torch; returns its `num_outputs` outputs."""
+    """Run one ONNX node (default domain) with torch; returns its `num_outputs` outputs."""
     entry = OP_TABLE.get(op_type)
     if entry is None:
         raise ModelError(

@@ -86,6 +86,16 @@ for _op, _fn in {
     _variadic(_op, _fn)
 
 
+def _nonzero_divisor(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b with zeros replaced by ones, where b was zero), for integer division.
+
+    Integer division by zero is undefined in ONNX (onnxruntime's C++ traps) and raises in torch on
+    the CPU; opfuse gives 0 there instead, so that random inputs at compile time cannot crash it.
+    """
+    zero = b == 0
+    return torch.where(zero, torch.ones_like(b), b), zero
+
+
 @register("Div")
 def div(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     a, b = required(inputs, 0, "Div"), required(inputs, 1, "Div")
@@ -93,17 +103,28 @@ def div(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
         return [torch.div(a, b)]
     # ONNX leaves integer division to the backend; onnxruntime does C++ `/`, which truncates
     # toward zero (-7 / 2 == -3), where torch's floor division would give -4.
-    return [torch.div(a, b, rounding_mode="trunc")]
+    b, zero = _nonzero_divisor(b)
+    q = torch.div(a, b, rounding_mode="trunc")
+    return [torch.where(zero, torch.zeros_like(q), q)]
 
 
 @register("Mod")
 def mod(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     a, b = required(inputs, 0, "Mod"), required(inputs, 1, "Mod")
-    if attrs.get("fmod", 0) == 1:
-        return [torch.fmod(a, b)]  # sign of the dividend, like C fmod
-    if a.dtype.is_floating_point:
-        raise ModelError("Mod: fmod=0 is only defined for integer inputs; set fmod=1 for floats")
-    return [torch.remainder(a, b)]  # sign of the divisor, like Python %
+    fmod = attrs.get("fmod", 0) == 1
+    if not a.dtype.is_floating_point:
+        b, zero = _nonzero_divisor(b)
+        # fmod=1 takes the sign of the dividend, like C fmod; fmod=0 that of the divisor, like Python %.
+        r = torch.fmod(a, b) if fmod else torch.remainder(a, b)
+        return [torch.where(zero, torch.zeros_like(r), r)]
+    if fmod:
+        return [torch.fmod(a, b)]
+    # fmod=0 on floats (defined from opset 28; before, only for integers): A - floor(A / B) * B, where
+    # a finite dividend over an infinite divisor gives the dividend if their signs agree, else the
+    # divisor (torch's formula would give NaN).
+    r = torch.remainder(a, b)
+    finite_over_inf = torch.isinf(b) & torch.isfinite(a) & (a != 0)
+    return [torch.where(finite_over_inf, torch.where((a > 0) == (b > 0), a, b), r)]
 
 
 @register("Pow")
@@ -201,6 +222,45 @@ def cast(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     # Float -> int truncates toward zero in both torch and onnxruntime; out-of-range values are
     # undefined in both.
     return [x if x.dtype == dtype else x.to(dtype)]
+
+
+@register("Celu")
+def celu(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    return [F.celu(required(inputs, 0, "Celu"), float(attrs.get("alpha", 1.0)))]
+
+
+@register("Mish")
+def mish(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    return [F.mish(required(inputs, 0, "Mish"))]
+
+
+@register("ThresholdedRelu")
+def thresholded_relu(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x = required(inputs, 0, "ThresholdedRelu")
+    return [torch.where(x > float(attrs.get("alpha", 1.0)), x, torch.zeros_like(x))]
+
+
+@register("Shrink")
+def shrink(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x = required(inputs, 0, "Shrink")
+    bias, lambd = float(attrs.get("bias", 0.0)), float(attrs.get("lambd", 0.5))
+    # Spelled out (not F.softshrink): ONNX has a separate bias, and integer inputs are allowed.
+    y = torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, torch.zeros_like(x)))
+    return [y.to(x.dtype)]
+
+
+@register("Swish")
+def swish(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x = required(inputs, 0, "Swish")
+    alpha = float(attrs.get("alpha", 1.0))
+    return [x * torch.sigmoid(x if alpha == 1.0 else alpha * x)]
+
+
+@register("SwiGLU")
+def swiglu(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    gate, value = required(inputs, 0, "SwiGLU"), required(inputs, 1, "SwiGLU")
+    alpha = float(attrs.get("alpha", 1.0))
+    return [gate * torch.sigmoid(gate if alpha == 1.0 else alpha * gate) * value]
 
 
 @register("CastLike")

@@ -203,18 +203,48 @@ def _crop(y: torch.Tensor, outs: Sequence[int]) -> torch.Tensor:
 @register("MaxPool", wants_num_outputs=True)
 def max_pool(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "MaxPool")
-    if attrs.get(NUM_OUTPUTS_KEY, 1) > 1:
-        raise ModelError("MaxPool: the Indices output is not supported; only Y may be used")
     kernel, strides, dilations, pads, ceil, outs = _pool_geometry(x, attrs, "MaxPool")
     n = x.dim() - 2
+    want_indices = attrs.get(NUM_OUTPUTS_KEY, 1) > 1
     padding = _torch_pads_ok(pads, kernel)
-    if padding is not None:
+    if padding is not None and not want_indices:
         return [_MAX_POOL[n](x, kernel, strides, padding, dilations, ceil_mode=ceil)]
-    # Asymmetric or wide pads: pad with -inf ourselves, over every window the output needs.
+    # Asymmetric or wide pads, or indices wanted: pad with -inf ourselves, over every window the
+    # output needs, so that torch's indices are positions in a padded tensor we know the layout of.
     grown = _extend_to_windows(pads, x.shape[2:], kernel, strides, dilations, outs)
     fill = -math.inf if x.dtype.is_floating_point else float(torch.iinfo(x.dtype).min)
-    y = _MAX_POOL[n](_pad_spatial(x, grown, fill), kernel, strides, 0, dilations)
-    return [_crop(y, outs)]
+    padded = _pad_spatial(x, grown, fill)
+    if not want_indices:
+        return [_crop(_MAX_POOL[n](padded, kernel, strides, 0, dilations), outs)]
+    y, flat = _MAX_POOL[n](padded, kernel, strides, 0, dilations, return_indices=True)
+    y, flat = _crop(y, outs), _crop(flat, outs)
+    return [y, _onnx_pool_indices(flat, x.shape, padded.shape[2:], grown, int(attrs.get("storage_order", 0)))]
+
+
+def _onnx_pool_indices(
+    flat: torch.Tensor, in_shape: Sequence[int], padded_sizes: Sequence[int], pads: Pads, storage_order: int
+) -> torch.Tensor:
+    """torch's per-plane indices into the padded input, as ONNX's: flat over the whole unpadded input
+    (N x C x D1 x ...), row-major, or with the spatial dims column-major when storage_order=1."""
+    sizes = list(in_shape[2:])
+    coords = []
+    rest = flat
+    for size in reversed(padded_sizes):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    coords = [c - p[0] for c, p in zip(coords, pads, strict=True)]
+    index = torch.zeros_like(flat)
+    if storage_order == 1:
+        for c, size in zip(reversed(coords), reversed(sizes), strict=True):
+            index = index * size + c
+    else:
+        for c, size in zip(coords, sizes, strict=True):
+            index = index * size + c
+    plane = math.prod(sizes)
+    batch, channels = in_shape[0], in_shape[1]
+    offsets = torch.arange(batch * channels, device=flat.device).reshape(batch, channels) * plane
+    return index + offsets.reshape(batch, channels, *([1] * len(sizes)))
 
 
 @register("AveragePool")

@@ -1,5 +1,5 @@
 """Per-op torch kernels of the ONNX reductions (opset 18: axes as an input), arg-reductions and
-the softmax family."""
+the softmax family (Softmax, LogSoftmax, Hardmax)."""
 
 from __future__ import annotations
 
@@ -37,11 +37,32 @@ def _reduce_sum(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor
     return torch.sum(x, dim=dims, keepdim=keepdim)
 
 
+def _empty_extreme(x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool) -> torch.Tensor:
+    """Max (or min) over no elements: the identity of the reduction, the lowest (highest) value."""
+    shape = [1 if i in dims else n for i, n in enumerate(x.shape) if keepdim or i not in dims]
+    if x.dtype == torch.bool:
+        fill: float | bool = not largest
+    elif x.dtype.is_floating_point:
+        fill = -torch.inf if largest else torch.inf
+    else:
+        info = torch.iinfo(x.dtype)
+        fill = info.min if largest else info.max
+    return torch.full(shape, fill, dtype=x.dtype, device=x.device)
+
+
 def _reduce_max(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    if any(x.shape[d] == 0 for d in dims):
+        return _empty_extreme(x, dims, keepdim, largest=True)
+    if x.dtype == torch.bool:  # bool from opset 20: max is any
+        return torch.amax(x.to(torch.uint8), dim=dims, keepdim=keepdim).to(torch.bool)
     return torch.amax(x, dim=dims, keepdim=keepdim)
 
 
 def _reduce_min(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    if any(x.shape[d] == 0 for d in dims):
+        return _empty_extreme(x, dims, keepdim, largest=False)
+    if x.dtype == torch.bool:
+        return torch.amin(x.to(torch.uint8), dim=dims, keepdim=keepdim).to(torch.bool)
     return torch.amin(x, dim=dims, keepdim=keepdim)
 
 
@@ -131,6 +152,15 @@ _arg_reduce("ArgMin", torch.argmin)
 def softmax(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "Softmax")
     return [torch.softmax(x, dim=normalize_axis(int(attrs.get("axis", -1)), x.dim(), "Softmax"))]
+
+
+@register("Hardmax")
+def hardmax(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x = required(inputs, 0, "Hardmax")
+    axis = normalize_axis(int(attrs.get("axis", -1)), x.dim(), "Hardmax")
+    # 1 at the first largest element along the axis (argmax picks the first of equal maxima).
+    index = torch.argmax(x, dim=axis, keepdim=True)
+    return [torch.zeros_like(x).scatter_(axis, index, 1)]
 
 
 @register("LogSoftmax")

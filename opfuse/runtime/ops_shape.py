@@ -302,10 +302,15 @@ def range_(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     if start.dtype.is_floating_point:
         # The count as onnxruntime takes it: the difference in the input type, divided in double.
         n = max(math.ceil(((limit - start).double() / delta.double()).item()), 0)
+        # Half types accumulate in float32 (opset 27's stash_type=1, the default), which is also the
+        # more exact reading of older opsets.
+        compute = start.dtype
+        if start.dtype in (torch.float16, torch.bfloat16) and attrs.get("stash_type", 1) == 1:
+            compute = torch.float32
         # start + i * delta; onnxruntime accumulates (value += delta) instead, which drifts by a
         # few ulps over long ranges.
-        steps = torch.arange(n, dtype=start.dtype, device=start.device)
-        return [start + steps * delta]
+        steps = torch.arange(n, dtype=compute, device=start.device)
+        return [(start.to(compute) + steps * delta.to(compute)).to(start.dtype)]
     lo, hi, step = int(start.item()), int(limit.item()), int(delta.item())
     if step == 0:
         raise ModelError("Range: delta is 0")

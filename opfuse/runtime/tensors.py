@@ -28,9 +28,10 @@ def torch_dtype(name: str) -> torch.dtype:
 def from_numpy(arr: np.ndarray, device: str | torch.device = "cpu") -> torch.Tensor:
     if arr.dtype.name == "bfloat16":  # ml_dtypes bfloat16: torch reads it through float32
         return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16).to(device)
-    arr = np.ascontiguousarray(arr)
-    if not arr.flags.writeable:
-        arr = arr.copy()
+    arr = np.asarray(arr)
+    # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one, changing the tensor's shape.
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        arr = arr.copy(order="C")
     return torch.from_numpy(arr).to(device)
 
 

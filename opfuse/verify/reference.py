@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -36,6 +37,8 @@ def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str
     for s in specs:
         if s.dtype in ("float32", "float16", "float64"):
             feeds[s.name] = rng.standard_normal(s.shape).astype(s.dtype)
+        elif s.dtype == "bfloat16":  # numpy has no bfloat16: ml_dtypes' (what onnx uses) does
+            feeds[s.name] = rng.standard_normal(s.shape).astype(ml_dtypes.bfloat16)
         elif s.dtype in ("int64", "int32", "int16", "int8", "uint8"):
             feeds[s.name] = rng.integers(0, 4, size=s.shape).astype(s.dtype)
         elif s.dtype == "bool":

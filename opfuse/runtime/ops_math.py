@@ -1,0 +1,116 @@
+"""Per-op torch kernels of the ONNX math ops beyond arithmetic: trigonometric and hyperbolic
+functions, infinity tests, bitwise operations on integers, and the signal windows."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from opfuse.errors import ModelError
+from opfuse.runtime.ops_registry import onnx_torch_dtype, register, required
+
+Inputs = list[torch.Tensor | None]
+Attrs = dict[str, Any]
+
+
+def _unary(op_type: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def impl(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+        return [fn(required(inputs, 0, op_type))]
+
+    register(op_type)(impl)
+
+
+for _op, _fn in {
+    "Tan": torch.tan,
+    "Acos": torch.acos,
+    "Asin": torch.asin,
+    "Atan": torch.atan,
+    "Sinh": torch.sinh,
+    "Cosh": torch.cosh,
+    "Asinh": torch.asinh,
+    "Acosh": torch.acosh,
+    "Atanh": torch.atanh,
+    "BitwiseNot": torch.bitwise_not,
+}.items():
+    _unary(_op, _fn)
+
+
+def _binary(op_type: str, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def impl(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+        return [fn(required(inputs, 0, op_type), required(inputs, 1, op_type))]
+
+    register(op_type)(impl)
+
+
+for _op, _bfn in {
+    "BitwiseAnd": torch.bitwise_and,
+    "BitwiseOr": torch.bitwise_or,
+    "BitwiseXor": torch.bitwise_xor,
+}.items():
+    _binary(_op, _bfn)
+
+
+@register("IsInf")
+def is_inf(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x = required(inputs, 0, "IsInf")
+    negative, positive = attrs.get("detect_negative", 1) == 1, attrs.get("detect_positive", 1) == 1
+    if negative and positive:
+        return [torch.isinf(x)]
+    if negative:
+        return [torch.isneginf(x)]
+    if positive:
+        return [torch.isposinf(x)]
+    return [torch.zeros_like(x, dtype=torch.bool)]
+
+
+_BITS = {torch.uint8: 8, torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+
+
+@register("BitShift")
+def bit_shift(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x, shift = required(inputs, 0, "BitShift"), required(inputs, 1, "BitShift")
+    direction = attrs.get("direction")
+    if direction not in ("LEFT", "RIGHT"):
+        raise ModelError(f"BitShift: direction must be 'LEFT' or 'RIGHT', got {direction!r}")
+    if x.dtype not in _BITS:
+        raise ModelError(f"BitShift: integer inputs only, got {x.dtype}")
+    x, shift = torch.broadcast_tensors(x, shift.to(x.dtype))
+    # Shifting by the width or more (or a negative amount) is undefined in C and in torch; ONNX
+    # defines it: everything shifted out (0), or the sign bit everywhere for a right shift.
+    out_of_range = (shift < 0) | (shift >= _BITS[x.dtype])
+    safe = torch.where(out_of_range, torch.zeros_like(shift), shift)
+    if direction == "LEFT":
+        y = torch.bitwise_left_shift(x, safe)
+        return [torch.where(out_of_range, torch.zeros_like(y), y)]
+    y = torch.bitwise_right_shift(x, safe)  # arithmetic for signed types, as ONNX asks
+    fill = torch.where(x < 0, torch.full_like(x, -1), torch.zeros_like(x)) if x.dtype.is_signed else 0 * x
+    return [torch.where(out_of_range, fill, y)]
+
+
+# Generalized cosine windows: w[n] = a0 - a1 cos(2 pi n / N) + a2 cos(4 pi n / N), as the ONNX
+# function bodies write them (float32 arithmetic, in this order).
+_WINDOWS = {
+    "HannWindow": (0.5, 0.5, 0.0),
+    "HammingWindow": (0.54347825, 0.45652175, 0.0),
+    "BlackmanWindow": (0.42, 0.5, 0.08),
+}
+
+
+def _window(op_type: str) -> None:
+    a0, a1, a2 = (torch.tensor(a, dtype=torch.float32) for a in _WINDOWS[op_type])
+
+    def impl(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+        size = int(required(inputs, 0, op_type).reshape(-1)[0].item())
+        periodic = attrs.get("periodic", 1) == 1
+        n = torch.arange(size, dtype=torch.float32)
+        angle = n * (torch.tensor(6.2831855, dtype=torch.float32) / float(size if periodic else size - 1))
+        w = a0 - a1 * torch.cos(angle) + a2 * torch.cos(angle * 2.0)
+        return [w.to(onnx_torch_dtype(int(attrs.get("output_datatype", 1))))]
+
+    register(op_type)(impl)
+
+
+for _name in _WINDOWS:
+    _window(_name)
