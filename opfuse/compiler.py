@@ -189,6 +189,7 @@ def compile(
     declared_inputs, declared_outputs = list(graph.inputs), list(graph.outputs)
     # The "before": the model as uploaded, one per-op kernel per node, in the same precision.
     original_graph = copy.deepcopy(graph)
+    reference_graph = copy.deepcopy(graph)  # float32, unfused: the fallback reference
     passes = run_passes(graph, disabled)
     apply_precision(graph, precision)
     apply_precision(original_graph, precision)
@@ -245,7 +246,8 @@ def compile(
     tol = (rtol if rtol is not None else d_rtol, atol if atol is not None else d_atol)
     verification: dict[str, Any] = {"passed": None, "reference": None, "outputs": {}, "rolled_back": []}
     if verify:
-        verifier = _Verifier(original, declared_inputs, device, tol, rng)
+        fallback = build_plan(reference_graph, FusionPlan([], []), "fp32", declared_inputs, declared_outputs)
+        verifier = _Verifier(original, declared_inputs, device, tol, rng, fallback)
         plan, verification = verifier.verify_with_rollback(
             graph, fusion, plan, precision, declared_inputs, declared_outputs, make_plan
         )
@@ -335,6 +337,20 @@ def load(path: str | os.PathLike[str], device: str | None = None) -> CompiledMod
     return CompiledModel(plan, device, report, manifest)
 
 
+class _UnfusedReference:
+    """The fallback reference where onnxruntime cannot run a model: opfuse's unfused per-op plan
+    in float32 on the CPU (independent of every fusion, though not of opfuse's op kernels)."""
+
+    name = "opfuse-unfused-fp32-cpu"
+
+    def __init__(self, plan: Plan, why: str) -> None:
+        self.executor = Executor(plan, "cpu")
+        self.why = why
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.executor.run(feeds).items()}
+
+
 class _Verifier:
     def __init__(
         self,
@@ -343,8 +359,16 @@ class _Verifier:
         device: str,
         tol: tuple[float, float],
         rng: np.random.Generator,
+        fallback: Plan,
     ) -> None:
-        self.reference = OnnxRuntimeReference(original)
+        self.reference: Any
+        try:
+            self.reference = OnnxRuntimeReference(original)
+            self.reference.run(random_inputs(inputs, rng))  # it may load but not run (types, opsets)
+        except Exception as exc:  # onnxruntime cannot run every valid model (newest opsets, bf16 ops)
+            self.reference = _UnfusedReference(
+                fallback, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            )
         self.inputs = inputs
         self.device = device
         self.tol = tol
@@ -411,6 +435,8 @@ class _Verifier:
         }
         if note:
             d["note"] = note
+        if isinstance(self.reference, _UnfusedReference):
+            d["reference_note"] = f"onnxruntime could not run the model ({self.reference.why})"
         return d
 
 

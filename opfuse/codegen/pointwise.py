@@ -62,8 +62,12 @@ _UNARY = {
     "Identity": "{0}",
     # tanh through exp(-2|x|) is stable for every x (no overflow) and exact at the tails.
     "Tanh": "tl.where({0} >= 0.0, 1.0, -1.0) * (1.0 - tl.exp(-2.0 * tl.abs({0}))) / (1.0 + tl.exp(-2.0 * tl.abs({0})))",
-    # softplus = max(x, 0) + log(1 + exp(-|x|)): no overflow for large x.
-    "Softplus": "(tl.maximum({0}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({0}))))",
+    # softplus = max(x, 0) + log1p(exp(-|x|)): no overflow for large x; log1p(t) ≈ t - t²/2 for
+    # small t keeps the digits that log(1 + t) loses when x ≪ 0 (Triton has no log1p).
+    "Softplus": (
+        "(tl.maximum({0}, 0.0) + tl.where(tl.exp(-tl.abs({0})) < 1e-4, "
+        "tl.exp(-tl.abs({0})) * (1.0 - 0.5 * tl.exp(-tl.abs({0}))), tl.log(1.0 + tl.exp(-tl.abs({0})))))"
+    ),
 }
 
 

@@ -80,7 +80,9 @@ def input_view(graph: Graph, value: str, allow_scale: bool = True, allow_split: 
     cur = value
     while True:
         p = producers.get(cur)
-        if p is None or (cur != value and not _single_use(graph, cur)):
+        # Folding a producer removes its output: only a value read once (by the next hop, or by
+        # the kernel itself) may go.
+        if p is None or not _single_use(graph, cur):
             break
         if allow_split and p.op_type == "Split" and _split_offset(graph, p, cur) is not None:
             walk.append((p, cur))

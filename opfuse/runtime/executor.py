@@ -15,7 +15,7 @@ from opfuse.errors import ModelError
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.ops import run_op
 from opfuse.runtime.plan import Plan, Step
-from opfuse.runtime.tensors import from_numpy, to_numpy, torch_dtype
+from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
 
 # Inputs each op reads as host integers (shapes, axes, pads, repeats), by position.
 _REDUCE_OPS = (
@@ -103,6 +103,14 @@ class Executor:
             if tuple(t.shape) != spec.shape:
                 raise ModelError(
                     f"input {spec.name!r} has shape {list(t.shape)}, but the model was compiled for {list(spec.shape)}"
+                )
+            declared = torch_dtype(spec.dtype)
+            if t.dtype.is_floating_point != declared.is_floating_point or (t.dtype == torch.bool) != (
+                declared == torch.bool
+            ):
+                raise ModelError(
+                    f"input {spec.name!r} is {DTYPE_NAMES.get(t.dtype, t.dtype)}, but the model takes "
+                    f"{spec.dtype}: convert it before running"
                 )
             internal = self.plan.values[spec.name]
             env[spec.name] = t.to(device=self.device, dtype=torch_dtype(internal.dtype))

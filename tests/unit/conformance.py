@@ -72,12 +72,7 @@ SPECIAL_REFUSALS: dict[str, tuple[str, str]] = {
 
 # Cases that fail because of a known bug outside the frontend and runtime ops, with whose it is:
 # run as strict xfails, so that they start failing the suite (as XPASS) the day they are fixed.
-KNOWN_FAILURES: dict[str, str] = {
-    "test_mish_expanded": (
-        "the generated pointwise Softplus computes log(1 + exp(-|x|)) without log1p, which loses "
-        "digits for x << 0 (opfuse/codegen/pointwise.py)"
-    ),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 # Phrases the ModelError of each refusal category must contain: the user sees what kind of problem
 # it is, not just that there was one.

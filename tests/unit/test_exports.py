@@ -332,15 +332,6 @@ def test_gpt2_block() -> None:
     check(model, {"ids": ids.numpy()})
 
 
-# Rotary embedding's Reshape -> Transpose -> Slice/Neg/Concat: the layout_views rule (with pointwise
-# fusion) drops the Transpose's buffer that the Concat still reads (KeyError in the executor).
-# Strict: these start failing as XPASS when the rule is fixed; then remove the mark.
-LAYOUT_VIEWS_BUG = pytest.mark.xfail(
-    strict=True, raises=KeyError, reason="layout_views elides a Transpose an op step still reads"
-)
-
-
-@LAYOUT_VIEWS_BUG
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_llama_block(dynamo: bool) -> None:
     torch.manual_seed(5)
@@ -349,7 +340,6 @@ def test_llama_block(dynamo: bool) -> None:
     check(model, {"x": x.numpy()})
 
 
-@LAYOUT_VIEWS_BUG
 def test_llama_block_fp16() -> None:
     torch.manual_seed(5)
     x = torch.randn(2, 6, 16)
@@ -357,7 +347,7 @@ def test_llama_block_fp16() -> None:
 
 
 def test_llama_block_without_layout_views() -> None:
-    # The frontend and the per-op kernels on the LLaMA block while the xfails above stand.
+    # The same block with layout folding off: the per-op path on its own.
     torch.manual_seed(5)
     x = torch.randn(2, 6, 16)
     check(export(LlamaBlock(), (x,), ["x"]), {"x": x.numpy()}, disable=("layout_views",))

@@ -338,3 +338,26 @@ def test_transpose_and_reshape_become_index_arithmetic(precision: str) -> None:
     assert [s.kind for s in cm.plan.steps] == ["kernel"]
     (g,) = cm.report["fusion"]["groups"]
     assert sorted(g["layout_folded"]) == ["Reshape#n1", "Transpose#n0"]
+
+
+def test_verification_falls_back_when_onnxruntime_cannot_run_the_model() -> None:
+    # onnxruntime has no bfloat16 Mul on the CPU: the unfused float32 plan is the reference then.
+    nodes = [helper.make_node("Mul", ["x", "x"], ["m"]), helper.make_node("Relu", ["m"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "bf16",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [4, 8])],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    cm = opfuse.compile(m, {"x": [4, 8]}, device="cpu")
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["reference"] == "opfuse-unfused-fp32-cpu"
+    assert "onnxruntime could not run" in v["reference_note"]
+
+
+def test_inputs_of_the_wrong_kind_are_refused() -> None:
+    cm = opfuse.compile(residual_mlp(), {"x": [2, 32]}, device="cpu")
+    with pytest.raises(opfuse.ModelError, match="takes float32"):
+        cm.run({"x": np.ones((2, 32), dtype=np.int64)})
