@@ -207,21 +207,59 @@ def worker_command(
     worker_id: Annotated[
         str | None, typer.Option("--worker-id", help="Name in job records (default: host-pid).")
     ] = None,
-    gpu: Annotated[int | None, typer.Option(help="GPU index (default: the first GPU, else CPU).")] = None,
+    gpu: Annotated[
+        int | None,
+        typer.Option(
+            help="GPU index this worker owns; run one worker per GPU (default: the first GPU, else CPU)."
+        ),
+    ] = None,
     once: Annotated[bool, typer.Option(help="Run one job and exit (at once if the queue is empty).")] = False,
-    job_timeout: Annotated[float, typer.Option(help="Wall-time limit per job, seconds.")] = 1800.0,
+    job_timeout: Annotated[
+        float | None,
+        typer.Option(help="Wall-time limit per job, seconds (default 1800).", show_default=False),
+    ] = None,
+    job_memory_gb: Annotated[
+        float | None,
+        typer.Option(
+            help="Memory limit of each job's process, GB; 0: none (default 32).", show_default=False
+        ),
+    ] = None,
+    max_nodes: Annotated[
+        int | None, typer.Option(help="Refuse models with more nodes than this (default 50000).")
+    ] = None,
+    max_depth: Annotated[
+        int | None, typer.Option(help="Refuse graphs deeper than this many chained nodes (default 10000).")
+    ] = None,
+    api_retry: Annotated[
+        float | None,
+        typer.Option(
+            help="Keep retrying a job's API calls this long while the API is down, seconds (default 120).",
+            show_default=False,
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Run a worker: claim jobs from the API and fuse them on this machine's GPU (or CPU).
 
+    It needs only the API URL and a worker-scope key, so it runs on any host that reaches the API.
     Its logs are JSON lines on stderr (with or without --json); nothing goes to stdout.
     """
     from workers.worker import run_worker, worker_config
 
     opts = _options(ctx, api, None, False)
-    config = worker_config(opts.api, key, str(key_file) if key_file else None, worker_id, gpu)
-    config.once = once
-    config.job_timeout_s = job_timeout
+    config = worker_config(
+        opts.api,
+        key,
+        str(key_file) if key_file else None,
+        worker_id,
+        gpu,
+        once=once,
+        job_timeout_s=job_timeout,
+        job_memory_gb=job_memory_gb,
+        max_nodes=max_nodes,
+        max_depth=max_depth,
+        api_retry_s=api_retry,
+    )
     raise typer.Exit(run_worker(config))
 
 
@@ -273,6 +311,10 @@ def submit(
         str | None, typer.Option(help="Submitting again with the same key returns the same job.")
     ] = None,
     webhook_url: Annotated[str | None, typer.Option(help="URL the server calls when the job ends.")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(help="Device kind to run on: any, cpu, or a GPU kind such as h200 (default: any)."),
+    ] = None,
     wait: Annotated[bool, typer.Option(help="Follow the job with a progress bar until it ends.")] = False,
     timeout: Annotated[
         float | None, typer.Option(help="With --wait: give up after this many seconds.")
@@ -297,6 +339,7 @@ def submit(
             atol=atol,
             idempotency_key=idempotency_key,
             webhook_url=webhook_url,
+            target=target,
         )
         if wait:
             job = _wait_for(client, job, opts, timeout)

@@ -302,9 +302,16 @@ class OpfuseClient:
         atol: float | None = None,
         idempotency_key: str | None = None,
         webhook_url: str | None = None,
+        target: str | None = None,
     ) -> Job:
-        """Queue a fusion job for an uploaded model. Unset options take the server's defaults."""
+        """Queue a fusion job for an uploaded model. Unset options take the server's defaults.
+
+        `target` is the device kind to run on (`any`, `cpu`, or a GPU kind such as `h200`); the
+        server answers 422 for a kind it does not know, listing the ones it does.
+        """
         body: dict[str, Any] = {"model_id": model_id, "precision": precision}
+        if target:
+            body["target"] = target
         if input_shapes:
             body["input_shapes"] = {k: [int(d) for d in v] for k, v in input_shapes.items()}
         if fusion_disable:

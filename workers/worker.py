@@ -2,17 +2,26 @@
 
     python -m workers.worker --api http://127.0.0.1:8000 --key-file .opfuse/worker_key [--gpu 0] [--once]
 
-A job never takes the worker down: a model error fails the job for good, a crash or internal error
-fails the attempt as retryable, and the worker goes on to the next job. SIGTERM/SIGINT stop it
-cleanly: the running child is killed and its job handed back (retryable) for another worker.
+One worker per GPU (`--gpu N`); it reports its device when it claims, and the API hands it only
+jobs whose target is that device's kind or `any`. Each job runs in a child process under a
+wall-time limit (--job-timeout) and a memory limit (--job-memory-gb), and checks the untrusted
+model against node-count, depth and tensor-size limits before compiling it (workers.limits).
+
+A job never takes the worker down: a model error, running out of memory or time fails the job for
+good; a crash (a signal, a native error) or an internal error fails the attempt as retryable, and
+the worker goes on to the next job. Calls to the API are retried with backoff through outages
+(a restarting server) for up to --api-retry seconds. SIGTERM/SIGINT stop it cleanly: the running
+child is killed and its job handed back (retryable) for another worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,12 +45,24 @@ from client.sdk import (
     OpfuseClientError,
     OpfuseConnectionError,
 )
-from workers.child import PipelineProcess, describe_exit
+from workers.child import (
+    ForkedPipeline,
+    PipelineHandle,
+    PipelineProcess,
+    describe_exit,
+    start_forkserver,
+    warm_forkserver,
+)
+from workers.devices import DeviceChoice, choose_device
+from workers.limits import GiB, ModelLimits
 from workers.logs import JobLog, setup_logging
+from workers.pipeline import limits_json
 
 T = TypeVar("T")
 
 DEFAULT_JOB_TIMEOUT_S = 1800.0
+DEFAULT_JOB_MEMORY_GB = 32.0
+DEFAULT_API_RETRY_S = 120.0
 PIPELINE_ARGV = (sys.executable, "-m", "workers.pipeline")
 
 
@@ -51,35 +72,20 @@ class WorkerConfig:
     api_key: str
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     gpu: int | None = None
+    device: DeviceChoice | None = None  # default: choose_device(gpu), probed at start
     job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
+    job_memory_bytes: int | None = int(DEFAULT_JOB_MEMORY_GB * GiB)  # None: no limit
+    model_limits: ModelLimits = field(default_factory=ModelLimits)
+    api_retry_s: float = DEFAULT_API_RETRY_S  # how long a job's API calls are retried in an outage
     once: bool = False
     idle_min_s: float = 0.5  # claim backoff while the queue is empty
     idle_max_s: float = 5.0
     heartbeat_s: float | None = None  # default: a third of the lease
     pipeline_argv: Sequence[str] = PIPELINE_ARGV
+    # Fork each job's child from a forkserver that imported torch and opfuse once (a worker process
+    # of its own: `opfuse worker` turns this on); else start `pipeline_argv` as a new process.
+    forkserver: bool = False
     work_root: Path | None = None  # where per-job temp dirs go; default the system temp dir
-
-
-def detect_device(gpu: int | None = None) -> str:
-    """`cuda:N (name)` for the GPU this worker uses, or `cpu` (the Triton interpreter)."""
-    # No NVIDIA device nodes and no CUDA_VISIBLE_DEVICES: skip importing torch (seconds) to learn "cpu".
-    if not (
-        os.path.exists("/dev/nvidiactl")
-        or os.path.exists("/dev/dxg")
-        or os.environ.get("CUDA_VISIBLE_DEVICES")
-    ):
-        return "cpu"
-    try:
-        import torch
-    except ImportError:
-        return "cpu"
-    if not torch.cuda.is_available():
-        return "cpu"
-    index = gpu if gpu is not None else 0
-    try:
-        return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
-    except Exception:  # a bad --gpu index; the pipeline will say so on the first job
-        return f"cuda:{index}"
 
 
 def _lease_seconds(expires_at: str | None) -> float | None:
@@ -100,7 +106,10 @@ class Worker:
     def __init__(self, config: WorkerConfig, client: OpfuseClient | None = None) -> None:
         self.config = config
         self.client = client or OpfuseClient(config.api_url, config.api_key, timeout=60.0)
-        self.device = detect_device(config.gpu)
+        self.device_choice = config.device or choose_device(config.gpu)
+        self.device = self.device_choice.device
+        self.child_env = self.device_choice.child_env(dict(os.environ, PYTHONUNBUFFERED="1"))
+        self._forked = config.forkserver and tuple(config.pipeline_argv) == PIPELINE_ARGV
         self.log = JobLog(logging.getLogger("opfuse.worker"), {"worker_id": config.worker_id})
         self._stop = threading.Event()
 
@@ -116,7 +125,17 @@ class Worker:
 
     def run(self) -> int:
         """The claim loop. Returns the process exit code (0, or 2 when the API refuses our key)."""
-        self.log.info("worker started", extra={"api": self.client.api_url, "device": self.device})
+        self.log.info(
+            "worker started",
+            extra={
+                "api": self.client.api_url,
+                "device": self.device,
+                "job_timeout_s": self.config.job_timeout_s,
+                "job_memory_bytes": self.config.job_memory_bytes,
+            },
+        )
+        if self._forked and not self._start_forkserver():
+            return 0  # stopped while the forkserver was starting
         idle = self.config.idle_min_s
         unreachable_since: float | None = None
         while not self.stopping:
@@ -205,36 +224,95 @@ class Worker:
         job_id, token = str(job["id"]), claim["lease_token"]
         model_path = workdir / "model.onnx"
         out = workdir / "out"
-        self._with_retries(lambda: self.client.download_model(job_id, token, model_path), log)
+        lease_s = _lease_seconds(claim.get("lease_expires_at"))
+        interval = self._heartbeat_interval(lease_s)
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.config.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.config.gpu)
-        if self.device == "cpu":
-            env.setdefault("TRITON_INTERPRET", "1")  # no GPU: the kernels run in Triton's interpreter
         options = job.get("options") or {}
-        argv = [
-            *self.config.pipeline_argv,
+        args = [
             "--model",
             str(model_path),
             "--options-json",
             json.dumps(options),
             "--out",
             str(out),
+            "--limits-json",
+            limits_json(self.config.model_limits),
         ]
-        child = PipelineProcess(argv, env, workdir)
-        log.info("pipeline started", extra={"pid": child.pid})
+        if self.config.job_memory_bytes:
+            args += ["--memory-limit-bytes", str(self.config.job_memory_bytes)]
+        # A big model's download can outlast a lease: heartbeat through it.
+        with self._lease_kept(job_id, token, "loading", 0.0, interval, log):
+            self._with_retries(lambda: self.client.download_model(job_id, token, model_path), log)
+            child = self._start_child(args, workdir, log)
+        log.info("pipeline started", extra={"pid": child.pid, "forked": isinstance(child, ForkedPipeline)})
         try:
-            outcome = self._supervise(
-                child, job_id, token, _lease_seconds(claim.get("lease_expires_at")), log
-            )
+            outcome = self._supervise(child, job_id, token, lease_s, log)
             if outcome is not None:
                 return outcome
-            return self._finish(child, job_id, token, out, log)
+            with self._lease_kept(job_id, token, "packaging", 1.0, interval, log):
+                return self._finish(child, job_id, token, out, log)
         finally:
             if child.poll() is None:
                 child.kill()
             child.close()
+
+    def _start_forkserver(self) -> bool:
+        """Start the forkserver and wait until it has imported torch and opfuse (seconds), so that
+        no claimed job waits on it; False if the worker was stopped meanwhile."""
+        if not start_forkserver(self.child_env):
+            self.log.warning("the forkserver runs for another device; jobs start as new processes")
+            self._forked = False
+            return True
+        ready = threading.Event()
+        started = time.monotonic()
+
+        def warm() -> None:
+            try:
+                warm_forkserver()
+            except Exception as exc:
+                self.log.warning("forkserver failed; jobs start as new processes", extra={"error": str(exc)})
+                self._forked = False
+            ready.set()
+
+        threading.Thread(target=warm, name="forkserver-warmup", daemon=True).start()
+        while not ready.wait(0.2):
+            if self.stopping:
+                return False
+        self.log.info("forkserver ready", extra={"seconds": round(time.monotonic() - started, 1)})
+        return True
+
+    @contextlib.contextmanager
+    def _lease_kept(
+        self, job_id: str, token: str, stage: str, progress: float, interval: float, log: JobLog
+    ) -> Iterator[None]:
+        """Heartbeat on a thread while the block runs (downloads, uploads: no child to watch)."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(interval):
+                try:
+                    self.client.heartbeat(job_id, token, stage, progress)
+                except LeaseLostError:
+                    log.warning("lease lost (409) while transferring; the next call will say so")
+                    return
+                except OpfuseClientError as exc:
+                    log.warning("heartbeat failed; retrying", extra={"error": str(exc)})
+
+        keeper = threading.Thread(target=beat, name="lease-keeper", daemon=True)
+        keeper.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            keeper.join(timeout=5)
+
+    def _start_child(self, args: list[str], workdir: Path, log: JobLog) -> PipelineHandle:
+        if self._forked:
+            try:
+                return ForkedPipeline(args, workdir)
+            except (OSError, EOFError, ValueError) as exc:  # the forkserver is gone or broken
+                log.warning("forkserver failed; starting the job as a new process", extra={"error": str(exc)})
+        return PipelineProcess([*self.config.pipeline_argv, *args], self.child_env, workdir)
 
     def _heartbeat_interval(self, lease_s: float | None) -> float:
         if self.config.heartbeat_s is not None:
@@ -244,14 +322,14 @@ class Worker:
         return min(max(lease_s / 3.0, 1.0), 30.0)
 
     def _supervise(
-        self, child: PipelineProcess, job_id: str, token: str, lease_s: float | None, log: JobLog
+        self, child: PipelineHandle, job_id: str, token: str, lease_s: float | None, log: JobLog
     ) -> str | None:
         """Heartbeat while the child runs. None when it exited by itself, else why it was stopped."""
         interval = self._heartbeat_interval(lease_s)
         started = time.monotonic()
         deadline = started + self.config.job_timeout_s
         next_beat = started  # the first heartbeat marks the job as started right away
-        last_beat = 0.0
+        last_beat = 0.0  # when a heartbeat was last sent, answered or not
         sent: tuple[str | None, float] | None = None  # the last state a heartbeat delivered
         logged: tuple[str | None, float] | None = None
         while child.poll() is None:
@@ -284,6 +362,7 @@ class Worker:
                 log.info("stage", extra={"stage": latest[0], "progress": latest[1]})
                 logged = latest
             if now >= next_beat or (latest != sent and now - last_beat >= 1.0):
+                last_beat = now
                 try:
                     answer = self.client.heartbeat(job_id, token, latest[0], latest[1])
                 except LeaseLostError:
@@ -303,7 +382,7 @@ class Worker:
                     log.warning("heartbeat failed; retrying", extra={"error": str(exc)})
                     next_beat = now + min(interval, 2.0)
                 else:
-                    sent, last_beat = latest, now
+                    sent = latest
                     lease_left = _lease_seconds(answer.get("lease_expires_at"))
                     if self.config.heartbeat_s is None and lease_left:
                         interval = self._heartbeat_interval(lease_left)
@@ -317,7 +396,7 @@ class Worker:
             child.changed.clear()
         return None
 
-    def _finish(self, child: PipelineProcess, job_id: str, token: str, out: Path, log: JobLog) -> str:
+    def _finish(self, child: PipelineHandle, job_id: str, token: str, out: Path, log: JobLog) -> str:
         """The child exited on its own: upload and complete, or fail with its reason."""
         rc = child.wait()
         report_path, bundle_path, error_path = out / "report.json", out / "bundle.zip", out / "error.json"
@@ -345,7 +424,7 @@ class Worker:
                 message, kind = str(error["error"]), str(error.get("kind", "internal"))
             except (ValueError, KeyError, TypeError):
                 message, kind = "internal error: the pipeline wrote an unreadable error.json", "internal"
-            retryable = kind != "model"
+            retryable = kind not in ("model", "memory")  # the same model fails the same way again
             log.info("job failed", extra={"kind": kind, "error": message, "retryable": retryable})
             self._fail(job_id, token, message, retryable, log)
             return "failed"
@@ -361,26 +440,31 @@ class Worker:
 
     # -- server calls that must get through -------------------------------------------------
 
-    def _with_retries(self, call: Callable[[], T], log: JobLog, attempts: int = 5) -> T:
-        """Retry a call through connection errors and 5xx answers (the server may be restarting)."""
-        delay = 1.0
-        for attempt in range(1, attempts + 1):
+    def _with_retries(self, call: Callable[[], T], log: JobLog, window_s: float | None = None) -> T:
+        """Retry a call through connection errors, 5xx and 429 answers (the server may be
+        restarting or busy) with jittered exponential backoff, for up to `window_s` (default
+        --api-retry); then the last error is raised. A refusal (4xx) is raised at once."""
+        deadline = time.monotonic() + (self.config.api_retry_s if window_s is None else window_s)
+        delay = 0.25
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return call()
             except LeaseLostError:
                 raise
             except (OpfuseConnectionError, OpfuseAPIError) as exc:
-                transient = isinstance(exc, OpfuseConnectionError) or exc.status >= 500
-                if not transient or attempt == attempts:
+                transient = isinstance(exc, OpfuseConnectionError) or exc.status >= 500 or exc.status == 429
+                pause = delay * random.uniform(0.5, 1.0)
+                if not transient or time.monotonic() + pause > deadline:
                     raise
                 log.warning("server call failed; retrying", extra={"error": str(exc), "attempt": attempt})
-                time.sleep(delay)
-                delay = min(delay * 2, 8.0)
-        raise AssertionError("unreachable")
+                time.sleep(pause)
+                delay = min(delay * 2, 5.0)
 
     def _fail(self, job_id: str, token: str, error: str, retryable: bool, log: JobLog) -> None:
         try:
-            self._with_retries(lambda: self.client.fail(job_id, token, error, retryable), log, attempts=3)
+            self._with_retries(lambda: self.client.fail(job_id, token, error, retryable), log)
         except LeaseLostError:
             log.info("fail not recorded: the lease is gone (the job was canceled or re-queued)")
         except OpfuseClientError as exc:
@@ -413,9 +497,24 @@ def resolve_worker_key(key: str | None, key_file: str | None) -> str | None:
 
 
 def worker_config(
-    api: str | None, key: str | None, key_file: str | None, worker_id: str | None, gpu: int | None
+    api: str | None,
+    key: str | None,
+    key_file: str | None,
+    worker_id: str | None,
+    gpu: int | None,
+    *,
+    once: bool = False,
+    job_timeout_s: float | None = None,
+    job_memory_gb: float | None = None,
+    max_nodes: int | None = None,
+    max_depth: int | None = None,
+    api_retry_s: float | None = None,
 ) -> WorkerConfig:
-    """A WorkerConfig from command-line values; ConfigError says what is missing."""
+    """A WorkerConfig from command-line values (None: the default), its device chosen (the GPU
+    probed); ConfigError says what is missing or wrong."""
+    job_timeout_s = DEFAULT_JOB_TIMEOUT_S if job_timeout_s is None else job_timeout_s
+    job_memory_gb = DEFAULT_JOB_MEMORY_GB if job_memory_gb is None else job_memory_gb
+    api_retry_s = DEFAULT_API_RETRY_S if api_retry_s is None else api_retry_s
     api_url, _ = resolve_url(api)
     api_key = resolve_worker_key(key, key_file)
     if api_key is None:
@@ -423,7 +522,36 @@ def worker_config(
             "no worker key: pass --key or --key-file, set OPFUSE_WORKER_KEY, or run where "
             f"{opfuse_home()}/worker_key exists (`opfuse serve` writes it)"
         )
-    config = WorkerConfig(api_url=api_url, api_key=api_key, gpu=gpu)
+    for flag, value in (("--job-timeout", job_timeout_s), ("--api-retry", api_retry_s)):
+        if value <= 0:
+            raise ConfigError(f"{flag} must be a positive number of seconds, got {value:g}")
+    if job_memory_gb < 0:
+        raise ConfigError(f"--job-memory-gb must be 0 (no limit) or more, got {job_memory_gb:g}")
+    if job_memory_gb and job_memory_gb < 2:
+        raise ConfigError(
+            f"--job-memory-gb {job_memory_gb:g} is too small: a job's process needs about 2 GB to "
+            "load torch and triton; give 2 or more (0: no limit)"
+        )
+    limits = ModelLimits()
+    for flag, count in (("--max-nodes", max_nodes), ("--max-depth", max_depth)):
+        if count is not None and count < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {count}")
+    limits = ModelLimits(
+        max_nodes=max_nodes if max_nodes is not None else limits.max_nodes,
+        max_depth=max_depth if max_depth is not None else limits.max_depth,
+    )
+    config = WorkerConfig(
+        api_url=api_url,
+        api_key=api_key,
+        gpu=gpu,
+        device=choose_device(gpu),
+        once=once,
+        forkserver=True,
+        job_timeout_s=job_timeout_s,
+        job_memory_bytes=int(job_memory_gb * GiB) or None,
+        model_limits=limits,
+        api_retry_s=api_retry_s,
+    )
     if worker_id:
         config.worker_id = worker_id
     return config
@@ -455,18 +583,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S, help="wall-time limit per job, seconds"
     )
+    parser.add_argument(
+        "--job-memory-gb",
+        type=float,
+        default=DEFAULT_JOB_MEMORY_GB,
+        help="memory limit of each job's process, GB (0: none)",
+    )
+    parser.add_argument(
+        "--max-nodes", type=int, help=f"largest model accepted, nodes ({ModelLimits.max_nodes})"
+    )
+    parser.add_argument(
+        "--max-depth", type=int, help=f"deepest graph accepted, chained nodes ({ModelLimits.max_depth})"
+    )
+    parser.add_argument(
+        "--api-retry",
+        type=float,
+        default=DEFAULT_API_RETRY_S,
+        help="how long to retry a job's API calls while the API is unreachable, seconds",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = worker_config(args.api, args.key, args.key_file, args.worker_id, args.gpu)
+        config = worker_config(
+            args.api,
+            args.key,
+            args.key_file,
+            args.worker_id,
+            args.gpu,
+            once=args.once,
+            job_timeout_s=args.job_timeout,
+            job_memory_gb=args.job_memory_gb,
+            max_nodes=args.max_nodes,
+            max_depth=args.max_depth,
+            api_retry_s=args.api_retry,
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    config.once = args.once
-    config.job_timeout_s = args.job_timeout
     return run_worker(config)
 
 

@@ -151,12 +151,12 @@ import workers.pipeline as pipeline
 
 real = pipeline.run_pipeline
 
-def run_pipeline(model, options, out, progress):
+def run_pipeline(model, options, out, progress, *limits):
     def hooked(stage, frac):
         progress(stage, frac)
         if stage == {stage!r}:
 {action}
-    return real(model, options, out, hooked)
+    return real(model, options, out, hooked, *limits)
 
 pipeline.run_pipeline = run_pipeline
 with open(os.path.join(os.path.dirname(sys.argv[sys.argv.index("--out") + 1]), "child.pid"), "w") as f:
