@@ -10,21 +10,10 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import ModelError
-from opfuse.frontend.validate import sort_and_check_graph
+from opfuse.frontend.validate import SUPPORTED_ELEM_TYPES, sort_and_check_graph
 
-# ONNX element types opfuse names in its API and reports.
-DTYPE_NAMES: dict[int, str] = {
-    onnx.TensorProto.FLOAT: "float32",
-    onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.BFLOAT16: "bfloat16",
-    onnx.TensorProto.DOUBLE: "float64",
-    onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.INT32: "int32",
-    onnx.TensorProto.INT16: "int16",
-    onnx.TensorProto.INT8: "int8",
-    onnx.TensorProto.UINT8: "uint8",
-    onnx.TensorProto.BOOL: "bool",
-}
+# ONNX element types opfuse names in its API and reports: the ones it computes in.
+DTYPE_NAMES: dict[int, str] = SUPPORTED_ELEM_TYPES
 
 MAX_MODEL_BYTES = 2 * 1024**3 - 1  # protobuf's own limit for a single message
 
