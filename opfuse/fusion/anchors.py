@@ -6,7 +6,7 @@ activation, residual add, scale, cast). Never two anchors in one kernel: only po
 
 from __future__ import annotations
 
-from opfuse.codegen.conv import conv_anchor_reason
+from opfuse.codegen.conv import CONV_OPS, conv_anchor_reason
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
@@ -35,7 +35,7 @@ def plan_anchor_groups(
                 not_fused.append(NotFired(rule, [node_label(anchor)], reason))
                 continue
             variant, note = "template", ""
-        elif anchor.op_type == "Conv" and CONV_RULE not in disabled:
+        elif anchor.op_type in CONV_OPS and CONV_RULE not in disabled:
             rule, kind = CONV_RULE, "conv"
             reason = conv_anchor_reason(graph, anchor)
             variant, note = (

@@ -14,6 +14,8 @@ from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gemm_reshape import gemm_to_matmul
+from opfuse.passes.layout import RULE as LAYOUT_RULE
+from opfuse.passes.layout import to_channels_last
 from opfuse.passes.projections import MERGE_RULE, merge_projections
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 
@@ -58,6 +60,8 @@ def run_passes(graph: Graph, disabled: Iterable[str] = ()) -> PassResult:
     apply_rules(graph, RULES, set(disabled), rule_log)
     if MERGE_RULE not in set(disabled):
         merge_projections(graph, rule_log)
+    if LAYOUT_RULE not in set(disabled):
+        to_channels_last(graph, rule_log)
     fold_constant_nodes(graph)
     drop_unused_constants(graph)
     return PassResult(fired=rule_log.fired, not_fired=rule_log.not_fired)

@@ -59,8 +59,13 @@ def fused_model(plan: Plan) -> onnx.ModelProto:
                 k: (numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v)
                 for k, v in s.attrs.items()
             }
+            op_type, domain = s.op_type, ""
+            if op_type.startswith("opfuse."):  # opfuse's own ops (the channels-last region)
+                op_type, domain = op_type.split(".", 1)[1], FUSED_DOMAIN
             nodes.append(
-                helper.make_node(s.op_type, s.inputs, s.outputs, name=s.label or f"step{i}", **attrs)
+                helper.make_node(
+                    op_type, s.inputs, s.outputs, name=s.label or f"step{i}", domain=domain, **attrs
+                )
             )
     inits = []
     for name, arr in plan.constants.items():

@@ -45,7 +45,10 @@ _OP_MODULES = (
     ops_shape,
 )
 
-SUPPORTED_OPS: frozenset[str] = frozenset(OP_TABLE)
+# Ops named "opfuse.*" exist only inside compiled plans (the channels-last region); a model
+# cannot use them.
+INTERNAL_PREFIX = "opfuse."
+SUPPORTED_OPS: frozenset[str] = frozenset(op for op in OP_TABLE if not op.startswith(INTERNAL_PREFIX))
 
 # Ops whose torch kernel launches nothing on the device: a view, an alias, or host-side shape
 # arithmetic. The "before" kernel count skips them. It is a per-type answer, so it is the usual

@@ -274,6 +274,33 @@ def average_pool(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [_crop(sums, outs) / _crop(counts, outs)]
 
 
+def _nchw(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(0, 3, 1, 2)
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(0, 2, 3, 1)
+
+
+# The channels-last region (opfuse/passes/layout.py): NHWC tensors in and out. An NHWC tensor
+# permuted to NCHW is torch's channels_last memory format, which cuDNN and the pooling kernels run
+# natively, so these permutations move no data.
+@register("opfuse.ConvNHWC")
+def conv_nhwc(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    x, w = required(inputs, 0, "ConvNHWC"), required(inputs, 1, "ConvNHWC")
+    return [_nhwc(conv([_nchw(x), _nchw(w), optional(inputs, 2)], attrs)[0])]
+
+
+@register("opfuse.MaxPoolNHWC")
+def max_pool_nhwc(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    return [_nhwc(max_pool([_nchw(required(inputs, 0, "MaxPoolNHWC"))], attrs)[0])]
+
+
+@register("opfuse.AveragePoolNHWC")
+def average_pool_nhwc(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    return [_nhwc(average_pool([_nchw(required(inputs, 0, "AveragePoolNHWC"))], attrs)[0])]
+
+
 @register("GlobalAveragePool")
 def global_average_pool(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "GlobalAveragePool")

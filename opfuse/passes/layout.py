@@ -1,0 +1,215 @@
+"""Channels-last: run the convolutional part of a graph in NHWC.
+
+Tensor cores and cuDNN compute 2-D convolutions natively in NHWC; an NCHW convolution pays layout
+conversions inside the library, and an implicit-GEMM template on NCHW gathers its reduction axis
+(input channels) with a stride. This pass rewrites the graph so that every 2-D Conv, the pointwise
+ops around it, pooling and global pooling work on NHWC tensors:
+
+- a Conv becomes `opfuse.ConvNHWC`, its weight stored as [Cout, KH, KW, Cin/group];
+- MaxPool / AveragePool become `opfuse.MaxPoolNHWC` / `opfuse.AveragePoolNHWC`;
+- GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2);
+- pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
+- Concat along channels concatenates along the last axis.
+
+At the region's edges an explicit Transpose converts (into NHWC before the first conv, back to
+NCHW before an op that needs the original layout or a graph output); the fusion planner folds
+those into neighbouring kernels as strided views where it can. The rewritten graph computes the
+same function: every value keeps its meaning, only NHWC twins are added.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.codegen.pointwise import EMITTERS
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.rules import NotFired, RuleLog, node_label
+
+RULE = "channels_last"
+TO_NHWC = (0, 2, 3, 1)
+TO_NCHW = (0, 3, 1, 2)
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+POOLS = {"MaxPool": "opfuse.MaxPoolNHWC", "AveragePool": "opfuse.AveragePoolNHWC"}
+GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
+# Ops of the channels-last region that exist only inside opfuse (never accepted from a model).
+INTERNAL_OPS = ("opfuse.ConvNHWC", *POOLS.values())
+
+
+def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(shape[d] for d in TO_NHWC)
+
+
+def _conv_reason(graph: Graph, node: Node) -> str | None:
+    x = graph.spec(node.inputs[0])
+    if len(x.shape) != 4:
+        return f"a {len(x.shape) - 2}-D convolution: channels-last covers 2-D"
+    if x.dtype not in FLOAT_TYPES:
+        return f"input of type {x.dtype}"
+    if node.inputs[1] not in graph.constants:
+        return "the weight is not a constant"
+    if len(node.inputs) > 2 and node.inputs[2] and node.inputs[2] not in graph.constants:
+        return "the bias is not a constant"
+    return None
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.twin: dict[str, str] = {}  # NCHW value -> its NHWC twin
+        self.out: list[Node] = []
+        self.converted_outputs: set[str] = set()  # NCHW names now produced only as NHWC twins
+        self.count = 0
+        self.nodes_made = 0
+
+    def fresh(self, base: str) -> str:
+        self.count += 1
+        name = f"{base}__nhwc{self.count}"
+        while name in self.graph.values:
+            self.count += 1
+            name = f"{base}__nhwc{self.count}"
+        return name
+
+    def node_id(self) -> str:
+        self.nodes_made += 1
+        return f"ncl{self.nodes_made}"
+
+    def constant(self, name: str, rank: int = 4) -> str:
+        """The NHWC form of a constant that broadcasts against a 4-D value."""
+        if name in self.twin:
+            return self.twin[name]
+        arr = self.graph.constants[name]
+        if arr.size == 1:
+            return name  # a scalar broadcasts the same in any layout
+        full = arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
+        new = self.fresh(name)
+        self.graph.constants[new] = np.ascontiguousarray(full.transpose(TO_NHWC))
+        self.graph.values[new] = TensorSpec(new, self.graph.spec(name).dtype, _nhwc_shape(full.shape))
+        self.twin[name] = new
+        return new
+
+    def nhwc_input(self, name: str) -> str:
+        """The NHWC twin of a 4-D value, made by a Transpose the first time it is needed."""
+        if name in self.twin:
+            return self.twin[name]
+        if name in self.graph.constants:
+            return self.constant(name)
+        spec = self.graph.spec(name)
+        new = self.fresh(name)
+        self.graph.values[new] = TensorSpec(new, spec.dtype, _nhwc_shape(spec.shape))
+        self.out.append(Node(self.node_id(), "Transpose", [name], [new], {"perm": list(TO_NHWC)}))
+        self.twin[name] = new
+        return new
+
+    def new_output(self, name: str) -> str:
+        spec = self.graph.spec(name)
+        new = self.fresh(name)
+        self.graph.values[new] = TensorSpec(new, spec.dtype, _nhwc_shape(spec.shape))
+        self.twin[name] = new
+        self.converted_outputs.add(name)
+        return new
+
+
+def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
+    """A pointwise op joins the region when one of its 4-D inputs already is NHWC."""
+    if node.op_type not in EMITTERS or len([o for o in node.outputs if o]) != 1:
+        return False
+    if len(graph.spec(node.outputs[0]).shape) != 4:
+        return False
+    touches = False
+    for x in node.inputs:
+        if not x:
+            continue
+        if x in twin:
+            touches = True
+            continue
+        spec = graph.spec(x)
+        if x in graph.constants or spec.numel == 1:
+            continue
+        if len(spec.shape) != 4:
+            return False  # a lower-rank computed value would need a reshape as well
+    return touches
+
+
+def to_channels_last(graph: Graph, log: RuleLog) -> None:
+    """Rewrite the 2-D convolutions of `graph` and their neighbourhood to NHWC (see module doc)."""
+    convs = []
+    for n in graph.nodes:
+        if n.op_type != "Conv":
+            continue
+        reason = _conv_reason(graph, n)
+        if reason is None:
+            convs.append(n)
+        else:
+            log.not_fired.append(NotFired(RULE, [node_label(n)], reason))
+    if not convs:
+        return
+    rw = _Rewriter(graph)
+    for node in graph.nodes:
+        op = node.op_type
+        if op == "Conv" and node in convs:
+            x = rw.nhwc_input(node.inputs[0])
+            w_name = node.inputs[1]
+            w = graph.constants[w_name]
+            new_w = rw.fresh(w_name)
+            graph.constants[new_w] = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+            graph.values[new_w] = TensorSpec(
+                new_w, graph.spec(w_name).dtype, (w.shape[0], *w.shape[2:], w.shape[1])
+            )
+            attrs = dict(node.attrs)
+            attrs.setdefault("kernel_shape", list(w.shape[2:]))
+            ins = [x, new_w, *node.inputs[2:3]]
+            rw.out.append(
+                Node(node.id, "opfuse.ConvNHWC", ins, [rw.new_output(node.outputs[0])], attrs, node.name)
+            )
+        elif (
+            op in POOLS
+            and node.inputs[0] in rw.twin
+            and len([o for o in node.outputs if o]) == 1
+            and len(graph.spec(node.inputs[0]).shape) == 4
+        ):
+            ins = [rw.twin[node.inputs[0]]]
+            rw.out.append(
+                Node(node.id, POOLS[op], ins, [rw.new_output(node.outputs[0])], dict(node.attrs), node.name)
+            )
+        elif op in GLOBAL_POOLS and node.inputs[0] in rw.twin:
+            axes = f"{node.id}_axes"
+            graph.constants[axes] = np.array([1, 2], dtype=np.int64)
+            graph.values[axes] = TensorSpec(axes, "int64", (2,))
+            ins = [rw.twin[node.inputs[0]], axes]
+            out = rw.new_output(node.outputs[0])
+            rw.out.append(Node(node.id, GLOBAL_POOLS[op], ins, [out], {"keepdims": 1}, node.name))
+        elif (
+            op == "Concat"
+            and len(graph.spec(node.outputs[0]).shape) == 4
+            and any(x in rw.twin for x in node.inputs)
+        ):
+            axis = int(node.attrs.get("axis", 0)) % 4
+            ins = [rw.nhwc_input(x) for x in node.inputs]
+            attrs = {**node.attrs, "axis": TO_NHWC.index(axis)}
+            rw.out.append(Node(node.id, "Concat", ins, [rw.new_output(node.outputs[0])], attrs, node.name))
+        elif _pointwise_ok(graph, node, rw.twin):
+            ins = []
+            for x in node.inputs:
+                if not x or (x not in rw.twin and x not in graph.constants and graph.spec(x).numel == 1):
+                    ins.append(x)
+                elif x in graph.constants and len(graph.spec(x).shape) <= 4:
+                    ins.append(rw.constant(x))
+                else:
+                    ins.append(rw.nhwc_input(x))
+            out = rw.new_output(node.outputs[0])
+            rw.out.append(Node(node.id, op, ins, [out], dict(node.attrs), node.name))
+        else:
+            for x in node.inputs:
+                _back_to_nchw(rw, x)
+            rw.out.append(node)
+    for o in graph.outputs:
+        _back_to_nchw(rw, o.name)
+    graph.nodes = rw.out
+    log.fired[RULE] = log.fired.get(RULE, 0) + len(convs)
+
+
+def _back_to_nchw(rw: _Rewriter, name: str) -> None:
+    """Make the NCHW value `name` exist again (a Transpose of its twin) if only its twin was produced."""
+    if name in rw.converted_outputs:
+        rw.converted_outputs.discard(name)
+        rw.out.append(Node(rw.node_id(), "Transpose", [rw.twin[name]], [name], {"perm": list(TO_NCHW)}))

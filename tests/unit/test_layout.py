@@ -1,0 +1,94 @@
+"""Channels-last: the conv region of a graph runs in NHWC and computes the same function."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import opfuse
+from opfuse.runtime.ops import SUPPORTED_OPS
+from tests.unit.test_fusion import make_model, ort_run
+
+RNG = np.random.default_rng(11)
+
+
+def conv_net() -> onnx.ModelProto:
+    """Conv+Relu -> MaxPool -> Conv with a per-channel scale [C,1,1] -> Concat on channels with the
+    pooled tensor -> GlobalAveragePool -> Flatten: every kind of node the pass rewrites, and both
+    edges of the region (the NCHW input, the 2-D output)."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c2", "scale"], ["s2"]),
+        helper.make_node("Sigmoid", ["s2"], ["g2"]),
+        helper.make_node("Concat", ["g2", "p1"], ["cat"], axis=1),
+        helper.make_node("GlobalAveragePool", ["cat"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["y"]),
+    ]
+    inits = {
+        "w1": RNG.standard_normal((16, 3, 3, 3)) * 0.3,
+        "b1": RNG.standard_normal(16) * 0.1,
+        "w2": RNG.standard_normal((24, 16, 3, 3)) * 0.1,
+        "scale": RNG.uniform(0.5, 1.5, (24, 1, 1)),
+    }
+    return make_model(nodes, {"x": [2, 3, 8, 8]}, {"y": [2, 40]}, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_conv_region_runs_channels_last_and_matches_onnxruntime(precision: str) -> None:
+    model = conv_net()
+    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, precision=precision, device="cpu")
+    assert cm.report["verification"]["passed"] is True
+    assert cm.report["fusion"]["passes"]["fired"]["channels_last"] == 2
+    ops = [s.op_type for s in cm.plan.steps if s.kind == "op"]
+    assert "Conv" not in ops and "MaxPool" not in ops and "GlobalAveragePool" not in ops
+    assert "opfuse.MaxPoolNHWC" in ops
+    kinds = {k.kind for k in cm.plan.kernels.values()}
+    assert "conv" in kinds
+    conv_src = next(k.source for k in cm.plan.kernels.values() if k.kind == "conv")
+    assert "(NHWC)" in conv_src and "tl.dot(" in conv_src
+    feeds = {"x": RNG.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    (ref,) = ort_run(model, feeds)
+    out = cm.run(feeds)["y"]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+def test_channels_last_can_be_switched_off() -> None:
+    model = conv_net()
+    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, device="cpu", fusion_disable=["channels_last"])
+    assert cm.report["verification"]["passed"] is True
+    assert "channels_last" not in cm.report["fusion"]["passes"]["fired"]
+    assert not any(s.op_type.startswith("opfuse.") for s in cm.plan.steps)
+    conv_src = next(k.source for k in cm.plan.kernels.values() if k.kind == "conv")
+    assert "(NHWC)" not in conv_src
+
+
+def test_internal_ops_are_not_model_ops_and_export_in_opfuse_domain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert not any(op.startswith("opfuse.") for op in SUPPORTED_OPS)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], group=4, pads=[1, 1, 1, 1]),  # depthwise: vendor conv
+        helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+    ]
+    model = make_model(
+        nodes, {"x": [1, 4, 6, 6]}, {"y": [1, 4, 6, 6]}, {"w": RNG.standard_normal((4, 1, 3, 3))}
+    )
+    cm = opfuse.compile(model, {"x": [1, 4, 6, 6]}, device="cpu")
+    assert cm.report["verification"]["passed"] is True
+    path = tmp_path / "b.zip"
+    cm.save(path)
+    with zipfile.ZipFile(path) as z:
+        fused = onnx.load_model(io.BytesIO(z.read("model.onnx")))
+    internal = [(n.domain, n.op_type) for n in fused.graph.node if n.domain == "ai.opfuse"]
+    assert ("ai.opfuse", "ConvNHWC") in internal and ("ai.opfuse", "MaxPoolNHWC") in internal
+    loaded = opfuse.load(path, device="cpu")
+    feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
+    (ref,) = ort_run(model, feeds)
+    np.testing.assert_allclose(loaded.run(feeds)["y"], ref, rtol=1e-4, atol=1e-5)
