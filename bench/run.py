@@ -153,10 +153,15 @@ def bench_one(
     return row
 
 
+def _mb(nbytes: Any) -> str:
+    return f"{nbytes / 2**20:.0f}" if isinstance(nbytes, (int, float)) else "-"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     hdr = (
         f"{'model':<20}{'b':>4} {'prec':<5}{'onnx-eager':>11}{'opfuse':>9}{'eager':>8}{'eager+G':>9}"
-        f"{'tc':>8}{'tc+G':>8}{'vs tc+G':>8}{'kern b/a':>11}{'compile s':>10}"
+        f"{'tc':>8}{'tc+G':>8}{'vs tc+G':>8}{'x onnx':>7}{'kern b/a':>11}{'peak MB b/a':>13}"
+        f"{'compile s':>10}{'tc s':>6}"
     )
     print(hdr)
     ratios = []
@@ -174,8 +179,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{r['model']:<20}{r['batch']:>4} {r['precision']:<5}{r.get('onnx_eager_ms', math.nan):>11.3f}"
             f"{ours:>9.3f}{ms('eager'):>8.3f}{ms('eager_cudagraph'):>9.3f}{ms('torch_compile'):>8.3f}{tcg:>8.3f}"
-            f"{ratio:>8.2f}{str(r.get('kernels_before')) + '/' + str(r.get('kernels_after')):>11}"
+            f"{ratio:>8.2f}{r.get('onnx_eager_ms', math.nan) / ours:>7.1f}"
+            f"{str(r.get('kernels_before')) + '/' + str(r.get('kernels_after')):>11}"
+            f"{_mb(r.get('peak_mem_before')) + '/' + _mb(r.get('peak_mem_after')):>13}"
             f"{r.get('opfuse_compile_s', math.nan):>10.1f}"
+            f"{float(p.get('torch_compile', {}).get('compile_s', math.nan)):>6.0f}"
         )
         if r.get("verified") is False:
             print(
@@ -201,7 +209,22 @@ def main() -> None:
     )
     ap.add_argument("--out", default="bench/out/results.json")
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
+    ap.add_argument(
+        "--print",
+        nargs="+",
+        metavar="JSON",
+        help="print one table from the results files of earlier runs (e.g. one per GPU) and exit",
+    )
     args = ap.parse_args()
+    if args.print:
+        merged: list[dict[str, Any]] = []
+        for path in args.print:
+            with open(path) as f:
+                data = json.load(f)
+            print(json.dumps(data["meta"]))
+            merged += data["rows"]
+        print_table(merged)
+        return
     global TUNE_BUDGET_S
     TUNE_BUDGET_S = args.tune_budget
     if not torch.cuda.is_available():

@@ -41,6 +41,9 @@ VERIFY_TRIALS = 2
 ProgressFn = Callable[[str, float], None]
 
 
+DEFAULT_TUNE_BUDGET_S = 60.0
+
+
 def _resolve_device(device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,9 +174,13 @@ def compile(
     atol: float | None = None,
     verify: bool = True,
     progress: ProgressFn | None = None,
-    tune_budget_s: float = 60.0,
+    tune_budget_s: float | None = None,
 ) -> CompiledModel:
-    """Compile an ONNX model into a fused, verified plan (DESIGN.md §6)."""
+    """Compile an ONNX model into a fused, verified plan (DESIGN.md §6).
+
+    `tune_budget_s` bounds GPU tuning (default: $OPFUSE_TUNE_BUDGET_S, else 60 s); 0 turns tuning
+    off: default launch configs and the generated template for every anchor.
+    """
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
     device = _resolve_device(device)
@@ -232,7 +239,9 @@ def compile(
 
     t = time.perf_counter()
     tuning: dict[str, Any] = {}
-    if device.startswith("cuda") and plan.kernels:
+    if tune_budget_s is None:
+        tune_budget_s = float(os.environ.get("OPFUSE_TUNE_BUDGET_S", DEFAULT_TUNE_BUDGET_S))
+    if device.startswith("cuda") and plan.kernels and tune_budget_s > 0:
         report_progress("tuning", 0.55)
         tuning = _tune(
             graph, fusion, plan, make_plan, variants, configs, device, profile_feeds, tune_budget_s

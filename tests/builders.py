@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+# Where the fusion tests run their compiled models: the CPU (Triton's interpreter) in CI; on the GPU
+# machine `OPFUSE_TEST_DEVICE=cuda` runs the same tests, and the same assertions, on the device.
+TEST_DEVICE = os.environ.get("OPFUSE_TEST_DEVICE", "cpu")
 
 
 def _init(name: str, arr: np.ndarray) -> onnx.TensorProto:

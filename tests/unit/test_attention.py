@@ -7,6 +7,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.builders import TEST_DEVICE
 from tests.unit.test_fusion import check_against_ort
 
 RNG = np.random.default_rng(3)
@@ -94,7 +95,7 @@ def test_exported_self_attention_is_one_kernel(precision: str) -> None:
     if precision == "bf16":
         from opfuse.compiler import compile as opfuse_compile
 
-        cm = opfuse_compile(m, _shapes(""), precision="bf16", device="cpu")
+        cm = opfuse_compile(m, _shapes(""), precision="bf16", device=TEST_DEVICE)
         assert cm.report["verification"]["passed"] and not cm.report["verification"]["rolled_back"]
     groups = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "attention"]
     assert len(groups) == 1

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from tests.builders import TEST_DEVICE
 from tests.unit.test_fusion import check_against_ort, make_model
 
 RNG = np.random.default_rng(5)
@@ -59,7 +60,7 @@ def test_conv_template_low_precision(precision: str) -> None:
     cm = check_against_ort(m, inputs, "fp16")
     from opfuse.compiler import compile as opfuse_compile
 
-    cm = opfuse_compile(m, inputs, precision=precision, device="cpu")
+    cm = opfuse_compile(m, inputs, precision=precision, device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
     assert cm.report["verification"]["rolled_back"] == []
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import opfuse
+from tests.builders import TEST_DEVICE
 
 torch.manual_seed(0)
 
@@ -60,7 +61,12 @@ def check(
     want = session.run(None, feeds)
     shapes = {k: list(v.shape) for k, v in feeds.items()}
     cm = opfuse.compile(
-        model, input_shapes=shapes, precision=precision, device="cpu", verify=False, fusion_disable=disable
+        model,
+        input_shapes=shapes,
+        precision=precision,
+        device=TEST_DEVICE,
+        verify=False,
+        fusion_disable=disable,
     )
     got = cm.run(feeds)
     limit = 1e-4 if precision == "fp32" else 2e-2

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import opfuse
 from opfuse.codegen import pointwise
 from opfuse.errors import BundleError
-from tests.builders import conv_bn_relu, residual_mlp
+from tests.builders import TEST_DEVICE, conv_bn_relu, residual_mlp
 
 RNG = np.random.default_rng(1234)
 
@@ -50,7 +50,7 @@ def make_model(
 def check_against_ort(
     model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str = "fp32"
 ) -> opfuse.CompiledModel:
-    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device="cpu")
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
     feeds = {k: RNG.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
     outs = cm.run(feeds)
@@ -218,7 +218,7 @@ def test_disabling_the_pointwise_rule_fuses_nothing() -> None:
     cm = opfuse.compile(
         residual_mlp(),
         {"x": [2, 32]},
-        device="cpu",
+        device=TEST_DEVICE,
         fusion_disable=["pointwise", "row_reduction", "gemm_epilogue", "attention", "fold_batchnorm"],
     )
     assert cm.report["kernels"] == {"before": 19, "after": 19}
@@ -243,7 +243,9 @@ def test_model_text_never_runs_and_appears_only_escaped(tmp_path: Path) -> None:
     )
     assert not marker.exists()
     cm.save(tmp_path / "b.zip")
-    opfuse.load(tmp_path / "b.zip", device="cpu").run({"x": RNG.standard_normal((2, 3)).astype(np.float32)})
+    opfuse.load(tmp_path / "b.zip", device=TEST_DEVICE).run(
+        {"x": RNG.standard_normal((2, 3)).astype(np.float32)}
+    )
     assert not marker.exists()
 
 
@@ -260,7 +262,7 @@ def test_failing_group_is_found_by_bisection_and_rolled_back(monkeypatch: pytest
 
 
 def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
-    cm = opfuse.compile(residual_mlp(), {"x": [3, 32]}, device="cpu")
+    cm = opfuse.compile(residual_mlp(), {"x": [3, 32]}, device=TEST_DEVICE)
     path = tmp_path / "m.opfuse.zip"
     cm.save(path)
     with zipfile.ZipFile(path) as z:
@@ -269,7 +271,7 @@ def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
         assert {f"kernels/{k}.py" for k in cm.plan.kernels} <= names
         fused = onnx.load_from_string(z.read("model.onnx"))
     assert sum(1 for n in fused.graph.node if n.domain == "ai.opfuse" and n.op_type == "FusedKernel") == 2
-    loaded = opfuse.load(path, device="cpu")
+    loaded = opfuse.load(path, device=TEST_DEVICE)
     x = RNG.standard_normal((3, 32)).astype(np.float32)
     np.testing.assert_array_equal(loaded.run({"x": x})["y"], cm.run({"x": x})["y"])
     assert loaded.report["kernels"] == cm.report["kernels"]
@@ -282,10 +284,10 @@ def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
                 data = data.replace(b'"version": 1', b'"version": 99')
             out.writestr(item, data)
     with pytest.raises(BundleError, match="version 99"):
-        opfuse.load(bad, device="cpu")
+        opfuse.load(bad, device=TEST_DEVICE)
     (tmp_path / "junk.zip").write_bytes(b"not a zip")
     with pytest.raises(BundleError, match="cannot open"):
-        opfuse.load(tmp_path / "junk.zip", device="cpu")
+        opfuse.load(tmp_path / "junk.zip", device=TEST_DEVICE)
     with pytest.raises(opfuse.ModelError, match="compiled for"):
         loaded.run({"x": np.ones((5, 32), np.float32)})
 
@@ -351,13 +353,13 @@ def test_verification_falls_back_when_onnxruntime_cannot_run_the_model() -> None
     )
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 8
-    cm = opfuse.compile(m, {"x": [4, 8]}, device="cpu")
+    cm = opfuse.compile(m, {"x": [4, 8]}, device=TEST_DEVICE)
     v = cm.report["verification"]
     assert v["passed"] is True and v["reference"] == "opfuse-unfused-fp32-cpu"
     assert "onnxruntime could not run" in v["reference_note"]
 
 
 def test_inputs_of_the_wrong_kind_are_refused() -> None:
-    cm = opfuse.compile(residual_mlp(), {"x": [2, 32]}, device="cpu")
+    cm = opfuse.compile(residual_mlp(), {"x": [2, 32]}, device=TEST_DEVICE)
     with pytest.raises(opfuse.ModelError, match="takes float32"):
         cm.run({"x": np.ones((2, 32), dtype=np.int64)})

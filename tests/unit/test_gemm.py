@@ -13,6 +13,7 @@ from opfuse.graph import graph_from_onnx
 from opfuse.lowering import build_plan
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.ops import SUPPORTED_OPS
+from tests.builders import TEST_DEVICE
 from tests.unit.test_fusion import check_against_ort, make_model
 
 RNG = np.random.default_rng(11)
@@ -37,7 +38,7 @@ def test_linear_bias_relu_residual(precision: str) -> None:
         m, {"x": [2, 5, 24], "res": [2, 5, 40]}, tol_precision if precision != "bf16" else "fp16"
     )
     if precision != "fp32":
-        cm = opfuse_compile(m, {"x": [2, 5, 24], "res": [2, 5, 40]}, precision=precision, device="cpu")
+        cm = opfuse_compile(m, {"x": [2, 5, 24], "res": [2, 5, 40]}, precision=precision, device=TEST_DEVICE)
         assert cm.report["verification"]["passed"] is True
     assert cm.report["kernels"] == {"before": 4, "after": 1}
     (k,) = cm.plan.kernels.values()
@@ -84,7 +85,7 @@ def test_vendor_variant_computes_the_same() -> None:
         {"y": [6, 16]},
         {"w": RNG.standard_normal((16, 16)) * 0.3, "b": RNG.standard_normal(16)},
     )
-    cm = opfuse_compile(m, {"x": [6, 16]}, device="cpu")
+    cm = opfuse_compile(m, {"x": [6, 16]}, device=TEST_DEVICE)
     _, spec = load_and_specialize(m, {"x": [6, 16]}, SUPPORTED_OPS)
     graph = graph_from_onnx(spec)
     fusion = plan_fusion(graph)

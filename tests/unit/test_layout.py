@@ -12,6 +12,7 @@ from onnx import helper
 
 import opfuse
 from opfuse.runtime.ops import SUPPORTED_OPS
+from tests.builders import TEST_DEVICE
 from tests.unit.test_fusion import make_model, ort_run
 
 RNG = np.random.default_rng(11)
@@ -44,7 +45,7 @@ def conv_net() -> onnx.ModelProto:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_conv_region_runs_channels_last_and_matches_onnxruntime(precision: str) -> None:
     model = conv_net()
-    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, precision=precision, device="cpu")
+    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, precision=precision, device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
     assert cm.report["fusion"]["passes"]["fired"]["channels_last"] == 2
     ops = [s.op_type for s in cm.plan.steps if s.kind == "op"]
@@ -63,7 +64,7 @@ def test_conv_region_runs_channels_last_and_matches_onnxruntime(precision: str) 
 
 def test_channels_last_can_be_switched_off() -> None:
     model = conv_net()
-    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, device="cpu", fusion_disable=["channels_last"])
+    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, device=TEST_DEVICE, fusion_disable=["channels_last"])
     assert cm.report["verification"]["passed"] is True
     assert "channels_last" not in cm.report["fusion"]["passes"]["fired"]
     assert not any(s.op_type.startswith("opfuse.") for s in cm.plan.steps)
@@ -80,7 +81,7 @@ def test_internal_ops_are_not_model_ops_and_export_in_opfuse_domain(tmp_path) ->
     model = make_model(
         nodes, {"x": [1, 4, 6, 6]}, {"y": [1, 4, 6, 6]}, {"w": RNG.standard_normal((4, 1, 3, 3))}
     )
-    cm = opfuse.compile(model, {"x": [1, 4, 6, 6]}, device="cpu")
+    cm = opfuse.compile(model, {"x": [1, 4, 6, 6]}, device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
     path = tmp_path / "b.zip"
     cm.save(path)
@@ -88,7 +89,7 @@ def test_internal_ops_are_not_model_ops_and_export_in_opfuse_domain(tmp_path) ->
         fused = onnx.load_model(io.BytesIO(z.read("model.onnx")))
     internal = [(n.domain, n.op_type) for n in fused.graph.node if n.domain == "ai.opfuse"]
     assert ("ai.opfuse", "ConvNHWC") in internal and ("ai.opfuse", "MaxPoolNHWC") in internal
-    loaded = opfuse.load(path, device="cpu")
+    loaded = opfuse.load(path, device=TEST_DEVICE)
     feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
     (ref,) = ort_run(model, feeds)
     np.testing.assert_allclose(loaded.run(feeds)["y"], ref, rtol=1e-4, atol=1e-5)
