@@ -13,6 +13,7 @@ import torch
 
 from opfuse.errors import ModelError
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
+from opfuse.runtime.memory import plan_memory
 from opfuse.runtime.ops import run_op
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
@@ -83,6 +84,9 @@ class Executor:
             )
         self.dies = plan.last_uses()
         self.step_hook: Callable[[int, Step], Any] | None = None
+        # Kernel outputs live in one arena at offsets fixed by liveness (runtime/memory.py).
+        self.memory = plan_memory(plan)
+        self.arena = torch.empty(self.memory.arena_bytes, dtype=torch.uint8, device=self.device)
 
     def _config(self, kernel_id: str) -> dict[str, Any] | None:
         """Launch parameters: the interpreter's (large blocks: one numpy pass each), else the plan's."""
@@ -116,7 +120,16 @@ class Executor:
             env[spec.name] = t.to(device=self.device, dtype=torch_dtype(internal.dtype))
         return env
 
-    def _run_step(self, i: int, step: Step, env: dict[str, torch.Tensor]) -> None:
+    def _buffer(self, name: str, arena: bool) -> torch.Tensor:
+        spec = self.plan.values[name]
+        dtype = torch_dtype(spec.dtype)
+        offset = self.memory.offsets.get(name) if arena else None
+        if offset is None:
+            return torch.empty(spec.shape, dtype=dtype, device=self.device)
+        nbytes = spec.numel * dtype.itemsize
+        return self.arena[offset : offset + nbytes].view(dtype).view(spec.shape)
+
+    def _run_step(self, i: int, step: Step, env: dict[str, torch.Tensor], arena: bool = False) -> None:
         if step.kind == "op":
             host_args = self.host_args[i]
             args = [
@@ -128,27 +141,33 @@ class Executor:
                     env[name] = value
             return
         ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
-        kouts = []
-        for name in step.outputs:
-            spec = self.plan.values[name]
-            kouts.append(torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device))
+        kouts = [self._buffer(name, arena) for name in step.outputs]
         self.modules[step.kernel].launch(*ins, *kouts, config=self.configs[step.kernel])
         env.update(zip(step.outputs, kouts, strict=True))
 
     def run_tensors(self, env: dict[str, torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:
-        """Run every step; buffers are freed after their last use unless `keep_all`."""
+        """Run every step; buffers are freed after their last use unless `keep_all`.
+
+        Kernel outputs go to the arena, except with `keep_all` (every value must survive then).
+        """
         env = {**self.constants, **env}
         with _matmul_precision(self.plan.precision, self.device):
             for i, step in enumerate(self.plan.steps):
                 if self.step_hook is not None:
                     self.step_hook(i, step)
-                self._run_step(i, step, env)
+                self._run_step(i, step, env, arena=not keep_all)
                 if not keep_all:
                     for name in self.dies.get(i, ()):
                         env.pop(name, None)
         if keep_all:
             return env
-        return {spec.name: env[spec.name].to(torch_dtype(spec.dtype)) for spec in self.plan.outputs}
+        outs = {}
+        for spec in self.plan.outputs:
+            t = env[spec.name].to(torch_dtype(spec.dtype))
+            if t.numel() and t.untyped_storage().data_ptr() == self.arena.untyped_storage().data_ptr():
+                t = t.clone()  # a view into the arena: the next run would overwrite it
+            outs[spec.name] = t
+        return outs
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """numpy in, numpy out; torch in, torch out (DESIGN.md §6)."""

@@ -97,7 +97,7 @@ def test_conv_bn_relu_folds_batchnorm() -> None:
     cm = check_against_ort(conv_bn_relu(), {"x": [2, 4, 8, 8]})
     # BN folded into the conv weights, Relu in the epilogue of the implicit-GEMM conv kernel.
     assert cm.report["kernels"] == {"before": 3, "after": 1}
-    assert cm.report["fusion"]["passes"]["fired"] == {"fold_batchnorm": 1}
+    assert cm.report["fusion"]["passes"]["fired"] == {"fold_batchnorm": 1, "channels_last": 1}
     (k,) = cm.plan.kernels.values()
     assert k.kind == "conv" and "tl.maximum(" in k.source
 
@@ -110,7 +110,7 @@ def test_batchnorm_fold_says_why_not() -> None:
     nf = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "fold_batchnorm"]
     assert nf and "also used elsewhere" in nf[0]["reason"] and nf[0]["nodes"] == ["conv", "bn"]
     # It still fuses: as a per-channel x*a + b in the Relu's kernel.
-    assert cm.report["fusion"]["passes"]["fired"] == {"batchnorm_to_affine": 1}
+    assert cm.report["fusion"]["passes"]["fired"] == {"batchnorm_to_affine": 1, "channels_last": 1}
 
 
 BROADCASTS = [
