@@ -26,7 +26,7 @@ from opfuse.graph import graph_from_onnx
 from opfuse.lowering import build_plan
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
-from opfuse.profile.costs import profile_steps
+from opfuse.profile.costs import profile_steps, roofline
 from opfuse.runtime.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, read_bundle, write_bundle
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.ops import SUPPORTED_OPS
@@ -265,8 +265,8 @@ def compile(
     executor = Executor(plan, device)
     executor.run(profile_feeds)
     after_times = executor.time_steps(profile_feeds)
-    before_profile = profile_steps(base_plan, before_times)
-    after_profile = profile_steps(plan, after_times)
+    before_profile = profile_steps(base_plan, before_times, device=device)
+    after_profile = profile_steps(plan, after_times, device=device)
     group_time_before = _group_times(base_plan, before_times, fusion)
     kernel_time_after: dict[str, float] = {}
     for step, t_ms in zip(plan.steps, after_times, strict=False):
@@ -313,6 +313,7 @@ def compile(
             "passes": {"fired": passes.fired, "onnx_optimizer": optimizer_status},
         },
         "profile": {
+            "roofline": roofline(precision, device),
             "ops": before_profile,
             "after": after_profile,
             "timing": "cuda-synchronized wall time per step"

@@ -1,14 +1,23 @@
-"""Triton source for a row group: reductions over trailing axes with their prologue and epilogue.
+"""Triton source for a row group: reductions over one run of axes with their prologue and epilogue.
 
-The shape splits at the first reduced axis: leading dims index rows, the trailing dims (flattened)
-are one row of R elements, held in one program's registers. The program runs the pointwise
-prologue, any number of reductions over the row (Softmax, LogSoftmax, LayerNormalization,
-InstanceNormalization, ReduceMean/Sum/Max/Min, GlobalAverage/MaxPool), and the pointwise epilogue,
-with one load of each input and one store of each output. Values are either row vectors (the full
-shape) or per-row scalars (the reduced shape).
+A row group's iteration space is the reduced input's shape viewed as (outer, R, inner): R is the
+product of the reduced axes, inner of the axes after them. Three layouts:
+
+- trailing (inner == 1): one program per row of R contiguous elements, held in registers;
+- strided (inner > 1, e.g. Softmax over channels of NCHW, mean over H, W of NHWC): one program per
+  (outer, block of inner) holds an R × BLOCK_I tile and reduces down its columns (stride inner);
+- groups (GroupNormalization): [N, C, *S] viewed as N·G rows of C/G·S contiguous elements, the
+  per-channel parameters indexed by channel = g·C/G + col // S.
+
+The program runs the pointwise prologue, any number of reductions (Softmax, LogSoftmax,
+LayerNormalization, InstanceNormalization, GroupNormalization, ReduceMean/Sum/Max/Min,
+GlobalAverage/MaxPool), and the pointwise epilogue, with one load of each input and one store of
+each output. Values are either full (the row space's shape) or reduced (one per row or column).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,13 +28,28 @@ from opfuse.graph import Graph, Node
 ROW_REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"})
 GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool"})
 ROW_OPS = (
-    ROW_REDUCTIONS | GLOBAL_POOLS | {"Softmax", "LogSoftmax", "LayerNormalization", "InstanceNormalization"}
+    ROW_REDUCTIONS
+    | GLOBAL_POOLS
+    | {
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "InstanceNormalization",
+        "GroupNormalization",
+    }
 )
 MAX_ROW = 16384  # a row lives in one program's registers
+# Elements of a strided program's R × BLOCK_I tile: the same register budget as a 4096-long row.
+TILE = 4096
+NEG_INF = 'float("-inf")'
 
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _prod(dims: tuple[int, ...] | list[int]) -> int:
+    return int(np.prod(dims, dtype=np.int64))
 
 
 def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
@@ -34,6 +58,49 @@ def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
     bm = min(64, max(16, next_pow2(m)))
     bn = min(64, max(32, next_pow2(n)))
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+
+
+@dataclass(frozen=True)
+class RowSpace:
+    """`full` viewed as (outer, R, inner): axes [first, end) are reduced. `groups` > 0 for
+    GroupNormalization, whose rows are (n, g) groups of channels instead."""
+
+    full: tuple[int, ...]
+    first: int
+    end: int
+    groups: int = 0
+
+    @property
+    def outer(self) -> int:
+        return self.full[0] * self.groups if self.groups else _prod(self.full[: self.first])
+
+    @property
+    def r(self) -> int:
+        return _prod(self.full) // self.outer if self.groups else _prod(self.full[self.first : self.end])
+
+    @property
+    def inner(self) -> int:
+        return 1 if self.groups else _prod(self.full[self.end :])
+
+    @property
+    def keep(self) -> tuple[int, ...]:
+        """The reduced shape with keepdims=1."""
+        f, a, b = self.full, self.first, self.end
+        return (*f[:a], *([1] * (b - a)), *f[b:])
+
+    @property
+    def drop(self) -> tuple[int, ...]:
+        """The reduced shape with keepdims=0."""
+        return (*self.full[: self.first], *self.full[self.end :])
+
+    def shapes(self) -> set[tuple[int, ...]]:
+        """Shapes a value in this row space may have: full, or reduced (kept or dropped dims)."""
+        return {self.full} if self.groups else {self.full, self.keep, self.drop}
+
+    def load_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A reduced value with dropped dims is indexed as its keepdims twin."""
+        shape = tuple(shape)
+        return self.keep if shape == self.drop and len(shape) != len(self.full) else shape
 
 
 def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
@@ -49,20 +116,41 @@ def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
             axes = [int(a) for a in node.attrs.get("axes", [])]
         if not axes:
             return [] if node.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
-        return sorted(a % rank for a in axes)
+        return sorted({a % rank for a in axes})
     if node.op_type == "LayerNormalization":
         axis = int(node.attrs.get("axis", -1)) % rank
         return list(range(axis, rank))
-    if node.op_type in GLOBAL_POOLS or node.op_type == "InstanceNormalization":
-        return list(range(2, rank))
+    if node.op_type in GLOBAL_POOLS or node.op_type in ("InstanceNormalization", "GroupNormalization"):
+        # GroupNormalization reduces over part of the channels too: see RowSpace.groups.
+        return list(range(2 if node.op_type != "GroupNormalization" else 1, rank))
     return [int(node.attrs.get("axis", -1)) % rank]
 
 
-def row_split(graph: Graph, node: Node) -> int:
-    """The first reduced axis: dims before it index rows, dims from it on form one row."""
+def row_space(graph: Graph, node: Node) -> RowSpace:
+    """The row space of a row op that row_op_reason admits."""
     axes = reduced_axes(graph, node)
     assert axes
-    return axes[0]
+    full = tuple(graph.spec(node.inputs[0]).shape)
+    groups = int(node.attrs["num_groups"]) if node.op_type == "GroupNormalization" else 0
+    return RowSpace(full, axes[0], axes[-1] + 1, groups)
+
+
+def row_split(graph: Graph, node: Node) -> int:
+    """The first reduced axis: dims before it index rows (or row blocks)."""
+    return row_space(graph, node).first
+
+
+def _group_norm_reason(graph: Graph, node: Node) -> str | None:
+    x = graph.spec(node.inputs[0]).shape
+    if "num_groups" not in node.attrs or len(x) < 2:
+        return "GroupNormalization without num_groups or channels"
+    groups, channels = int(node.attrs["num_groups"]), x[1]
+    if groups <= 0 or channels % groups:
+        return f"{channels} channels do not split into {groups} groups"
+    for p in node.inputs[1:3]:
+        if not p or graph.spec(p).shape not in ((groups,), (channels,)):
+            return "scale or bias is neither per group nor per channel"
+    return None
 
 
 def row_op_reason(graph: Graph, node: Node) -> str | None:
@@ -72,18 +160,18 @@ def row_op_reason(graph: Graph, node: Node) -> str | None:
     x = graph.spec(node.inputs[0])
     if x.dtype not in ("float32", "float16", "bfloat16"):
         return f"input of type {x.dtype}"
+    if node.op_type == "GroupNormalization" and (why := _group_norm_reason(graph, node)) is not None:
+        return why
     axes = reduced_axes(graph, node)
-    rank = len(x.shape)
     if axes is None:
         return "the reduction axes are not constant"
-    if not axes or axes != list(range(axes[0], rank)):
-        return f"reduces over axes {axes}: row kernels reduce over trailing axes only"
-    r = int(np.prod(x.shape[axes[0] :], dtype=np.int64))
-    if r > MAX_ROW:
-        return f"a row of {r} elements does not fit one program (limit {MAX_ROW})"
-    if (
-        node.op_type in ("LayerNormalization", "InstanceNormalization")
-        and len([o for o in node.outputs if o]) > 1
+    if not axes or axes != list(range(axes[0], axes[-1] + 1)):
+        return f"reduces over axes {axes}: row kernels reduce over one contiguous run of axes"
+    space = row_space(graph, node)
+    if space.r > MAX_ROW:
+        return f"a row of {space.r} elements does not fit one program (limit {MAX_ROW})"
+    if node.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization") and (
+        len([o for o in node.outputs if o]) > 1
     ):
         return f"the extra outputs of {node.op_type} are used"
     if node.op_type == "LayerNormalization":
@@ -104,8 +192,8 @@ def _input_expr(
     rank = len(full)
     k = rank - 1 if split is None else split
     padded = (1,) * (rank - len(shape)) + tuple(shape)
-    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(rank)]
-    row_strides = [int(np.prod(full[d + 1 : k], dtype=np.int64)) for d in range(k)]
+    strides = [_prod(padded[d + 1 :]) for d in range(rank)]
+    row_strides = [_prod(full[d + 1 : k]) for d in range(k)]
     terms = []
     for d in range(k):
         if padded[d] == 1:
@@ -113,7 +201,7 @@ def _input_expr(
         coord = f"((row // {row_strides[d]}) % {full[d]})" if row_strides[d] > 1 else f"(row % {full[d]})"
         terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
     trailing, whole = padded[k:], tuple(full[k:])
-    vector = trailing == whole and int(np.prod(whole, dtype=np.int64)) != 1
+    vector = trailing == whole and _prod(whole) != 1
     if not vector and any(t != 1 for t in trailing):
         raise ValueError(f"input of shape {shape} varies along only part of the row {whole}")
     if vector:
@@ -123,11 +211,79 @@ def _input_expr(
     return " + ".join(terms), vector
 
 
-def row_input_reason(shape: tuple[int, ...], full: tuple[int, ...], split: int) -> str | None:
-    try:
-        _input_expr(shape, full, split)
-    except ValueError as exc:
-        return str(exc)
+def _coord(var: str, div: int, size: int) -> str:
+    return f"(({var} // {div}) % {size})" if div > 1 else f"({var} % {size})"
+
+
+def _tiled_input_expr(shape: tuple[int, ...], space: RowSpace) -> tuple[str | None, str | None]:
+    """(index expression, mask) of an input broadcast to a strided row space: `outer` indexes the
+    leading dims, `rr` ([BLOCK_R, 1]) the reduced ones, `ii` ([1, BLOCK_I]) the trailing ones."""
+    full, rank = space.full, len(space.full)
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    strides = [_prod(padded[d + 1 :]) for d in range(rank)]
+    terms: list[str] = []
+    used: list[str] = []
+    for lo, hi, var in ((0, space.first, "outer"), (space.first, space.end, "rr"), (space.end, rank, "ii")):
+        live = [d for d in range(lo, hi) if padded[d] != 1]
+        if not live:
+            continue
+        used.append(var)
+        if padded[lo:hi] == full[lo:hi]:  # the whole block: one flat index into it
+            terms.append(f"{var} * {strides[hi - 1]}" if strides[hi - 1] != 1 else var)
+            continue
+        for d in live:
+            coord = _coord(var, _prod(full[d + 1 : hi]), full[d])
+            terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
+    mask = {("rr", "ii"): "mask", ("rr",): "rmask", ("ii",): "imask"}.get(
+        tuple(v for v in used if v != "outer")
+    )
+    return (" + ".join(terms) if terms else None), mask
+
+
+def _group_input_expr(shape: tuple[int, ...], space: RowSpace) -> tuple[str | None, bool]:
+    """(index expression, is_vector) of an input broadcast to [N, C, *S] read as N·G rows."""
+    full, rank, g = space.full, len(space.full), space.groups
+    cpg, s = full[1] // g, _prod(full[2:])
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    strides = [_prod(padded[d + 1 :]) for d in range(rank)]
+    if padded == full:
+        return f"row * {space.r} + cols", True
+    terms = []
+    if padded[0] != 1:
+        terms.append(f"(row // {g}) * {strides[0]}")
+    if padded[1] != 1:
+        channel = f"((row % {g}) * {cpg} + cols // {s})" if s > 1 else f"((row % {g}) * {cpg} + cols)"
+        terms.append(f"{channel} * {strides[1]}" if strides[1] != 1 else channel)
+    if padded[2:] == full[2:] and s > 1:
+        terms.append(f"(cols % {s}) * {strides[-1]}" if strides[-1] != 1 else f"(cols % {s})")
+    else:
+        for d in range(2, rank):
+            if padded[d] != 1:
+                coord = _coord(f"(cols % {s})", _prod(full[d + 1 :]), full[d])
+                terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
+    if not terms:
+        return None, False
+    return " + ".join(terms), any("cols" in t for t in terms)
+
+
+def row_input_reason(shape: tuple[int, ...], out: tuple[int, ...], space: RowSpace) -> str | None:
+    """None if an input of `shape` to a node with output shape `out` can be read in `space`."""
+    shape, out = tuple(shape), tuple(out)
+    if space.groups:
+        return None  # every shape that broadcasts to [N, C, *S] has an index (_group_input_expr)
+    drop, rank = space.drop, len(space.full)
+    if out == drop and len(drop) != rank:
+        if _prod(shape) != 1 and shape != drop:
+            return f"input of shape {list(shape)} does not line up with the reduced shape {list(drop)}"
+        return None
+    if shape == drop and len(drop) != rank and (1,) * (rank - len(drop)) + drop != space.keep:
+        # In registers it is one value per reduced row; ONNX would broadcast it along other axes.
+        return f"the reduced value of shape {list(drop)} broadcasts along axes that were not reduced"
+    if space.inner == 1:
+        try:
+            _input_expr(space.load_shape(shape), space.full, space.first)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -141,9 +297,10 @@ def generate_rowwise(
     full: tuple[int, ...],
     split: int | None = None,
 ) -> KernelSource:
-    k = len(full) - 1 if split is None or split < 0 else split
-    rows = int(np.prod(full[:k], dtype=np.int64))
-    r = int(np.prod(full[k:], dtype=np.int64))
+    space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
+    assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
+    tiled = space.inner > 1 and not space.groups
+    rows, r, inner = space.outer, space.r, space.inner
     block = next_pow2(r)
     fn = f"{kernel_id}_rowwise"
     # Reduction axes are compile-time facts already in the code, not data to load.
@@ -155,7 +312,13 @@ def generate_rowwise(
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
     buf.line(f"# Generated by opfuse: row kernel {kernel_id} for group {group_id}.")
-    buf.line(f"# {len(nodes)} ONNX nodes over {rows} rows of {r} elements (shape {list(full)}):")
+    if tiled:
+        what = f"{rows} x {inner} columns of {r} elements at stride {inner}"
+    elif space.groups:
+        what = f"{rows} rows of {r} elements ({space.groups} groups of channels per item)"
+    else:
+        what = f"{rows} rows of {r} elements"
+    buf.line(f"# {len(nodes)} ONNX nodes over {what} (shape {list(full)}):")
     for n in nodes:
         buf.line(f"#   {n.id}: {n.op_type} {comment_text(n.name)}")
     buf.line("import triton")
@@ -163,75 +326,101 @@ def generate_rowwise(
     buf.line()
     buf.line(f"ROWS = {rows}")
     buf.line(f"R = {r}")
-    warps = 4 if block <= 2048 else 8
-    buf.line(f'CONFIG = {{"BLOCK_R": {block}, "num_warps": {warps}}}')
-    buf.line(f'INTERPRETER_CONFIG = {{"BLOCK_R": {block}}}')
+    config: dict[str, int]
+    if tiled:
+        # Columns are contiguous: a block of them per program keeps loads coalesced on the GPU;
+        # the interpreter takes wide blocks (fewer programs to step through).
+        bi = min(next_pow2(inner), max(1, TILE // block))
+        config = {"BLOCK_R": block, "BLOCK_I": bi, "num_warps": 4 if block * bi <= 2048 else 8}
+        interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
+        buf.line(f"INNER = {inner}")
+    else:
+        config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
+        interp = {"BLOCK_R": block}
+    buf.line(f"CONFIG = {config}".replace("'", '"'))
+    buf.line(f"INTERPRETER_CONFIG = {interp}".replace("'", '"'))
     buf.line()
     buf.line()
     buf.line("@triton.jit")
-    buf.line(f"def {fn}({', '.join(args)}, BLOCK_R: tl.constexpr):")
+    consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr" if tiled else "BLOCK_R: tl.constexpr"
+    buf.line(f"def {fn}({', '.join(args)}, {consts}):")
     regs: dict[str, str] = {}
+    mask = "rmask" if tiled else "cmask"
+
+    def reduce(op: str, expr: str, pad: str) -> str:
+        keep = ", keep_dims=True" if tiled else ""
+        return f"{op}(tl.where({mask}, {expr}, {pad}), axis=0{keep})"
+
     with buf.indent():
-        buf.line("row = tl.program_id(0).to(tl.int64)")
-        buf.line("cols = tl.arange(0, BLOCK_R)")
-        buf.line(f"cmask = cols < {r}")
+        if tiled:
+            blocks = f"(({inner} + BLOCK_I - 1) // BLOCK_I)"
+            buf.line("pid = tl.program_id(0).to(tl.int64)")
+            buf.line(f"outer = pid // {blocks}")
+            buf.line(f"ii = (pid % {blocks}) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]")
+            buf.line("rr = tl.arange(0, BLOCK_R)[:, None]")
+            buf.line(f"rmask = rr < {r}")
+            buf.line(f"imask = ii < {inner}")
+            buf.line("mask = rmask & imask")
+        else:
+            buf.line("row = tl.program_id(0).to(tl.int64)")
+            buf.line("cols = tl.arange(0, BLOCK_R)")
+            buf.line(f"cmask = cols < {r}")
         per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
+        group_params = {x for n in nodes if n.op_type == "GroupNormalization" for x in n.inputs[1:3] if x}
         for i, name in enumerate(tensor_inputs):
+            regs[name] = f"x{i}"
+            shape = graph.spec(name).shape
             if name in per_channel:  # InstanceNormalization scale/bias: one value per channel (axis 1)
                 buf.line(f"x{i} = tl.load(in{i} + (row % {full[1]})).to(tl.float32)")
-                regs[name] = f"x{i}"
                 continue
-            idx, vector = _input_expr(graph.spec(name).shape, full, k)
+            if name in group_params and shape != (full[1],):  # opset 18: one value per group
+                buf.line(f"x{i} = tl.load(in{i} + (row % {space.groups})).to(tl.float32)")
+                continue
+            if name in group_params:  # opset 21: one value per channel
+                shape = (full[1],) + (1,) * (len(full) - 2)
+            if tiled:
+                idx, load_mask = _tiled_input_expr(space.load_shape(shape), space)
+            elif space.groups:
+                idx, vector = _group_input_expr(shape, space)
+                load_mask = "cmask" if vector else None
+            else:
+                idx, vector = _input_expr(space.load_shape(shape), full, space.first)
+                load_mask = "cmask" if vector else None
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
-            elif vector:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=cmask, other=0.0).to(tl.float32)")
+            elif load_mask:
+                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask={load_mask}, other=0.0).to(tl.float32)")
             else:
                 buf.line(f"x{i} = tl.load(in{i} + {idx}).to(tl.float32)")
-            regs[name] = f"x{i}"
         regs.update(literals)
         for j, n in enumerate(nodes):
             a = [regs.get(x, "") if x else "" for x in n.inputs]
             v = f"v{j}"
             if n.op_type in EMITTERS:
-                consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
-                buf.line(f"{v} = {EMITTERS[n.op_type](a, n, consts)}  # {n.id} {n.op_type}")
+                scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
+                buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.id} {n.op_type}")
             elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
-                buf.line(f"{v} = tl.sum(tl.where(cmask, {a[0]}, 0.0), axis=0)  # {n.id} {n.op_type}")
+                buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.id} {n.op_type}")
                 if n.op_type != "ReduceSum":
                     buf.line(f"{v} = {v} / {r}.0")
             elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
-                fn_name, pad = (
-                    ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", 'float("-inf")')
-                )
-                buf.line(f"{v} = {fn_name}(tl.where(cmask, {a[0]}, {pad}), axis=0)  # {n.id} {n.op_type}")
+                op, pad = ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", NEG_INF)
+                buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.id} {n.op_type}")
             elif n.op_type in ("Softmax", "LogSoftmax"):
-                buf.line(
-                    f'{v}_max = tl.max(tl.where(cmask, {a[0]}, float("-inf")), axis=0)  # {n.id} {n.op_type}'
-                )
+                buf.line(f"{v}_max = {reduce('tl.max', a[0], NEG_INF)}  # {n.id} {n.op_type}")
                 buf.line(f"{v}_exp = tl.exp({a[0]} - {v}_max)")
-                buf.line(f"{v}_sum = tl.sum(tl.where(cmask, {v}_exp, 0.0), axis=0)")
+                buf.line(f"{v}_sum = {reduce('tl.sum', f'{v}_exp', '0.0')}")
                 if n.op_type == "Softmax":
                     buf.line(f"{v} = {v}_exp / {v}_sum")
                 else:
                     buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
-            elif n.op_type == "InstanceNormalization":
+            elif n.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
                 eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
-                channels = full[1]
+                buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.id} {n.op_type}")
+                buf.line(f"{v}_diff = tl.where({mask}, {a[0]} - {v}_mean, 0.0)")
                 buf.line(
-                    f"{v}_mean = tl.sum(tl.where(cmask, {a[0]}, 0.0), axis=0) / {r}.0  # {n.id} InstanceNormalization"
+                    f"{v}_rstd = 1.0 / tl.sqrt({reduce('tl.sum', f'{v}_diff * {v}_diff', '0.0')} / {r}.0 + {eps})"
                 )
-                buf.line(f"{v}_diff = tl.where(cmask, {a[0]} - {v}_mean, 0.0)")
-                buf.line(f"{v}_rstd = 1.0 / tl.sqrt(tl.sum({v}_diff * {v}_diff, axis=0) / {r}.0 + {eps})")
-                buf.line(f"{v} = {v}_diff * {v}_rstd * {a[1]} + {a[2]}")
-                del channels
-            elif n.op_type == "LayerNormalization":
-                eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
-                buf.line(
-                    f"{v}_mean = tl.sum(tl.where(cmask, {a[0]}, 0.0), axis=0) / {r}.0  # {n.id} LayerNormalization"
-                )
-                buf.line(f"{v}_diff = tl.where(cmask, {a[0]} - {v}_mean, 0.0)")
-                buf.line(f"{v}_rstd = 1.0 / tl.sqrt(tl.sum({v}_diff * {v}_diff, axis=0) / {r}.0 + {eps})")
                 expr = f"{v}_diff * {v}_rstd"
                 if len(a) > 1 and a[1]:
                     expr = f"({expr}) * {a[1]}"
@@ -242,24 +431,21 @@ def generate_rowwise(
                 raise AssertionError(n.op_type)
             regs[n.outputs[0]] = v
         for i, name in enumerate(outputs):
-            spec = graph.spec(name)
-            if spec.numel == rows * r and r != 1:
-                buf.line(
-                    f"tl.store(out{i} + row * {r} + cols, {regs[name]}.to(out{i}.dtype.element_ty), mask=cmask)"
-                )
+            whole = graph.spec(name).numel == rows * r * inner
+            value = f"{regs[name]}.to(out{i}.dtype.element_ty)"
+            if tiled and whole:
+                buf.line(f"tl.store(out{i} + outer * {r * inner} + rr * {inner} + ii, {value}, mask=mask)")
+            elif tiled:
+                buf.line(f"tl.store(out{i} + outer * {inner} + ii, {value}, mask=imask)")
+            elif whole and r != 1:
+                buf.line(f"tl.store(out{i} + row * {r} + cols, {value}, mask=cmask)")
             else:
-                buf.line(f"tl.store(out{i} + row, {regs[name]}.to(out{i}.dtype.element_ty))")
+                buf.line(f"tl.store(out{i} + row, {value})")
     buf.line()
     buf.line()
     buf.line(f"def launch({', '.join(args)}, config=None):")
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
-        buf.line(f"{fn}[(ROWS,)]({', '.join(args)}, **c)")
-    return KernelSource(
-        kernel_id,
-        "rowwise",
-        buf.getvalue(),
-        tensor_inputs,
-        list(outputs),
-        {"BLOCK_R": block, "num_warps": warps},
-    )
+        grid = '(ROWS * triton.cdiv(INNER, c["BLOCK_I"]),)' if tiled else "(ROWS,)"
+        buf.line(f"{fn}[{grid}]({', '.join(args)}, **c)")
+    return KernelSource(kernel_id, "rowwise", buf.getvalue(), tensor_inputs, list(outputs), config)

@@ -1,16 +1,17 @@
-"""Plan row groups: a last-axis reduction grows to take in its pointwise prologue and epilogue.
+"""Plan row groups: a reduction grows to take in its pointwise prologue and epilogue.
 
 Starting from each reduction (in topological order), neighbouring nodes join while they live in
-the same row space: pointwise ops whose output is the full row shape or the per-row scalar shape,
-and further reductions over rows of the same shape (LayerNorm written out has two). A join is
-refused, with its reason, if it would form a cycle through a node outside the group or exceed the
-group's caps.
+the same row space (codegen.rowwise.RowSpace: the reduced input's shape with the same run of
+reduced axes, or the same channel groups for GroupNormalization): pointwise ops whose output is the
+full shape or the reduced shape, and further reductions over the same space (LayerNorm written out
+has two). A join is refused, with its reason, if it would form a cycle through a node outside the
+group or exceed the group's caps.
 """
 
 from __future__ import annotations
 
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.codegen.rowwise import ROW_OPS, row_input_reason, row_op_reason, row_split
+from opfuse.codegen.rowwise import ROW_OPS, RowSpace, row_input_reason, row_op_reason, row_space
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
@@ -18,23 +19,22 @@ from opfuse.passes.rules import NotFired, node_label
 ROW_RULE = "row_reduction"
 
 
-def _row_shapes(full: tuple[int, ...], split: int) -> set[tuple[int, ...]]:
-    return {full, (*full[:split], *([1] * (len(full) - split))), full[:split]}
-
-
-def _joinable(graph: Graph, node: Node, full: tuple[int, ...], split: int) -> bool:
+def _join_reason(graph: Graph, node: Node, space: RowSpace) -> tuple[bool, str | None]:
+    """(lives in the row space, why it cannot join anyway): a node outside the space is no
+    refusal worth reporting; one inside it that still cannot join is."""
     if node.op_type in ROW_OPS:
-        return (
-            row_op_reason(graph, node) is None
-            and graph.spec(node.inputs[0]).shape == full
-            and row_split(graph, node) == split
-        )
+        return row_op_reason(graph, node) is None and row_space(graph, node) == space, None
     if pointwise_reason(graph, node) is not None:
-        return False
-    if graph.spec(node.outputs[0]).shape not in _row_shapes(full, split):
-        return False
-    # Every input must cover the whole row or be constant along it.
-    return all(row_input_reason(graph.spec(x).shape, full, split) is None for x in node.inputs if x)
+        return False, None
+    out = tuple(graph.spec(node.outputs[0]).shape)
+    if out not in space.shapes():
+        return False, None
+    # Every input must be readable in the row space as ONNX broadcasts it to the output.
+    for x in node.inputs:
+        why = row_input_reason(graph.spec(x).shape, out, space) if x else None
+        if why is not None:
+            return True, why
+    return True, None
 
 
 def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None) -> list[Group]:
@@ -50,8 +50,7 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
         if reason is not None:
             not_fused.append(NotFired(ROW_RULE, [node_label(anchor)], reason))
             continue
-        full = graph.spec(anchor.inputs[0]).shape
-        split = row_split(graph, anchor)
+        space = row_space(graph, anchor)
         members = {anchor.id}
         refused: set[str] = set()
         # A cycle may vanish once the nodes between join, so those refusals are retried.
@@ -71,7 +70,12 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
-                if not _joinable(graph, cand, full, split):
+                in_space, why = _join_reason(graph, cand, space)
+                if not in_space:
+                    continue
+                if why is not None:
+                    refused.add(cand.id)
+                    not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(cand)], why))
                     continue
                 merged = members | {cand.id}
                 why, is_cycle = merge_refusal(graph, merged, order)
@@ -92,5 +96,9 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
         nodes = [n for n in graph.nodes if n.id in members]
         ins, outs = group_boundary(graph, nodes)
         assigned |= members
-        groups.append(Group(f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=full, split=split))
+        groups.append(
+            Group(
+                f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=space.full, split=space.first
+            )
+        )
     return groups

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import torch
 
 from opfuse.runtime.plan import Plan, Step
 
@@ -21,9 +24,63 @@ _ITEMSIZE = {
     "bool": 1,
 }
 
-# FLOP per byte above which a step is compute-bound (peak FLOP/s over memory bandwidth, H200-class
-# datasheet figures: fp32 67 TFLOP/s, tf32 495, fp16/bf16 990 over 4.8 TB/s).
-RIDGE_FLOP_PER_BYTE = {"fp32": 14.0, "tf32": 103.0, "fp16": 206.0, "bf16": 206.0}
+# The roofline's ridge point (FLOP per byte above which a step is compute-bound) is the device's
+# peak FLOP/s for the precision over its memory bandwidth. Without a GPU to ask (the CPU
+# interpreter), the H200 datasheet's dense figures stand in: fp16/bf16 989 TFLOP/s, tf32 494,
+# fp32 67, over 4.8 TB/s (ridge ≈ 206, 103 and 14 FLOP/byte).
+H200_PEAK_FLOPS = {"fp16": 989e12, "bf16": 989e12, "tf32": 494e12, "fp32": 67e12}
+H200_BANDWIDTH = 4.8e12
+# Dense FLOP per clock per SM by compute capability (tensor cores for fp16/bf16/tf32, FMA units
+# for fp32): with the SM count and clock a GPU reports, its peaks. Hopper and A100 only; other
+# GPUs fall back to the H200 figures, and the report says which was used.
+FLOP_PER_CLOCK_PER_SM = {
+    (9, 0): {"fp16": 4096, "bf16": 4096, "tf32": 2048, "fp32": 256},
+    (8, 0): {"fp16": 2048, "bf16": 2048, "tf32": 1024, "fp32": 128},
+}
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    name: str
+    flops: dict[str, float]  # peak FLOP/s per precision
+    bandwidth: float  # bytes/s
+    source: str
+
+    def ridge(self, precision: str) -> float:
+        return self.flops.get(precision, self.flops["fp32"]) / self.bandwidth
+
+    def to_json(self, precision: str) -> dict[str, Any]:
+        return {
+            "device": self.name,
+            "source": self.source,
+            "precision": precision,
+            "peak_tflops": round(self.flops.get(precision, self.flops["fp32"]) / 1e12, 1),
+            "bandwidth_tb_per_s": round(self.bandwidth / 1e12, 2),
+            "ridge_flop_per_byte": round(self.ridge(precision), 1),
+        }
+
+
+H200_DEFAULT = DevicePeaks("H200 (datasheet defaults)", H200_PEAK_FLOPS, H200_BANDWIDTH, "defaults")
+
+
+@lru_cache(maxsize=8)
+def device_peaks(device: str | None = None) -> DevicePeaks:
+    """Peaks of `device` ("cuda", "cuda:1"; None: the current GPU if there is one), read from
+    torch.cuda's device properties; the H200 defaults where there is no GPU or the properties do
+    not tell (older torch without clock rates, an unlisted architecture)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return H200_DEFAULT
+    props = torch.cuda.get_device_properties(torch.device(device))
+    per_sm = FLOP_PER_CLOCK_PER_SM.get((props.major, props.minor))
+    clock_khz = getattr(props, "clock_rate", 0)
+    mem_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not per_sm or not clock_khz or not mem_khz or not bus_bits:
+        return DevicePeaks(props.name, H200_PEAK_FLOPS, H200_BANDWIDTH, "defaults (properties incomplete)")
+    flops = {p: float(n) * props.multi_processor_count * clock_khz * 1e3 for p, n in per_sm.items()}
+    bandwidth = 2.0 * mem_khz * 1e3 * bus_bits / 8  # double data rate
+    return DevicePeaks(props.name, flops, bandwidth, "torch.cuda device properties")
 
 
 def _nbytes(plan: Plan, name: str) -> int:
@@ -46,7 +103,7 @@ def _flops(plan: Plan, step: Step) -> int:
         if step.op_type == "Gemm" and step.attrs.get("transA", 0) and len(a) == 2:
             k = a[0]
         return 2 * out_numel * k
-    if step.kind == "op" and step.op_type == "Conv":
+    if step.kind == "op" and step.op_type in ("Conv", "opfuse.ConvNHWC"):
         w = shape(step.inputs[1])
         return 2 * out_numel * int(np.prod(w[1:], dtype=np.int64)) if w else 0
     if step.kind == "kernel":
@@ -55,7 +112,7 @@ def _flops(plan: Plan, step: Step) -> int:
     return out_numel
 
 
-def step_cost(plan: Plan, step: Step) -> dict[str, Any]:
+def step_cost(plan: Plan, step: Step, peaks: DevicePeaks | None = None) -> dict[str, Any]:
     nbytes = sum(_nbytes(plan, x) for x in step.inputs if x) + sum(
         _nbytes(plan, o) for o in step.outputs if o
     )
@@ -63,7 +120,7 @@ def step_cost(plan: Plan, step: Step) -> dict[str, Any]:
         nbytes = 0  # a view moves nothing
     flops = _flops(plan, step)
     intensity = flops / nbytes if nbytes else 0.0
-    ridge = RIDGE_FLOP_PER_BYTE.get(plan.precision, 14.0)
+    ridge = (peaks or device_peaks()).ridge(plan.precision)
     return {
         "bytes": int(nbytes),
         "flops": int(flops),
@@ -72,7 +129,9 @@ def step_cost(plan: Plan, step: Step) -> dict[str, Any]:
     }
 
 
-def profile_steps(plan: Plan, times_ms: list[float]) -> list[dict[str, Any]]:
+def profile_steps(plan: Plan, times_ms: list[float], device: str | None = None) -> list[dict[str, Any]]:
+    """One row per step; `bound` compares its intensity with `device`'s ridge point."""
+    peaks = device_peaks(device)
     rows = []
     for step, t in zip(plan.steps, times_ms, strict=False):
         row: dict[str, Any] = {
@@ -80,6 +139,11 @@ def profile_steps(plan: Plan, times_ms: list[float]) -> list[dict[str, Any]]:
             "op_type": step.op_type if step.kind == "op" else "FusedKernel",
             "time_ms": round(t, 6),
         }
-        row.update(step_cost(plan, step))
+        row.update(step_cost(plan, step, peaks))
         rows.append(row)
     return rows
+
+
+def roofline(precision: str, device: str | None = None) -> dict[str, Any]:
+    """The peaks and ridge point the profile's memory-/compute-bound split used."""
+    return device_peaks(device).to_json(precision)
