@@ -26,6 +26,7 @@ from opfuse.graph import graph_from_onnx
 from opfuse.lowering import build_plan
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
+from opfuse.passes.rules import node_label
 from opfuse.profile.costs import profile_steps, roofline
 from opfuse.runtime.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, read_bundle, write_bundle
 from opfuse.runtime.executor import Executor
@@ -213,8 +214,14 @@ def compile(
     variants: dict[str, str] = {}
     configs: dict[str, dict[str, Any]] = {}  # kernel signature -> tuned launch config
 
+    unsafe: set[str] = set()  # groups whose kernels crashed the tuning worker: never fused
+
     def make_plan(enabled: list[str] | None = None) -> Plan:
         """The fused plan with the tuned variants and configs (all groups fused when None)."""
+        if unsafe:
+            enabled = [
+                g.id for g in fusion.groups if (enabled is None or g.id in enabled) and g.id not in unsafe
+            ]
         p = build_plan(
             graph, fusion, precision, declared_inputs, declared_outputs, enabled=enabled, variants=variants
         )
@@ -246,6 +253,7 @@ def compile(
         tuning = _tune(
             graph, fusion, plan, make_plan, variants, configs, device, profile_feeds, tune_budget_s
         )
+        unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
     timings["tune"] = time.perf_counter() - t
 
@@ -273,7 +281,7 @@ def compile(
         if step.group:  # a vendor-variant group is its library step plus its epilogue kernel
             kernel_time_after[step.group] = round(kernel_time_after.get(step.group, 0.0) + t_ms, 6)
     rolled = set(verification["rolled_back"])
-    fused_groups = [g for g in fusion.groups if g.id not in rolled]
+    fused_groups = [g for g in fusion.groups if g.id not in rolled and g.id not in unsafe]
     kernel_of_group = {k.group: k.id for k in plan.kernels.values()}
     groups_json = []
     for g in fused_groups:
@@ -288,6 +296,15 @@ def compile(
             d["variant"] = variants[g.id]
         groups_json.append(d)
     not_fused = [nf.to_json() for nf in passes.not_fired + fusion.not_fused]
+    for gid in sorted(unsafe):
+        g = next(x for x in fusion.groups if x.id == gid)
+        not_fused.append(
+            {
+                "rule": g.rule,
+                "nodes": [node_label(n) for n in g.nodes],
+                "reason": "its generated kernel crashed or hung in the tuning worker (see tuning.kernels)",
+            }
+        )
     for gid in sorted(rolled):
         g = next(x for x in fusion.groups if x.id == gid)
         not_fused.append(
@@ -463,7 +480,14 @@ def _tune(
     budget_s: float,
 ) -> dict[str, Any]:
     """Launch configs for every kernel, then template vs vendor per anchor group, by measurement."""
-    from opfuse.tune import TuningCache, kernel_signature, step_times, tune_kernel_configs
+    from opfuse.tune import (
+        TuningCache,
+        kernel_signature,
+        tune_kernel_configs,
+        unsafe_groups,
+        variant_group_times,
+    )
+    from opfuse.tuning_pool import TuningPool
 
     deadline = time.perf_counter() + budget_s
     cache = TuningCache()
@@ -475,16 +499,17 @@ def _tune(
         candidates["vendor"] = make_plan(None)
         variants.clear()
     times: dict[str, dict[str, float]] = {}
-    for name, p in candidates.items():
-        executor = Executor(p, device)
-        record["kernels"].update(tune_kernel_configs(p, executor, cache, deadline))
-        for k in p.kernels.values():
-            configs[kernel_signature(k)] = dict(k.config)
-        per_group: dict[str, float] = {}
-        for step, ms in zip(p.steps, step_times(executor, feeds), strict=True):
-            if step.group:
-                per_group[step.group] = per_group.get(step.group, 0.0) + ms
-        times[name] = per_group
+    crashed: dict[str, set[str]] = {}
+    with TuningPool(device) as pool:  # one worker for both candidate plans, started on first use
+        for name, p in candidates.items():
+            executor = Executor(p, device)
+            tuned = tune_kernel_configs(p, executor, cache, deadline, pool)
+            record["kernels"].update(tuned)
+            for k in p.kernels.values():
+                configs[kernel_signature(k)] = dict(k.config)
+            # Runs `p` in this process only when every generated kernel in it ran cleanly in the worker.
+            times[name] = variant_group_times(p, executor, feeds, tuned)
+            crashed[name] = unsafe_groups(p, tuned)
     for gid in anchors:
         t_ms, v_ms = times["template"].get(gid, float("inf")), times.get("vendor", {}).get(gid, float("inf"))
         choice = "vendor" if v_ms < t_ms else "template"
@@ -494,6 +519,12 @@ def _tune(
             "template_ms": round(t_ms, 5),
             "vendor_ms": round(v_ms, 5),
         }
+    # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
+    # compiler's own process must never run it (verification, benchmarks).
+    unsafe = {
+        gid for gid in crashed.get("template", set()) if gid not in anchors or variants.get(gid) != "vendor"
+    } | {gid for gid in crashed.get("vendor", set()) if variants.get(gid) == "vendor"}
+    record["unsafe_groups"] = sorted(unsafe)
     cache.save()
     record["cache_hits"] = cache.hits
     return record

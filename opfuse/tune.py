@@ -1,18 +1,21 @@
 """Tuning on the GPU: launch configs per kernel, and template vs vendor for each anchor group.
 
-Every candidate is timed with CUDA events on random inputs of the kernel's real shapes; a
-candidate that fails to compile or run scores infinity. Results are cached by kernel signature,
-GPU and versions, so compiling the same model again reuses them. A time budget bounds the work:
-kernels not reached keep their default config.
+Every candidate is timed with CUDA events on random inputs of the kernel's real shapes, in a worker
+process (tuning_pool.py): a candidate that fails scores infinity, and one that crashes or hangs the
+worker is killed with it instead of the compiler. Results are cached by kernel signature, GPU and
+versions, so compiling the same model again reuses them. A time budget bounds the work: kernels not
+reached keep their default config.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ import torch
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
+from opfuse.tuning_pool import Timing, TimingRequest, TuningPool, cuda_graph_ms
 
 # Variations tried around each kernel's own starting config (codegen picks it from the shapes).
 CANDIDATES: dict[str, list[dict[str, Any]]] = {
@@ -62,7 +66,8 @@ def kernel_signature(k: KernelInfo) -> str:
         if not line.lstrip().startswith("#") and not line.startswith(("CONFIG", "INTERPRETER_CONFIG"))
     )
     body = re.sub(r"\bk\d+_", "K_", body)
-    stack = f"{torch.cuda.get_device_name()}|{torch.__version__}|{triton.__version__}"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    stack = f"{gpu}|{torch.__version__}|{triton.__version__}"
     return hashlib.sha256(f"{stack}\n{body}".encode()).hexdigest()
 
 
@@ -100,60 +105,147 @@ def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:
 
 
 def time_launch(fn: Any, reps: int = 10) -> float:
-    """Device time of one launch: `reps` launches captured in a CUDA graph, replayed."""
-    fn()  # compile and warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    """Device time of one launch, timed in this process (see tuning_pool.cuda_graph_ms)."""
+    return cuda_graph_ms(fn, reps)
+
+
+def tune_inprocess() -> bool:
+    """OPFUSE_TUNE_INPROCESS=1 times candidates in the compiler's own process: faster to start,
+    but a candidate that crashes takes the compiler with it."""
+    return os.environ.get("OPFUSE_TUNE_INPROCESS", "") == "1"
 
 
 def tune_kernel_configs(
-    plan: Plan, executor: Executor, cache: TuningCache, deadline: float
+    plan: Plan, executor: Executor, cache: TuningCache, deadline: float, pool: TuningPool | None = None
 ) -> dict[str, Any]:
-    """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config."""
+    """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config.
+
+    Candidates are timed in `pool` (one is made for this call when None; pass one to share its
+    worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
+    candidates killed the worker keeps its default config and is cached as "crashed", so that it
+    is not tried again.
+    """
+    own_pool = None
+    if tune_inprocess():
+        pool = None  # a caller's pool starts its worker on first use: unused, it costs nothing
+    elif pool is None:
+        pool = own_pool = TuningPool(str(executor.device))
+    try:
+        return _tune_each(plan, executor, cache, deadline, pool)
+    finally:
+        if own_pool is not None:
+            own_pool.close()
+
+
+def _tune_each(
+    plan: Plan, executor: Executor, cache: TuningCache, deadline: float, pool: TuningPool | None
+) -> dict[str, Any]:
     record: dict[str, Any] = {}
     for kid, k in plan.kernels.items():
         key = kernel_signature(k)
         cached = cache.get(key)
         if cached is not None:
             k.config = dict(cached["config"])
+            executor.configs[kid] = dict(k.config)
             record[kid] = {"config": k.config, "ms": cached["ms"], "cached": True}
+            if "crashed" in cached:
+                record[kid]["crashed"] = cached["crashed"]
             continue
         if time.perf_counter() > deadline:
             record[kid] = {"config": k.config, "skipped": "tuning budget spent"}
             continue
-        module = executor.modules[kid]
-        ins = [_random_tensor(plan, x, executor.device) for x in k.inputs]
-        outs = [
-            torch.empty(plan.values[o].shape, dtype=torch_dtype(plan.values[o].dtype), device=executor.device)
-            for o in k.outputs
-        ]
-        best, best_ms = dict(k.config), float("inf")
+        time_candidate = _candidate_timer(plan, executor, kid, pool)
+        default = dict(k.config)
+        best, best_ms, default_ms = dict(default), math.inf, math.inf
+        crashed: str | None = None
         tried: list[dict[str, Any]] = []
         for cand in CANDIDATES.get(k.kind, []):
-            config = {**k.config, **cand}
-            try:
-                ms = time_launch(lambda c=config, m=module, i=ins, o=outs: m.launch(*i, *o, config=c))
-            except Exception as exc:  # out of resources, compile errors: this candidate loses
-                tried.append({"config": cand, "error": type(exc).__name__})
+            config = {**default, **cand}
+            timing = time_candidate(config)
+            if not timing.ok:
+                tried.append({"config": cand, "error": timing.error})
+                if timing.killed:  # a bug the default config may share: no more of this kernel
+                    crashed = timing.error
+                    break
                 continue
-            tried.append({"config": cand, "ms": round(float(ms), 5)})
-            if ms < best_ms:
-                best, best_ms = config, ms
-        k.config = best
-        executor.configs[kid] = dict(best)
-        cache.put(key, {"config": best, "ms": best_ms})
-        record[kid] = {"config": best, "ms": round(best_ms, 5), "candidates": len(tried)}
+            tried.append({"config": cand, "ms": round(timing.ms, 5)})
+            if config == default:
+                default_ms = min(default_ms, timing.ms)
+            if timing.ms < best_ms:
+                best, best_ms = config, timing.ms
+        if pool is not None and pool.start_error is not None:  # says nothing about the kernel
+            k.config = default
+            record[kid] = {"config": default, "skipped": pool.start_error}
+            continue
+        entry: dict[str, Any] = {"config": best, "ms": best_ms}
+        if crashed is not None:
+            entry = {"config": default, "ms": default_ms, "crashed": crashed}
+        k.config = dict(entry["config"])
+        executor.configs[kid] = dict(k.config)
+        cache.put(key, entry)
+        record[kid] = {**entry, "ms": round(entry["ms"], 5), "candidates": len(tried)}
     return record
+
+
+def _candidate_timer(
+    plan: Plan, executor: Executor, kid: str, pool: TuningPool | None
+) -> Callable[[dict[str, Any]], Timing]:
+    """config -> Timing for one kernel: in the worker, or in this process when `pool` is None."""
+    k = plan.kernels[kid]
+    if pool is not None:
+        shapes = [(plan.values[x].shape, plan.values[x].dtype) for x in k.inputs]
+        out_shapes = [(plan.values[o].shape, plan.values[o].dtype) for o in k.outputs]
+        return lambda config: pool.time(TimingRequest(k.source, config, shapes, out_shapes))
+    module = executor.modules[kid]
+    ins = [_random_tensor(plan, x, executor.device) for x in k.inputs]
+    outs = [
+        torch.empty(plan.values[o].shape, dtype=torch_dtype(plan.values[o].dtype), device=executor.device)
+        for o in k.outputs
+    ]
+
+    def in_process(config: dict[str, Any]) -> Timing:
+        try:
+            return Timing(time_launch(lambda: module.launch(*ins, *outs, config=config)))
+        except Exception as exc:  # out of resources, compile errors: this candidate loses
+            return Timing(math.inf, type(exc).__name__)
+
+    return in_process
+
+
+def unsafe_groups(plan: Plan, tuned: dict[str, Any]) -> set[str]:
+    """Groups with a kernel whose default config crashed its tuning worker: not to run in-process."""
+    return {
+        k.group
+        for kid, k in plan.kernels.items()
+        if "crashed" in tuned.get(kid, {}) and not math.isfinite(tuned[kid].get("ms", math.inf))
+    }
+
+
+def variant_group_times(
+    plan: Plan, executor: Executor, feeds: dict[str, Any], tuned: dict[str, Any]
+) -> dict[str, float]:
+    """Per-group ms of one candidate plan, for the template-vs-vendor choice.
+
+    The plan runs here, step by step: vendor ops are torch ops, and its generated kernels run with
+    configs that ran cleanly in the tuning worker. A plan holding a kernel that crashed there is not
+    run: its kernel groups take the worker's times, crashed groups and groups with torch op steps
+    score infinity (so the choice falls to the template, the default).
+    """
+    bad = unsafe_groups(plan, tuned)
+    per_group: dict[str, float] = {}
+    if not bad:
+        for step, ms in zip(plan.steps, step_times(executor, feeds), strict=True):
+            if step.group:
+                per_group[step.group] = per_group.get(step.group, 0.0) + ms
+        return per_group
+    for step in plan.steps:
+        if not step.group:
+            continue
+        ms = math.inf  # torch op steps are not timed without running the plan
+        if step.kind == "kernel" and step.group not in bad:
+            ms = float(tuned.get(step.kernel, {}).get("ms", math.inf))
+        per_group[step.group] = per_group.get(step.group, 0.0) + ms
+    return per_group
 
 
 def step_times(executor: Executor, feeds: dict[str, Any], reps: int = 5) -> list[float]:

@@ -1,0 +1,357 @@
+"""Time tuning candidates in a killable worker process, so that a generated kernel that crashes or
+hangs scores infinity instead of taking the compiler down (TorchInductor's autotune process).
+
+One worker serves a tuning session: a fresh interpreter (`python -m opfuse.tuning_pool`, never a
+fork: the parent may hold a CUDA context) that imports torch once and times requests sent over a
+socket pair. A worker that dies, or outlives a request's timeout, is killed; the next request
+starts a new one. This module imports neither torch nor triton in the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import IO, Any
+
+DEFAULT_TIMEOUT_S = 30.0  # per candidate: covers a Triton compile on the GPU
+START_TIMEOUT_S = 120.0  # python, torch and the CUDA context of a new worker
+TIMERS = {"cuda": "opfuse.tuning_pool:cuda_graph_ms", "cpu": "opfuse.tuning_pool:wall_clock_ms"}
+
+TensorShape = tuple[Sequence[int], str]  # (shape, dtype name as in TensorSpec)
+
+
+@dataclass
+class TimingRequest:
+    """One candidate: a kernel module's source, the config passed to its `launch`, and the shapes
+    and dtypes of its inputs then outputs (random inputs, empty outputs are made in the worker)."""
+
+    source: str
+    config: dict[str, Any]
+    inputs: Sequence[TensorShape]
+    outputs: Sequence[TensorShape]
+    reps: int = 10
+
+
+@dataclass
+class Timing:
+    """Milliseconds per launch; infinity with `error` when the candidate failed. `killed`: it took
+    its worker down (crash, hang, broken CUDA context), which the caller should not try again."""
+
+    ms: float
+    error: str | None = None
+    killed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.ms)
+
+
+def cuda_graph_ms(fn: Callable[[], Any], reps: int = 10) -> float:
+    """Device time of one launch: `reps` launches captured in a CUDA graph, replayed."""
+    import torch
+
+    fn()  # compile and warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / reps
+
+
+def wall_clock_ms(fn: Callable[[], Any], reps: int = 10) -> float:
+    """Host time of one launch: for Triton's interpreter on the CPU, where launches are synchronous."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) * 1000.0 / reps
+
+
+def _resolve(path: str) -> Callable[..., float]:
+    module, _, name = path.partition(":")
+    fn: Callable[..., float] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+class TuningPool:
+    """Times candidates in one worker process, replaced after a crash or a timeout.
+
+    `device`: "cuda", "cuda:N" or "cpu" (Triton's interpreter). `timer`: "module:function" taking
+    (launch, reps) and returning ms, imported in the worker (default by device: TIMERS). The worker
+    starts on the first request; `close()` (or leaving a `with` block) ends it.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        *,
+        timeout_s: float | None = None,
+        timer: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.device = device
+        self.interpret = not device.startswith("cuda")
+        self.timer = timer or TIMERS["cpu" if self.interpret else "cuda"]
+        env_timeout = os.environ.get("OPFUSE_TUNE_TIMEOUT_S")
+        self.timeout_s = timeout_s if timeout_s is not None else float(env_timeout or DEFAULT_TIMEOUT_S)
+        self.start_timeout_s = start_timeout_s
+        self.spawns = 0  # workers started so far: one, plus one per crash or timeout
+        self.start_error: str | None = None  # set when a worker could not start: no more tries
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._stderr: IO[bytes] | None = None
+        self._ready = False  # the worker said it has imported torch and started its CUDA context
+
+    def __enter__(self) -> TuningPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The live worker's process id, None when there is none."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def start(self, wait: bool = True) -> None:
+        """Start the worker now rather than on the first request; raises RuntimeError if it cannot.
+        With `wait=False` it starts in the background (its imports overlap the caller's work)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._spawn()
+        if wait and not self._ready:
+            self._await_ready()
+
+    def _spawn(self) -> None:
+        if self.start_error is not None:
+            raise RuntimeError(self.start_error)
+        self._discard()
+        parent_end, child_end = multiprocessing.Pipe(duplex=True)
+        self._stderr = tempfile.TemporaryFile(prefix="opfuse-tune-")  # noqa: SIM115 (lives with the worker)
+        env = dict(os.environ)
+        # Triton fixes interpreter or compiler when it is imported: decide before the worker starts.
+        env["TRITON_INTERPRET"] = "1" if self.interpret else "0"
+        self.spawns += 1
+        # Same process group as the parent: whoever kills a compile job's group kills this too.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "opfuse.tuning_pool", str(child_end.fileno()), self.device, self.timer],
+            stdin=subprocess.DEVNULL,
+            stdout=self._stderr,
+            stderr=self._stderr,
+            env=env,
+            pass_fds=(child_end.fileno(),),
+        )
+        child_end.close()
+        self._conn = parent_end
+
+    def _await_ready(self) -> None:
+        assert self._conn is not None
+        try:
+            if not self._conn.poll(self.start_timeout_s):
+                raise RuntimeError(f"no answer within {self.start_timeout_s:.0f} s")
+            hello = self._conn.recv()
+            if hello != ("ready",):
+                raise RuntimeError(f"unexpected first message {hello!r}")
+        except (RuntimeError, EOFError, OSError) as exc:
+            why = f"{exc}; {self._why_dead()}"
+            self._discard()
+            self.start_error = f"the tuning worker could not start ({why})"
+            raise RuntimeError(self.start_error) from exc
+        self._ready = True
+
+    def time(self, request: TimingRequest, timeout_s: float | None = None) -> Timing:
+        """Time one candidate; never raises for anything the candidate does."""
+        try:
+            self.start()
+        except RuntimeError as exc:
+            return Timing(math.inf, str(exc))
+        assert self._conn is not None
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            self._conn.send(
+                {
+                    "source": request.source,
+                    "config": dict(request.config),
+                    "inputs": [(list(s), d) for s, d in request.inputs],
+                    "outputs": [(list(s), d) for s, d in request.outputs],
+                    "reps": request.reps,
+                }
+            )
+            if not self._conn.poll(limit):
+                self._discard()
+                return Timing(math.inf, f"timed out after {limit:g} s; the worker was killed", killed=True)
+            answer = self._conn.recv()
+        except (EOFError, OSError):
+            why = self._why_dead()
+            self._discard()
+            return Timing(math.inf, why, killed=True)
+        kind, value, fatal = answer
+        if kind == "ok":
+            return Timing(float(value))
+        if fatal:  # the worker has left: its CUDA context is unusable after this error
+            self._discard()
+        return Timing(math.inf, str(value), killed=bool(fatal))
+
+    def close(self) -> None:
+        if self._conn is not None and self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self._conn.send(None)  # asks it to leave; _discard kills it if it does not
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(2.0)
+        self._discard()
+
+    def _why_dead(self) -> str:
+        """The worker's exit (signal name or code) and the tail of what it wrote."""
+        status = "still running"
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(5.0)
+            code = self._proc.poll()
+            if code is not None and code < 0:
+                status = (
+                    f"killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+                )
+            elif code is not None:
+                status = f"exited with status {code}"
+        tail = ""
+        if self._stderr is not None:
+            self._stderr.seek(0, os.SEEK_END)
+            self._stderr.seek(max(0, self._stderr.tell() - 8000))
+            tail = _last_words(self._stderr.read().decode("utf-8", "replace"))
+        return f"the tuning worker died ({status})" + (f": {tail}" if tail else "")
+
+    def _discard(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+        if self._conn is not None:
+            self._conn.close()
+        if self._stderr is not None:
+            self._stderr.close()
+        self._proc, self._conn, self._stderr, self._ready = None, None, None, False
+
+
+def _last_words(text: str) -> str:
+    """What a dead worker wrote that says why: faulthandler's fatal error and the innermost frame
+    (the candidate's code), else the last lines."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    fatal = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    if fatal:
+        i = fatal[-1]
+        stack = next((j for j in range(i, len(lines)) if lines[j].startswith(("Current thread", "Stack"))), i)
+        frame = next((ln for ln in lines[stack + 1 :] if ln.startswith("File ")), "")
+        return f"{lines[i]} | {frame}"[:600]
+    return " | ".join(lines[-4:])[-600:]
+
+
+# --- the worker process ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    conn: Connection
+    device: str
+    timer: Callable[..., float]
+    interpret: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.interpret = not self.device.startswith("cuda")
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg is None:
+                return
+            try:
+                self.conn.send(("ok", self.measure(msg), False))
+            except Exception as exc:  # out of resources, compile errors: this candidate loses
+                fatal = self.cuda_broken(exc)
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                self.conn.send(("error", f"{type(exc).__name__}: {first_line}"[:600], fatal))
+                if fatal:
+                    return
+
+    def measure(self, msg: dict[str, Any]) -> float:
+        import torch
+
+        from opfuse.runtime.kernels import load_kernel_module
+        from opfuse.runtime.tensors import torch_dtype
+
+        module = load_kernel_module(msg["source"], self.interpret)
+        dev = torch.device(self.device)
+        ins = []
+        for shape, dtype in msg["inputs"]:
+            dt = torch_dtype(dtype)
+            if dt.is_floating_point:
+                ins.append(torch.randn(shape, device=dev).to(dt))
+            else:
+                ins.append(torch.randint(0, 4, shape, device=dev).to(dt))
+        outs = [torch.empty(shape, dtype=torch_dtype(dtype), device=dev) for shape, dtype in msg["outputs"]]
+        config = msg["config"]
+        return float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
+
+    def cuda_broken(self, exc: Exception) -> bool:
+        """After an illegal address or a launch failure the context is lost for good."""
+        if self.interpret:
+            return False
+        import torch
+
+        if "CUDA error" in str(exc) or "illegal" in str(exc).lower():
+            return True
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            return True
+        return False
+
+
+def _leave_when_orphaned(parent: int) -> None:
+    """A worker whose compiler died would otherwise keep its GPU memory until its request ends."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _main(argv: list[str]) -> None:
+    fd, device, timer_path = int(argv[0]), argv[1], argv[2]
+    # A segfault leaves the crashing thread's Python stack in the stderr the parent reads.
+    faulthandler.enable(all_threads=False)
+    conn = Connection(fd)
+    threading.Thread(target=_leave_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    timer = _resolve(timer_path)
+    import torch
+    import triton  # noqa: F401  (imported before "ready": the first candidate's time is its own)
+
+    if device.startswith("cuda"):
+        if ":" in device:
+            torch.cuda.set_device(torch.device(device))
+        torch.empty(1, device=device)  # the context starts here, not in the first candidate's time
+    conn.send(("ready",))
+    _Worker(conn, device, timer).serve()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

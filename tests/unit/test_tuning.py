@@ -1,0 +1,227 @@
+"""The tuning worker on the CPU: candidates timed in Triton's interpreter in a child process, and
+candidates that exit, segfault or hang score infinity without harming this process."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from opfuse.tuning_pool import Timing, TimingRequest, TuningPool
+
+# A kernel module as codegen writes one; `fault` in the config makes its launch misbehave.
+SOURCE = """
+import os
+import signal
+import time
+
+import triton
+import triton.language as tl
+
+CONFIG = {"BLOCK": 64}
+INTERPRETER_CONFIG = {"BLOCK": 1024}
+
+
+@triton.jit
+def add_one(x, out, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out + offs, tl.load(x + offs, mask=mask) + 1.0, mask=mask)
+
+
+def launch(x, out, config=None):
+    c = CONFIG if config is None else config
+    fault = c.get("fault")
+    if fault == "exit":
+        os._exit(1)
+    if fault == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if fault == "hang":
+        time.sleep(600)
+    if fault == "raise":
+        raise ValueError("no such config")
+    add_one[(triton.cdiv(out.numel(), c["BLOCK"]),)](x, out, out.numel(), BLOCK=c["BLOCK"])
+"""
+SHAPES = [((256,), "float32")]
+
+
+def request(**config: Any) -> TimingRequest:
+    return TimingRequest(SOURCE, {"BLOCK": 64, **config}, SHAPES, SHAPES, reps=3)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[TuningPool]:
+    with TuningPool("cpu", timeout_s=30) as p:
+        p.start(wait=False)  # its imports overlap this process importing torch for opfuse.tune
+        yield p
+
+
+def assert_gone(pid: int | None) -> None:
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def one_kernel_plan() -> Any:
+    from opfuse.graph import TensorSpec
+    from opfuse.runtime.plan import KernelInfo, Plan, Step
+
+    x, y = TensorSpec("x", "float32", (256,)), TensorSpec("y", "float32", (256,))
+    kernel = KernelInfo("k0_add", "pointwise", "g0", ["x"], ["y"], {"BLOCK": 64}, SOURCE)
+    step = Step("kernel", ["x"], ["y"], kernel="k0_add", group="g0")
+    return Plan("fp32", [x], [y], {"x": x, "y": y}, [step], {"k0_add": kernel})
+
+
+@pytest.fixture
+def tuning(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """opfuse.tune with its cache in tmp_path and candidates that the test sets."""
+    from opfuse import tune
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+    return tune
+
+
+def cpu_executor() -> Any:
+    import torch
+
+    return SimpleNamespace(device=torch.device("cpu"), configs={}, modules={})
+
+
+class ScriptedPool:
+    """Stands in for TuningPool: a config with "fault" kills the worker, BLOCK 128 is fastest."""
+
+    start_error = None
+
+    def __init__(self) -> None:
+        self.requests: list[TimingRequest] = []
+
+    def time(self, req: TimingRequest, timeout_s: float | None = None) -> Timing:
+        self.requests.append(req)
+        if "fault" in req.config:
+            return Timing(math.inf, "the tuning worker died (exited with status 1)", killed=True)
+        return Timing(0.5 if req.config["BLOCK"] == 128 else 1.0)
+
+
+def test_tune_kernel_configs_times_in_the_worker(
+    pool: TuningPool, tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"fault": "raise"}, {"BLOCK": 128}])
+    plan, executor = one_kernel_plan(), cpu_executor()
+    cache = tuning.TuningCache()
+    record = tuning.tune_kernel_configs(plan, executor, cache, time.perf_counter() + 60, pool)["k0_add"]
+    assert record["candidates"] == 3 and math.isfinite(record["ms"]) and "crashed" not in record
+    assert record["config"] in ({"BLOCK": 64}, {"BLOCK": 128})
+    assert executor.configs["k0_add"] == plan.kernels["k0_add"].config == record["config"]
+    assert cache.get(tuning.kernel_signature(plan.kernels["k0_add"]))["config"] == record["config"]
+
+
+def test_crashed_kernel_keeps_its_default_and_is_not_retried(
+    tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The crash comes third: the default ran, the one after the crash is never tried.
+    candidates = [{}, {"BLOCK": 128}, {"fault": "exit"}, {"BLOCK": 32}]
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", candidates)
+    plan, executor, pool = one_kernel_plan(), cpu_executor(), ScriptedPool()
+    cache = tuning.TuningCache()
+    record = tuning.tune_kernel_configs(plan, executor, cache, time.perf_counter() + 60, pool)["k0_add"]
+    assert "exited with status 1" in record["crashed"]
+    assert record["config"] == {"BLOCK": 64} == plan.kernels["k0_add"].config == executor.configs["k0_add"]
+    assert record["candidates"] == 3 and record["ms"] == 1.0 and len(pool.requests) == 3
+    assert pool.requests[0].inputs == [((256,), "float32")] and pool.requests[0].outputs == [
+        ((256,), "float32")
+    ]
+    cache.save()
+
+    plan = one_kernel_plan()
+    again = tuning.tune_kernel_configs(plan, executor, tuning.TuningCache(), time.perf_counter() + 60, pool)
+    assert again["k0_add"]["cached"] and "exited" in again["k0_add"]["crashed"]
+    assert len(pool.requests) == 3  # nothing timed again
+
+    # The default ran cleanly, so the plan may run in-process; with a crashed default it may not.
+    assert tuning.unsafe_groups(plan, {"k0_add": record}) == set()
+    crashed_default = {"k0_add": {"crashed": "died", "ms": math.inf}}
+    assert tuning.unsafe_groups(plan, crashed_default) == {"g0"}
+    assert tuning.variant_group_times(plan, executor, {}, crashed_default) == {"g0": math.inf}
+
+
+def test_inprocess_switch_times_here(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tuning_pool import wall_clock_ms
+
+    monkeypatch.setenv("OPFUSE_TUNE_INPROCESS", "1")
+    monkeypatch.setattr(tuning, "time_launch", wall_clock_ms)  # no CUDA here
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"BLOCK": 128}])
+    plan, executor, pool = one_kernel_plan(), cpu_executor(), ScriptedPool()
+    executor.modules["k0_add"] = load_kernel_module(SOURCE, interpret=True)
+    record = tuning.tune_kernel_configs(plan, executor, tuning.TuningCache(), time.perf_counter() + 60, pool)
+    assert math.isfinite(record["k0_add"]["ms"]) and record["k0_add"]["candidates"] == 2
+    assert pool.requests == []
+
+
+def test_normal_candidate_is_timed(pool: TuningPool) -> None:
+    timing = pool.time(request())
+    assert timing.ok and timing.ms > 0 and timing.error is None
+    first = pool.pid
+    assert pool.time(request(BLOCK=128)).ok
+    assert pool.pid == first  # one worker serves the session
+
+
+def test_candidate_error_loses_without_a_restart(pool: TuningPool) -> None:
+    pool.start()
+    pid = pool.pid
+    timing = pool.time(request(fault="raise"))
+    assert not timing.ok and not timing.killed
+    assert "ValueError: no such config" in (timing.error or "")
+    assert pool.pid == pid
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        ("exit", "exited with status 1"),
+        ("segv", "killed by SIGSEGV): Fatal Python error: Segmentation fault | File "),
+    ],
+    ids=["exit", "segv"],
+)
+def test_crash_scores_inf_and_a_fresh_worker_times_the_next(pool: TuningPool, fault: str, why: str) -> None:
+    pool.start()
+    pid, spawns = pool.pid, pool.spawns
+    timing = pool.time(request(fault=fault))
+    assert timing.ms == math.inf and timing.killed
+    assert why in (timing.error or "")
+    if fault == "segv":
+        assert (timing.error or "").endswith("in launch")
+    assert_gone(pid)
+    nxt = pool.time(request())
+    assert nxt.ok
+    assert pool.spawns == spawns + 1 and pool.pid != pid
+
+
+def test_hang_is_killed_at_the_timeout(pool: TuningPool) -> None:
+    pool.start()  # the worker's start-up is not the candidate's time
+    pid = pool.pid
+    t = time.perf_counter()
+    timing = pool.time(request(fault="hang"), timeout_s=1.0)
+    elapsed = time.perf_counter() - t
+    assert timing.ms == math.inf and timing.killed and "timed out" in (timing.error or "")
+    assert elapsed < 1.0 + 1.5
+    assert_gone(pid)
+    assert pool.pid is None  # the next request starts a fresh worker
+
+
+def test_worker_that_cannot_start_scores_inf_and_caches_nothing(tuning: Any) -> None:
+    with TuningPool("cpu", timer="opfuse.no_such_module:timer", start_timeout_s=30) as broken:
+        timing = broken.time(request())
+        assert timing.ms == math.inf and "could not start" in (timing.error or "")
+        assert "No module named 'opfuse.no_such_module'" in (timing.error or "")
+        assert broken.time(request()).error == timing.error and broken.spawns == 1  # no retries
+
+        plan, cache = one_kernel_plan(), tuning.TuningCache()
+        record = tuning.tune_kernel_configs(plan, cpu_executor(), cache, time.perf_counter() + 60, broken)
+        assert "could not start" in record["k0_add"]["skipped"] and cache.data == {}
