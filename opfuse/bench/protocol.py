@@ -119,6 +119,7 @@ def measure(
             times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
             peak = int(torch.cuda.max_memory_allocated() - base)
             peak = max(peak, int(getattr(runner, "pool_bytes", 0)))
+            peak += executor.memory.arena_bytes  # kernel outputs: allocated once, before the runs
         else:
             for i in range(iters):
                 t0 = time.perf_counter()

@@ -74,7 +74,9 @@ def plan_anchor_groups(
         nodes = [x for x in graph.nodes if x.id in members]
         ins, outs = group_boundary(graph, nodes)
         taken |= members
+        # Ids are unique across group kinds: m (GEMM), c (conv), a (attention), r (row), g (pointwise).
+        prefix = "m" if kind == "gemm" else "c"
         groups.append(
-            Group(f"{kind[0]}{len(groups)}", kind, rule, nodes, ins, outs, variant=variant, note=note)
+            Group(f"{prefix}{len(groups)}", kind, rule, nodes, ins, outs, variant=variant, note=note)
         )
     return groups

@@ -68,6 +68,8 @@ def check(
         verify=False,
         fusion_disable=disable,
     )
+    ids = [g["id"] for g in cm.report["fusion"]["groups"]]
+    assert len(ids) == len(set(ids)), f"group ids are not unique: {sorted(ids)}"
     got = cm.run(feeds)
     limit = 1e-4 if precision == "fp32" else 2e-2
     for vi, w in zip(model.graph.output, want, strict=True):

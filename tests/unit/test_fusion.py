@@ -363,3 +363,20 @@ def test_inputs_of_the_wrong_kind_are_refused() -> None:
     cm = opfuse.compile(residual_mlp(), {"x": [2, 32]}, device=TEST_DEVICE)
     with pytest.raises(opfuse.ModelError, match="takes float32"):
         cm.run({"x": np.ones((2, 32), dtype=np.int64)})
+
+
+def test_group_ids_are_unique_across_kinds() -> None:
+    # A GEMM group and a pointwise group, each the first of its kind.
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Relu", ["h"], ["y"]),
+        helper.make_node("Sigmoid", ["z"], ["s"]),
+        helper.make_node("Mul", ["s", "z"], ["u"]),
+    ]
+    m = make_model(
+        nodes, {"x": [4, 8], "z": [4, 8]}, {"y": [4, 8], "u": [4, 8]}, {"w": RNG.standard_normal((8, 8))}
+    )
+    cm = check_against_ort(m, {"x": [4, 8], "z": [4, 8]})
+    kinds = {g["id"]: g["kind"] for g in cm.report["fusion"]["groups"]}
+    assert sorted(kinds.values()) == ["gemm", "pointwise"]
+    assert len(kinds) == 2

@@ -94,7 +94,7 @@ def test_vendor_variant_computes_the_same() -> None:
     assert [s.kind for s in vendor.steps] == ["op", "kernel"]
     x = RNG.standard_normal((6, 16)).astype(np.float32)
     np.testing.assert_allclose(
-        Executor(vendor, "cpu").run({"x": x})["y"], cm.run({"x": x})["y"], rtol=1e-5, atol=1e-6
+        Executor(vendor, TEST_DEVICE).run({"x": x})["y"], cm.run({"x": x})["y"], rtol=1e-5, atol=1e-6
     )
 
 
