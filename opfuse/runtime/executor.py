@@ -44,6 +44,7 @@ HOST_ARGUMENTS: dict[str, tuple[int, ...]] = {
     "Resize": (1, 2, 3),
     "TopK": (1,),
     "OneHot": (1,),
+    "Gather": (1,),  # constant indices: a run of positions becomes a view (ops_shape.gather)
     **{op: (1,) for op in _REDUCE_OPS},
 }
 
