@@ -9,7 +9,10 @@ ops around it, pooling and global pooling work on NHWC tensors:
 - MaxPool / AveragePool become `opfuse.MaxPoolNHWC` / `opfuse.AveragePoolNHWC`;
 - GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2);
 - pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
-- Concat along channels concatenates along the last axis.
+- Concat along channels concatenates along the last axis;
+- the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
+  a Transpose to NHWC of a value already there is that value, and the operand of a Transpose back
+  to NCHW is the NHWC form of its result.
 
 At the region's edges an explicit Transpose converts (into NHWC before the first conv, back to
 NCHW before an op that needs the original layout or a graph output); the fusion planner folds
@@ -144,9 +147,22 @@ def to_channels_last(graph: Graph, log: RuleLog) -> None:
     if not convs:
         return
     rw = _Rewriter(graph)
+    graph_outputs = {o.name for o in graph.outputs}
+    rename: dict[str, str] = {}  # a model Transpose to NHWC of a value with a twin: the twin itself
     for node in graph.nodes:
+        node.inputs = [rename.get(x, x) for x in node.inputs]
         op = node.op_type
-        if op == "Conv" and node in convs:
+        perm = tuple(int(p) for p in node.attrs.get("perm", ())) if op == "Transpose" else ()
+        out = node.outputs[0] if node.outputs else ""
+        if perm == TO_NHWC and node.inputs[0] in rw.twin and out not in graph_outputs:
+            # The model's own permute to NHWC (ConvNeXt, channels-last blocks): already there.
+            rename[out] = rw.twin[node.inputs[0]]
+        elif perm == TO_NCHW and out not in graph_outputs and len(graph.spec(out).shape) == 4:
+            # The model's permute back to NCHW: its input is the NHWC form of its output, so what
+            # follows stays in the region; the Transpose is made again only where an op needs it.
+            rw.twin[out] = node.inputs[0]
+            rw.converted_outputs.add(out)
+        elif op == "Conv" and node in convs:
             x = rw.nhwc_input(node.inputs[0])
             w_name = node.inputs[1]
             w = graph.constants[w_name]

@@ -93,3 +93,43 @@ def test_internal_ops_are_not_model_ops_and_export_in_opfuse_domain(tmp_path) ->
     feeds = {"x": RNG.standard_normal((1, 4, 6, 6)).astype(np.float32)}
     (ref,) = ort_run(model, feeds)
     np.testing.assert_allclose(loaded.run(feeds)["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_models_own_permutes_are_absorbed() -> None:
+    """A ConvNeXt block permutes to NHWC for its LayerNorm and MLP and back for the layer scale and
+    the residual add: in the channels-last region both permutes vanish, and the layer scale and
+    the residual join the second GEMM's epilogue."""
+    c = 8
+    nodes = [
+        helper.make_node("Conv", ["x", "dw", "dwb"], ["d"], group=c, pads=[1, 1, 1, 1]),
+        helper.make_node("Transpose", ["d"], ["dt"], perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["dt", "g", "b"], ["ln"], axis=-1),
+        helper.make_node("MatMul", ["ln", "w1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["hr"]),
+        helper.make_node("MatMul", ["hr", "w2"], ["o"]),
+        helper.make_node("Transpose", ["o"], ["ot"], perm=[0, 3, 1, 2]),
+        helper.make_node("Mul", ["ot", "gamma"], ["s"]),
+        helper.make_node("Add", ["s", "x"], ["y"]),
+    ]
+    inits = {
+        "dw": RNG.standard_normal((c, 1, 3, 3)) * 0.3,
+        "dwb": RNG.standard_normal(c) * 0.1,
+        "g": RNG.uniform(0.5, 1.5, c),
+        "b": RNG.standard_normal(c) * 0.1,
+        "w1": RNG.standard_normal((c, 4 * c)) * 0.3,
+        "w2": RNG.standard_normal((4 * c, c)) * 0.3,
+        "gamma": RNG.uniform(0.5, 1.5, (c, 1, 1)),
+    }
+    shape = [2, c, 5, 5]
+    model = make_model(nodes, {"x": shape}, {"y": shape}, inits)
+    for precision, tol in (("fp32", 1e-4), ("fp16", 2e-2)):
+        cm = opfuse.compile(model, {"x": shape}, precision=precision, device=TEST_DEVICE)
+        assert cm.report["verification"]["passed"] is True
+        # Only the region's two edges remain as Transposes: into NHWC for the input, back for y.
+        transposes = [s for s in cm.plan.steps if s.op_type == "Transpose"]
+        assert len(transposes) == 2
+        gemm = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "gemm"]
+        assert any(len(g["nodes"]) == 3 for g in gemm)  # MatMul + Mul + Add
+        feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
+        (ref,) = ort_run(model, feeds)
+        np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
