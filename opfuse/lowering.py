@@ -53,7 +53,7 @@ def build_plan(
     """The plan with the groups in `enabled` fused (all groups when None)."""
     variants = variants or {}
     on: list[Group] = [g for g in fusion.groups if enabled is None or g.id in enabled]
-    in_group = {n.id: g for g in on for n in [*g.nodes, *g.absorbed]}
+    in_group = {n.id: g for g in on for n in [*g.prologue, *g.nodes, *g.absorbed]}
     steps: list[Step] = []
     rank: list[int] = []
     kernels: dict[str, KernelInfo] = {}
@@ -78,6 +78,20 @@ def build_plan(
         if g.kind in ("gemm", "conv") and variants.get(g.id, g.variant) == "vendor":
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
+            for n in g.prologue:  # the input scale runs as its own op before the library conv
+                steps.append(
+                    Step(
+                        "op",
+                        list(n.inputs),
+                        list(n.outputs),
+                        op_type=n.op_type,
+                        attrs=dict(n.attrs),
+                        node=n.id,
+                        label=node_label(n),
+                        group=g.id,
+                    )
+                )
+                rank.append(order[n.id])
             steps.append(
                 Step(
                     "op",
@@ -91,6 +105,8 @@ def build_plan(
                 )
             )
             rank.append(order[anchor.id])
+            if not epilogue:
+                continue  # a prologue-only group: nothing after the library kernel
             ins, outs = group_boundary(graph, epilogue)
             src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
         elif g.kind == "attention":
@@ -98,7 +114,9 @@ def build_plan(
         elif g.kind == "gemm":
             src = generate_gemm(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
         elif g.kind == "conv":
-            src = generate_conv(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
+            src = generate_conv(
+                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue
+            )
         elif g.kind == "rowwise":
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split)
         else:

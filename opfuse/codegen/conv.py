@@ -105,9 +105,14 @@ def generate_conv(
     graph: Graph,
     group_id: str,
     precision: str,
+    prologue: list[Node] | None = None,
 ) -> KernelSource:
     if anchor.op_type == NHWC_CONV:
-        return _generate_conv_nhwc(kernel_id, anchor, epilogue, inputs, outputs, graph, group_id, precision)
+        return _generate_conv_nhwc(
+            kernel_id, anchor, epilogue, inputs, outputs, graph, group_id, precision, prologue or []
+        )
+    if prologue:
+        raise ValueError("an input-scale prologue needs the NHWC template")
     p = conv_params(graph, anchor)
     out_shape = graph.spec(anchor.outputs[0]).shape
     dtype = graph.spec(anchor.inputs[0]).dtype
@@ -235,6 +240,7 @@ def _generate_conv_nhwc(
     graph: Graph,
     group_id: str,
     precision: str,
+    prologue: list[Node],
 ) -> KernelSource:
     p = conv_params(graph, anchor)
     out_shape = graph.spec(anchor.outputs[0]).shape  # [N, OH, OW, CO]
@@ -243,14 +249,30 @@ def _generate_conv_nhwc(
     m, n, k = p["N"] * p["OH"] * p["OW"], p["CO"], c * kh_ * kw_
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
+    scale = ""
+    if prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
+        x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    operands_only = {x_name, w_name} - epilogue_reads
+    operands_only = {x_name, w_name, scale} - {""} - epilogue_reads
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
-    args = ["x", "w"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
+    extra = [e for e in extra if e != scale]
+    args = (
+        ["x", "w"]
+        + (["sc"] if scale else [])
+        + [f"in{i}" for i in range(len(extra))]
+        + [f"out{i}" for i in range(len(outputs))]
+    )
     fn = f"{kernel_id}_conv"
     prec = ""
     if dtype == "float32":
         prec = ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'
+    scale_index = ""
+    if scale:
+        s_shape = graph.spec(scale).shape
+        terms = ([f"img[:, None] * {s_shape[3]}"] if s_shape[0] != 1 else []) + (
+            ["ci[None, :]"] if s_shape[3] != 1 else []
+        )
+        scale_index = " + ".join(terms) or "0"
     # Few input channels (a network's first layer): one flat K loop, cin = k % C. Otherwise a loop
     # over the KH*KW window positions, each reading contiguous blocks of channels.
     flat = c < 16
@@ -260,6 +282,8 @@ def _generate_conv_nhwc(
         f"# x [{p['N']}, {p['H']}, {p['W']}, {c}] * w [{n}, {kh_}, {kw_}, {c}] -> "
         f"{list(out_shape)}; M={m} N={n} K={k}"
     )
+    for node in prologue:
+        buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: input scale)")
     buf.line(f"#   {anchor.id}: Conv {comment_text(anchor.name)} (anchor)")
     for node in epilogue:
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (epilogue)")
@@ -295,6 +319,10 @@ def _generate_conv_nhwc(
         with buf.indent():
             buf.line(f"acc = tl.dot({a}, {b}, acc{prec})")
 
+    def scale_tile(mask: str) -> None:
+        buf.line(f"sc_tile = tl.load(sc + {scale_index}, mask={mask}, other=0.0)")
+        buf.line("a_tile = (a_tile.to(tl.float32) * sc_tile.to(tl.float32)).to(a_tile.dtype)")
+
     with buf.indent():
         buf.line("rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
         buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
@@ -321,6 +349,8 @@ def _generate_conv_nhwc(
                 buf.line(
                     f"a_tile = tl.load(x + ((img[:, None] * {p['H']} + ih) * {p['W']} + iw) * {c} + ci[None, :], mask=ok, other=0.0)"
                 )
+                if scale:
+                    scale_tile("ok")
                 buf.line(
                     f"b_tile = tl.load(w + rn[None, :] * {k} + kk[:, None], mask=(kk[:, None] < {k}) & (rn[None, :] < {n}), other=0.0)"
                 )
@@ -335,9 +365,10 @@ def _generate_conv_nhwc(
                 buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
                 with buf.indent():
                     buf.line("ci = c0 + rk")
-                    buf.line(
-                        f"a_tile = tl.load(x + base[:, None] + ci[None, :], mask=ok[:, None] & (ci[None, :] < {c}), other=0.0)"
-                    )
+                    buf.line(f"a_ok = ok[:, None] & (ci[None, :] < {c})")
+                    buf.line("a_tile = tl.load(x + base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+                    if scale:
+                        scale_tile("a_ok")
                     buf.line(
                         f"b_tile = tl.load(w + rn[None, :] * {k} + t * {c} + ci[:, None], mask=(ci[:, None] < {c}) & (rn[None, :] < {n}), other=0.0)"
                     )
@@ -377,8 +408,33 @@ def _generate_conv_nhwc(
         buf.line("c = CONFIG if config is None else config")
         buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
         buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
-    tensor_inputs = [x_name, w_name, *extra]
+    tensor_inputs = [x_name, w_name, *([scale] if scale else []), *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def input_scale_operands(graph: Graph, mul: Node, conv: Node) -> tuple[str, str]:
+    """(act, scale) of a Mul feeding an NHWC conv whose input it scales per (image, channel)."""
+    a, b = mul.inputs[0], mul.inputs[1]
+    full = graph.spec(conv.inputs[0]).shape
+    return (a, b) if graph.spec(a).shape == full else (b, a)
+
+
+def input_scale_reason(graph: Graph, mul: Node, conv: Node) -> str | None:
+    """None if `mul` can run as `conv`'s input-scale prologue, else why not."""
+    if mul.op_type != "Mul" or len(mul.inputs) != 2:
+        return "not a Mul"
+    full = graph.spec(conv.inputs[0]).shape
+    act, scale = input_scale_operands(graph, mul, conv)
+    s = graph.spec(scale).shape
+    if graph.spec(act).shape != full or len(s) != 4:
+        return "the Mul does not scale the full conv input by a 4-D tensor"
+    if s[1] != 1 or s[2] != 1 or s[0] not in (1, full[0]) or s[3] not in (1, full[3]):
+        return f"the scale {list(s)} varies over the image (only per image and channel can be folded)"
+    if scale in graph.constants:
+        return "the scale is a constant (it belongs in the weights)"
+    if graph.spec(scale).dtype != graph.spec(act).dtype:
+        return "the scale's type differs from the input's"
+    return None
 
 
 def _broadcast_index(shape: tuple[int, ...], coords: dict[int, str]) -> str | None:

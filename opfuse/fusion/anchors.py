@@ -6,11 +6,11 @@ activation, residual add, scale, cast). Never two anchors in one kernel: only po
 
 from __future__ import annotations
 
-from opfuse.codegen.conv import CONV_OPS, conv_anchor_reason
+from opfuse.codegen.conv import CONV_OPS, NHWC_CONV, conv_anchor_reason, input_scale_reason
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
-from opfuse.graph import Graph
+from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
 GEMM_RULE = "gemm_epilogue"
@@ -43,6 +43,7 @@ def plan_anchor_groups(
             )
         else:
             continue
+        prologue = _input_scale(graph, anchor, taken, consumers, not_fused) if variant == "template" else []
         out_shape = graph.spec(anchor.outputs[0]).shape
         members = {anchor.id}
         frontier = [anchor]
@@ -69,14 +70,43 @@ def plan_anchor_groups(
         for cid, why in pending.items():
             if cid not in members:
                 not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
-        if len(members) == 1:
+        if len(members) == 1 and not prologue:
             continue  # nothing to fuse: the vendor kernel runs the anchor alone
         nodes = [x for x in graph.nodes if x.id in members]
-        ins, outs = group_boundary(graph, nodes)
-        taken |= members
+        ins, outs = group_boundary(graph, [*prologue, *nodes])
+        taken |= members | {x.id for x in prologue}
         # Ids are unique across group kinds: m (GEMM), c (conv), a (attention), r (row), g (pointwise).
         prefix = "m" if kind == "gemm" else "c"
         groups.append(
-            Group(f"{prefix}{len(groups)}", kind, rule, nodes, ins, outs, variant=variant, note=note)
+            Group(
+                f"{prefix}{len(groups)}",
+                kind,
+                rule,
+                nodes,
+                ins,
+                outs,
+                variant=variant,
+                note=note,
+                prologue=prologue,
+            )
         )
     return groups
+
+
+def _input_scale(
+    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+) -> list[Node]:
+    """The Mul that scales an NHWC conv's input per (image, channel), as squeeze-excitation does,
+    when it can be applied to the input tiles inside the conv kernel (its only reader)."""
+    if conv.op_type != NHWC_CONV:
+        return []
+    mul = graph.producers().get(conv.inputs[0])
+    if mul is None or mul.op_type != "Mul" or mul.id in taken:
+        return []
+    if len(consumers.get(mul.outputs[0], [])) != 1 or mul.outputs[0] in {o.name for o in graph.outputs}:
+        return []
+    why = input_scale_reason(graph, mul, conv)
+    if why is not None:
+        not_fused.append(NotFired(CONV_RULE, [node_label(mul), node_label(conv)], why))
+        return []
+    return [mul]

@@ -32,13 +32,16 @@ class Group:
     # the layout nodes that disappear with them.
     views: dict[str, Any] = field(default_factory=dict)
     absorbed: list[Node] = field(default_factory=list)
+    # Conv groups: a per-(image, input channel) scale of the anchor's input (squeeze-excitation's
+    # x * s), applied to the input tiles as they are loaded.
+    prologue: list[Node] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "id": self.id,
             "kind": self.kind,
             "rule": self.rule,
-            "nodes": [node_label(n) for n in self.nodes],
+            "nodes": [node_label(n) for n in [*self.prologue, *self.nodes]],
         }
         if self.absorbed:
             d["layout_folded"] = [node_label(n) for n in self.absorbed]

@@ -133,3 +133,59 @@ def test_the_models_own_permutes_are_absorbed() -> None:
         feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
         (ref,) = ort_run(model, feeds)
         np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_squeeze_excitation_scale_runs_inside_the_next_conv(precision: str) -> None:
+    """x * sigmoid(fc(mean(x))) feeding a 1x1 conv: the per-(image, channel) scale is applied to
+    the conv's input tiles as they load, so the Mul is no kernel of its own."""
+    c, o = 16, 12
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a0"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a0"], ["a"]),
+        helper.make_node("GlobalAveragePool", ["a"], ["m"]),
+        helper.make_node("Conv", ["m", "w1", "b1"], ["z"]),
+        helper.make_node("Sigmoid", ["z"], ["s"]),
+        helper.make_node("Mul", ["a", "s"], ["se"], name="se_scale"),
+        helper.make_node("Conv", ["se", "w2", "b2"], ["y"]),
+    ]
+    inits = {
+        "w0": RNG.standard_normal((c, 8, 3, 3)) * 0.2,
+        "w1": RNG.standard_normal((c, c, 1, 1)) * 0.3,
+        "b1": RNG.standard_normal(c) * 0.1,
+        "w2": RNG.standard_normal((o, c, 1, 1)) * 0.3,
+        "b2": RNG.standard_normal(o) * 0.1,
+    }
+    shape = [2, 8, 6, 6]
+    model = make_model(nodes, {"x": shape}, {"y": [2, o, 6, 6]}, inits)
+    cm = opfuse.compile(model, {"x": shape}, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    assert not any(s.op_type == "Mul" for s in cm.plan.steps)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "se_scale" in g["nodes"]]
+    assert g["kind"] == "conv" and g["nodes"][0] == "se_scale"
+    src = cm.plan.kernels[g["kernel"]].source
+    assert "(prologue: input scale)" in src and "sc_tile" in src
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+def test_input_scale_that_varies_over_the_image_is_not_folded() -> None:
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"]),
+        helper.make_node("MaxPool", ["c0"], ["a"], kernel_shape=[1, 1]),  # the Mul is no epilogue
+        helper.make_node("Mul", ["a", "t"], ["p"], name="pixel_scale"),
+        helper.make_node("Conv", ["p", "w"], ["y"], name="conv"),
+    ]
+    shape = [1, 8, 5, 5]
+    model = make_model(
+        nodes,
+        {"x": shape, "t": [1, 1, 5, 5]},
+        {"y": [1, 4, 5, 5]},
+        {"w": RNG.standard_normal((4, 8, 1, 1)), "w0": RNG.standard_normal((8, 8, 1, 1))},
+    )
+    cm = opfuse.compile(model, {"x": shape, "t": [1, 1, 5, 5]}, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if "pixel_scale" in n["nodes"]]
+    assert any("varies over the image" in r for r in reasons)
