@@ -439,7 +439,9 @@ class _Verifier:
                     False,
                     checks,
                     rolled,
-                    "the unfused plan also differs from the reference: an op is wrong, not a fusion",
+                    f"the unfused plan in {precision} also differs from the reference, so no fusion is "
+                    "to blame: the model is too sensitive for this precision (try fp32 or tf32, or a "
+                    "looser rtol), or an op is wrong",
                 )
             ids = [g.id for g in fusion.groups]
 
