@@ -495,32 +495,54 @@ def _tune(
     cache = TuningCache()
     record: dict[str, Any] = {"kernels": {}, "variants": {}}
     anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv") and g.variant == "template"]
+    # A variant choice is cached under its template kernel's signature: compiling the same model
+    # again (or one with the same layers) skips the vendor plan and its timing altogether.
+    template_kernel = {k.group: k for k in plan.kernels.values()}
+    variant_key = {
+        gid: "variant:" + kernel_signature(template_kernel[gid]) for gid in anchors if gid in template_kernel
+    }
+    known: dict[str, Any] = {gid: cache.get(key) for gid, key in variant_key.items()}
+    to_measure = [gid for gid in anchors if not known.get(gid)]
     candidates = {"template": plan}
-    if anchors:
+    if to_measure:
         variants.update({gid: "vendor" for gid in anchors})
         candidates["vendor"] = make_plan(None)
         variants.clear()
     times: dict[str, dict[str, float]] = {}
     crashed: dict[str, set[str]] = {}
-    with TuningPool(device) as pool:  # one worker for both candidate plans, started on first use
-        for name, p in candidates.items():
-            executor = Executor(p, device)
-            tuned = tune_kernel_configs(p, executor, cache, deadline, pool)
-            record["kernels"].update(tuned)
-            for k in p.kernels.values():
-                configs[kernel_signature(k)] = dict(k.config)
-            # Runs `p` in this process only when every generated kernel in it ran cleanly in the worker.
+
+    def tune(name: str, p: Plan, pool: Any, timed: bool) -> None:
+        executor = Executor(p, device)
+        tuned = tune_kernel_configs(p, executor, cache, deadline, pool)
+        record["kernels"].update(tuned)
+        for k in p.kernels.values():
+            configs[kernel_signature(k)] = dict(k.config)
+        if timed:  # runs `p` here only when every generated kernel in it ran cleanly in the worker
             times[name] = variant_group_times(p, executor, feeds, tuned)
-            crashed[name] = unsafe_groups(p, tuned)
-    for gid in anchors:
-        t_ms, v_ms = times["template"].get(gid, float("inf")), times.get("vendor", {}).get(gid, float("inf"))
-        choice = "vendor" if v_ms < t_ms else "template"
-        variants[gid] = choice
-        record["variants"][gid] = {
-            "choice": choice,
-            "template_ms": round(t_ms, 5),
-            "vendor_ms": round(v_ms, 5),
-        }
+        crashed[name] = unsafe_groups(p, tuned)
+
+    with TuningPool(device) as pool:  # one worker for every candidate plan, started on first use
+        for name, p in candidates.items():
+            tune(name, p, pool, timed=bool(to_measure))
+        for gid in anchors:
+            if gid not in to_measure:
+                variants[gid] = known[gid]["choice"]
+                record["variants"][gid] = {**known[gid], "cached": True}
+                continue
+            t_ms = times["template"].get(gid, float("inf"))
+            v_ms = times.get("vendor", {}).get(gid, float("inf"))
+            choice = "vendor" if v_ms < t_ms else "template"
+            variants[gid] = choice
+            record["variants"][gid] = {
+                "choice": choice,
+                "template_ms": round(t_ms, 5),
+                "vendor_ms": round(v_ms, 5),
+            }
+            if gid in variant_key and min(t_ms, v_ms) < float("inf"):
+                cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
+        if "vendor" not in candidates and any(v == "vendor" for v in variants.values()):
+            # Vendor variants taken from the cache: their epilogue kernels' configs come from it too.
+            tune("vendor", make_plan(None), pool, timed=False)
     # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
     # compiler's own process must never run it (verification, benchmarks).
     unsafe = {

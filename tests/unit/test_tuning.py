@@ -228,3 +228,57 @@ def test_worker_that_cannot_start_scores_inf_and_caches_nothing(tuning: Any) -> 
         plan, cache = one_kernel_plan(), tuning.TuningCache()
         record = tuning.tune_kernel_configs(plan, cpu_executor(), cache, time.perf_counter() + 60, broken)
         assert "could not start" in record["k0_add"]["skipped"] and cache.data == {}
+
+
+def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The template-vs-vendor step of the compiler, run for real on the CPU (interpreter, wall
+    clock): the first pass measures both plans and caches each anchor's choice; the second takes
+    every choice from the cache and never builds the all-vendor plan."""
+    import numpy as np
+    from onnx import helper
+
+    from opfuse import compiler
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.lowering import build_plan
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.verify.reference import random_inputs
+    from tests.unit.test_fusion import make_model
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    model = make_model(nodes, {"x": [8, 16]}, {"y": [8, 16]}, {"w": rng.standard_normal((16, 16))})
+    _, spec = load_and_specialize(model, {"x": [8, 16]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    (anchor,) = [g.id for g in fusion.groups if g.kind == "gemm"]
+    built: list[dict[str, str]] = []
+
+    def run_once() -> dict[str, Any]:
+        variants: dict[str, str] = {}
+
+        def make_plan(enabled: list[str] | None = None) -> Any:
+            built.append(dict(variants))
+            return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
+
+        plan = build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs)
+        feeds = random_inputs(graph.inputs, rng)
+        record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, "cpu", feeds, 60.0)
+        assert variants[anchor] in ("template", "vendor")
+        return record
+
+    first = run_once()
+    assert "cached" not in first["variants"][anchor]
+    assert {"vendor"} in [set(v.values()) for v in built]  # the all-vendor plan was built and timed
+    built.clear()
+    second = run_once()
+    assert second["variants"][anchor]["cached"] is True
+    assert second["variants"][anchor]["choice"] == first["variants"][anchor]["choice"]
+    if first["variants"][anchor]["choice"] == "template":
+        assert built == []  # nothing but the template plan it was given
