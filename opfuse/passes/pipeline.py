@@ -13,6 +13,7 @@ from opfuse.graph import Graph
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
+from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
@@ -22,7 +23,7 @@ from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 log = logging.getLogger(__name__)
 
 # Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
-RULES: list[Rule] = [eliminate_noops, fold_batchnorm, batchnorm_to_affine, gemm_to_matmul]
+RULES: list[Rule] = [eliminate_noops, gather_to_slice, fold_batchnorm, batchnorm_to_affine, gemm_to_matmul]
 
 
 @dataclass

@@ -380,3 +380,42 @@ def test_group_ids_are_unique_across_kinds() -> None:
     kinds = {g["id"]: g["kind"] for g in cm.report["fusion"]["groups"]}
     assert sorted(kinds.values()) == ["gemm", "pointwise"]
     assert len(kinds) == 2
+
+
+def test_gather_by_constant_consecutive_indices_becomes_a_view() -> None:
+    """q, k, v picked out of a packed projection (PyTorch MultiheadAttention's export): Gathers
+    with constant indices become Slices (views); a non-consecutive Gather stays and says why."""
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape"], ["packed"]),  # [3, 4, 8]
+        helper.make_node("Gather", ["packed", "i0"], ["q"], axis=0),  # scalar index
+        helper.make_node("Gather", ["packed", "i1"], ["k"], axis=0),  # negative index
+        helper.make_node("Gather", ["packed", "i2"], ["v"], axis=1),  # a run of 2, 2-D indices
+        helper.make_node("Gather", ["packed", "i3"], ["w"], axis=2, name="shuffle"),  # not a run
+        helper.make_node("Add", ["q", "k"], ["qk"]),
+        helper.make_node("Relu", ["qk"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [12, 8])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [3, 1, 2, 8]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4, 2]),
+        ],
+        initializer=[
+            numpy_helper.from_array(np.array([3, 4, 8], dtype=np.int64), "shape"),
+            numpy_helper.from_array(np.array(0, dtype=np.int64), "i0"),
+            numpy_helper.from_array(np.array(-2, dtype=np.int64), "i1"),
+            numpy_helper.from_array(np.array([[1, 2]], dtype=np.int64), "i2"),
+            numpy_helper.from_array(np.array([5, 1], dtype=np.int64), "i3"),
+        ],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    cm = check_against_ort(m, {"x": [12, 8]})
+    assert cm.report["fusion"]["passes"]["fired"]["gather_to_slice"] == 3
+    gathers = [s for s in cm.plan.steps if s.op_type == "Gather"]
+    assert [s.label for s in gathers] == ["shuffle"]
+    reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "gather_to_slice"]
+    assert reasons == ["the indices are not consecutive"]
