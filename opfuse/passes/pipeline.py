@@ -15,6 +15,7 @@ from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
+from opfuse.passes.group_norm import group_norm
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.projections import MERGE_RULE, merge_projections
@@ -23,7 +24,14 @@ from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 log = logging.getLogger(__name__)
 
 # Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
-RULES: list[Rule] = [eliminate_noops, gather_to_slice, fold_batchnorm, batchnorm_to_affine, gemm_to_matmul]
+RULES: list[Rule] = [
+    eliminate_noops,
+    gather_to_slice,
+    group_norm,
+    fold_batchnorm,
+    batchnorm_to_affine,
+    gemm_to_matmul,
+]
 
 
 @dataclass

@@ -438,3 +438,30 @@ def _first_output(model: nn.Module) -> nn.Module:
             return self.model(x)[0]
 
     return First()
+
+
+class GroupNormSiLU(nn.Module):
+    """A diffusion-UNet block's normalization: nn.GroupNorm (exported written out) then SiLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(4, 16)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.norm(x))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_written_out_group_norm_is_one_row_kernel(precision: str) -> None:
+    torch.manual_seed(3)
+    shape = (2, 16, 6, 5)
+    model = export(GroupNormSiLU(), (torch.from_numpy(image(*shape)),), ["x"])
+    assert "InstanceNormalization" in {n.op_type for n in model.graph.node}
+    cm = check(model, {"x": image(*shape) * 3 + 1}, precision=precision)
+    assert cm.report["fusion"]["passes"]["fired"].get("group_norm") == 1
+    assert cm.report["kernels"]["after"] == 1
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["kind"] == "rowwise"

@@ -419,3 +419,33 @@ def test_gather_by_constant_consecutive_indices_becomes_a_view() -> None:
     assert [s.label for s in gathers] == ["shuffle"]
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "gather_to_slice"]
     assert reasons == ["the indices are not consecutive"]
+
+
+def test_group_norm_rewrite_says_why_not() -> None:
+    # Reshape -> InstanceNormalization with its own (non-unit) scale -> Reshape: not a GroupNorm.
+    nodes = [
+        helper.make_node("Reshape", ["x", "s1"], ["r"]),
+        helper.make_node("InstanceNormalization", ["r", "g", "b"], ["n"], name="inorm"),
+        helper.make_node("Reshape", ["n", "s2"], ["y"]),
+    ]
+    inits = {
+        "s1": np.array([2, 4, -1]),
+        "s2": np.array([2, 8, 3, 3]),
+        "g": RNG.uniform(0.5, 1.5, 4),
+        "b": np.zeros(4),
+    }
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8, 3, 3])],
+        initializer=[
+            numpy_helper.from_array(v.astype(np.int64 if k.startswith("s") else np.float32), k)
+            for k, v in inits.items()
+        ],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    cm = check_against_ort(m, {"x": [2, 8, 3, 3]})
+    reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "group_norm"]
+    assert reasons == ["the InstanceNormalization has its own scale or bias"]
