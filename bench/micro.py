@@ -1,0 +1,219 @@
+"""Kernel-level targets on one GPU: memory-bound kernels against copy bandwidth, GEMM groups against
+torch.matmul.
+
+    PYTHONPATH=. python bench/micro.py                    # the device machine
+    PYTHONPATH=. python bench/micro.py --device cpu --small   # a smoke run of the code (no speed)
+
+- bandwidth: fused memory-bound groups (pointwise chain, softmax row, skip-LayerNorm row) on
+  tensors of >= 64 MB, timed as the plan's one kernel step (CUDA graph of launches, CUDA events);
+  achieved bytes/s against `torch`'s device-to-device copy of the same bytes.
+- gemm: MatMul + bias + ReLU at zoo shapes; opfuse's template and the vendor variant (library
+  GEMM + epilogue kernel), as the tuner measured them, against torch.matmul + bias + ReLU in eager
+  torch and torch.matmul alone (TFLOP/s of the MatMul).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import opfuse
+from opfuse.runtime.executor import Executor
+
+BANDWIDTH_CASES = {
+    # name: (op chain, shape)
+    "pointwise x*a+b, relu": ("pointwise", (64, 1024, 1024)),
+    "softmax rows": ("softmax", (32768, 2048)),
+    "residual + layernorm rows": ("skip_ln", (32768, 2048)),
+}
+GEMM_CASES = {  # name: (M, K, N)
+    "bert-base ffn1 b32": (4096, 768, 3072),
+    "vit-b/16 qkv b32": (6304, 768, 2304),
+    "llama-small mlp b1": (128, 1024, 2816),
+    "resnet-like 1x1 b32": (25088, 256, 1024),
+}
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inputs: dict[str, tuple[int, ...]],
+    out: tuple[int, ...],
+    inits: dict[str, np.ndarray],
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "micro",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, list(v)) for k, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(out))],
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    return m
+
+
+def bandwidth_model(kind: str, shape: tuple[int, ...]) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]]:
+    rng = np.random.default_rng(0)
+    last = shape[-1]
+    if kind == "pointwise":
+        nodes = [
+            helper.make_node("Mul", ["x", "a"], ["m"]),
+            helper.make_node("Add", ["m", "b"], ["s"]),
+            helper.make_node("Relu", ["s"], ["y"]),
+        ]
+        return _model(
+            nodes, {"x": shape}, shape, {"a": rng.standard_normal(last), "b": rng.standard_normal(last)}
+        ), {"x": shape}
+    if kind == "softmax":
+        return _model([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], {"x": shape}, shape, {}), {
+            "x": shape
+        }
+    nodes = [
+        helper.make_node("Add", ["x", "r"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1),
+    ]
+    inits = {"g": rng.uniform(0.5, 1.5, last), "b": rng.standard_normal(last)}
+    return _model(nodes, {"x": shape, "r": shape}, shape, inits), {"x": shape, "r": shape}
+
+
+def gemm_model(m: int, k: int, n: int) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]]:
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "bias"], ["z"]),
+        helper.make_node("Relu", ["z"], ["y"]),
+    ]
+    inits = {"w": rng.standard_normal((k, n)) / k**0.5, "bias": rng.standard_normal(n) * 0.1}
+    return _model(nodes, {"x": (m, k)}, (m, n), inits), {"x": (m, k)}
+
+
+def _device_ms(fn: Any, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]]) -> tuple[float, int]:
+    """Device time of the plan's generated kernels (views cost nothing) and how many there are."""
+    rng = np.random.default_rng(1)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    executor = Executor(cm.plan, cm.device)
+    times = executor.time_steps(feeds)
+    ks = [t for s, t in zip(cm.plan.steps, times, strict=True) if s.kind == "kernel"]
+    return float(sum(ks)), len(ks)
+
+
+def bandwidth(device: str, small: bool) -> list[dict[str, Any]]:
+    rows = []
+    for name, (kind, shape) in BANDWIDTH_CASES.items():
+        if small:
+            shape = tuple(max(1, d // 256) for d in shape)
+        model, shapes = bandwidth_model(kind, shape)
+        cm = opfuse.compile(model, {k: list(v) for k, v in shapes.items()}, precision="fp16", device=device)
+        ms, kernels = kernel_step_ms(cm, shapes)
+        nbytes = 2 * (sum(int(np.prod(v)) for v in shapes.values()) + int(np.prod(shape)))  # fp16 in + out
+        row: dict[str, Any] = {
+            "case": name,
+            "shape": list(shape),
+            "kernels": kernels,
+            "ms": ms,
+            "bytes": nbytes,
+        }
+        row["verified"] = cm.report["verification"]["passed"]
+        row["tb_per_s"] = nbytes / (ms * 1e-3) / 1e12 if ms > 0 else None
+        if device.startswith("cuda"):
+            src = torch.empty(nbytes // 4, dtype=torch.float16, device=device)
+            dst = torch.empty_like(src)  # a copy of the same bytes moved: nbytes/2 read + nbytes/2 written
+            copy_ms = _device_ms(lambda s=src, d=dst: d.copy_(s))
+            row["copy_tb_per_s"] = nbytes / (copy_ms * 1e-3) / 1e12
+            row["fraction_of_copy"] = row["tb_per_s"] / row["copy_tb_per_s"]
+        rows.append(row)
+    return rows
+
+
+def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
+    rows = []
+    for name, (m, k, n) in GEMM_CASES.items():
+        if small:
+            m, k, n = max(16, m // 256), max(16, k // 32), max(16, n // 64)
+        model, shapes = gemm_model(m, k, n)
+        cm = opfuse.compile(
+            model,
+            {"x": [m, k]},
+            precision="fp16",
+            device=device,
+            tune_budget_s=budget if device.startswith("cuda") else None,
+        )
+        row: dict[str, Any] = {"case": name, "mkn": [m, k, n]}
+        flops = 2.0 * m * n * k
+        ms, _ = kernel_step_ms(cm, shapes)
+        row["opfuse_ms"] = ms
+        row["verified"] = cm.report["verification"]["passed"]
+        variants = cm.report.get("tuning", {}).get("variants", {})
+        if variants:
+            (v,) = variants.values()
+            row.update(choice=v.get("choice"), template_ms=v.get("template_ms"), vendor_ms=v.get("vendor_ms"))
+        if device.startswith("cuda"):
+            x = torch.randn(m, k, device=device, dtype=torch.float16)
+            w = torch.randn(k, n, device=device, dtype=torch.float16)
+            b = torch.randn(n, device=device, dtype=torch.float16)
+            mm_ms = _device_ms(lambda x=x, w=w: torch.matmul(x, w))
+            row["torch_matmul_ms"] = mm_ms
+            row["torch_eager_group_ms"] = _device_ms(lambda x=x, w=w, b=b: torch.relu(torch.matmul(x, w) + b))
+            row["torch_matmul_tflops"] = flops / (mm_ms * 1e-3) / 1e12
+            if row.get("template_ms"):
+                row["template_tflops"] = flops / (row["template_ms"] * 1e-3) / 1e12
+                row["template_vs_matmul"] = row["template_tflops"] / row["torch_matmul_tflops"]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the code")
+    ap.add_argument("--tune-budget", type=float, default=20.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/micro.py needs a CUDA GPU (or --device cpu --small for a smoke run)")
+    result = {
+        "bandwidth": bandwidth(args.device, args.small),
+        "gemm": gemm(args.device, args.small, args.tune_budget),
+    }
+    for r in result["bandwidth"]:
+        frac = r.get("fraction_of_copy")
+        print(
+            f"{r['case']:<28} {r['shape']!s:<20} {r['kernels']} kernel(s) {r['ms']:.4f} ms "
+            f"{(r['tb_per_s'] or 0):.2f} TB/s" + (f" = {frac:.0%} of copy" if frac else "")
+        )
+    for r in result["gemm"]:
+        ratio = r.get("template_vs_matmul")
+        print(
+            f"{r['case']:<28} {r['mkn']!s:<20} opfuse {r['opfuse_ms']:.4f} ms ({r.get('choice', '-')})"
+            + (f", template at {ratio:.0%} of torch.matmul TFLOP/s" if ratio else "")
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

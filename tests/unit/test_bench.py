@@ -1,0 +1,59 @@
+"""The benchmark tools keep working: bench/micro.py's smoke mode and bench/run.py's table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.builders import TEST_DEVICE
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the GPU runs the real benchmarks")
+
+
+def test_micro_smoke_runs_each_case_as_one_verified_kernel() -> None:
+    from bench import micro
+
+    for row in micro.bandwidth("cpu", small=True):
+        assert row["kernels"] == 1 and row["verified"] is True and row["ms"] > 0
+    for row in micro.gemm("cpu", small=True, budget=0):
+        assert row["verified"] is True and row["opfuse_ms"] > 0
+
+
+def test_run_prints_one_table_from_several_result_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from bench import run
+
+    peers = {"torch_compile_cudagraph": {"ms": 1.0}, "torch_compile": {"ms": 2.0, "compile_s": 9.0}}
+    files = []
+    for i, (model, ms, verified) in enumerate(
+        (("resnet50", 0.5, True), ("bert-base", 2.0, True), ("vit", 9.0, False))
+    ):
+        row = {
+            "model": model,
+            "batch": 1,
+            "precision": "fp16",
+            "opfuse_ms": ms,
+            "onnx_eager_ms": 5.0,
+            "verified": verified,
+            "rel_l2": 0.5,
+            "peers": peers,
+        }
+        path = tmp_path / f"gpu{i}.json"
+        path.write_text(json.dumps({"meta": {"gpu": "x"}, "rows": [row]}))
+        files.append(str(path))
+    sys_argv = sys.argv
+    sys.argv = ["bench/run.py", "--print", *files]
+    try:
+        run.main()
+    finally:
+        sys.argv = sys_argv
+    out = capsys.readouterr().out
+    assert "resnet50" in out and "bert-base" in out and "UNVERIFIED" in out
+    assert (
+        "geometric mean opfuse / (torch.compile + CUDA graph): 1.00" in out
+    )  # sqrt(0.5 * 2.0); vit left out
