@@ -65,11 +65,31 @@ def test_conv_template_low_precision(precision: str) -> None:
     assert cm.report["verification"]["rolled_back"] == []
 
 
-def test_depthwise_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
-    m, inputs = conv_model([1, 6, 8, 8], [6, 1, 3, 3], [1, 6, 8, 8], "silu", pads=[1, 1, 1, 1], group=6)
+@pytest.mark.parametrize(
+    "x, w, out, attrs",
+    [
+        ([1, 6, 8, 8], [6, 1, 3, 3], [1, 6, 8, 8], {"pads": [1, 1, 1, 1]}),
+        ([2, 20, 9, 9], [20, 1, 5, 5], [2, 20, 5, 5], {"pads": [2, 2, 2, 2], "strides": [2, 2]}),
+    ],
+)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
+    x: list[int], w: list[int], out: list[int], attrs: dict[str, Any], precision: str
+) -> None:
+    m, inputs = conv_model(x, w, out, "silu", group=x[1], **attrs)
+    cm = check_against_ort(m, inputs, precision)
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["kind"] == "conv" and g["variant"] == "template"
+    assert cm.report["kernels"] == {"before": 3, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert "depthwise conv kernel" in k.source and "tl.dot(" not in k.source
+
+
+def test_grouped_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
+    m, inputs = conv_model([1, 8, 6, 6], [8, 2, 3, 3], [1, 8, 6, 6], "silu", pads=[1, 1, 1, 1], group=4)
     cm = check_against_ort(m, inputs)
     (g,) = cm.report["fusion"]["groups"]
-    assert g["variant"] == "vendor" and "depthwise" in g["note"]
+    assert g["variant"] == "vendor" and "grouped" in g["note"]
     assert cm.report["kernels"] == {"before": 3, "after": 2}
     # Launching steps: the library conv, then the epilogue kernel (the layout Transposes are views).
     assert [s.kind for s in cm.plan.steps if s.launches] == ["op", "kernel"]
