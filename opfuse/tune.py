@@ -213,11 +213,13 @@ def _candidate_timer(
 
 
 def unsafe_groups(plan: Plan, tuned: dict[str, Any]) -> set[str]:
-    """Groups with a kernel whose default config crashed its tuning worker: not to run in-process."""
+    """Groups with a kernel that no config ran cleanly in the tuning worker (its default crashed it,
+    or every candidate failed to compile or run): not to run in-process."""
     return {
         k.group
         for kid, k in plan.kernels.items()
-        if "crashed" in tuned.get(kid, {}) and not math.isfinite(tuned[kid].get("ms", math.inf))
+        if ("crashed" in tuned.get(kid, {}) or "ms" in tuned.get(kid, {}))
+        and not math.isfinite(tuned[kid].get("ms", math.inf))
     }
 
 

@@ -148,6 +148,10 @@ def test_crashed_kernel_keeps_its_default_and_is_not_retried(
     crashed_default = {"k0_add": {"crashed": "died", "ms": math.inf}}
     assert tuning.unsafe_groups(plan, crashed_default) == {"g0"}
     assert tuning.variant_group_times(plan, executor, {}, crashed_default) == {"g0": math.inf}
+    # Every candidate failed to compile or run (no crash): not safe in-process either.
+    assert tuning.unsafe_groups(plan, {"k0_add": {"config": {}, "ms": math.inf, "candidates": 5}}) == {"g0"}
+    # Not reached within the budget: it keeps its default config and may run.
+    assert tuning.unsafe_groups(plan, {"k0_add": {"config": {}, "skipped": "tuning budget spent"}}) == set()
 
 
 @pytest.mark.skipif(
