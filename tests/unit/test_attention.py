@@ -174,3 +174,20 @@ def test_views_through_reshape_chains_and_split() -> None:
     assert [s.op_type or "kernel" for s in cm.plan.steps] == ["MatMul", "kernel"]
     (k,) = cm.plan.kernels.values()
     assert k.inputs == ["qkv", "qkv", "qkv"] and f"k + {hd} +" in k.source and f"v + {2 * hd} +" in k.source
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_attention_at_the_zoo_head_dims(head_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BERT/ViT/GPT-2 (64), 80, and LLaMA-style (128) heads, causal, a sequence that is no power
+    of two (partial tiles, as ViT's 197): one kernel, equal to onnxruntime in fp16."""
+    import sys
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "B", 1)
+    monkeypatch.setattr(module, "H", 2)
+    monkeypatch.setattr(module, "D", head_dim)
+    m = _attention_model(mask="causal", scale_where="div")
+    cm = check_against_ort(m, _shapes("causal"), "fp16")
+    assert [g["kind"] for g in cm.report["fusion"]["groups"]].count("attention") == 1
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "attention"]
+    assert str(head_dim) in k.source
