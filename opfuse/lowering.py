@@ -12,7 +12,7 @@ from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
-from opfuse.graph import Graph, TensorSpec
+from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
 
@@ -41,6 +41,20 @@ def _topological(steps: list[Step], rank: list[int], available: set[str]) -> lis
     return out
 
 
+def _op_step(n: Node, group: str = "") -> Step:
+    """A node run by its per-op torch kernel."""
+    return Step(
+        "op",
+        list(n.inputs),
+        list(n.outputs),
+        op_type=n.op_type,
+        attrs=dict(n.attrs),
+        node=n.id,
+        label=node_label(n),
+        group=group,
+    )
+
+
 def build_plan(
     graph: Graph,
     fusion: FusionPlan,
@@ -61,50 +75,16 @@ def build_plan(
     for n in graph.nodes:
         if n.id in in_group:
             continue
-        steps.append(
-            Step(
-                "op",
-                list(n.inputs),
-                list(n.outputs),
-                op_type=n.op_type,
-                attrs=dict(n.attrs),
-                node=n.id,
-                label=node_label(n),
-            )
-        )
+        steps.append(_op_step(n))
         rank.append(order[n.id])
     for g in on:
         kid = f"k{len(kernels)}"
         if g.kind in ("gemm", "conv") and variants.get(g.id, g.variant) == "vendor":
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
-            for n in g.prologue:  # the input scale runs as its own op before the library conv
-                steps.append(
-                    Step(
-                        "op",
-                        list(n.inputs),
-                        list(n.outputs),
-                        op_type=n.op_type,
-                        attrs=dict(n.attrs),
-                        node=n.id,
-                        label=node_label(n),
-                        group=g.id,
-                    )
-                )
+            for n in [*g.prologue, anchor]:  # an input scale runs as its own op before the library conv
+                steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])
-            steps.append(
-                Step(
-                    "op",
-                    list(anchor.inputs),
-                    list(anchor.outputs),
-                    op_type=anchor.op_type,
-                    attrs=dict(anchor.attrs),
-                    node=anchor.id,
-                    label=node_label(anchor),
-                    group=g.id,
-                )
-            )
-            rank.append(order[anchor.id])
             if not epilogue:
                 continue  # a prologue-only group: nothing after the library kernel
             ins, outs = group_boundary(graph, epilogue)

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant, split_literals
+from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text
 from opfuse.graph import Graph, Node
@@ -208,35 +209,23 @@ def generate_conv(
                 buf.line(f"acc = tl.dot(a_tile, b_tile, acc{prec})")
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (rm[:, None] < {m}) & (cols < {n})")
-        for i, name in enumerate(extra):
-            if name == b_name:
-                idx: str | None = "cols"
-            else:
-                idx = _epilogue_index(graph.spec(name).shape, out_shape)
-            if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
-            else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=mask, other=0.0).to(tl.float32)")
-            regs[name] = f"x{i}"
+        emit_loads(
+            buf,
+            extra,
+            lambda name: (
+                "cols" if name == b_name else _epilogue_index(graph.spec(name).shape, out_shape),
+                "mask",
+            ),
+            regs,
+        )
         regs.update(literals)
         if b_name:
             buf.line(f"acc = acc + {regs[b_name]}")
         regs[anchor.outputs[0]] = "acc"
-        for j, node in enumerate(epilogue):
-            a_exprs = [regs[x] if x else "" for x in node.inputs]
-            consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
-            buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.id} {node.op_type}")
-            regs[node.outputs[0]] = f"v{j}"
+        emit_nodes(buf, graph, epilogue, regs)
         buf.line(f"dst = img * {n * ohw} + cols * {ohw} + oh * {p['OW']} + ow")
-        for i, name in enumerate(outputs):
-            buf.line(f"tl.store(out{i} + dst, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
-    buf.line()
-    buf.line()
-    buf.line(f"def launch({', '.join(args)}, config=None):")
-    with buf.indent():
-        buf.line("c = CONFIG if config is None else config")
-        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
-        buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
+        emit_stores(buf, outputs, regs, "dst")
+    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     tensor_inputs = [x_name, w_name, *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
 
@@ -406,37 +395,23 @@ def _generate_conv_nhwc(
         buf.line(f"mask = row_ok[:, None] & (cols < {n})")
         buf.line(f"dst = rm[:, None] * {n} + cols")
         coords = {0: "img[:, None]", 1: "oh[:, None]", 2: "ow[:, None]", 3: "cols"}
-        for i, name in enumerate(extra):
+
+        def index_of(name: str) -> tuple[str | None, str]:
             shape = graph.spec(name).shape
             if name == b_name:
-                idx: str | None = "cols"
-            elif tuple(shape) == tuple(out_shape):
-                idx = "dst"
-            else:
-                idx = _broadcast_index(shape, coords)
-            if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
-            else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=mask, other=0.0).to(tl.float32)")
-            regs[name] = f"x{i}"
+                return "cols", "mask"
+            if tuple(shape) == tuple(out_shape):
+                return "dst", "mask"
+            return _broadcast_index(shape, coords), "mask"
+
+        emit_loads(buf, extra, index_of, regs)
         regs.update(literals)
         if b_name:
             buf.line(f"acc = acc + {regs[b_name]}")
         regs[anchor.outputs[0]] = "acc"
-        for j, node in enumerate(epilogue):
-            a_exprs = [regs[x] if x else "" for x in node.inputs]
-            consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
-            buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.id} {node.op_type}")
-            regs[node.outputs[0]] = f"v{j}"
-        for i, name in enumerate(outputs):
-            buf.line(f"tl.store(out{i} + dst, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
-    buf.line()
-    buf.line()
-    buf.line(f"def launch({', '.join(args)}, config=None):")
-    with buf.indent():
-        buf.line("c = CONFIG if config is None else config")
-        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
-        buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
+        emit_nodes(buf, graph, epilogue, regs)
+        emit_stores(buf, outputs, regs, "dst")
+    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     tensor_inputs = [x_name, w_name, *([scale] if scale else []), *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import EMITTERS, KernelSource, scalar_constant, split_literals
+from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import _input_expr, matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
@@ -144,15 +145,12 @@ def generate_gemm(
         buf.line("row = rm[:, None]")
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (row < {m}) & (cols < {n})")
-        for i, name in enumerate(extra):
+
+        def index_of(name: str) -> tuple[str | None, str]:
             idx, vector = _input_expr(graph.spec(name).shape, out_shape)
-            if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
-            elif vector:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=mask, other=0.0).to(tl.float32)")
-            else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=row < {m}, other=0.0).to(tl.float32)")
-            regs[name] = f"x{i}"
+            return idx, ("mask" if vector else f"row < {m}")
+
+        emit_loads(buf, extra, index_of, regs)
         regs.update(literals)
         result = "acc"
         if anchor.op_type == "Gemm":
@@ -164,20 +162,7 @@ def generate_gemm(
                 term = regs[c_name] if beta == 1.0 else f"{float_literal(beta)} * {regs[c_name]}"
                 buf.line(f"acc = acc + {term}")
         regs[anchor.outputs[0]] = result
-        for j, node in enumerate(epilogue):
-            a_exprs = [regs[x] if x else "" for x in node.inputs]
-            consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
-            buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.id} {node.op_type}")
-            regs[node.outputs[0]] = f"v{j}"
-        for i, name in enumerate(outputs):
-            buf.line(
-                f"tl.store(out{i} + row * {n} + cols, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)"
-            )
-    buf.line()
-    buf.line()
-    buf.line(f"def launch({', '.join(args)}, config=None):")
-    with buf.indent():
-        buf.line("c = CONFIG if config is None else config")
-        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
-        buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
+        emit_nodes(buf, graph, epilogue, regs)
+        emit_stores(buf, outputs, regs, f"row * {n} + cols")
+    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
     return KernelSource(kernel_id, "gemm", buf.getvalue(), tensor_inputs, list(outputs), config)

@@ -1,0 +1,55 @@
+"""What the anchor templates (GEMM, NCHW and NHWC conv) share: the epilogue on the accumulator tile.
+
+Each template computes `acc` ([BLOCK_M, BLOCK_N], float32) and defines `mask` over the output tile;
+then its extra inputs are loaded once each (at an index the template knows), the epilogue nodes run
+in registers, and every group output is stored once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from opfuse.codegen.pointwise import EMITTERS, scalar_constant
+from opfuse.codegen.source import SourceBuffer
+from opfuse.graph import Graph, Node
+
+# For an extra input: (offset expression, or None for a single element; load mask).
+IndexOf = Callable[[str], tuple[str | None, str]]
+
+
+def emit_loads(buf: SourceBuffer, extra: list[str], index_of: IndexOf, regs: dict[str, str]) -> None:
+    """`x{i} = in{i}[...]` for each extra input, in float32; records each register in `regs`."""
+    for i, name in enumerate(extra):
+        idx, mask = index_of(name)
+        if idx is None:
+            buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
+        else:
+            buf.line(f"x{i} = tl.load(in{i} + {idx}, mask={mask}, other=0.0).to(tl.float32)")
+        regs[name] = f"x{i}"
+
+
+def emit_nodes(buf: SourceBuffer, graph: Graph, nodes: list[Node], regs: dict[str, str]) -> None:
+    """One line per pointwise node, `v{j}`, reading the registers of its inputs."""
+    for j, node in enumerate(nodes):
+        a_exprs = [regs[x] if x else "" for x in node.inputs]
+        consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
+        buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.id} {node.op_type}")
+        regs[node.outputs[0]] = f"v{j}"
+
+
+def emit_stores(
+    buf: SourceBuffer, outputs: list[str], regs: dict[str, str], dst: str, mask: str = "mask"
+) -> None:
+    for i, name in enumerate(outputs):
+        buf.line(f"tl.store(out{i} + {dst}, {regs[name]}.to(out{i}.dtype.element_ty), mask={mask})")
+
+
+def emit_launch(buf: SourceBuffer, fn: str, args: list[str], grid: str) -> None:
+    """The module's `launch(*tensors, config=None)`; `grid` may use the config as `c`."""
+    buf.line()
+    buf.line()
+    buf.line(f"def launch({', '.join(args)}, config=None):")
+    with buf.indent():
+        buf.line("c = CONFIG if config is None else config")
+        buf.line(f"grid = {grid}")
+        buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
