@@ -7,7 +7,8 @@ ops around it, pooling and global pooling work on NHWC tensors:
 
 - a Conv becomes `opfuse.ConvNHWC`, its weight stored as [Cout, KH, KW, Cin/group];
 - MaxPool / AveragePool become `opfuse.MaxPoolNHWC` / `opfuse.AveragePoolNHWC`;
-- GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2);
+- GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2), and a
+  written-out ReduceMean/Sum/Max/Min with constant axes reduces the same axes in NHWC numbering;
 - pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
 - Concat along channels concatenates along the last axis;
 - the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
@@ -34,6 +35,7 @@ TO_NCHW = (0, 3, 1, 2)
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 POOLS = {"MaxPool": "opfuse.MaxPoolNHWC", "AveragePool": "opfuse.AveragePoolNHWC"}
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
+REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
 # Ops of the channels-last region that exist only inside opfuse (never accepted from a model).
 INTERNAL_OPS = ("opfuse.ConvNHWC", *POOLS.values())
 
@@ -110,6 +112,23 @@ class _Rewriter:
         self.twin[name] = new
         self.converted_outputs.add(name)
         return new
+
+
+def _reduce_axes(graph: Graph, node: Node) -> list[int] | None:
+    """The constant axes a 4-D reduction reduces (NCHW numbering), when it can run on the NHWC twin."""
+    if len(graph.spec(node.inputs[0]).shape) != 4 or node.attrs.get("noop_with_empty_axes", 0):
+        return None
+    if len(node.inputs) > 1 and node.inputs[1]:
+        if node.inputs[1] not in graph.constants:
+            return None
+        axes = sorted({int(a) % 4 for a in np.asarray(graph.constants[node.inputs[1]]).ravel()})
+    else:
+        axes = sorted({int(a) % 4 for a in node.attrs.get("axes", [])}) or [0, 1, 2, 3]
+    kept_nchw = [a for a in range(4) if a not in axes]
+    kept_nhwc = [a for a in TO_NHWC if a not in axes]
+    if not int(node.attrs.get("keepdims", 1)) and kept_nchw != kept_nhwc:
+        return None
+    return axes
 
 
 def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
@@ -194,6 +213,18 @@ def to_channels_last(graph: Graph, log: RuleLog) -> None:
             ins = [rw.twin[node.inputs[0]], axes]
             out = rw.new_output(node.outputs[0])
             rw.out.append(Node(node.id, GLOBAL_POOLS[op], ins, [out], {"keepdims": 1}, node.name))
+        elif op in REDUCES and node.inputs[0] in rw.twin and (axes_nchw := _reduce_axes(graph, node)):
+            # A reduction written out (timm's x.mean((2, 3))): the same axes, numbered in NHWC.
+            keep = int(node.attrs.get("keepdims", 1))
+            axes = f"{node.id}_axes"
+            graph.constants[axes] = np.array(sorted(TO_NHWC.index(a) for a in axes_nchw), dtype=np.int64)
+            graph.values[axes] = TensorSpec(axes, "int64", (len(axes_nchw),))
+            ins = [rw.twin[node.inputs[0]], axes]
+            # keepdims=0 leaves the kept axes in NHWC order: the same value only if that order is
+            # the NCHW one (reducing H and W leaves [N, C] either way).
+            out = rw.new_output(node.outputs[0]) if keep else node.outputs[0]
+            attrs = {k: v for k, v in node.attrs.items() if k != "axes"} | {"keepdims": keep}
+            rw.out.append(Node(node.id, op, ins, [out], attrs, node.name))
         elif (
             op == "Concat"
             and len(graph.spec(node.outputs[0]).shape) == 4

@@ -189,3 +189,47 @@ def test_input_scale_that_varies_over_the_image_is_not_folded() -> None:
     assert cm.report["verification"]["passed"] is True
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if "pixel_scale" in n["nodes"]]
     assert any("varies over the image" in r for r in reasons)
+
+
+@pytest.mark.parametrize(
+    "op, axes, keepdims, converted",
+    [
+        ("ReduceMean", [2, 3], 0, True),  # timm's x.mean((2, 3)): [N, C] either way
+        ("ReduceMax", [-1, -2], 1, True),
+        ("ReduceSum", [2], 0, False),  # would leave [N, W, C] in NHWC order: stays NCHW
+    ],
+)
+def test_written_out_reductions_run_on_the_nhwc_tensor(
+    op: str, axes: list[int], keepdims: int, converted: bool
+) -> None:
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node(op, ["r", "axes"], ["y"], keepdims=keepdims),
+    ]
+    shape = [2, 4, 6, 5]
+    out = {
+        (0, True): [2, 8],
+        (1, True): [2, 8, 1, 1],
+        (0, False): [2, 8, 5],
+    }[(keepdims, converted)]
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, out)],
+        initializer=[
+            onnx.numpy_helper.from_array((RNG.standard_normal((8, 4, 3, 3)) * 0.3).astype(np.float32), "w"),
+            onnx.numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    cm = opfuse.compile(model, {"x": shape}, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    # Converted: the reduction reads the conv's NHWC output directly, no Transpose back before it.
+    back = [s for s in cm.plan.steps if s.op_type == "Transpose" and s.attrs.get("perm") == [0, 3, 1, 2]]
+    assert (len(back) == (1 if keepdims else 0)) if converted else len(back) == 1
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    (ref,) = ort_run(model, feeds)
+    np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=1e-4, atol=1e-4)
