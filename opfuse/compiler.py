@@ -251,7 +251,16 @@ def compile(
     if device.startswith("cuda") and plan.kernels and tune_budget_s > 0:
         report_progress("tuning", 0.55)
         tuning = _tune(
-            graph, fusion, plan, make_plan, variants, configs, device, profile_feeds, tune_budget_s
+            graph,
+            fusion,
+            plan,
+            make_plan,
+            variants,
+            configs,
+            device,
+            profile_feeds,
+            tune_budget_s,
+            _group_times(base_plan, before_times, fusion),
         )
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
@@ -480,8 +489,12 @@ def _tune(
     device: str,
     feeds: dict[str, Any],
     budget_s: float,
+    group_ms: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Launch configs for every kernel, then template vs vendor per anchor group, by measurement."""
+    """Launch configs for every kernel, then template vs vendor per anchor group, by measurement.
+
+    Kernels are tuned where the time is first: in order of their group's time in the unfused
+    profile (`group_ms`), so a spent budget leaves only the cheap kernels at their defaults."""
     from opfuse.tune import (
         TuningCache,
         kernel_signature,
@@ -513,7 +526,8 @@ def _tune(
 
     def tune(name: str, p: Plan, pool: Any, timed: bool) -> None:
         executor = Executor(p, device)
-        tuned = tune_kernel_configs(p, executor, cache, deadline, pool)
+        priority = {kid: (group_ms or {}).get(k.group, 0.0) for kid, k in p.kernels.items()}
+        tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority)
         record["kernels"].update(tuned)
         for k in p.kernels.values():
             configs[kernel_signature(k)] = dict(k.config)
@@ -567,7 +581,9 @@ def _bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]
 def _group_times(base_plan: Plan, times: list[float], fusion: FusionPlan) -> dict[str, float]:
     # Node ids are stable across passes, so a group's nodes are found in the unfused plan.
     by_node = {s.node: t for s, t in zip(base_plan.steps, times, strict=False) if s.kind == "op"}
-    return {g.id: round(sum(by_node.get(n.id, 0.0) for n in g.nodes), 6) for g in fusion.groups}
+    return {
+        g.id: round(sum(by_node.get(n.id, 0.0) for n in [*g.prologue, *g.nodes]), 6) for g in fusion.groups
+    }
 
 
 def _bytes_saved(plan: Plan, group: Any) -> int:

@@ -116,9 +116,17 @@ def tune_inprocess() -> bool:
 
 
 def tune_kernel_configs(
-    plan: Plan, executor: Executor, cache: TuningCache, deadline: float, pool: TuningPool | None = None
+    plan: Plan,
+    executor: Executor,
+    cache: TuningCache,
+    deadline: float,
+    pool: TuningPool | None = None,
+    priority: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config.
+
+    Kernels are tuned in order of `priority` (kernel id -> weight, highest first: the profile's
+    time of the nodes a kernel replaces), so a budget that runs out leaves the cheap ones untuned.
 
     Candidates are timed in `pool` (one is made for this call when None; pass one to share its
     worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
@@ -131,17 +139,24 @@ def tune_kernel_configs(
     elif pool is None:
         pool = own_pool = TuningPool(str(executor.device))
     try:
-        return _tune_each(plan, executor, cache, deadline, pool)
+        return _tune_each(plan, executor, cache, deadline, pool, priority or {})
     finally:
         if own_pool is not None:
             own_pool.close()
 
 
 def _tune_each(
-    plan: Plan, executor: Executor, cache: TuningCache, deadline: float, pool: TuningPool | None
+    plan: Plan,
+    executor: Executor,
+    cache: TuningCache,
+    deadline: float,
+    pool: TuningPool | None,
+    priority: dict[str, float],
 ) -> dict[str, Any]:
     record: dict[str, Any] = {}
-    for kid, k in plan.kernels.items():
+    order = sorted(plan.kernels, key=lambda kid: -priority.get(kid, 0.0))  # stable: plan order on ties
+    for kid in order:
+        k = plan.kernels[kid]
         key = kernel_signature(k)
         cached = cache.get(key)
         if cached is not None:

@@ -286,3 +286,31 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
     assert second["variants"][anchor]["choice"] == first["variants"][anchor]["choice"]
     if first["variants"][anchor]["choice"] == "template":
         assert built == []  # nothing but the template plan it was given
+
+
+def test_kernels_are_tuned_where_the_time_is_first(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the budget spent after one kernel, the one with the most profiled time got it."""
+    from opfuse.graph import TensorSpec
+    from opfuse.runtime.plan import KernelInfo, Plan, Step
+
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"BLOCK": 128}])
+    x, y, z = (TensorSpec(n, "float32", (256,)) for n in "xyz")
+    k0 = KernelInfo("k0_add", "pointwise", "g0", ["x"], ["y"], {"BLOCK": 64}, SOURCE)
+    k1 = KernelInfo("k1_add", "pointwise", "g1", ["y"], ["z"], {"BLOCK": 64}, SOURCE + "\nSECOND = 1\n")
+    steps = [
+        Step("kernel", ["x"], ["y"], kernel="k0_add", group="g0"),
+        Step("kernel", ["y"], ["z"], kernel="k1_add", group="g1"),
+    ]
+    plan = Plan("fp32", [x], [z], {"x": x, "y": y, "z": z}, steps, {"k0_add": k0, "k1_add": k1})
+
+    class SlowPool(ScriptedPool):
+        def time(self, req: TimingRequest, timeout_s: float | None = None) -> Timing:
+            time.sleep(0.1)
+            return super().time(req, timeout_s)
+
+    deadline = time.perf_counter() + 0.05  # spent while the first kernel's candidates are timed
+    record = tuning.tune_kernel_configs(
+        plan, cpu_executor(), tuning.TuningCache(), deadline, SlowPool(), {"k0_add": 0.1, "k1_add": 2.0}
+    )
+    assert record["k1_add"]["candidates"] == 2  # the expensive one, although it comes second
+    assert record["k0_add"]["skipped"] == "tuning budget spent"
