@@ -1,6 +1,7 @@
 """Time opfuse against its peers on one GPU, in one run, with one protocol.
 
     PYTHONPATH=. python bench/run.py --models resnet50,bert-base --batches 1,32 --precision fp16 --out results.json
+    PYTHONPATH=. python bench/run.py --precision fp16,fp32 --gpus 2   # the whole zoo, two GPUs, one run
 
 For each model and batch: ONNX per-op eager (opfuse's unfused plan), opfuse (fused), the source
 module eager and eager + CUDA graph, torch.compile and torch.compile + CUDA graph. CUDA events,
@@ -210,6 +211,14 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out/results.json")
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
     ap.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="spread the rows over this many GPUs of the machine (one process each, in one run); "
+        "the merged table is printed at the end",
+    )
+    ap.add_argument("--shard", default="", help=argparse.SUPPRESS)  # i/n: the rows of one GPU process
+    ap.add_argument(
         "--print",
         nargs="+",
         metavar="JSON",
@@ -237,26 +246,95 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
     }
+    todo = [
+        (name, int(batch), precision)
+        for name in args.models.split(",")
+        for batch in args.batches.split(",")
+        for precision in args.precision.split(",")
+    ]
+    if args.gpus > 1:
+        _run_shards(args.gpus, args.out, todo)
+        return
+    if args.shard:
+        i, n = (int(v) for v in args.shard.split("/"))
+        todo = shard_rows(todo, n)[i]
     rows: list[dict[str, Any]] = []
-    for name in args.models.split(","):
-        for batch in [int(b) for b in args.batches.split(",")]:
-            for precision in args.precision.split(","):
-                print(f"--- {name} batch {batch} {precision}", flush=True)
-                try:
-                    rows.append(
-                        bench_one(
-                            name, batch, precision, args.iters, args.warmup, args.compile_modes.split(",")
-                        )
-                    )
-                except Exception as exc:
-                    traceback.print_exc()
-                    rows.append(
-                        {"model": name, "batch": batch, "precision": precision, "error": repr(exc)[:300]}
-                    )
-                torch.cuda.empty_cache()
-                # Each row is kept as soon as it is measured: a run cut short still leaves its rows.
-                _write(args.out, meta, rows)
-                print_table(rows[-1:])
+    for name, batch, precision in todo:
+        print(f"--- {name} batch {batch} {precision}", flush=True)
+        try:
+            rows.append(
+                bench_one(name, batch, precision, args.iters, args.warmup, args.compile_modes.split(","))
+            )
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"model": name, "batch": batch, "precision": precision, "error": repr(exc)[:300]})
+        torch.cuda.empty_cache()
+        # Each row is kept as soon as it is measured: a run cut short still leaves its rows.
+        _write(args.out, meta, rows)
+        print_table(rows[-1:])
+    print(json.dumps(meta))
+    print_table(rows)
+
+
+# Rough relative cost of a row (export, compile, peers): transformers export slowly, fp32 and
+# batch 32 time longer. Used only to balance the GPUs of one run.
+_COST = {"cnn": 1.0, "transformer": 1.6}
+
+
+def shard_rows(todo: list[tuple[str, int, str]], n: int) -> list[list[tuple[str, int, str]]]:
+    """Deal the rows to `n` processes, costliest first, each to the least loaded (LPT)."""
+
+    def cost(row: tuple[str, int, str]) -> float:
+        name, batch, precision = row
+        kind = (
+            "cnn"
+            if name in ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny")
+            else "transformer"
+        )
+        return _COST[kind] * (1.3 if batch > 1 else 1.0) * (1.2 if precision == "fp32" else 1.0)
+
+    shards: list[list[tuple[str, int, str]]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for row in sorted(todo, key=cost, reverse=True):
+        i = load.index(min(load))
+        shards[i].append(row)
+        load[i] += cost(row)
+    return shards
+
+
+def _run_shards(n: int, out: str, todo: list[tuple[str, int, str]]) -> None:
+    """One process per GPU (CUDA_VISIBLE_DEVICES), all at once; then the merged table."""
+    base: list[str] = []
+    skip = False
+    for a in sys.argv[1:]:  # the same command without --gpus (as "--gpus N" or "--gpus=N")
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            base.append(a)
+    stem, ext = os.path.splitext(out)
+    outs = [f"{stem}.gpu{i}{ext or '.json'}" for i in range(n)]
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, sys.argv[0], *base, "--shard", f"{i}/{n}", "--out", outs[i]]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}
+        with open(f"{stem}.gpu{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    for path in outs:
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+            meta = meta or data["meta"]
+            rows += data["rows"]
+    order = {row: i for i, row in enumerate(todo)}
+    rows.sort(key=lambda r: order.get((r["model"], r["batch"], r["precision"]), len(order)))
+    meta = {**meta, "command": " ".join(sys.argv), "gpus": n}
+    _write(out, meta, rows)
     print(json.dumps(meta))
     print_table(rows)
 

@@ -57,3 +57,20 @@ def test_run_prints_one_table_from_several_result_files(
     assert (
         "geometric mean opfuse / (torch.compile + CUDA graph): 1.00" in out
     )  # sqrt(0.5 * 2.0); vit left out
+
+
+def test_rows_are_dealt_to_the_gpus_once_each_and_balanced() -> None:
+    from bench import run
+
+    todo = [
+        (m, b, p)
+        for m in ("resnet50", "bert-base", "gpt2", "vit_b_16", "mobilenet_v3_large")
+        for b in (1, 32)
+        for p in ("fp16", "fp32")
+    ]
+    for n in (1, 2, 3):
+        shards = run.shard_rows(todo, n)
+        assert len(shards) == n
+        assert sorted(r for s in shards for r in s) == sorted(todo)
+        sizes = [len(s) for s in shards]
+        assert max(sizes) - min(sizes) <= 2
