@@ -19,6 +19,7 @@ from opfuse.passes.group_norm import group_norm
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.projections import MERGE_RULE, merge_projections
+from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 RULES: list[Rule] = [
     eliminate_noops,
     gather_to_slice,
+    rotate_half,
     group_norm,
     fold_batchnorm,
     batchnorm_to_affine,

@@ -465,3 +465,15 @@ def test_written_out_group_norm_is_one_row_kernel(precision: str) -> None:
     assert cm.report["kernels"]["after"] == 1
     (g,) = cm.report["fusion"]["groups"]
     assert g["kind"] == "rowwise"
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_rotary_rotate_half_becomes_one_gemm_with_the_rotation_in_its_epilogue(dynamo: bool) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(2, 6, 16)
+    model = export(LlamaBlock(), (x,), ["x"], dynamo=dynamo)
+    cm = check(model, {"x": x.numpy()})
+    assert cm.report["fusion"]["passes"]["fired"].get("rotate_half") == 2  # q and k
+    assert not any(s.op_type in ("Neg", "Concat") for s in cm.plan.steps)
+    off = check(model, {"x": x.numpy()}, disable=("rotate_half",))
+    assert cm.report["kernels"]["after"] == off.report["kernels"]["after"] - 2

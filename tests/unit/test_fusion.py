@@ -449,3 +449,26 @@ def test_group_norm_rewrite_says_why_not() -> None:
     cm = check_against_ort(m, {"x": [2, 8, 3, 3]})
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "group_norm"]
     assert reasons == ["the InstanceNormalization has its own scale or bias"]
+
+
+def test_rotate_half_says_why_not() -> None:
+    # Concat(-x[..., 2:], x[..., :3]) on a last axis of 6: not the two halves.
+    nodes = [
+        helper.make_node("Slice", ["x", "s_hi", "e_hi", "ax"], ["hi"]),
+        helper.make_node("Neg", ["hi"], ["nhi"]),
+        helper.make_node("Slice", ["x", "s_lo", "e_lo", "ax"], ["lo"]),
+        helper.make_node("Concat", ["nhi", "lo"], ["y"], axis=-1, name="cat"),
+    ]
+    ints = {"s_hi": [2], "e_hi": [6], "s_lo": [0], "e_lo": [3], "ax": [-1]}
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 7])],
+        initializer=[numpy_helper.from_array(np.array(v, dtype=np.int64), k) for k, v in ints.items()],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 8
+    cm = check_against_ort(m, {"x": [2, 3, 6]})
+    reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "rotate_half"]
+    assert reasons == ["the slices are not the two halves of the last axis"]

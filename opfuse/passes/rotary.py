@@ -1,0 +1,107 @@
+"""Rotary embeddings' rotate_half as one small GEMM, so the whole rotation is one kernel.
+
+LLaMA-style models compute `q * cos + rotate_half(q) * sin` with rotate_half(x) =
+Concat(-x[..., h:], x[..., :h]): two slice copies, a negation and a concatenation, each a kernel,
+between the projections and attention. rotate_half is a signed permutation of the last axis, so it
+is x @ R for a constant [2h, 2h] matrix R (one -1 or +1 per column). As a MatMul by a constant it
+is an anchor whose epilogue takes the `* sin` and the `+ q * cos`; the arithmetic stays exact (each
+output is one input, times ±1, accumulated in float32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.rules import Rule
+
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def _const_ints(graph: Graph, name: str) -> list[int] | None:
+    if not name or name not in graph.constants:
+        return None
+    return [int(v) for v in np.asarray(graph.constants[name]).ravel()]
+
+
+def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | None:
+    """(input, axis, start, end) of a Slice along one axis with step 1 and constant bounds."""
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
+        return None
+    shape = graph.spec(node.inputs[0]).shape
+    starts, ends = _const_ints(graph, node.inputs[1]), _const_ints(graph, node.inputs[2])
+    axes = _const_ints(graph, node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] else [0]
+    steps = _const_ints(graph, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
+    if not shape or starts is None or ends is None or axes is None or steps is None:
+        return None
+    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or steps[0] != 1:
+        return None
+    axis = axes[0] % len(shape)
+    size = shape[axis]
+
+    def clamp(v: int) -> int:
+        return min(max(v + size if v < 0 else v, 0), size)
+
+    return node.inputs[0], axis, clamp(starts[0]), clamp(ends[0])
+
+
+def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "Concat" or len(node.inputs) != 2:
+        return None
+    producers = graph.producers()
+    neg, low = producers.get(node.inputs[0]), producers.get(node.inputs[1])
+    if neg is None or neg.op_type != "Neg":
+        return None
+    high = producers.get(neg.inputs[0])
+    hi, lo = slice_range(graph, high), slice_range(graph, low)
+    if hi is None or lo is None:
+        return None
+    return {"nodes": [node], "hi": hi, "lo": lo, "dead": [neg, high, low]}
+
+
+def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    (x, axis, hs, he), (x2, axis2, ls, le) = m["hi"], m["lo"]
+    shape = graph.spec(x).shape
+    if x != x2 or axis != axis2:
+        return "the two halves come from different tensors or axes"
+    if axis != len(shape) - 1 or int(node.attrs.get("axis", 0)) % len(shape) != axis:
+        return "not a rotation of the last axis"
+    d = shape[-1]
+    if d % 2 or (hs, he, ls, le) != (d // 2, d, 0, d // 2):
+        return "the slices are not the two halves of the last axis"
+    if graph.spec(x).dtype not in FLOAT_TYPES:
+        return f"values of type {graph.spec(x).dtype}"
+    return None
+
+
+def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    x = m["hi"][0]
+    d = graph.spec(x).shape[-1]
+    h = d // 2
+    rot = np.zeros((d, d), dtype=np.float32)
+    for i in range(h):
+        rot[i + h, i] = -1.0  # out[i] = -x[i + h]
+        rot[i, i + h] = 1.0  # out[i + h] = x[i]
+    name = f"{node.id}_rotate_half"
+    graph.constants[name] = rot
+    graph.values[name] = TensorSpec(name, "float32", (d, d))
+    i = graph.nodes.index(node)
+    graph.nodes[i] = Node(node.id, "MatMul", [x, name], list(node.outputs), {}, node.name)
+    # The slices and the negation, if nothing else reads them.
+    outputs = {o.name for o in graph.outputs}
+    for dead in m["dead"]:
+        used = any(o in outputs or any(o in n.inputs for n in graph.nodes) for o in dead.outputs if o)
+        if not used and dead in graph.nodes:
+            graph.nodes.remove(dead)
+
+
+rotate_half = Rule(
+    "rotate_half",
+    _match,
+    _check,
+    _rewrite,
+    doc="Concat(-x[..., h:], x[..., :h]) (rotary embeddings) becomes x @ R, a signed permutation: "
+    "one GEMM whose epilogue takes the rest of the rotation.",
+)
