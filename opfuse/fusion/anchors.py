@@ -67,12 +67,14 @@ def plan_anchor_groups(
                     pending.pop(c.id, None)
                     frontier.append(c)
         by_id = {x.id: x for x in graph.nodes}
+        members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
         for cid, why in pending.items():
             if cid not in members:
                 not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
         if len(members) == 1 and not prologue:
             continue  # nothing to fuse: the vendor kernel runs the anchor alone
-        nodes = [x for x in graph.nodes if x.id in members]
+        # The anchor first; a pulled-in side input may stand before it in the graph.
+        nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         ins, outs = group_boundary(graph, [*prologue, *nodes])
         taken |= members | {x.id for x in prologue}
         # Ids are unique across group kinds: m (GEMM), c (conv), a (attention), r (row), g (pointwise).
@@ -91,6 +93,45 @@ def plan_anchor_groups(
             )
         )
     return groups
+
+
+def _pull_side_inputs(
+    graph: Graph,
+    anchor: Node,
+    members: set[str],
+    taken: set[str],
+    consumers: dict[str, list[Node]],
+    order: dict[str, int],
+) -> set[str]:
+    """Pointwise producers whose only readers are epilogue nodes join the epilogue: computed from
+    their own inputs loaded at the output index (x * cos beside rotate_half(x) * sin in rotary
+    embeddings), they need no kernel and no buffer of their own."""
+    if len(members) == 1:
+        return members
+    producers = graph.producers()
+    outputs = {o.name for o in graph.outputs}
+    out_shape = graph.spec(anchor.outputs[0]).shape
+    by_id = {x.id: x for x in graph.nodes}
+    changed = True
+    while changed:
+        changed = False
+        for mid in sorted(members - {anchor.id}, key=order.__getitem__):
+            for x in by_id[mid].inputs:
+                p = producers.get(x) if x else None
+                if p is None or p.id in members or p.id in taken or pointwise_reason(graph, p) is not None:
+                    continue
+                out = p.outputs[0]
+                if graph.spec(out).shape != out_shape or out in outputs:
+                    continue
+                if any(c.id not in members for c in consumers.get(out, [])):
+                    continue
+                merged = members | {p.id}
+                why, _ = merge_refusal(
+                    graph, merged, order, MAX_EPILOGUE_NODES + 1, MAX_EPILOGUE_TENSORS, fixed_tensors=2
+                )
+                if why is None:
+                    members, changed = merged, True
+    return members
 
 
 def _input_scale(

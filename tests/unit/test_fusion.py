@@ -472,3 +472,22 @@ def test_rotate_half_says_why_not() -> None:
     cm = check_against_ort(m, {"x": [2, 3, 6]})
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if n["rule"] == "rotate_half"]
     assert reasons == ["the slices are not the two halves of the last axis"]
+
+
+def test_gemm_epilogue_pulls_in_a_side_input_computed_only_for_it() -> None:
+    """y = relu(x @ w + z * c): z * c is read only by the epilogue, so it is computed there; when
+    it is also a graph output it keeps its own kernel."""
+    for side_output in (False, True):
+        nodes = [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Mul", ["z", "c"], ["zc"], name="side"),
+            helper.make_node("Add", ["h", "zc"], ["a"]),
+            helper.make_node("Relu", ["a"], ["y"]),
+        ]
+        outputs = {"y": [4, 8], **({"zc": [4, 8]} if side_output else {})}
+        inits = {"w": RNG.standard_normal((16, 8)), "c": RNG.standard_normal(8)}
+        m = make_model(nodes, {"x": [4, 16], "z": [4, 8]}, outputs, inits)
+        cm = check_against_ort(m, {"x": [4, 16], "z": [4, 8]})
+        (gemm,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "gemm"]
+        assert ("side" in gemm["nodes"]) is not side_output
+        assert cm.report["kernels"]["after"] == (2 if side_output else 1)
