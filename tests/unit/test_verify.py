@@ -1,0 +1,34 @@
+"""Output comparison: relative L2 within rtol, or every element within atol, said plainly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.verify.compare import compare_outputs
+
+RNG = np.random.default_rng(8)
+
+
+def test_close_outputs_pass_and_far_ones_fail() -> None:
+    ref = RNG.standard_normal((4, 64)).astype(np.float32)
+    near = ref + 1e-3 * RNG.standard_normal(ref.shape).astype(np.float32)
+    ok = compare_outputs(near, ref, rtol=2e-2, atol=1e-3)
+    assert ok.passed and ok.reason == "" and 0 < ok.rel_l2_err < 2e-2
+    far = compare_outputs(ref + 0.5, ref, rtol=2e-2, atol=1e-3)
+    assert not far.passed and far.rel_l2_err > 0.3
+
+
+def test_a_pass_on_atol_alone_says_so() -> None:
+    ref = (1e-8 * RNG.standard_normal((2, 10))).astype(np.float32)  # a vanishing reference
+    out = np.zeros_like(ref)  # relative error 1.0, absolute error tiny
+    check = compare_outputs(out, ref, rtol=2e-2, atol=1e-3)
+    assert check.passed and check.rel_l2_err == 1.0
+    assert "atol alone" in check.reason and check.to_json()["reason"] == check.reason
+
+
+def test_nan_where_the_reference_has_none_fails() -> None:
+    ref = RNG.standard_normal(8).astype(np.float32)
+    out = ref.copy()
+    out[3] = np.nan
+    check = compare_outputs(out, ref, rtol=1.0, atol=1.0)
+    assert not check.passed and "NaN" in check.reason
