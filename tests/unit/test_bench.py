@@ -30,9 +30,8 @@ def test_run_prints_one_table_from_several_result_files(
 
     peers = {"torch_compile_cudagraph": {"ms": 1.0}, "torch_compile": {"ms": 2.0, "compile_s": 9.0}}
     files = []
-    for i, (model, ms, verified) in enumerate(
-        (("resnet50", 0.5, True), ("bert-base", 2.0, True), ("vit", 9.0, False))
-    ):
+    cases = (("resnet50", 0.5, True), ("bert-base", 2.0, True), ("vit", 9.0, False), ("mobilenet", 7.0, True))
+    for i, (model, ms, verified) in enumerate(cases):
         row = {
             "model": model,
             "batch": 1,
@@ -42,6 +41,7 @@ def test_run_prints_one_table_from_several_result_files(
             "verified": verified,
             "rel_l2": 0.5,
             "peers": peers,
+            "vacuous": model == "mobilenet",
         }
         path = tmp_path / f"gpu{i}.json"
         path.write_text(json.dumps({"meta": {"gpu": "x"}, "rows": [row]}))
@@ -53,10 +53,10 @@ def test_run_prints_one_table_from_several_result_files(
     finally:
         sys.argv = sys_argv
     out = capsys.readouterr().out
-    assert "resnet50" in out and "bert-base" in out and "UNVERIFIED" in out
+    assert "resnet50" in out and "bert-base" in out and "UNVERIFIED" in out and "VACUOUS" in out
     assert (
         "geometric mean opfuse / (torch.compile + CUDA graph): 1.00" in out
-    )  # sqrt(0.5 * 2.0); vit left out
+    )  # sqrt(0.5 * 2.0): the unverified and vacuous rows are out
 
 
 def test_rows_are_dealt_to_the_gpus_once_each_and_balanced() -> None:
