@@ -82,7 +82,8 @@ def build_plan(
         if g.kind in ("gemm", "conv") and variants.get(g.id, g.variant) == "vendor":
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
-            for n in [*g.prologue, anchor]:  # an input scale runs as its own op before the library conv
+            # Folded layout ops and an input scale run as their own ops before the library kernel.
+            for n in [*g.absorbed, *g.prologue, anchor]:
                 steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])
             if not epilogue:
@@ -92,7 +93,9 @@ def build_plan(
         elif g.kind == "attention":
             src = generate_attention(kid, g.match, g.nodes, graph, g.id, precision)
         elif g.kind == "gemm":
-            src = generate_gemm(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision)
+            src = generate_gemm(
+                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.views
+            )
         elif g.kind == "conv":
             src = generate_conv(
                 kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue

@@ -71,7 +71,9 @@ def generate_gemm(
     graph: Graph,
     group_id: str,
     precision: str,
+    views: dict[str, Any] | None = None,
 ) -> KernelSource:
+    """`views`: the A operand read through folded layout ops ({A: StridedView})."""
     m, n, k, trans_b = gemm_dims(graph, anchor)
     out_shape = graph.spec(anchor.outputs[0]).shape
     dtype = graph.spec(anchor.inputs[0]).dtype
@@ -80,10 +82,16 @@ def generate_gemm(
         anchor.inputs[2] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    # The anchor's operands are loaded tile by tile; the epilogue loads them again only if it reads them.
+    a_view = (views or {}).get(a_name)
+    # The anchor's operands are loaded tile by tile; the epilogue loads them again only if it reads
+    # them (a strided A through its own pointer, at the output index: it is output-shaped then).
     operands_only = {a_name, b_name} - epilogue_reads
+    if a_view is not None:
+        operands_only.add(a_name)
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={c_name} - {""})
-    tensor_inputs = [a_name, b_name, *extra]
+    if a_view is not None:
+        extra = [x for x in extra if x not in (a_view.base, a_name)]
+    tensor_inputs = [a_view.base if a_view is not None else a_name, b_name, *extra]
     args = ["a", "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     fn = f"{kernel_id}_gemm"
     sbk, sbn = (1, k) if trans_b else (n, 1)
@@ -125,11 +133,29 @@ def generate_gemm(
         buf.line("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         buf.line("rk = tl.arange(0, BLOCK_K)")
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        if a_view is not None:
+            # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
+            lead, strides = a_view.shape[:-1], a_view.strides[:-1]
+            terms = [str(a_view.offset)] if a_view.offset else []
+            for d, (size, stride) in enumerate(zip(lead, strides, strict=True)):
+                if size == 1:
+                    continue
+                inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
+                coord = f"(rm // {inner})" if inner > 1 else "rm"
+                if d > 0:
+                    coord = f"({coord} % {size})"
+                terms.append(f"{coord} * {stride}")
+            buf.line(
+                f"a_row = {' + '.join(terms) or '0 * rm'}  # A through {len(a_view.nodes)} folded layout op(s)"
+            )
+            a_rows = "a_row[:, None]"
+        else:
+            a_rows = f"rm[:, None] * {k}"
         buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
         with buf.indent():
             buf.line("kk = k0 + rk")
             buf.line(
-                f"a_tile = tl.load(a + rm[:, None] * {k} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
+                f"a_tile = tl.load(a + {a_rows} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
             )
             buf.line(
                 f"b_tile = tl.load(b + kk[:, None] * {sbk} + rn[None, :] * {sbn}, mask=(kk[:, None] < {k}) & (rn[None, :] < {n}), other=0.0)"
@@ -151,6 +177,9 @@ def generate_gemm(
             return idx, ("mask" if vector else f"row < {m}")
 
         emit_loads(buf, extra, index_of, regs)
+        if a_view is not None and a_name in epilogue_reads:
+            buf.line("xa = tl.load(a + a_row[:, None] + cols, mask=mask, other=0.0).to(tl.float32)")
+            regs[a_name] = "xa"
         regs.update(literals)
         result = "acc"
         if anchor.op_type == "Gemm":

@@ -10,6 +10,7 @@ from opfuse.codegen.conv import CONV_OPS, NHWC_CONV, conv_anchor_reason, input_s
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.views import StridedView, input_view
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
@@ -71,12 +72,17 @@ def plan_anchor_groups(
         for cid, why in pending.items():
             if cid not in members:
                 not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
-        if len(members) == 1 and not prologue:
-            continue  # nothing to fuse: the vendor kernel runs the anchor alone
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
+        views = {}
+        if kind == "gemm" and variant == "template" and "layout_views" not in disabled:
+            views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
+        if len(members) == 1 and not views and not prologue:
+            continue  # nothing to fuse: the vendor kernel runs the anchor alone
+        absorbed = [n for v in views.values() for n in v.nodes]
+        # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
-        taken |= members | {x.id for x in prologue}
+        taken |= members | {x.id for x in [*prologue, *absorbed]}
         # Ids are unique across group kinds: m (GEMM), c (conv), a (attention), r (row), g (pointwise).
         prefix = "m" if kind == "gemm" else "c"
         groups.append(
@@ -90,9 +96,30 @@ def plan_anchor_groups(
                 variant=variant,
                 note=note,
                 prologue=prologue,
+                views=views,
+                absorbed=absorbed,
             )
         )
     return groups
+
+
+def _a_operand_view(
+    graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
+) -> dict[str, StridedView]:
+    """A GEMM's A operand reached through Transpose/Reshape (heads split off a projection,
+    then rotated): read with strides from the buffer behind them instead of copied first."""
+    a = anchor.inputs[0]
+    if a in graph.constants:
+        return {}
+    readers = frozenset([anchor.id, *(n.id for n in epilogue)])
+    view = input_view(graph, a, allow_scale=False, allow_split=False, readers=readers)
+    if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
+        return {}
+    if any(n.id in taken or n.op_type not in ("Reshape", "Transpose") for n in view.nodes):
+        return {}
+    if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
+        return {}  # the epilogue reads A at the output index: only when A is output-shaped
+    return {a: view}
 
 
 def _pull_side_inputs(

@@ -54,7 +54,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     row_groups = attention + row_groups
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled)
     row_groups += gemm_groups
-    in_rows |= {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes]}
+    in_rows |= {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:
         return FusionPlan(row_groups, not_fused)
     order = {n.id: i for i, n in enumerate(graph.nodes)}

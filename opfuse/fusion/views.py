@@ -70,7 +70,13 @@ def _split_offset(graph: Graph, split: Node, output: str) -> tuple[int, int] | N
     return axis, sum(sizes[:k])
 
 
-def input_view(graph: Graph, value: str, allow_scale: bool = True, allow_split: bool = True) -> StridedView:
+def input_view(
+    graph: Graph,
+    value: str,
+    allow_scale: bool = True,
+    allow_split: bool = True,
+    readers: frozenset[str] = frozenset(),
+) -> StridedView:
     """Walk back from `value` through Transpose, Reshape, one Split and scalar Mul/Div (each
     folding only when its output feeds nothing else), then replay the chain forward as strides
     over the buffer at its start. Where a reshape of the layout would need a copy, that Reshape
@@ -82,7 +88,10 @@ def input_view(graph: Graph, value: str, allow_scale: bool = True, allow_split: 
         p = producers.get(cur)
         # Folding a producer removes its output: only a value read once (by the next hop, or by
         # the kernel itself) may go.
-        if p is None or not _single_use(graph, cur):
+        # `value` itself may have several readers when all of them are in the kernel (`readers`).
+        users = graph.consumers().get(cur, [])
+        shared = cur == value and readers and all(u.id in readers for u in users)
+        if p is None or not (_single_use(graph, cur) or shared) or cur in {o.name for o in graph.outputs}:
             break
         if allow_split and p.op_type == "Split" and _split_offset(graph, p, cur) is not None:
             walk.append((p, cur))

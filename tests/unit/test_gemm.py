@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from opfuse.compiler import compile as opfuse_compile
 from opfuse.frontend.load import load_and_specialize
@@ -14,7 +14,7 @@ from opfuse.lowering import build_plan
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.ops import SUPPORTED_OPS
 from tests.builders import TEST_DEVICE
-from tests.unit.test_fusion import check_against_ort, make_model
+from tests.unit.test_fusion import check_against_ort, make_model, ort_run
 
 RNG = np.random.default_rng(11)
 
@@ -136,3 +136,35 @@ def test_flattened_linear_layer_becomes_matmul_with_fused_epilogue() -> None:
     cm = check_against_ort(m, {"x": [2, 5, 16]})
     assert cm.report["fusion"]["passes"]["fired"].get("gemm_to_matmul") == 1
     assert cm.report["kernels"] == {"before": 3, "after": 1}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gemm_reads_a_transposed_operand_through_strides(precision: str) -> None:
+    """Heads split off a projection ([B, S, H*D] -> [B, H, S, D]) then multiplied: the GEMM reads
+    the projection's buffer with strides instead of a copy made by the Transpose."""
+    b, s, h, d = 2, 5, 3, 8
+    nodes = [
+        helper.make_node("Reshape", ["x", "split"], ["x4"]),
+        helper.make_node("Transpose", ["x4"], ["xt"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["xt", "w"], ["p"]),
+        helper.make_node("Add", ["p", "bias"], ["y"]),
+    ]
+    inits = {"w": RNG.standard_normal((d, 6)) * 0.3, "bias": RNG.standard_normal(6)}
+    m = make_model(nodes, {"x": [b, s, h * d]}, {"y": [b, h, s, 6]}, inits)
+    m.graph.initializer.append(numpy_helper.from_array(np.array([b, s, h, d], dtype=np.int64), "split"))
+    for disable in ((), ("layout_views",)):
+        cm = opfuse_compile(
+            m, {"x": [b, s, h * d]}, precision=precision, device=TEST_DEVICE, fusion_disable=list(disable)
+        )
+        assert cm.report["verification"]["passed"] is True
+        (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "gemm"]
+        (k,) = cm.plan.kernels.values()
+        if disable:
+            assert "layout_folded" not in g and "folded layout op" not in k.source
+        else:
+            assert len(g["layout_folded"]) == 2  # the Reshape and the Transpose
+            assert "folded layout op" in k.source and k.inputs[0] == "x"
+        feeds = {"x": RNG.standard_normal((b, s, h * d)).astype(np.float32)}
+        (ref,) = ort_run(m, feeds)
+        tol = 1e-4 if precision == "fp32" else 2e-2
+        np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
