@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from opfuse.verify.compare import compare_outputs
 
@@ -32,3 +33,25 @@ def test_nan_where_the_reference_has_none_fails() -> None:
     out[3] = np.nan
     check = compare_outputs(out, ref, rtol=1.0, atol=1.0)
     assert not check.passed and "NaN" in check.reason
+
+
+def test_compile_runs_the_reference_once_per_trial(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that onnxruntime can run the model is the first trial: two trials, two runs."""
+    import opfuse
+    from opfuse.compiler import VERIFY_TRIALS
+    from opfuse.verify.reference import OnnxRuntimeReference
+    from tests.builders import TEST_DEVICE, residual_mlp
+
+    calls = []
+    original = OnnxRuntimeReference.run
+
+    def counted(self: OnnxRuntimeReference, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        calls.append(1)
+        return original(self, feeds)
+
+    monkeypatch.setattr(OnnxRuntimeReference, "run", counted)
+    cm = opfuse.compile(residual_mlp(), {"x": [4, 32]}, device=TEST_DEVICE)
+    assert (
+        cm.report["verification"]["passed"] is True and cm.report["verification"]["trials"] == VERIFY_TRIALS
+    )
+    assert len(calls) == VERIFY_TRIALS
