@@ -154,23 +154,7 @@ def generate_conv(
     buf.line("import triton.language as tl")
     buf.line()
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
-    buf.line(f"CONFIG = {config!r}")
-    bm, bn, bk = (
-        min(256, max(16, next_pow2(m))),
-        min(128, max(16, next_pow2(n))),
-        min(128, max(16, next_pow2(k))),
-    )
-    upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
-    buf.line(
-        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "UPCAST": {upcast}}}'
-    )
-    buf.line()
-    buf.line()
-    buf.line("@triton.jit")
-    buf.line(
-        f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
-    )
-    buf.line("        UPCAST: tl.constexpr):")
+    _kernel_head(buf, fn, args, config, m, n, k, dtype)
     regs: dict[str, str] = {}
     khw = p["KH"] * p["KW"]
     ohw = p["OH"] * p["OW"]
@@ -296,21 +280,7 @@ def _generate_conv_nhwc(
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
     if not flat and not depthwise:
         config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
-    buf.line(f"CONFIG = {config!r}")
-    bm = min(256, max(16, next_pow2(m)))
-    bn = min(128, max(16, next_pow2(n)))
-    bk = min(128, max(16, next_pow2(k if flat else c)))
-    upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
-    buf.line(
-        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "UPCAST": {upcast}}}'
-    )
-    buf.line()
-    buf.line()
-    buf.line("@triton.jit")
-    buf.line(
-        f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
-    )
-    buf.line("        UPCAST: tl.constexpr):")
+    _kernel_head(buf, fn, args, config, m, n, k if flat else c, dtype)
     regs: dict[str, str] = {}
     ohw = p["OH"] * p["OW"]
 
@@ -414,6 +384,30 @@ def _generate_conv_nhwc(
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     tensor_inputs = [x_name, w_name, *([scale] if scale else []), *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def _kernel_head(
+    buf: SourceBuffer, fn: str, args: list[str], config: dict[str, Any], m: int, n: int, k: int, dtype: str
+) -> None:
+    """CONFIG (the GPU's starting tile), INTERPRETER_CONFIG (large blocks: one numpy pass each on
+    the CPU, sized by the M×N×K the kernel sweeps) and the kernel's signature."""
+    buf.line(f"CONFIG = {config!r}")
+    bm, bn, bk = (
+        min(256, max(16, next_pow2(m))),
+        min(128, max(16, next_pow2(n))),
+        min(128, max(16, next_pow2(k))),
+    )
+    upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
+    buf.line(
+        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "UPCAST": {upcast}}}'
+    )
+    buf.line()
+    buf.line()
+    buf.line("@triton.jit")
+    buf.line(
+        f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
+    )
+    buf.line("        UPCAST: tl.constexpr):")
 
 
 def input_scale_operands(graph: Graph, mul: Node, conv: Node) -> tuple[str, str]:
