@@ -8,26 +8,15 @@ of skipping it. The closing summary prints the figures (faults survived, jobs ru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from client.sdk import OpfuseClient
+from tests.postgres import create_postgres_database, drop_postgres_database, reachable_postgres
 
-from .harness import (
-    FIGURES,
-    ApiServer,
-    WorkerPool,
-    create_postgres_database,
-    drop_postgres_database,
-)
-
-POSTGRES_URL = os.environ.get("OPFUSE_TEST_POSTGRES_URL", "")
-REQUIRE_POSTGRES = os.environ.get("OPFUSE_REQUIRE_POSTGRES") == "1"
+from .harness import FIGURES, ApiServer, WorkerPool
 
 # Short leases, so an expiry takes seconds (5, not less: two cores run the server, four workers and
 # their children at once, and a heartbeat must not miss a lease for want of CPU); no rate limit
@@ -40,36 +29,14 @@ BASE_SETTINGS = {
 }
 
 
-def _postgres_unavailable(reason: str) -> None:
-    if REQUIRE_POSTGRES:
-        pytest.fail(f"OPFUSE_REQUIRE_POSTGRES=1 but {reason}")
-    pytest.skip(reason)
-
-
-def _reachable_postgres() -> str:
-    if not POSTGRES_URL:
-        _postgres_unavailable("OPFUSE_TEST_POSTGRES_URL is not set")
-    engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 5})
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-    except Exception as exc:
-        _postgres_unavailable(
-            f"PostgreSQL at {make_url(POSTGRES_URL).render_as_string()} is unreachable: {exc}"
-        )
-    finally:
-        engine.dispose()
-    return POSTGRES_URL
-
-
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A fresh, empty database for this module (the server migrates it at start)."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'opfuse.db'}"
         return
-    server_url = _reachable_postgres()
-    url = create_postgres_database(server_url)
+    server_url = reachable_postgres()
+    url = create_postgres_database(server_url, prefix="opfuse_rel")
     try:
         yield url
     finally:

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from client.sdk import Job, OpfuseClient
 
@@ -110,28 +108,7 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
             proc.wait()
 
 
-# -- databases -----------------------------------------------------------------------------------
-
-
-def create_postgres_database(server_url: str) -> str:
-    name = f"opfuse_rel_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    finally:
-        engine.dispose()
-    return make_url(server_url).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_postgres_database(server_url: str, database_url: str) -> None:
-    name = make_url(database_url).database
-    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        engine.dispose()
+# -- databases (throw-away PostgreSQL databases: tests/postgres.py) -----------------------------
 
 
 def query(database_url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:

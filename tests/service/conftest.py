@@ -9,9 +9,7 @@ skipping them.
 
 from __future__ import annotations
 
-import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,8 +18,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from service import webhooks
@@ -30,83 +27,22 @@ from service.auth import create_key, get_or_create_tenant
 from service.db import make_engine, upgrade_to_head
 from service.models import Scope
 from service.settings import Settings
+from tests.postgres import (
+    create_postgres_database,
+    drop_postgres_database,
+    reachable_postgres,
+)
 
 from .onnx_models import mlp, to_bytes
 
-POSTGRES_URL = os.environ.get("OPFUSE_TEST_POSTGRES_URL", "")
-REQUIRE_POSTGRES = os.environ.get("OPFUSE_REQUIRE_POSTGRES") == "1"
 # Children first. DELETE, not TRUNCATE: several times faster on tables this small.
 TABLES = ("webhook_deliveries", "jobs", "models", "blob_chunks", "blobs", "api_keys", "tenants")
-
-
-def _postgres_unavailable(reason: str) -> None:
-    if REQUIRE_POSTGRES:
-        pytest.fail(f"OPFUSE_REQUIRE_POSTGRES=1 but {reason}")
-    pytest.skip(reason)
-
-
-def create_postgres_database(server_url: str) -> str:
-    """A new, uniquely named, empty database on the server of `server_url`; returns its URL."""
-    name = f"opfuse_test_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-    finally:
-        engine.dispose()
-    return make_url(server_url).set(database=name).render_as_string(hide_password=False)
-
-
-def create_postgres_schema(server_url: str) -> str:
-    """A new, uniquely named, empty schema; the returned URL makes it the only one on the search path
-    (cheaper than a database, for tests that need an empty one)."""
-    name = f"opfuse_test_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(server_url)
-    try:
-        with engine.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{name}"'))
-    finally:
-        engine.dispose()
-    url = make_url(server_url).update_query_dict({"options": f"-csearch_path={name}"})
-    return url.render_as_string(hide_password=False)
-
-
-def drop_postgres_schema(server_url: str, schema_url: str) -> None:
-    name = str(make_url(schema_url).query["options"]).removeprefix("-csearch_path=")
-    engine = create_engine(server_url)
-    try:
-        with engine.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
-    finally:
-        engine.dispose()
-
-
-def drop_postgres_database(server_url: str, database_url: str) -> None:
-    name = make_url(database_url).database
-    engine = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture(scope="session")
 def postgres_server() -> str:
     """The URL of a reachable PostgreSQL (a database to connect to for CREATE/DROP DATABASE)."""
-    if not POSTGRES_URL:
-        _postgres_unavailable("OPFUSE_TEST_POSTGRES_URL is not set")
-    engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 5})
-    try:
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-    except Exception as exc:
-        _postgres_unavailable(
-            f"PostgreSQL at {make_url(POSTGRES_URL).render_as_string()} is unreachable: {exc}"
-        )
-    finally:
-        engine.dispose()
-    return POSTGRES_URL
+    return reachable_postgres()
 
 
 @pytest.fixture(scope="session")

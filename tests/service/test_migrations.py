@@ -19,8 +19,7 @@ from service.blobs import open_blob
 from service.db import alembic_config, make_engine, make_session_factory, migrations_dir, upgrade_to_head
 from service.models import Base
 from service.settings import Settings
-
-from .conftest import create_postgres_schema, drop_postgres_schema
+from tests.postgres import create_postgres_schema, drop_postgres_schema
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
