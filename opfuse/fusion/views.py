@@ -29,6 +29,13 @@ def _single_use(graph: Graph, name: str) -> bool:
     return len(graph.consumers().get(name, [])) == 1 and name not in {o.name for o in graph.outputs}
 
 
+def _read_only_by(graph: Graph, name: str, readers: frozenset[str]) -> bool:
+    """`name` has several readers, all of them nodes of the kernel (`readers`), and is no output."""
+    if not readers or name in {o.name for o in graph.outputs}:
+        return False
+    return all(u.id in readers for u in graph.consumers().get(name, []))
+
+
 def view_strides(
     shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]
 ) -> tuple[int, ...] | None:
@@ -88,10 +95,9 @@ def input_view(
         p = producers.get(cur)
         # Folding a producer removes its output: only a value read once (by the next hop, or by
         # the kernel itself) may go.
-        # `value` itself may have several readers when all of them are in the kernel (`readers`).
-        users = graph.consumers().get(cur, [])
-        shared = cur == value and readers and all(u.id in readers for u in users)
-        if p is None or not (_single_use(graph, cur) or shared) or cur in {o.name for o in graph.outputs}:
+        if p is None or not (
+            _single_use(graph, cur) or (cur == value and _read_only_by(graph, cur, readers))
+        ):
             break
         if allow_split and p.op_type == "Split" and _split_offset(graph, p, cur) is not None:
             walk.append((p, cur))

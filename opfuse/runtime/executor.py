@@ -44,7 +44,6 @@ HOST_ARGUMENTS: dict[str, tuple[int, ...]] = {
     "Resize": (1, 2, 3),
     "TopK": (1,),
     "OneHot": (1,),
-    "Gather": (1,),  # constant indices: a run of positions becomes a view (ops_shape.gather)
     **{op: (1,) for op in _REDUCE_OPS},
 }
 
@@ -88,6 +87,12 @@ class Executor:
         # Kernel outputs live in one arena at offsets fixed by liveness (runtime/memory.py).
         self.memory = plan_memory(plan)
         self.arena = torch.empty(self.memory.arena_bytes, dtype=torch.uint8, device=self.device)
+        self.arena_views: dict[str, torch.Tensor] = {}  # made once: the offsets never change
+        for name, offset in self.memory.offsets.items():
+            spec = plan.values[name]
+            dtype = torch_dtype(spec.dtype)
+            view = self.arena[offset : offset + spec.numel * dtype.itemsize].view(dtype)
+            self.arena_views[name] = view.view(spec.shape)
 
     def _config(self, kernel_id: str) -> dict[str, Any] | None:
         """Launch parameters: the interpreter's (large blocks: one numpy pass each), else the plan's."""
@@ -122,13 +127,10 @@ class Executor:
         return env
 
     def _buffer(self, name: str, arena: bool) -> torch.Tensor:
+        if arena and name in self.arena_views:
+            return self.arena_views[name]
         spec = self.plan.values[name]
-        dtype = torch_dtype(spec.dtype)
-        offset = self.memory.offsets.get(name) if arena else None
-        if offset is None:
-            return torch.empty(spec.shape, dtype=dtype, device=self.device)
-        nbytes = spec.numel * dtype.itemsize
-        return self.arena[offset : offset + nbytes].view(dtype).view(spec.shape)
+        return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
 
     def _run_step(self, i: int, step: Step, env: dict[str, torch.Tensor], arena: bool = False) -> None:
         if step.kind == "op":

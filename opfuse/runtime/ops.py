@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from opfuse.errors import ModelError
-from opfuse.runtime import (
+
+# Importing the op modules is what fills OP_TABLE.
+from opfuse.runtime import (  # noqa: F401
     ops_attention,
     ops_conv,
     ops_elementwise,
@@ -30,20 +32,6 @@ from opfuse.runtime import (
 from opfuse.runtime.ops_registry import NUM_OUTPUTS_KEY, ONNX_TORCH_DTYPES, OP_TABLE, OpImpl, onnx_torch_dtype
 
 __all__ = ["ONNX_TORCH_DTYPES", "SUPPORTED_OPS", "VIEW_OPS", "OpImpl", "onnx_torch_dtype", "run_op"]
-
-# Importing the op modules is what fills OP_TABLE; naming them keeps that import from looking unused.
-_OP_MODULES = (
-    ops_attention,
-    ops_conv,
-    ops_elementwise,
-    ops_image,
-    ops_index,
-    ops_math,
-    ops_nn,
-    ops_norm,
-    ops_reduce,
-    ops_shape,
-)
 
 # Ops named "opfuse.*" exist only inside compiled plans (the channels-last region); a model
 # cannot use them.

@@ -117,16 +117,10 @@ def gather(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     data, indices = required(inputs, 0, "Gather"), required(inputs, 1, "Gather")
     axis = normalize_axis(int(attrs.get("axis", 0)), data.dim(), "Gather")
     out_shape = [*data.shape[:axis], *indices.shape, *data.shape[axis + 1 :]]
-    if indices.device.type == "cpu" and 0 < indices.numel() <= 64:
-        # Indices known on the host (a constant): a run of consecutive positions, like the q/k/v
-        # picked out of a packed projection, is a slice of `data`: a view, no kernel.
-        size = data.shape[axis]
-        picked = [int(i) % size if size else int(i) for i in indices.reshape(-1).tolist()]
-        if picked == list(range(picked[0], picked[0] + len(picked))) and picked[-1] < size:
-            return [data.narrow(axis, picked[0], len(picked)).reshape(out_shape)]
-    # remainder maps ONNX's negative indices (-1 = last) into range without a host sync.
+    # remainder maps ONNX's negative indices (-1 = last) into range without a host sync. (Constant
+    # consecutive indices never get here: passes/gather_slice.py makes them a Slice.)
     flat = torch.remainder(indices.reshape(-1), data.shape[axis])
-    return [torch.index_select(data, axis, flat.to(data.device)).reshape(out_shape)]
+    return [torch.index_select(data, axis, flat).reshape(out_shape)]
 
 
 @register("GatherElements")

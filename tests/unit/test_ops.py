@@ -806,22 +806,3 @@ def test_view_ops_return_views(op: str, inputs: list[torch.Tensor | None], attrs
     outs = run_op(op, inputs, attrs, num_outputs=2 if op == "Split" else 1)
     for out in outs:
         assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-
-
-def test_gather_of_a_run_of_constant_indices_is_a_view() -> None:
-    import torch
-
-    from opfuse.runtime.ops import run_op
-
-    rng = np.random.default_rng(4)
-    data = torch.from_numpy(rng.standard_normal((3, 5, 4)).astype(np.float32))
-    for indices, axis in (([1], 0), (2, 0), ([-3, -2], 1), ([[1, 2], [3, 4]], 1)):
-        idx = torch.tensor(indices, dtype=torch.int64)
-        (out,) = run_op("Gather", [data, idx], {"axis": axis})
-        want = np.take(data.numpy(), np.asarray(indices), axis=axis)
-        np.testing.assert_array_equal(out.numpy(), want)
-        assert out.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()  # no copy
-    idx = torch.tensor([2, 0], dtype=torch.int64)  # not a run: a real gather
-    (out,) = run_op("Gather", [data, idx], {"axis": 1})
-    np.testing.assert_array_equal(out.numpy(), np.take(data.numpy(), [2, 0], axis=1))
-    assert out.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
