@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import false, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -14,7 +14,7 @@ from service import webhooks
 from service.clock import utcnow
 from service.errors import ConflictError, NotFoundError, TooManyRequestsError, UnprocessableError
 from service.model_registry import find_model
-from service.models import FINISHED_STATUSES, Job, JobStatus, Model, Tenant
+from service.models import FINISHED_STATUSES, Job, JobStatus, Model, Tenant, is_id
 from service.pagination import Ordering, paginate, parse_ordering
 from service.queue import finish_job
 from service.schemas import JobCreate
@@ -36,7 +36,11 @@ QUEUE_FULL_RETRY_SECONDS = 30
 
 def find_job(session: Session, tenant_id: int, job_id: str) -> Job:
     """The tenant's job, or 404 (another tenant's job is reported missing, never forbidden)."""
-    job = session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
+    job = (
+        session.scalar(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id))
+        if is_id(job_id)
+        else None
+    )
     if job is None:
         raise NotFoundError(f"no job with id '{job_id}'; list your jobs with GET /v1/jobs")
     return job
@@ -201,7 +205,7 @@ def list_jobs(
     if status is not None:
         stmt = stmt.where(Job.status == status.value)
     if model_id is not None:
-        stmt = stmt.where(Job.model_id == model_id)
+        stmt = stmt.where(Job.model_id == model_id if is_id(model_id) else false())
     return paginate(session, stmt, Job, ordering, limit, cursor)
 
 

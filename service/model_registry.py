@@ -17,7 +17,7 @@ from service.check_budget import CheckBudget
 from service.errors import ConflictError, NotFoundError
 from service.model_checks import ModelLimits, check_and_describe, parse_upload
 from service.model_zip import model_from_zip
-from service.models import ACTIVE_STATUSES, Job, Model
+from service.models import ACTIVE_STATUSES, Job, Model, is_id
 from service.pagination import CREATED_DESC, paginate
 from service.spool import UploadSpool
 
@@ -34,10 +34,12 @@ def find_model(
     `lock` takes the row FOR SHARE / FOR UPDATE on PostgreSQL, so creating a job for a model and
     deleting it exclude each other (SQLite serializes transactions anyway).
     """
-    stmt = select(Model).where(Model.id == model_id, Model.tenant_id == tenant_id)
-    if lock is not None:
-        stmt = stmt.with_for_update(read=lock == "share")
-    model = session.scalar(stmt)
+    model = None
+    if is_id(model_id):
+        stmt = select(Model).where(Model.id == model_id, Model.tenant_id == tenant_id)
+        if lock is not None:
+            stmt = stmt.with_for_update(read=lock == "share")
+        model = session.scalar(stmt)
     if model is None:
         raise NotFoundError(f"no model with id '{model_id}'; list your models with GET /v1/models")
     return model

@@ -88,6 +88,13 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+def is_id(value: str) -> bool:
+    """Whether `value` can be a model or job id at all (32 hex digits, what new_id makes). Lookups
+    answer 404 for anything else without querying: a client's string may hold bytes (NUL) that
+    PostgreSQL refuses in any text comparison."""
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """A timestamp stored as UTC and always read back timezone-aware (SQLite keeps no zone)."""
 

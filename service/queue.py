@@ -23,7 +23,7 @@ from service import webhooks
 from service.errors import ConflictError, LeaseLostError, NotFoundError
 from service.logging import get_logger
 from service.metrics import record_job, record_stage
-from service.models import Job, JobStatus, Stage
+from service.models import Job, JobStatus, Stage, is_id
 from service.targets import Target, device_kind
 
 log = get_logger("queue")
@@ -178,7 +178,7 @@ def _same_token(job: Job, lease_token: str) -> bool:
 
 def leased_job(session: Session, job_id: str, lease_token: str) -> Job:
     """The running job whose current lease is `lease_token`, locked; else 404 / 409 lease lost."""
-    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update()) if is_id(job_id) else None
     if job is None:
         raise NotFoundError(f"no job with id '{job_id}'")
     if job.status != JobStatus.RUNNING or not _same_token(job, lease_token):
@@ -243,7 +243,7 @@ def complete_job(
 
     Repeating the call with the same token after it succeeded is harmless (returns the job).
     """
-    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update())
+    job = session.scalar(select(Job).where(Job.id == job_id).with_for_update()) if is_id(job_id) else None
     if job is not None and job.status == JobStatus.SUCCEEDED and _same_token(job, lease_token):
         return job
     job = leased_job(session, job_id, lease_token)

@@ -59,7 +59,7 @@ class ModelOut(BaseModel):
 
 class FusionOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    disable: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+    disable: list[Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")]] = Field(
         default_factory=list, description="names of fusion rules not to apply"
     )
 

@@ -229,3 +229,19 @@ def test_order_by_is_checked_and_cursors_belong_to_their_order(
         "/v1/jobs", params={"limit": 1, "order_by": "-speedup", "cursor": cursor}, headers=bearer(keys.user)
     )
     assert other.status_code == 400 and "order_by=speedup" in other.json()["detail"]
+
+
+def test_ids_with_bytes_a_database_refuses_are_404_not_500(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    """PostgreSQL refuses NUL in any text comparison: such ids are answered without a query."""
+    bad = "\x00y\x00"
+    response = post_job(client, keys.user, {"model_id": bad})
+    assert response.status_code == 404 and "no model with id" in response.json()["detail"]
+    assert client.get("/v1/jobs/%00x", headers=bearer(keys.user)).status_code == 404
+    assert client.get(f"/v1/models/{'a%00' * 8}", headers=bearer(keys.user)).status_code == 404
+    listed = client.get("/v1/jobs", params={"model_id": bad}, headers=bearer(keys.user))
+    assert listed.status_code == 200 and listed.json()["items"] == []
+    # A rule name is an identifier: anything else is refused before it is stored.
+    response = post_job(client, keys.user, {"model_id": model["id"], "fusion": {"disable": ["gelu\x00"]}})
+    assert response.status_code == 422
