@@ -145,6 +145,7 @@ def bandwidth(device: str, small: bool) -> list[dict[str, Any]]:
             row["copy_tb_per_s"] = nbytes / (copy_ms * 1e-3) / 1e12
             row["fraction_of_copy"] = row["tb_per_s"] / row["copy_tb_per_s"]
         rows.append(row)
+        _print_bandwidth(row)
     return rows
 
 
@@ -182,7 +183,26 @@ def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
                 row["template_tflops"] = flops / (row["template_ms"] * 1e-3) / 1e12
                 row["template_vs_matmul"] = row["template_tflops"] / row["torch_matmul_tflops"]
         rows.append(row)
+        _print_gemm(row)
     return rows
+
+
+def _print_bandwidth(r: dict[str, Any]) -> None:
+    frac = r.get("fraction_of_copy")
+    print(
+        f"{r['case']:<28} {r['shape']!s:<20} {r['kernels']} kernel(s) {r['ms']:.4f} ms "
+        f"{(r['tb_per_s'] or 0):.2f} TB/s" + (f" = {frac:.0%} of copy" if frac else ""),
+        flush=True,
+    )
+
+
+def _print_gemm(r: dict[str, Any]) -> None:
+    ratio = r.get("template_vs_matmul")
+    print(
+        f"{r['case']:<28} {r['mkn']!s:<20} opfuse {r['opfuse_ms']:.4f} ms ({r.get('choice', '-')})"
+        + (f", template at {ratio:.0%} of torch.matmul TFLOP/s" if ratio else ""),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -198,18 +218,6 @@ def main() -> None:
         "bandwidth": bandwidth(args.device, args.small),
         "gemm": gemm(args.device, args.small, args.tune_budget),
     }
-    for r in result["bandwidth"]:
-        frac = r.get("fraction_of_copy")
-        print(
-            f"{r['case']:<28} {r['shape']!s:<20} {r['kernels']} kernel(s) {r['ms']:.4f} ms "
-            f"{(r['tb_per_s'] or 0):.2f} TB/s" + (f" = {frac:.0%} of copy" if frac else "")
-        )
-    for r in result["gemm"]:
-        ratio = r.get("template_vs_matmul")
-        print(
-            f"{r['case']:<28} {r['mkn']!s:<20} opfuse {r['opfuse_ms']:.4f} ms ({r.get('choice', '-')})"
-            + (f", template at {ratio:.0%} of torch.matmul TFLOP/s" if ratio else "")
-        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

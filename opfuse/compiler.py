@@ -43,6 +43,8 @@ ProgressFn = Callable[[str, float], None]
 
 
 DEFAULT_TUNE_BUDGET_S = 60.0
+# Fewer kernels than this compile in the compiler's own process: starting workers costs more.
+PARALLEL_COMPILE_MIN_KERNELS = 8
 
 
 def _resolve_device(device: str | None) -> str:
@@ -264,6 +266,22 @@ def compile(
         )
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
+    elif device.startswith("cuda") and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
+        from opfuse.tune import config_key, kernel_signature, precompile
+        from opfuse.tuning_pool import CompilePool
+
+        report_progress("tuning", 0.55)
+        with CompilePool(device) as compiler:  # the untuned plan's kernels, in parallel
+            failed = precompile([plan], None, compiler)
+        tuning = {"compile_failed": {}, "unsafe_groups": []}
+        for kid, k in plan.kernels.items():
+            timing = failed.get((kernel_signature(k), config_key(k.config)))
+            if timing is not None:  # never run in this process what failed or crashed in a worker
+                tuning["compile_failed"][kid] = timing.error
+                unsafe.add(k.group)
+        if unsafe:
+            tuning["unsafe_groups"] = sorted(unsafe)
+            plan = make_plan()
     timings["tune"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -311,7 +329,8 @@ def compile(
             {
                 "rule": g.rule,
                 "nodes": [node_label(n) for n in g.nodes],
-                "reason": "its generated kernel crashed or hung in the tuning worker (see tuning.kernels)",
+                "reason": "its generated kernel failed, crashed or hung in a tuning or compile worker "
+                "(see tuning.kernels, tuning.compile_failed)",
             }
         )
     for gid in sorted(rolled):
@@ -504,11 +523,12 @@ def _tune(
     from opfuse.tune import (
         TuningCache,
         kernel_signature,
+        precompile,
         tune_kernel_configs,
         unsafe_groups,
         variant_group_times,
     )
-    from opfuse.tuning_pool import TuningPool
+    from opfuse.tuning_pool import CompilePool, TuningPool
 
     deadline = time.perf_counter() + budget_s
     cache = TuningCache()
@@ -530,10 +550,12 @@ def _tune(
     times: dict[str, dict[str, float]] = {}
     crashed: dict[str, set[str]] = {}
 
+    failed: dict[Any, Any] = {}
+
     def tune(name: str, p: Plan, pool: Any, timed: bool) -> None:
         executor = Executor(p, device)
         priority = {kid: (group_ms or {}).get(k.group, 0.0) for kid, k in p.kernels.items()}
-        tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority)
+        tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority, failed)
         record["kernels"].update(tuned)
         for k in p.kernels.values():
             configs[kernel_signature(k)] = dict(k.config)
@@ -541,7 +563,17 @@ def _tune(
             times[name] = variant_group_times(p, executor, feeds, tuned)
         crashed[name] = unsafe_groups(p, tuned)
 
-    with TuningPool(device) as pool:  # one worker for every candidate plan, started on first use
+    # Candidates are compiled in parallel first (CompilePool); one worker then times them all.
+    # Triton's interpreter (device "cpu") compiles nothing: there the worker only times.
+    gpu = device.startswith("cuda")
+    with TuningPool(device) as pool:
+        pool.start(wait=False)
+        if gpu:
+            t0 = time.perf_counter()
+            with CompilePool(device) as compiler:
+                failed.update(precompile(list(candidates.values()), cache, compiler, deadline, group_ms))
+            record["compile_s"] = round(time.perf_counter() - t0, 2)
+            record["compile_workers"] = compiler.workers
         for name, p in candidates.items():
             tune(name, p, pool, timed=bool(to_measure))
         for gid in anchors:
@@ -562,7 +594,11 @@ def _tune(
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
         if "vendor" not in candidates and any(v == "vendor" for v in variants.values()):
             # Vendor variants taken from the cache: their epilogue kernels' configs come from it too.
-            tune("vendor", make_plan(None), pool, timed=False)
+            vendor_plan = make_plan(None)
+            if gpu:
+                with CompilePool(device) as late:
+                    failed.update(precompile([vendor_plan], cache, late, deadline, group_ms))
+            tune("vendor", vendor_plan, pool, timed=False)
     # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
     # compiler's own process must never run it (verification, benchmarks).
     unsafe = {

@@ -23,7 +23,7 @@ import torch
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
-from opfuse.tuning_pool import Timing, TimingRequest, TuningPool, cuda_graph_ms
+from opfuse.tuning_pool import CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
 
 # Variations tried around each kernel's own starting config (codegen picks it from the shapes).
 CANDIDATES: dict[str, list[dict[str, Any]]] = {
@@ -115,6 +115,64 @@ def tune_inprocess() -> bool:
     return os.environ.get("OPFUSE_TUNE_INPROCESS", "") == "1"
 
 
+def config_key(config: dict[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+def _request(plan: Plan, k: KernelInfo, config: dict[str, Any]) -> TimingRequest:
+    shapes = [(plan.values[x].shape, plan.values[x].dtype) for x in k.inputs]
+    out_shapes = [(plan.values[o].shape, plan.values[o].dtype) for o in k.outputs]
+    return TimingRequest(k.source, config, shapes, out_shapes)
+
+
+def precompile(
+    plans: list[Plan],
+    cache: TuningCache | None,
+    compiler: CompilePool,
+    deadline: float | None = None,
+    group_ms: dict[str, float] | None = None,
+) -> dict[tuple[str, str], Timing]:
+    """Compile the plans' kernels in parallel before anything times or runs them.
+
+    First every kernel at the config it will run with unless tuned (its cached config, else its
+    default), with no deadline: the plan needs those anyway. Then, until `deadline`, the candidate
+    configs of the kernels that will be tuned (not in `cache`), kernels of the groups with the most
+    profiled time (`group_ms`) first. Returns the requests that failed, by (kernel signature, config_key): the tuner takes
+    those as lost without trying them again.
+    """
+    must: dict[tuple[str, str], TimingRequest] = {}
+    may: list[tuple[float, int, tuple[str, str], TimingRequest]] = []
+    seen: set[tuple[str, str]] = set()
+    for plan in plans:
+        for k in plan.kernels.values():
+            sig = kernel_signature(k)
+            cached = cache.data.get(sig) if cache is not None else None
+            start = dict(cached["config"]) if cached is not None else dict(k.config)
+            key = (sig, config_key(start))
+            if key not in seen:
+                seen.add(key)
+                must[key] = _request(plan, k, start)
+            if cache is None or cached is not None:
+                continue
+            for cand in CANDIDATES.get(k.kind, []):
+                config = {**k.config, **cand}
+                key = (sig, config_key(config))
+                if key not in seen:
+                    seen.add(key)
+                    weight = (group_ms or {}).get(k.group, 0.0)
+                    may.append((-weight, len(may), key, _request(plan, k, config)))
+    failed: dict[tuple[str, str], Timing] = {}
+    keys = list(must)
+    results = compiler.run([must[k] for k in keys])
+    may.sort(key=lambda item: item[:2])
+    keys += [item[2] for item in may]
+    results += compiler.run([item[3] for item in may], deadline)
+    for key, timing in zip(keys, results, strict=True):
+        if timing is not None and not timing.ok:
+            failed[key] = timing
+    return failed
+
+
 def tune_kernel_configs(
     plan: Plan,
     executor: Executor,
@@ -122,6 +180,7 @@ def tune_kernel_configs(
     deadline: float,
     pool: TuningPool | None = None,
     priority: dict[str, float] | None = None,
+    failed: dict[tuple[str, str], Timing] | None = None,
 ) -> dict[str, Any]:
     """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config.
 
@@ -131,7 +190,7 @@ def tune_kernel_configs(
     Candidates are timed in `pool` (one is made for this call when None; pass one to share its
     worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
     candidates killed the worker keeps its default config and is cached as "crashed", so that it
-    is not tried again.
+    is not tried again. `failed` (from `precompile`): candidates already known to fail, not tried.
     """
     own_pool = None
     if tune_inprocess():
@@ -139,7 +198,7 @@ def tune_kernel_configs(
     elif pool is None:
         pool = own_pool = TuningPool(str(executor.device))
     try:
-        return _tune_each(plan, executor, cache, deadline, pool, priority or {})
+        return _tune_each(plan, executor, cache, deadline, pool, priority or {}, failed or {})
     finally:
         if own_pool is not None:
             own_pool.close()
@@ -152,6 +211,7 @@ def _tune_each(
     deadline: float,
     pool: TuningPool | None,
     priority: dict[str, float],
+    failed: dict[tuple[str, str], Timing],
 ) -> dict[str, Any]:
     record: dict[str, Any] = {}
     order = sorted(plan.kernels, key=lambda kid: -priority.get(kid, 0.0))  # stable: plan order on ties
@@ -176,7 +236,7 @@ def _tune_each(
         tried: list[dict[str, Any]] = []
         for cand in CANDIDATES.get(k.kind, []):
             config = {**default, **cand}
-            timing = time_candidate(config)
+            timing = failed.get((key, config_key(config))) or time_candidate(config)
             if not timing.ok:
                 tried.append({"config": cand, "error": timing.error})
                 if timing.killed:  # a bug the default config may share: no more of this kernel
@@ -208,9 +268,7 @@ def _candidate_timer(
     """config -> Timing for one kernel: in the worker, or in this process when `pool` is None."""
     k = plan.kernels[kid]
     if pool is not None:
-        shapes = [(plan.values[x].shape, plan.values[x].dtype) for x in k.inputs]
-        out_shapes = [(plan.values[o].shape, plan.values[o].dtype) for o in k.outputs]
-        return lambda config: pool.time(TimingRequest(k.source, config, shapes, out_shapes))
+        return lambda config: pool.time(_request(plan, k, config))
     module = executor.modules[kid]
     ins = [_random_tensor(plan, x, executor.device) for x in k.inputs]
     outs = [

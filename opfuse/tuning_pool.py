@@ -42,7 +42,7 @@ class TimingRequest:
     config: dict[str, Any]
     inputs: Sequence[TensorShape]
     outputs: Sequence[TensorShape]
-    reps: int = 10
+    reps: int = 10  # 0: compile and run once, untimed (CompilePool)
 
 
 @dataclass
@@ -251,6 +251,78 @@ class TuningPool:
         self._proc, self._conn, self._stderr, self._ready = None, None, None, False
 
 
+def compile_workers() -> int:
+    """How many kernels compile at once: $OPFUSE_COMPILE_WORKERS, else half the usable cores (at
+    most 16). Triton's compile is single-threaded CPU work; each worker holds a CUDA context."""
+    env = os.environ.get("OPFUSE_COMPILE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores // 2))
+
+
+class CompilePool:
+    """Compiles kernels in parallel: several workers, each running its share of the requests once
+    (untimed), which leaves the binaries in Triton's on-disk cache for whoever launches them next
+    (the timing worker, the compiler's own process). A request that fails or kills its worker is
+    reported like a timed candidate, so the tuner never times it again.
+
+    Kernels are compiled in request order (callers put what matters most first); after `deadline`
+    (time.perf_counter()) the rest are left out (None).
+    """
+
+    def __init__(self, device: str = "cuda", workers: int | None = None) -> None:
+        self.device = device
+        self.workers = workers or compile_workers()
+        self._pools: list[TuningPool] = []
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, requests: Sequence[TimingRequest], deadline: float | None = None) -> list[Timing | None]:
+        results: list[Timing | None] = [None] * len(requests)
+        if not requests:
+            return results
+        n = min(self.workers, len(requests))
+        while len(self._pools) < n:
+            pool = TuningPool(self.device)
+            with contextlib.suppress(RuntimeError):  # a worker that cannot start answers its requests
+                pool.start(wait=False)
+            self._pools.append(pool)
+        todo = list(enumerate(requests))
+        todo.reverse()  # popped from the end: request order
+        lock = threading.Lock()
+
+        def serve(pool: TuningPool) -> None:
+            while True:
+                with lock:
+                    if not todo or (deadline is not None and time.perf_counter() > deadline):
+                        return
+                    i, request = todo.pop()
+                compile_only = TimingRequest(
+                    request.source, request.config, request.inputs, request.outputs, 0
+                )
+                results[i] = pool.time(compile_only)
+
+        threads = [threading.Thread(target=serve, args=(pool,), daemon=True) for pool in self._pools[:n]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.close()
+        self._pools.clear()
+
+
 def _last_words(text: str) -> str:
     """What a dead worker wrote that says why: faulthandler's fatal error and the innermost frame
     (the candidate's code), else the last lines."""
@@ -311,6 +383,11 @@ class _Worker:
                 ins.append(torch.randint(0, 4, shape, device=dev).to(dt))
         outs = [torch.empty(shape, dtype=torch_dtype(dtype), device=dev) for shape, dtype in msg["outputs"]]
         config = msg["config"]
+        if msg["reps"] == 0:  # compile (into Triton's on-disk cache) and check that it runs
+            module.launch(*ins, *outs, config=config)
+            if not self.interpret:
+                torch.cuda.synchronize()
+            return 0.0
         return float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
 
     def cuda_broken(self, exc: Exception) -> bool:

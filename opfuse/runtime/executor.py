@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -95,8 +96,10 @@ class Executor:
             self.arena_views[name] = view.view(spec.shape)
 
     def _config(self, kernel_id: str) -> dict[str, Any] | None:
-        """Launch parameters: the interpreter's (large blocks: one numpy pass each), else the plan's."""
-        if self.interpret:
+        """Launch parameters: the interpreter's (large blocks: one numpy pass each), else the plan's.
+        OPFUSE_INTERPRET_GPU_CONFIGS=1 runs the interpreter with the GPU's configs (slow; for finding
+        a bug that only the GPU's tile sizes show)."""
+        if self.interpret and os.environ.get("OPFUSE_INTERPRET_GPU_CONFIGS") != "1":
             return dict(self.modules[kernel_id].INTERPRETER_CONFIG)
         return dict(self.plan.kernels[kernel_id].config) or None
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from opfuse.tuning_pool import Timing, TimingRequest, TuningPool
+from opfuse.tuning_pool import CompilePool, Timing, TimingRequest, TuningPool, compile_workers
 
 # A kernel module as codegen writes one; `fault` in the config makes its launch misbehave.
 SOURCE = """
@@ -251,6 +251,7 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
     from opfuse.passes.pipeline import run_passes
     from opfuse.runtime.ops import SUPPORTED_OPS
     from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
     from tests.unit.test_fusion import make_model
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
@@ -273,7 +274,7 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
 
         plan = build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs)
         feeds = random_inputs(graph.inputs, rng)
-        record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, "cpu", feeds, 60.0)
+        record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
         assert variants[anchor] in ("template", "vendor")
         return record
 
@@ -314,3 +315,59 @@ def test_kernels_are_tuned_where_the_time_is_first(tuning: Any, monkeypatch: pyt
     )
     assert record["k1_add"]["candidates"] == 2  # the expensive one, although it comes second
     assert record["k0_add"]["skipped"] == "tuning budget spent"
+
+
+def test_compile_pool_runs_each_request_once_and_reports_failures() -> None:
+    """Kernels compiled ahead of timing, in parallel workers: each request runs once, untimed; one
+    that raises or kills its worker comes back as a failure and the other workers carry on."""
+    requests = [
+        request(),
+        request(fault="raise"),
+        request(BLOCK=128),
+        request(fault="exit"),
+        request(BLOCK=32),
+    ]
+    with CompilePool("cpu", workers=2) as compiler:
+        results = compiler.run(requests)
+        assert len(compiler._pools) == 2
+    assert all(r is not None for r in results)
+    assert [r.ok for r in results if r is not None] == [True, False, True, False, True]
+    assert results[0] is not None and results[0].ms == 0.0  # compiled and run, not timed
+    assert results[1] is not None and not results[1].killed and "ValueError" in (results[1].error or "")
+    assert results[3] is not None and results[3].killed and "exited with status 1" in (results[3].error or "")
+
+
+def test_compile_pool_leaves_out_what_the_deadline_does_not_reach() -> None:
+    with CompilePool("cpu", workers=1) as compiler:
+        assert compiler.run([request(), request(BLOCK=128)], deadline=time.perf_counter() - 1.0) == [
+            None,
+            None,
+        ]
+
+
+def test_compile_workers_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPFUSE_COMPILE_WORKERS", "3")
+    assert compile_workers() == 3
+    monkeypatch.delenv("OPFUSE_COMPILE_WORKERS")
+    assert 1 <= compile_workers() <= 16
+
+
+def test_precompiled_failures_are_not_timed_again(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """precompile compiles the kernel at its start config, then the candidates of kernels to be
+    tuned; the tuner takes a candidate that failed there as lost without sending it to the worker."""
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"fault": "raise"}, {"BLOCK": 128}])
+    plan = one_kernel_plan()
+    sig = tuning.kernel_signature(plan.kernels["k0_add"])
+    with CompilePool("cpu", workers=2) as compiler:
+        assert tuning.precompile([plan], None, compiler) == {}  # no cache: the start config alone
+        failed = tuning.precompile([plan], tuning.TuningCache(), compiler)
+    assert list(failed) == [(sig, tuning.config_key({"BLOCK": 64, "fault": "raise"}))]
+    assert "ValueError: no such config" in (failed[next(iter(failed))].error or "")
+
+    pool = ScriptedPool()
+    cache = tuning.TuningCache()
+    record = tuning.tune_kernel_configs(
+        plan, cpu_executor(), cache, time.perf_counter() + 60, pool, failed=failed
+    )["k0_add"]
+    assert [r.config for r in pool.requests] == [{"BLOCK": 64}, {"BLOCK": 128}]
+    assert record["candidates"] == 3 and record["config"] == {"BLOCK": 128}
