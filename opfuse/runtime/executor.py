@@ -88,6 +88,11 @@ class Executor:
         # Kernel outputs live in one arena at offsets fixed by liveness (runtime/memory.py).
         self.memory = plan_memory(plan)
         self.arena = torch.empty(self.memory.arena_bytes, dtype=torch.uint8, device=self.device)
+        # OPFUSE_POISON_BUFFERS=1: kernel output buffers start as bytes 0xFF (NaN in every float
+        # type), so a kernel that reads what no kernel wrote shows it. The test suite sets it.
+        self.poison = os.environ.get("OPFUSE_POISON_BUFFERS") == "1"
+        if self.poison:
+            self.arena.fill_(255)
         self.arena_views: dict[str, torch.Tensor] = {}  # made once: the offsets never change
         for name, offset in self.memory.offsets.items():
             spec = plan.values[name]
@@ -133,7 +138,10 @@ class Executor:
         if arena and name in self.arena_views:
             return self.arena_views[name]
         spec = self.plan.values[name]
-        return torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self.device)
+        if self.poison:
+            t.view(-1).view(torch.uint8).fill_(255)
+        return t
 
     def _run_step(self, i: int, step: Step, env: dict[str, torch.Tensor], arena: bool = False) -> None:
         if step.kind == "op":
