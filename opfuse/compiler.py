@@ -32,7 +32,7 @@ from opfuse.runtime.bundle import BUNDLE_FORMAT, BUNDLE_VERSION, read_bundle, wr
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.ops import SUPPORTED_OPS
 from opfuse.runtime.plan import Plan
-from opfuse.verify.compare import DEFAULT_TOLERANCES, OutputCheck, compare_outputs
+from opfuse.verify.compare import DEFAULT_TOLERANCES, WIDE_RANGE, OutputCheck, compare_outputs
 from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
 
 # Stage names, as reported to the worker protocol (DESIGN.md §3, Job.stage).
@@ -291,7 +291,7 @@ def compile(
     verification: dict[str, Any] = {"passed": None, "reference": None, "outputs": {}, "rolled_back": []}
     if verify:
         fallback = build_plan(reference_graph, FusionPlan([], []), "fp32", declared_inputs, declared_outputs)
-        verifier = _Verifier(original, declared_inputs, device, tol, rng, fallback)
+        verifier = _Verifier(original, declared_inputs, device, tol, rng, fallback, precision in WIDE_RANGE)
         plan, verification = verifier.verify_with_rollback(
             graph, fusion, plan, precision, declared_inputs, declared_outputs, make_plan
         )
@@ -416,7 +416,9 @@ class _Verifier:
         tol: tuple[float, float],
         rng: np.random.Generator,
         fallback: Plan,
+        scale_free: bool = False,
     ) -> None:
+        self.scale_free = scale_free  # see compare_outputs
         self.reference: Any
         # (feeds, reference outputs) already computed: the probe's run is the first trial's.
         self.ready: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
@@ -445,7 +447,7 @@ class _Verifier:
                 ref = self.reference.run(feeds)
             out = executor.run(feeds)
             for name, r in ref.items():
-                c = compare_outputs(np.asarray(out[name]), r, *self.tol)
+                c = compare_outputs(np.asarray(out[name]), r, *self.tol, scale_free=self.scale_free)
                 if name not in worst or (not c.passed) or c.rel_l2_err > worst[name].rel_l2_err:
                     if name in worst and not worst[name].passed and c.passed:
                         continue

@@ -320,8 +320,11 @@ def _generate_conv_nhwc(
                 buf.line(
                     "xv = tl.load(x + base[:, None] + rn[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)"
                 )
-                buf.line(f"wv = tl.load(w + rn * {kh_ * kw_} + t, mask=col_ok, other=0.0)")
-                buf.line("acc += xv.to(tl.float32) * wv.to(tl.float32)[None, :]")
+                # The weights as a [1, BLOCK_N] tile: a 1-D load broadcast with [None, :] came out
+                # wrong on the H200 at 64x64 tiles with 4 warps (fp32, Triton 3.6), right in the
+                # interpreter; the 2-D form is the one the GEMM templates use.
+                buf.line(f"wv = tl.load(w + rn[None, :] * {kh_ * kw_} + t, mask=col_ok[None, :], other=0.0)")
+                buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")
         elif flat:
             buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
             with buf.indent():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,46 @@ def test_a_pass_on_atol_alone_says_so() -> None:
     check = compare_outputs(out, ref, rtol=2e-2, atol=1e-3)
     assert check.passed and check.rel_l2_err == 1.0
     assert "atol alone" in check.reason and check.to_json()["reason"] == check.reason
+
+
+def test_a_vanishing_reference_is_held_to_rtol_where_the_precision_has_the_range() -> None:
+    """fp32, tf32 and bf16 represent 1e-8 as exactly (relatively) as 1: atol would pass anything."""
+    ref = (1e-8 * RNG.standard_normal((2, 10))).astype(np.float32)
+    wrong = (ref * 1.3).astype(np.float32)  # 30% off everywhere, every element within atol
+    check = compare_outputs(wrong, ref, rtol=1e-4, atol=1e-5, scale_free=True)
+    assert not check.passed and "held to rtol" in check.reason
+    right = (ref * (1 + 1e-6)).astype(np.float32)
+    assert compare_outputs(right, ref, rtol=1e-4, atol=1e-5, scale_free=True).passed
+    assert compare_outputs(wrong, ref, rtol=1e-4, atol=1e-5).passed  # fp16's rule: atol, flagged
+
+
+def test_fp32_compile_rolls_back_a_wrong_kernel_whose_reference_vanishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model whose outputs are ~1e-9 everywhere: a fused kernel 30% off must fail fp32
+    verification and be rolled back, not pass on atol."""
+    from onnx import helper
+
+    import opfuse
+    from opfuse.runtime import executor as ex
+    from tests.builders import TEST_DEVICE
+    from tests.unit.test_fusion import make_model
+
+    nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Relu", ["m"], ["y"])]
+    model = make_model(nodes, {"x": [4, 16]}, {"y": [4, 16]}, {"s": np.full(16, 1e-9)})
+    run_step = ex.Executor._run_step
+
+    def skewed(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
+        run_step(self, i, step, env, arena)
+        if step.kind == "kernel":  # every generated kernel comes out 30% high
+            for o in step.outputs:
+                env[o].mul_(1.3)
+
+    monkeypatch.setattr(ex.Executor, "_run_step", skewed)
+    cm = opfuse.compile(model, {"x": [4, 16]}, device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["rolled_back"], v
+    assert cm.report["kernels"]["after"] == cm.report["kernels"]["before"]
 
 
 def test_nan_where_the_reference_has_none_fails() -> None:
