@@ -10,7 +10,7 @@ from onnx import shape_inference
 
 from opfuse.errors import ModelError
 from opfuse.frontend.control_flow import fold_compile_time_values
-from opfuse.frontend.inspect import check_model, parse_model
+from opfuse.frontend.inspect import check_model, parse_model, weights_aside
 from opfuse.frontend.opsets import CANONICAL_OPSET, check_node_versions, convert_opset
 from opfuse.frontend.static_values import check_static_shape_inputs
 from opfuse.frontend.unsupported import check_inference_mode, check_supported
@@ -103,6 +103,17 @@ def specialize_shapes(model: onnx.ModelProto, input_shapes: Mapping[str, Sequenc
             shape.dim.add().dim_value = g
 
 
+def _infer_without_weights(model: onnx.ModelProto, data_prop: bool) -> onnx.ModelProto:
+    """onnx shape inference with the bytes of the large weights set aside (inspect.weights_aside):
+    it needs their dims and types; the bytes come back in both models."""
+    with weights_aside(model) as aside:
+        inferred = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=data_prop)
+    for t in inferred.graph.initializer:
+        if t.name in aside and not t.HasField("raw_data"):
+            t.raw_data = aside[t.name]
+    return inferred
+
+
 def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     """ONNX shape inference, strict: a type or shape contradiction is the model's error.
 
@@ -111,11 +122,11 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     a failure there is retried without it before it counts against the model.
     """
     try:
-        return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        return _infer_without_weights(model, data_prop=True)
     except Exception:
         pass
     try:
-        return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=False)
+        return _infer_without_weights(model, data_prop=False)
     except Exception as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(

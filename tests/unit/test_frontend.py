@@ -97,3 +97,39 @@ def test_initializers_listed_as_inputs_are_constants() -> None:
     assert [i.name for i in spec.graph.input] == ["x"]
     assert np.prod([d.dim_value for d in spec.graph.input[0].type.tensor_type.shape.dim]) == 64
     onnx.checker.check_model(spec)
+
+
+def test_shape_inference_sets_the_weights_aside_and_gives_them_back() -> None:
+    """infer_shapes runs onnx's inference without the bytes of large weights (speed), with the same
+    result as inference on the whole model, and both models keep every byte of every weight."""
+    from onnx import numpy_helper, shape_inference
+
+    from opfuse.frontend.inspect import WEIGHT_BYTES
+    from opfuse.frontend.load import infer_shapes
+
+    rng = np.random.default_rng(4)
+    big = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "w")
+    small = numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b")
+    shape = numpy_helper.from_array(np.array([4, 8, 4], dtype=np.int64), "shape")
+    assert len(big.raw_data) > WEIGHT_BYTES >= len(small.raw_data)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["z"]),
+        helper.make_node("Reshape", ["z", "shape"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [big, small, shape],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    before = [t.SerializeToString() for t in model.graph.initializer]
+    inferred = infer_shapes(model)
+    plain = shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    assert inferred.graph.value_info == plain.graph.value_info and len(plain.graph.value_info) == 2
+    assert inferred.graph.output == plain.graph.output
+    assert [d.dim_value for d in inferred.graph.output[0].type.tensor_type.shape.dim] == [4, 8, 4]
+    assert [t.SerializeToString() for t in model.graph.initializer] == before
+    assert [t.SerializeToString() for t in inferred.graph.initializer] == before
