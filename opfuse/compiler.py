@@ -5,7 +5,6 @@ load → specialize → passes → plan → codegen → verify (→ benchmark on
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import hashlib
 import os
@@ -198,8 +197,8 @@ def compile(
     graph = graph_from_onnx(optimized)
     declared_inputs, declared_outputs = list(graph.inputs), list(graph.outputs)
     # The "before": the model as uploaded, one per-op kernel per node, in the same precision.
-    original_graph = copy.deepcopy(graph)
-    reference_graph = copy.deepcopy(graph)  # float32, unfused: the fallback reference
+    original_graph = graph.copy()
+    reference_graph = graph.copy()  # float32, unfused: the fallback reference
     passes = run_passes(graph, disabled)
     apply_precision(graph, precision)
     apply_precision(original_graph, precision)

@@ -6,6 +6,7 @@ static the model is lowered to this IR, where values are names with a static dty
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,13 @@ class Graph:
 
     def iter_nodes(self) -> Iterator[Node]:
         return iter(self.nodes)
+
+    def copy(self) -> Graph:
+        """A copy whose nodes, specs and constant table change independently of this graph's; the
+        constant arrays themselves are shared (passes replace constants, never write into them),
+        which saves copying every weight (hundreds of MB for a transformer) per copy."""
+        memo: dict[int, Any] = {id(arr): arr for arr in self.constants.values()}
+        return copy.deepcopy(self, memo)
 
 
 def decode_attribute(attr: onnx.AttributeProto) -> Any:

@@ -115,10 +115,12 @@ def weights_aside(model: onnx.ModelProto) -> Iterator[dict[str, bytes]]:
             model.graph.initializer[i].raw_data = data
 
 
-def check_model(model: onnx.ModelProto) -> None:
+def check_model(model: onnx.ModelProto, data: bytes | None = None) -> None:
     """opfuse's own refusals and structural checks, then the onnx checker. Raises ModelError.
 
-    A graph whose nodes are listed out of order (but acyclic) is put in order, in place.
+    A graph whose nodes are listed out of order (but acyclic) is put in order, in place. `data`:
+    the bytes `model` was parsed from, which the checker then reads instead of serializing the
+    model again (a second copy of every weight) unless the nodes were reordered.
     """
     if uses_external_data(model):
         raise ModelError(
@@ -126,10 +128,10 @@ def check_model(model: onnx.ModelProto) -> None:
             "save it with all tensors inside the .onnx file "
             "(onnx.save_model(model, path, save_as_external_data=False)) and upload that"
         )
-    if model.HasField("graph"):
-        sort_and_check_graph(model.graph)
+    reordered = sort_and_check_graph(model.graph) if model.HasField("graph") else False
     try:
-        onnx.checker.check_model(model)  # with the weights: it checks their sizes against their dims
+        # With the weights: it checks their sizes against their dims.
+        onnx.checker.check_model(data if data is not None and not reordered else model)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid model"
         raise ModelError(f"the ONNX checker rejected the model: {first}") from None
@@ -152,7 +154,7 @@ def inspect_model(source: bytes | str | os.PathLike[str]) -> ModelInfo:
         with open(source, "rb") as f:
             data = f.read()
     model = parse_model(data)
-    check_model(model)
+    check_model(model, data)
     opset = default_opset(model)
     initializer_names = {init.name for init in model.graph.initializer}
     return ModelInfo(

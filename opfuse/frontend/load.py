@@ -35,7 +35,7 @@ def read_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
         except OSError as exc:
             raise ModelError(f"cannot read the model file: {exc}") from None
     model = parse_model(data)
-    check_model(model)
+    check_model(model, data)
     return model
 
 

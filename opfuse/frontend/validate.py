@@ -49,8 +49,9 @@ def node_label(node: onnx.NodeProto, index: int) -> str:
     return f"node {node.name!r} ({node.op_type})" if node.name else f"node #{index} ({node.op_type})"
 
 
-def sort_and_check_graph(graph: onnx.GraphProto) -> None:
+def sort_and_check_graph(graph: onnx.GraphProto) -> bool:
     """Refuse dangling inputs, values written twice and cycles; put acyclic graphs in order, in place.
+    Returns whether the nodes were reordered.
 
     Only the top-level graph: subgraphs (If/Loop/Scan bodies) are refused later as unsupported ops.
     """
@@ -96,10 +97,12 @@ def sort_and_check_graph(graph: onnx.GraphProto) -> None:
     if problems:
         raise ModelError("the graph is malformed: " + "; ".join(_first(problems, 8)))
     order = _topological_order(graph)
-    if order != list(range(len(graph.node))):
-        nodes = [graph.node[i] for i in order]
-        del graph.node[:]
-        graph.node.extend(nodes)
+    if order == list(range(len(graph.node))):
+        return False
+    nodes = [graph.node[i] for i in order]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return True
 
 
 def _topological_order(graph: onnx.GraphProto) -> list[int]:

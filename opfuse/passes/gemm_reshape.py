@@ -26,15 +26,15 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     flatten, unflatten = m["flatten"], m["unflatten"]
-    x = graph.spec(flatten.inputs[0]).shape
     out = graph.spec(unflatten.outputs[0]).shape
     n = graph.spec(node.outputs[0]).shape[1]
     if int(node.attrs.get("transA", 0)):
         return "Gemm with transA"
     if float(node.attrs.get("alpha", 1.0)) != 1.0 or float(node.attrs.get("beta", 1.0)) != 1.0:
         return "Gemm with alpha or beta other than 1"
-    if len(x) < 2 or tuple(out) != (*x[:-1], n):
-        return "the reshapes do not just flatten and restore the leading dims"
+    rows = graph.spec(node.inputs[0]).shape[0]
+    if len(out) < 2 or out[-1] != n or int(np.prod(out[:-1])) != rows:
+        return "the output reshape does not keep the features as its last dim over the same rows"
     if len(graph.consumers().get(flatten.outputs[0], [])) != 1:
         return "the flattened input is also used elsewhere"
     if int(node.attrs.get("transB", 0)) and node.inputs[1] not in graph.constants:
@@ -47,6 +47,21 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
 def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     flatten, unflatten = m["flatten"], m["unflatten"]
     x = flatten.inputs[0]
+    out_shape = graph.spec(unflatten.outputs[0]).shape
+    k = graph.spec(node.inputs[0]).shape[1]
+    if tuple(graph.spec(x).shape) != (*out_shape[:-1], k):
+        # [rows, K] -> [*out[:-1], n] is a row-major unflatten of the rows: the input takes the
+        # same leading dims (ViT's attention merges heads [B, S, H, D] -> [B*S, H*D] -> [B, S, E]).
+        shaped = f"{node.id}_in"
+        target = f"{node.id}_in_shape"
+        graph.constants[target] = np.array([*out_shape[:-1], k], dtype=np.int64)
+        graph.values[target] = TensorSpec(target, "int64", (len(out_shape),))
+        graph.values[shaped] = TensorSpec(shaped, graph.spec(x).dtype, (*out_shape[:-1], k))
+        graph.nodes.insert(
+            graph.nodes.index(flatten),
+            Node(f"{node.id}r", "Reshape", [x, target], [shaped], {}, flatten.name),
+        )
+        x = shaped
     w = node.inputs[1]
     if int(node.attrs.get("transB", 0)):
         wt = graph.constants[w].T.copy()

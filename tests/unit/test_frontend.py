@@ -133,3 +133,40 @@ def test_shape_inference_sets_the_weights_aside_and_gives_them_back() -> None:
     assert [d.dim_value for d in inferred.graph.output[0].type.tensor_type.shape.dim] == [4, 8, 4]
     assert [t.SerializeToString() for t in model.graph.initializer] == before
     assert [t.SerializeToString() for t in inferred.graph.initializer] == before
+
+
+def test_graph_copy_shares_weights_but_not_structure() -> None:
+    """compile keeps two copies of the graph (the unfused plan, the fallback reference): the weight
+    arrays are shared, everything a pass changes is not."""
+    from opfuse.graph import graph_from_onnx
+
+    _, spec = load_and_specialize(residual_mlp(), {"x": [4, 32]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    twin = graph.copy()
+    assert graph.constants and all(twin.constants[k] is v for k, v in graph.constants.items())
+    assert twin.nodes[0] is not graph.nodes[0] and twin.nodes[0].id == graph.nodes[0].id
+    name = next(iter(graph.constants))
+    graph.constants[name] = graph.constants[name].astype(np.float16)  # what apply_precision does
+    graph.nodes.pop()
+    graph.nodes[0].attrs["changed"] = 1
+    assert twin.constants[name].dtype == np.float32
+    assert len(twin.nodes) == len(graph.nodes) + 1 and "changed" not in twin.nodes[0].attrs
+
+
+def test_the_checker_reads_the_uploaded_bytes_unless_the_nodes_were_reordered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opfuse.frontend import inspect as insp
+
+    data = residual_mlp().SerializeToString()
+    seen: list[type] = []
+    real = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: (seen.append(type(m)), real(m))[1])
+    insp.check_model(insp.parse_model(data), data)
+    assert seen == [bytes]
+    shuffled = insp.parse_model(data)
+    nodes = list(shuffled.graph.node)
+    del shuffled.graph.node[:]
+    shuffled.graph.node.extend(reversed(nodes))
+    insp.check_model(shuffled, shuffled.SerializeToString())  # reordered in place: the proto is checked
+    assert seen == [bytes, onnx.ModelProto]

@@ -168,3 +168,34 @@ def test_gemm_reads_a_transposed_operand_through_strides(precision: str) -> None
         (ref,) = ort_run(m, feeds)
         tol = 1e-4 if precision == "fp32" else 2e-2
         np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_linear_layer_after_a_head_merge_becomes_matmul(precision: str) -> None:
+    """Attention's output projection as exported from nn.MultiheadAttention: heads merged by
+    Reshape [B, S, H, D] -> [B*S, H*D], Gemm, Reshape -> [B, S, E]. The input takes the output's
+    leading dims and the Gemm becomes a MatMul with its bias in the epilogue."""
+    from onnx import numpy_helper
+
+    b, s, h, d, e = 2, 5, 3, 4, 10
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("Gemm", ["x2", "w", "bias"], ["g"], transB=1),
+        helper.make_node("Reshape", ["g", "unflat"], ["y"]),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [b, s, h, d]},
+        {"y": [b, s, e]},
+        {"w": RNG.standard_normal((e, h * d)) * 0.3, "bias": RNG.standard_normal(e)},
+    )
+    m.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([b * s, h * d], dtype=np.int64), "flat"),
+            numpy_helper.from_array(np.array([b, s, e], dtype=np.int64), "unflat"),
+        ]
+    )
+    cm = check_against_ort(m, {"x": [b, s, h, d]}, precision=precision)
+    assert cm.report["fusion"]["passes"]["fired"].get("gemm_to_matmul") == 1
+    assert cm.report["kernels"] == {"before": 1, "after": 1}  # the reshapes are views
+    assert [g["kind"] for g in cm.report["fusion"]["groups"]] == ["gemm"]  # bias in the epilogue
