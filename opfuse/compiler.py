@@ -186,6 +186,47 @@ def compile(
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
     device = _resolve_device(device)
+    compile_pool = None
+    if device.startswith("cuda"):
+        from opfuse.tuning_pool import CompilePool
+
+        # The kernel-compile workers import torch and start their CUDA contexts while the model
+        # loads; they are closed however compile ends.
+        compile_pool = CompilePool(device)
+        compile_pool.start()
+    try:
+        return _compile(
+            model,
+            input_shapes,
+            precision,
+            device,
+            fusion_disable=fusion_disable,
+            rtol=rtol,
+            atol=atol,
+            verify=verify,
+            progress=progress,
+            tune_budget_s=tune_budget_s,
+            compile_pool=compile_pool,
+        )
+    finally:
+        if compile_pool is not None:
+            compile_pool.close()
+
+
+def _compile(
+    model: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    precision: str,
+    device: str,
+    *,
+    fusion_disable: Sequence[str],
+    rtol: float | None,
+    atol: float | None,
+    verify: bool,
+    progress: ProgressFn | None,
+    tune_budget_s: float | None,
+    compile_pool: Any,
+) -> CompiledModel:
     report_progress = progress or (lambda stage, frac: None)
     timings: dict[str, float] = {}
     disabled = set(fusion_disable)
@@ -262,16 +303,16 @@ def compile(
             profile_feeds,
             tune_budget_s,
             _group_times(base_plan, before_times, fusion),
+            compile_pool,
         )
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
-    elif device.startswith("cuda") and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
+    elif compile_pool is not None and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
         from opfuse.tune import config_key, kernel_signature, precompile
-        from opfuse.tuning_pool import CompilePool
 
         report_progress("tuning", 0.55)
-        with CompilePool(device) as compiler:  # the untuned plan's kernels, in parallel
-            failed = precompile([plan], None, compiler)
+        failed = precompile([plan], None, compile_pool)  # the untuned plan's kernels, in parallel
+        compile_pool.close()
         tuning = {"compile_failed": {}, "unsafe_groups": []}
         for kid, k in plan.kernels.items():
             timing = failed.get((kernel_signature(k), config_key(k.config)))
@@ -516,6 +557,7 @@ def _tune(
     feeds: dict[str, Any],
     budget_s: float,
     group_ms: dict[str, float] | None = None,
+    compiler: Any = None,
 ) -> dict[str, Any]:
     """Launch configs for every kernel, then template vs vendor per anchor group, by measurement.
 
@@ -571,8 +613,11 @@ def _tune(
         pool.start(wait=False)
         if gpu:
             t0 = time.perf_counter()
-            with CompilePool(device) as compiler:
+            compiler = compiler or CompilePool(device)  # the caller's pool may have started already
+            try:
                 failed.update(precompile(list(candidates.values()), cache, compiler, deadline, group_ms))
+            finally:
+                compiler.close()  # frees its GPU contexts before anything is timed
             record["compile_s"] = round(time.perf_counter() - t0, 2)
             record["compile_workers"] = compiler.workers
         for name, p in candidates.items():

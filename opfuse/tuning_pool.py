@@ -285,16 +285,21 @@ class CompilePool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def start(self, n: int | None = None) -> None:
+        """Start `n` workers (all by default) in the background: their imports and CUDA contexts
+        overlap the caller's work until `run`."""
+        while len(self._pools) < min(self.workers, n or self.workers):
+            pool = TuningPool(self.device)
+            with contextlib.suppress(RuntimeError):  # a worker that cannot start answers its requests
+                pool.start(wait=False)
+            self._pools.append(pool)
+
     def run(self, requests: Sequence[TimingRequest], deadline: float | None = None) -> list[Timing | None]:
         results: list[Timing | None] = [None] * len(requests)
         if not requests:
             return results
         n = min(self.workers, len(requests))
-        while len(self._pools) < n:
-            pool = TuningPool(self.device)
-            with contextlib.suppress(RuntimeError):  # a worker that cannot start answers its requests
-                pool.start(wait=False)
-            self._pools.append(pool)
+        self.start(n)
         todo = list(enumerate(requests))
         todo.reverse()  # popped from the end: request order
         lock = threading.Lock()
@@ -310,7 +315,7 @@ class CompilePool:
                 )
                 results[i] = pool.time(compile_only)
 
-        threads = [threading.Thread(target=serve, args=(pool,), daemon=True) for pool in self._pools[:n]]
+        threads = [threading.Thread(target=serve, args=(pool,), daemon=True) for pool in self._pools]
         for t in threads:
             t.start()
         for t in threads:

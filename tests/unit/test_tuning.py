@@ -371,3 +371,15 @@ def test_precompiled_failures_are_not_timed_again(tuning: Any, monkeypatch: pyte
     )["k0_add"]
     assert [r.config for r in pool.requests] == [{"BLOCK": 64}, {"BLOCK": 128}]
     assert record["candidates"] == 3 and record["config"] == {"BLOCK": 128}
+
+
+def test_compile_pool_started_early_runs_on_the_workers_it_started() -> None:
+    """compile() starts the compile workers before loading the model; run() then uses them."""
+    with CompilePool("cpu", workers=2) as compiler:
+        compiler.start()
+        started = [p._proc.pid for p in compiler._pools if p._proc is not None]
+        assert len(started) == 2
+        results = compiler.run([request(), request(BLOCK=128), request(BLOCK=32)])
+        assert all(r is not None and r.ok for r in results)
+        assert [p.pid for p in compiler._pools] == started
+    assert compiler._pools == []
