@@ -576,6 +576,13 @@ def _tune(
     deadline = time.perf_counter() + budget_s
     cache = TuningCache()
     record: dict[str, Any] = {"kernels": {}, "variants": {}}
+    # Anchors with nothing to fuse join as template candidates; those whose library kernel is
+    # measured faster leave again below (they run as plain library ops, as without tuning).
+    lone, fusion.lone = list(fusion.lone), []
+    lone_ids = {g.id for g in lone}
+    if lone:
+        fusion.groups.extend(lone)
+        plan = make_plan(None)
     anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv") and g.variant == "template"]
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
@@ -630,6 +637,8 @@ def _tune(
             t_ms = times["template"].get(gid, float("inf"))
             v_ms = times.get("vendor", {}).get(gid, float("inf"))
             choice = "vendor" if v_ms < t_ms else "template"
+            if gid in lone_ids and not t_ms < 0.97 * v_ms:  # a lone anchor leaves the library
+                choice = "vendor"  # kernel only for a clear gain
             variants[gid] = choice
             record["variants"][gid] = {
                 "choice": choice,
@@ -638,13 +647,21 @@ def _tune(
             }
             if gid in variant_key and min(t_ms, v_ms) < float("inf"):
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
-        if "vendor" not in candidates and any(v == "vendor" for v in variants.values()):
+        if "vendor" not in candidates and any(
+            v == "vendor" for g, v in variants.items() if g not in lone_ids
+        ):
             # Vendor variants taken from the cache: their epilogue kernels' configs come from it too.
             vendor_plan = make_plan(None)
             if gpu:
                 with CompilePool(device) as late:
                     failed.update(precompile([vendor_plan], cache, late, deadline, group_ms))
             tune("vendor", vendor_plan, pool, timed=False)
+    library = {g.id for g in lone if variants.get(g.id) == "vendor"}
+    if library:
+        fusion.groups[:] = [g for g in fusion.groups if g.id not in library]
+        for gid in library:
+            del variants[gid]
+    record["lone_anchors"] = {"template": sorted({g.id for g in lone} - library), "library": sorted(library)}
     # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
     # compiler's own process must never run it (verification, benchmarks).
     unsafe = {

@@ -21,8 +21,14 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 
 
 def plan_anchor_groups(
-    graph: Graph, taken: set[str], not_fused: list[NotFired], disabled: set[str] | frozenset[str]
+    graph: Graph,
+    taken: set[str],
+    not_fused: list[NotFired],
+    disabled: set[str] | frozenset[str],
+    lone: list[Group] | None = None,
 ) -> list[Group]:
+    """Anchor groups; anchors with nothing to fuse that a template can run go to `lone` (the
+    library kernel runs them unless tuning measures the template faster)."""
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     consumers = graph.consumers()
     groups: list[Group] = []
@@ -78,7 +84,22 @@ def plan_anchor_groups(
         if kind == "gemm" and variant == "template" and "layout_views" not in disabled:
             views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
         if len(members) == 1 and not views and not prologue:
-            continue  # nothing to fuse: the vendor kernel runs the anchor alone
+            # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
+            # is measured faster (a depthwise 7x7, a small GEMM).
+            if variant == "template" and lone is not None:
+                prefix = "m" if kind == "gemm" else "c"
+                lone.append(
+                    Group(
+                        f"{prefix}{len(groups) + len(lone)}",
+                        kind,
+                        rule,
+                        [anchor],
+                        *group_boundary(graph, [anchor]),
+                        variant="template",
+                        note="an anchor alone: its template was measured faster than the library kernel",
+                    )
+                )
+            continue
         absorbed = [n for v in views.values() for n in v.nodes]
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
@@ -87,7 +108,7 @@ def plan_anchor_groups(
         prefix = "m" if kind == "gemm" else "c"
         groups.append(
             Group(
-                f"{prefix}{len(groups)}",
+                f"{prefix}{len(groups) + len(lone or [])}",  # one numbering with the lone anchors
                 kind,
                 rule,
                 nodes,

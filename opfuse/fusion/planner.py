@@ -7,7 +7,7 @@ caps that keep its live values in registers. Every refusal is recorded with its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
@@ -39,6 +39,9 @@ __all__ = [
 class FusionPlan:
     groups: list[Group]
     not_fused: list[NotFired]
+    # Anchors with nothing to fuse but a template of their own: the library kernel runs them unless
+    # tuning measures the template faster (compiler._tune adds those to `groups`).
+    lone: list[Group] = field(default_factory=list)
 
 
 def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset()) -> FusionPlan:
@@ -52,11 +55,12 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused, in_attention)
     in_rows = {n.id for g in row_groups for n in g.nodes} | in_attention
     row_groups = attention + row_groups
-    gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled)
+    lone: list[Group] = []
+    gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
     row_groups += gemm_groups
     in_rows |= {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:
-        return FusionPlan(row_groups, not_fused)
+        return FusionPlan(row_groups, not_fused, lone)
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     eligible: dict[str, bool] = {}
@@ -119,7 +123,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
             _fold_layout(graph, group, claimed)
         groups.append(group)
         count += 1
-    return FusionPlan(groups, not_fused)
+    return FusionPlan(groups, not_fused, lone)
 
 
 def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

@@ -383,3 +383,61 @@ def test_compile_pool_started_early_runs_on_the_workers_it_started() -> None:
         assert all(r is not None and r.ok for r in results)
         assert [p.pid for p in compiler._pools] == started
     assert compiler._pools == []
+
+
+@pytest.mark.parametrize("faster", ["template", "library"])
+def test_lone_anchor_runs_its_template_only_when_measured_faster(
+    faster: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GEMM with nothing to fuse is not a group unless tuning measures its template clearly
+    faster than the library kernel; then it is one, and the plan runs the template."""
+    import numpy as np
+    from onnx import helper
+
+    from opfuse import compiler, tune
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.lowering import build_plan
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
+    from tests.unit.test_fusion import make_model
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    model = make_model(nodes, {"x": [8, 16]}, {"y": [8, 12]}, {"w": rng.standard_normal((16, 12))})
+    _, spec = load_and_specialize(model, {"x": [8, 16]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    assert fusion.groups == [] and [g.kind for g in fusion.lone] == ["gemm"]
+    (gid,) = [g.id for g in fusion.lone]
+
+    def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
+        template = any(k.group == gid for k in plan.kernels.values())
+        fast = (faster == "template") == template
+        return {gid: 1.0 if fast else 2.0}
+
+    monkeypatch.setattr(tune, "variant_group_times", timed)
+    variants: dict[str, str] = {}
+
+    def make_plan(enabled: list[str] | None = None) -> Any:
+        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
+
+    plan = make_plan()
+    assert plan.kernels == {}
+    feeds = random_inputs(graph.inputs, rng)
+    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    assert record["variants"][gid]["choice"] == ("template" if faster == "template" else "vendor")
+    after = make_plan()
+    if faster == "template":
+        assert record["lone_anchors"] == {"template": [gid], "library": []}
+        assert [g.id for g in fusion.groups] == [gid] and variants == {gid: "template"}
+        assert [k.kind for k in after.kernels.values()] == ["gemm"]
+    else:
+        assert record["lone_anchors"] == {"template": [], "library": [gid]}
+        assert fusion.groups == [] and variants == {} and after.kernels == {}
+    assert fusion.lone == []  # decided once
