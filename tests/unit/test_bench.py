@@ -42,6 +42,8 @@ def test_run_prints_one_table_from_several_result_files(
             "rel_l2": 0.5,
             "peers": peers,
             "vacuous": model == "mobilenet",
+            "opfuse_compile_s": 41.0,
+            "opfuse_warm_compile_s": 6.5 if i == 0 else None,
         }
         path = tmp_path / f"gpu{i}.json"
         path.write_text(json.dumps({"meta": {"gpu": "x"}, "rows": [row]}))
@@ -54,6 +56,7 @@ def test_run_prints_one_table_from_several_result_files(
         sys.argv = sys_argv
     out = capsys.readouterr().out
     assert "resnet50" in out and "bert-base" in out and "UNVERIFIED" in out and "VACUOUS" in out
+    assert "warm s" in out and "41.0    6.5" in out
     assert (
         "geometric mean opfuse / (torch.compile + CUDA graph): 1.00" in out
     )  # sqrt(0.5 * 2.0): the unverified and vacuous rows are out
@@ -74,3 +77,11 @@ def test_rows_are_dealt_to_the_gpus_once_each_and_balanced() -> None:
         assert sorted(r for s in shards for r in s) == sorted(todo)
         sizes = [len(s) for s in shards]
         assert max(sizes) - min(sizes) <= 2
+
+
+def test_source_digest_names_the_code() -> None:
+    from bench import run
+
+    digest = run.source_digest()
+    assert len(digest) == 12 and int(digest, 16) >= 0
+    assert run.source_digest() == digest
