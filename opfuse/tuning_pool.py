@@ -48,11 +48,14 @@ class TimingRequest:
 @dataclass
 class Timing:
     """Milliseconds per launch; infinity with `error` when the candidate failed. `killed`: it took
-    its worker down (crash, hang, broken CUDA context), which the caller should not try again."""
+    its worker down (crash, hang, broken CUDA context), which the caller should not try again.
+    `fingerprint`: what the candidate computed (see `fingerprint`), from the same inputs for every
+    config of one kernel, so configs that disagree can be told apart."""
 
     ms: float
     error: str | None = None
     killed: bool = False
+    fingerprint: tuple[float, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -76,6 +79,35 @@ def cuda_graph_ms(fn: Callable[[], Any], reps: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(end)) / reps
+
+
+def fingerprint(outputs: Sequence[Any]) -> tuple[float, ...]:
+    """Per output: its L2 norm and two fixed random projections, in float64. Two configs of one
+    kernel that compute the same function agree on these up to rounding; a tile computed wrong
+    (a compiler bug at one config) moves the projections by about the norm of the error."""
+    import torch
+
+    values: list[float] = []
+    for t in outputs:
+        x = t.reshape(-1).to(torch.float64)
+        gen = torch.Generator(device=x.device).manual_seed(1234)
+        r = torch.randn((2, x.numel()), generator=gen, device=x.device, dtype=torch.float64)
+        values += [float(torch.linalg.vector_norm(x)), *(float(v) for v in r @ x)]
+    return tuple(values)
+
+
+def fingerprints_agree(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
+    """Whether two fingerprints (same kernel, same inputs) agree within `rtol` of the output norm."""
+    if len(a) != len(b):
+        return False
+    for i in range(0, len(a), 3):
+        scale = max(abs(a[i]), abs(b[i]), 1e-30)
+        for x, y in zip(a[i : i + 3], b[i : i + 3], strict=True):
+            if math.isnan(x) and math.isnan(y):
+                continue
+            if not abs(x - y) <= rtol * scale:  # NaN on one side fails
+                return False
+    return True
 
 
 def wall_clock_ms(fn: Callable[[], Any], reps: int = 10) -> float:
@@ -206,7 +238,8 @@ class TuningPool:
             return Timing(math.inf, why, killed=True)
         kind, value, fatal = answer
         if kind == "ok":
-            return Timing(float(value))
+            ms, prints = value
+            return Timing(float(ms), fingerprint=tuple(prints))
         if fatal:  # the worker has left: its CUDA context is unusable after this error
             self._discard()
         return Timing(math.inf, str(value), killed=bool(fatal))
@@ -371,7 +404,8 @@ class _Worker:
                 if fatal:
                     return
 
-    def measure(self, msg: dict[str, Any]) -> float:
+    def measure(self, msg: dict[str, Any]) -> tuple[float, tuple[float, ...]]:
+        """(ms per launch, fingerprint of the outputs); the inputs are the same for every config."""
         import torch
 
         from opfuse.runtime.kernels import load_kernel_module
@@ -379,6 +413,7 @@ class _Worker:
 
         module = load_kernel_module(msg["source"], self.interpret)
         dev = torch.device(self.device)
+        torch.manual_seed(0)
         ins = []
         for shape, dtype in msg["inputs"]:
             dt = torch_dtype(dtype)
@@ -392,8 +427,9 @@ class _Worker:
             module.launch(*ins, *outs, config=config)
             if not self.interpret:
                 torch.cuda.synchronize()
-            return 0.0
-        return float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
+            return 0.0, fingerprint(outs)
+        ms = float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
+        return ms, fingerprint(outs)
 
     def cuda_broken(self, exc: Exception) -> bool:
         """After an illegal address or a launch failure the context is lost for good."""

@@ -46,6 +46,8 @@ def launch(x, out, config=None):
     if fault == "raise":
         raise ValueError("no such config")
     add_one[(triton.cdiv(out.numel(), c["BLOCK"]),)](x, out, out.numel(), BLOCK=c["BLOCK"])
+    if fault == "wrong":  # as if compiled wrong at this config: a tile of the output is off
+        out[:64] *= 3.0
 """
 SHAPES = [((256,), "float32")]
 
@@ -441,3 +443,49 @@ def test_lone_anchor_runs_its_template_only_when_measured_faster(
         assert record["lone_anchors"] == {"template": [], "library": [gid]}
         assert fusion.groups == [] and variants == {} and after.kernels == {}
     assert fusion.lone == []  # decided once
+
+
+def test_fingerprints_tell_a_wrong_tile_from_rounding() -> None:
+    import torch
+
+    from opfuse.tuning_pool import fingerprint, fingerprints_agree
+
+    torch.manual_seed(3)
+    y = torch.randn(64, 72)
+    rounded = y.half().float()  # what another tile order or precision may change
+    wrong = y.clone()
+    wrong[:, 64:] = 0.0  # one channel block not written right
+    assert fingerprints_agree(fingerprint([y]), fingerprint([y]), 1e-3)
+    assert fingerprints_agree(fingerprint([y]), fingerprint([rounded]), 2e-2)
+    assert not fingerprints_agree(fingerprint([y]), fingerprint([wrong]), 2e-2)
+    assert not fingerprints_agree(fingerprint([y]), fingerprint([y, y]), 1e-3)
+
+
+def test_a_config_that_computes_something_else_is_outvoted_or_the_kernel_is_not_fused(
+    tuning: Any,
+) -> None:
+    a, b, c = (1.0, 0.0, 0.0), (1.0, 0.5, 0.5), (2.0, 1.0, 1.0)
+    ran = [({"BLOCK": 64}, 3.0, a), ({"BLOCK": 128}, 1.0, b), ({"BLOCK": 32}, 2.0, a)]
+    kept, outvoted, crashed = tuning.agreeing_configs(ran, 1e-3)
+    assert [r[0] for r in kept] == [{"BLOCK": 64}, {"BLOCK": 32}] and outvoted == [{"BLOCK": 128}]
+    assert crashed is None
+    kept, outvoted, crashed = tuning.agreeing_configs(ran[:2], 1e-3)
+    assert kept == [] and "no majority" in (crashed or "")
+    three = [*ran[:2], ({"BLOCK": 16}, 1.0, c)]
+    assert tuning.agreeing_configs(three, 1e-3)[2] is not None
+    assert tuning.agreeing_configs([ran[0], ran[2]], 1e-3) == ([ran[0], ran[2]], [], None)
+
+
+def test_tuning_never_picks_a_config_whose_output_differs(
+    pool: TuningPool, tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker fingerprints every candidate's output on the same inputs: the fastest config is
+    chosen among those that agree, and the one that computed something else is outvoted."""
+    monkeypatch.setitem(
+        tuning.CANDIDATES, "pointwise", [{}, {"BLOCK": 128}, {"BLOCK": 256, "fault": "wrong"}, {"BLOCK": 32}]
+    )
+    plan, executor = one_kernel_plan(), cpu_executor()
+    cache = tuning.TuningCache()
+    record = tuning.tune_kernel_configs(plan, executor, cache, time.perf_counter() + 60, pool)["k0_add"]
+    assert record["outvoted"] == [{"BLOCK": 256, "fault": "wrong"}]
+    assert "fault" not in record["config"] and math.isfinite(record["ms"]) and "crashed" not in record
