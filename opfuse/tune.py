@@ -235,8 +235,12 @@ def _tune_each(
         crashed: str | None = None
         tried: list[dict[str, Any]] = []
         ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
+        seen: set[str] = set()
         for cand in CANDIDATES.get(k.kind, []):
             config = {**default, **cand}
+            if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
+                continue
+            seen.add(config_key(config))
             timing = failed.get((key, config_key(config))) or time_candidate(config)
             if not timing.ok:
                 tried.append({"config": cand, "error": timing.error})
