@@ -9,6 +9,7 @@ reached keep their default config.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -33,6 +34,11 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
         {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        # Large tiles for big GEMMs on Hopper (8 warps: two warpgroups of wgmma), and a deep K
+        # tile for few rows and long K (a decoder's MLP at batch 1). Where one does not fit in
+        # shared memory (float32 operands) it fails to compile and loses.
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
     ],
     "conv": [
         {},
@@ -90,10 +96,24 @@ class TuningCache:
         self.data[key] = value
 
     def save(self) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f)
-        os.replace(tmp, self.path)
+        """Write this session's entries into the file, merged with what other processes saved
+        since it was read (GPU workers and benchmark shards on one host share the file)."""
+        with open(f"{self.path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    with open(self.path) as f:
+                        on_disk: dict[str, Any] = json.load(f)
+                except (OSError, json.JSONDecodeError):
+                    on_disk = {}
+                merged = {**on_disk, **self.data}
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(merged, f)
+                os.replace(tmp, self.path)
+                self.data = merged
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:

@@ -489,3 +489,14 @@ def test_tuning_never_picks_a_config_whose_output_differs(
     record = tuning.tune_kernel_configs(plan, executor, cache, time.perf_counter() + 60, pool)["k0_add"]
     assert record["outvoted"] == [{"BLOCK": 256, "fault": "wrong"}]
     assert "fault" not in record["config"] and math.isfinite(record["ms"]) and "crashed" not in record
+
+
+def test_tuning_caches_of_two_processes_merge_on_save(tuning: Any) -> None:
+    """Two compiles on one host (GPU workers, benchmark shards) read the file, tune different
+    kernels and save: neither loses the other's entries."""
+    first, second = tuning.TuningCache(), tuning.TuningCache()
+    first.put("kernel-a", {"config": {"BLOCK": 64}, "ms": 1.0})
+    second.put("kernel-b", {"config": {"BLOCK": 128}, "ms": 2.0})
+    first.save()
+    second.save()
+    assert set(tuning.TuningCache().data) == {"kernel-a", "kernel-b"}
