@@ -81,6 +81,9 @@ def cuda_graph_ms(fn: Callable[[], Any], reps: int = 10) -> float:
     return float(start.elapsed_time(end)) / reps
 
 
+FINGERPRINT_CHUNK = 1 << 22  # elements per step: float64 temporaries of about 100 MB at most
+
+
 def fingerprint(outputs: Sequence[Any]) -> tuple[float, ...]:
     """Per output: its L2 norm and two fixed random projections, in float64. Two configs of one
     kernel that compute the same function agree on these up to rounding; a tile computed wrong
@@ -89,10 +92,17 @@ def fingerprint(outputs: Sequence[Any]) -> tuple[float, ...]:
 
     values: list[float] = []
     for t in outputs:
-        x = t.reshape(-1).to(torch.float64)
-        gen = torch.Generator(device=x.device).manual_seed(1234)
-        r = torch.randn((2, x.numel()), generator=gen, device=x.device, dtype=torch.float64)
-        values += [float(torch.linalg.vector_norm(x)), *(float(v) for v in r @ x)]
+        flat = t.reshape(-1)
+        norm2 = 0.0
+        proj = [0.0, 0.0]
+        for i, start in enumerate(range(0, flat.numel(), FINGERPRINT_CHUNK)):  # bounded memory
+            x = flat[start : start + FINGERPRINT_CHUNK].to(torch.float64)
+            gen = torch.Generator(device=x.device).manual_seed(1234 + i)
+            r = torch.randn((2, x.numel()), generator=gen, device=x.device, dtype=torch.float64)
+            norm2 += float(x @ x)
+            p0, p1 = (float(v) for v in r @ x)
+            proj = [proj[0] + p0, proj[1] + p1]
+        values += [math.sqrt(norm2) if norm2 == norm2 else math.nan, *proj]
     return tuple(values)
 
 

@@ -500,3 +500,18 @@ def test_tuning_caches_of_two_processes_merge_on_save(tuning: Any) -> None:
     first.save()
     second.save()
     assert set(tuning.TuningCache().data) == {"kernel-a", "kernel-b"}
+
+
+def test_fingerprint_in_chunks_sees_every_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from opfuse import tuning_pool
+    from opfuse.tuning_pool import fingerprint, fingerprints_agree
+
+    monkeypatch.setattr(tuning_pool, "FINGERPRINT_CHUNK", 100)
+    y = torch.randn(1000)
+    late = y.clone()
+    late[-10:] += 5.0  # the last chunk only
+    assert fingerprint([y]) == fingerprint([y.clone()])
+    assert abs(fingerprint([y])[0] - float(torch.linalg.vector_norm(y.double()))) < 1e-9
+    assert not fingerprints_agree(fingerprint([y]), fingerprint([late]), 2e-2)
