@@ -10,6 +10,7 @@ from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.rowwise import generate_rowwise
+from opfuse.codegen.source import fixed_header
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
@@ -104,7 +105,9 @@ def build_plan(
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split)
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
-        kernels[kid] = KernelInfo(kid, src.kind, g.id, src.inputs, src.outputs, src.config, src.source)
+        kernels[kid] = KernelInfo(
+            kid, src.kind, g.id, src.inputs, src.outputs, src.config, fixed_header(src.source)
+        )
         steps.append(
             Step(
                 "kernel",

@@ -137,7 +137,7 @@ def generate_conv(
     operands_only = {x_name, w_name} - epilogue_reads
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     args = ["x", "w"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
-    fn = f"{kernel_id}_conv"
+    fn = "fused_conv"
     prec = ""
     if dtype == "float32":
         prec = ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'
@@ -246,7 +246,7 @@ def _generate_conv_nhwc(
         + [f"in{i}" for i in range(len(extra))]
         + [f"out{i}" for i in range(len(outputs))]
     )
-    fn = f"{kernel_id}_conv"
+    fn = "fused_conv"
     prec = ""
     if dtype == "float32":
         prec = ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'

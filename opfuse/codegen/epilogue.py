@@ -33,7 +33,7 @@ def emit_nodes(buf: SourceBuffer, graph: Graph, nodes: list[Node], regs: dict[st
     for j, node in enumerate(nodes):
         a_exprs = [regs[x] if x else "" for x in node.inputs]
         consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
-        buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.id} {node.op_type}")
+        buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.op_type}")
         regs[node.outputs[0]] = f"v{j}"
 
 

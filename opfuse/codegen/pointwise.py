@@ -269,7 +269,7 @@ def generate_pointwise(
     views = views or {}
     shape = graph.spec(outputs[0]).shape
     numel = graph.spec(outputs[0]).numel
-    fn = f"{kernel_id}_pointwise"
+    fn = "fused_pointwise"
     literals, tensor_inputs = split_literals(graph, inputs)
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
@@ -312,7 +312,7 @@ def generate_pointwise(
             args_expr = [regs[x] if x else "" for x in n.inputs]
             consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
             expr = EMITTERS[n.op_type](args_expr, n, consts)
-            buf.line(f"v{j} = {expr}  # {n.id} {n.op_type}")
+            buf.line(f"v{j} = {expr}  # {n.op_type}")
             regs[n.outputs[0]] = f"v{j}"
         for i, name in enumerate(outputs):
             buf.line(f"tl.store(out{i} + offs, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")

@@ -302,7 +302,7 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     rows, r, inner = space.outer, space.r, space.inner
     block = next_pow2(r)
-    fn = f"{kernel_id}_rowwise"
+    fn = "fused_rowwise"
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
@@ -398,16 +398,16 @@ def generate_rowwise(
             v = f"v{j}"
             if n.op_type in EMITTERS:
                 scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
-                buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.id} {n.op_type}")
+                buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.op_type}")
             elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
-                buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.id} {n.op_type}")
+                buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.op_type}")
                 if n.op_type != "ReduceSum":
                     buf.line(f"{v} = {v} / {r}.0")
             elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
                 op, pad = ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", NEG_INF)
-                buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.id} {n.op_type}")
+                buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.op_type}")
             elif n.op_type in ("Softmax", "LogSoftmax"):
-                buf.line(f"{v}_max = {reduce('tl.max', a[0], NEG_INF)}  # {n.id} {n.op_type}")
+                buf.line(f"{v}_max = {reduce('tl.max', a[0], NEG_INF)}  # {n.op_type}")
                 buf.line(f"{v}_exp = tl.exp({a[0]} - {v}_max)")
                 buf.line(f"{v}_sum = {reduce('tl.sum', f'{v}_exp', '0.0')}")
                 if n.op_type == "Softmax":
@@ -416,7 +416,7 @@ def generate_rowwise(
                     buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
             elif n.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
                 eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
-                buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.id} {n.op_type}")
+                buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.op_type}")
                 buf.line(f"{v}_diff = tl.where({mask}, {a[0]} - {v}_mean, 0.0)")
                 buf.line(
                     f"{v}_rstd = 1.0 / tl.sqrt({reduce('tl.sum', f'{v}_diff * {v}_diff', '0.0')} / {r}.0 + {eps})"
