@@ -48,6 +48,7 @@ class KernelCount:
     before: int  # the unfused plan's launches
     after: int  # the fused plan's launches
     kernel_steps: int  # generated kernels (one launch each)
+    distinct_kernels: int  # ... of which distinct for Triton's compile cache (repeated layers share)
     vendor_steps: int  # library anchors of vendor-variant conv/GEMM groups (one launch each)
     unfused_steps: int  # op steps outside every group that launch a kernel
     unfused_by_op: dict[str, int] = field(default_factory=dict)
@@ -169,6 +170,14 @@ def view_copies(plan: Any) -> int | None:
         return None
 
 
+def jitted_function(source: str) -> tuple[int, str]:
+    """What Triton's compile cache keys a generated kernel on: its jitted function's text and line."""
+    lines = source.split("\n")
+    start = next((i for i, line in enumerate(lines) if line.startswith("@triton.jit")), 0)
+    end = next((i for i in range(start + 2, len(lines)) if lines[i].startswith("def ")), len(lines))
+    return start, "\n".join(lines[start:end])
+
+
 def count(name: str, batch: int, precision: str, onnx_nodes: int, p: Planned) -> KernelCount:
     groups = step_groups(p)
     unfused = [s for s in p.plan.steps if s.kind == "op" and not s.group and s.launches]
@@ -188,6 +197,7 @@ def count(name: str, batch: int, precision: str, onnx_nodes: int, p: Planned) ->
         before=p.base_plan.launches,
         after=p.plan.launches,
         kernel_steps=sum(1 for s in p.plan.steps if s.kind == "kernel"),
+        distinct_kernels=len({jitted_function(k.source) for k in p.plan.kernels.values()}),
         vendor_steps=len(vendor),
         unfused_steps=len(unfused),
         unfused_by_op=dict(collections.Counter(s.op_type for s in unfused).most_common()),
@@ -322,7 +332,8 @@ def measure(
 def print_row(r: KernelCount, top: int = 10, show_patterns: int = 0) -> None:
     print(
         f"{r.model:<20}{r.batch:>3} {r.precision:<5}{r.onnx_nodes:>7}{r.compute_nodes:>9}"
-        f"{r.before:>8}{r.after:>7}{r.ratio:>7.2f}   kernels {r.kernel_steps}, vendor anchors "
+        f"{r.before:>8}{r.after:>7}{r.ratio:>7.2f}   kernels {r.kernel_steps} ({r.distinct_kernels} "
+        f"distinct), vendor anchors "
         f"{r.vendor_steps}, unfused ops {r.unfused_steps}; hidden view copies before/after "
         f"{r.copies_before}/{r.copies_after}"
     )
