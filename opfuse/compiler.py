@@ -9,6 +9,7 @@ import datetime as dt
 import hashlib
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -278,6 +279,16 @@ def _compile(
     timings["codegen"] = time.perf_counter() - t
 
     rng = np.random.default_rng()
+    verifier = None
+    if verify:
+        # The reference outputs of the first trials (onnxruntime on the CPU) are computed in the
+        # background while the GPU profiles and tunes: they do not depend on the plan.
+        d_rtol, d_atol = DEFAULT_TOLERANCES[precision]
+        tol = (rtol if rtol is not None else d_rtol, atol if atol is not None else d_atol)
+        fallback = build_plan(reference_graph, FusionPlan([], []), "fp32", declared_inputs, declared_outputs)
+        verifier = _Verifier(
+            original, declared_inputs, device, tol, rng, fallback, precision in WIDE_RANGE, background=True
+        )
     t = time.perf_counter()
     report_progress("profiling", 0.5)
     profile_feeds = random_inputs(declared_inputs, rng)
@@ -326,12 +337,8 @@ def _compile(
 
     t = time.perf_counter()
     report_progress("verifying", 0.6)
-    d_rtol, d_atol = DEFAULT_TOLERANCES[precision]
-    tol = (rtol if rtol is not None else d_rtol, atol if atol is not None else d_atol)
     verification: dict[str, Any] = {"passed": None, "reference": None, "outputs": {}, "rolled_back": []}
-    if verify:
-        fallback = build_plan(reference_graph, FusionPlan([], []), "fp32", declared_inputs, declared_outputs)
-        verifier = _Verifier(original, declared_inputs, device, tol, rng, fallback, precision in WIDE_RANGE)
+    if verifier is not None:
         plan, verification = verifier.verify_with_rollback(
             graph, fusion, plan, precision, declared_inputs, declared_outputs, make_plan
         )
@@ -457,26 +464,54 @@ class _Verifier:
         rng: np.random.Generator,
         fallback: Plan,
         scale_free: bool = False,
+        background: bool = False,
     ) -> None:
+        """`background`: the first trials' reference outputs are computed in a thread (onnxruntime
+        releases the GIL), ready when the first check needs them."""
         self.scale_free = scale_free  # see compare_outputs
-        self.reference: Any
-        # (feeds, reference outputs) already computed: the probe's run is the first trial's.
-        self.ready: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
-        try:
-            self.reference = OnnxRuntimeReference(original)
-            probe = random_inputs(inputs, rng)
-            self.ready.append((probe, self.reference.run(probe)))  # it may load but not run (types, opsets)
-        except Exception as exc:  # onnxruntime cannot run every valid model (newest opsets, bf16 ops)
-            self.reference = _UnfusedReference(
-                fallback, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            )
         self.inputs = inputs
         self.device = device
         self.tol = tol
         self.rng = rng
+        self.reference: Any = None
+        # (feeds, reference outputs) computed ahead: the first check's trials.
+        self.ready: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        feeds = [random_inputs(inputs, rng) for _ in range(VERIFY_TRIALS)]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._prepare, args=(original, fallback, feeds), daemon=True
+            )
+            self._thread.start()
+        else:
+            self._prepare(original, fallback, feeds)
+
+    def _prepare(self, original: onnx.ModelProto, fallback: Plan, feeds: list[dict[str, np.ndarray]]) -> None:
+        try:
+            try:
+                self.reference = OnnxRuntimeReference(original)
+                # The first run also shows whether onnxruntime takes the model: it may load but
+                # not run it (types, opsets).
+                self.ready = [(f, self.reference.run(f)) for f in feeds]
+            except Exception as exc:  # onnxruntime cannot run every valid model (newest opsets, bf16)
+                self.ready = []
+                self.reference = _UnfusedReference(
+                    fallback, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                )
+        except BaseException as exc:  # raised again where the check waits for it
+            self._error = exc
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
 
     def check(self, plan: Plan) -> tuple[bool, dict[str, OutputCheck]]:
         """Fresh random inputs for every check; the worst result per output is kept."""
+        self._wait()
         worst: dict[str, OutputCheck] = {}
         executor = Executor(plan, self.device)
         for _ in range(VERIFY_TRIALS):

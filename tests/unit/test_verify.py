@@ -97,3 +97,43 @@ def test_compile_runs_the_reference_once_per_trial(monkeypatch: pytest.MonkeyPat
         cm.report["verification"]["passed"] is True and cm.report["verification"]["trials"] == VERIFY_TRIALS
     )
     assert len(calls) == VERIFY_TRIALS
+
+
+def test_reference_outputs_are_computed_beside_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """onnxruntime's runs for the first trials happen in a background thread while the plan is
+    profiled and tuned; the check waits for them."""
+    import threading
+
+    import opfuse
+    from opfuse.verify.reference import OnnxRuntimeReference
+    from tests.builders import TEST_DEVICE, residual_mlp
+
+    threads: list[str] = []
+    original = OnnxRuntimeReference.run
+
+    def traced(self: OnnxRuntimeReference, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        return original(self, feeds)
+
+    monkeypatch.setattr(OnnxRuntimeReference, "run", traced)
+    cm = opfuse.compile(residual_mlp(), {"x": [4, 32]}, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    assert threads and threading.main_thread().name not in threads
+
+
+def test_a_failure_while_preparing_the_reference_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    import opfuse
+    from opfuse import compiler
+    from opfuse.verify.reference import OnnxRuntimeReference
+    from tests.builders import TEST_DEVICE, residual_mlp
+
+    def no_ort(self: OnnxRuntimeReference, model: Any) -> None:
+        raise ValueError("onnxruntime cannot load this")
+
+    def no_fallback(self: Any, plan: Any, why: str) -> None:
+        raise RuntimeError("the fallback reference failed too")
+
+    monkeypatch.setattr(OnnxRuntimeReference, "__init__", no_ort)
+    monkeypatch.setattr(compiler._UnfusedReference, "__init__", no_fallback)
+    with pytest.raises(RuntimeError, match="fallback reference failed too"):
+        opfuse.compile(residual_mlp(), {"x": [4, 32]}, device=TEST_DEVICE)
