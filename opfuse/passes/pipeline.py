@@ -51,13 +51,16 @@ def optimize_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     is an aid, not a requirement: if it fails on a model, compilation goes on with the unfolded
     graph (and the report says so).
     """
+    import onnx_ir as ir
     import onnxscript.optimizer
 
     try:
-        optimized = onnx.ModelProto()
-        optimized.CopyFrom(model)
-        onnxscript.optimizer.fold_constants(optimized, onnx_shape_inference=True)
-        onnxscript.optimizer.remove_unused_nodes(optimized)
+        # One conversion to the IR and one back (the proto entry points convert on each call,
+        # weights included); the IR reads the model without changing it.
+        ir_model = ir.serde.deserialize_model(model)
+        onnxscript.optimizer.fold_constants(ir_model, onnx_shape_inference=True)
+        onnxscript.optimizer.remove_unused_nodes(ir_model)
+        optimized = ir.serde.serialize_model(ir_model)
     except Exception as exc:  # a bug in the optimizer must not fail the user's job
         log.warning("onnxscript optimizer failed; continuing without it: %s", exc)
         return model, f"skipped: {type(exc).__name__}"

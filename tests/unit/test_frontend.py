@@ -170,3 +170,15 @@ def test_the_checker_reads_the_uploaded_bytes_unless_the_nodes_were_reordered(
     shuffled.graph.node.extend(reversed(nodes))
     insp.check_model(shuffled, shuffled.SerializeToString())  # reordered in place: the proto is checked
     assert seen == [bytes, onnx.ModelProto]
+
+
+def test_the_onnx_optimizer_leaves_the_model_it_is_given_alone() -> None:
+    """optimize_onnx folds into a new model; the specialized model (the verification's and the
+    unfused plan's source) stays as it was."""
+    from opfuse.passes.pipeline import optimize_onnx
+
+    _, spec = load_and_specialize(residual_mlp(), {"x": [4, 32]}, SUPPORTED_OPS)
+    before = spec.SerializeToString()
+    optimized, status = optimize_onnx(spec)
+    assert status == "applied" and optimized is not spec
+    assert spec.SerializeToString() == before
