@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import opfuse
 from opfuse.runtime.executor import Executor
+from opfuse.tuning_pool import cuda_graph_ms
 
 BANDWIDTH_CASES = {
     # name: (op chain, shape)
@@ -94,22 +95,6 @@ def gemm_model(m: int, k: int, n: int) -> tuple[onnx.ModelProto, dict[str, tuple
     return _model(nodes, {"x": (m, k)}, (m, n), inits), {"x": (m, k)}
 
 
-def _device_ms(fn: Any, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]]) -> tuple[float, int]:
     """Device time of the plan's generated kernels (views cost nothing) and how many there are."""
     rng = np.random.default_rng(1)
@@ -141,7 +126,7 @@ def bandwidth(device: str, small: bool) -> list[dict[str, Any]]:
         if device.startswith("cuda"):
             src = torch.empty(nbytes // 4, dtype=torch.float16, device=device)
             dst = torch.empty_like(src)  # a copy of the same bytes moved: nbytes/2 read + nbytes/2 written
-            copy_ms = _device_ms(lambda s=src, d=dst: d.copy_(s))
+            copy_ms = cuda_graph_ms(lambda s=src, d=dst: d.copy_(s), reps=20)
             row["copy_tb_per_s"] = nbytes / (copy_ms * 1e-3) / 1e12
             row["fraction_of_copy"] = row["tb_per_s"] / row["copy_tb_per_s"]
         rows.append(row)
@@ -175,9 +160,11 @@ def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             w = torch.randn(k, n, device=device, dtype=torch.float16)
             b = torch.randn(n, device=device, dtype=torch.float16)
-            mm_ms = _device_ms(lambda x=x, w=w: torch.matmul(x, w))
+            mm_ms = cuda_graph_ms(lambda x=x, w=w: torch.matmul(x, w), reps=20)
             row["torch_matmul_ms"] = mm_ms
-            row["torch_eager_group_ms"] = _device_ms(lambda x=x, w=w, b=b: torch.relu(torch.matmul(x, w) + b))
+            row["torch_eager_group_ms"] = cuda_graph_ms(
+                lambda x=x, w=w, b=b: torch.relu(torch.matmul(x, w) + b), reps=20
+            )
             row["torch_matmul_tflops"] = flops / (mm_ms * 1e-3) / 1e12
             if row.get("template_ms"):
                 row["template_tflops"] = flops / (row["template_ms"] * 1e-3) / 1e12

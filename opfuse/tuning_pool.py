@@ -249,7 +249,7 @@ class TuningPool:
         kind, value, fatal = answer
         if kind == "ok":
             ms, prints = value
-            return Timing(float(ms), fingerprint=tuple(prints))
+            return Timing(float(ms), fingerprint=None if prints is None else tuple(prints))
         if fatal:  # the worker has left: its CUDA context is unusable after this error
             self._discard()
         return Timing(math.inf, str(value), killed=bool(fatal))
@@ -414,8 +414,9 @@ class _Worker:
                 if fatal:
                     return
 
-    def measure(self, msg: dict[str, Any]) -> tuple[float, tuple[float, ...]]:
-        """(ms per launch, fingerprint of the outputs); the inputs are the same for every config."""
+    def measure(self, msg: dict[str, Any]) -> tuple[float, tuple[float, ...] | None]:
+        """(ms per launch, fingerprint of the outputs; the inputs are the same for every config).
+        A compile-only request (reps 0) is neither timed nor fingerprinted."""
         import torch
 
         from opfuse.runtime.kernels import load_kernel_module
@@ -437,7 +438,7 @@ class _Worker:
             module.launch(*ins, *outs, config=config)
             if not self.interpret:
                 torch.cuda.synchronize()
-            return 0.0, fingerprint(outs)
+            return 0.0, None
         ms = float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
         return ms, fingerprint(outs)
 

@@ -292,6 +292,14 @@ def _generate_conv_nhwc(
         with buf.indent():
             buf.line(f"acc = tl.dot({a}, {b}, acc{prec})")
 
+    def window_position() -> None:
+        """Window position t: the input pixel each output row reads, whether it is inside the
+        image, and the offset of its channels (NHWC)."""
+        buf.line(f"ih = ih0 + (t // {kw_}) * {p['DH']}")
+        buf.line(f"iw = iw0 + (t % {kw_}) * {p['DW']}")
+        buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
+        buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+
     def scale_tile(mask: str) -> None:
         buf.line(f"sc_tile = tl.load(sc + {scale_index}, mask={mask}, other=0.0)")
         buf.line("a_tile = (a_tile.to(tl.float32) * sc_tile.to(tl.float32)).to(a_tile.dtype)")
@@ -313,10 +321,7 @@ def _generate_conv_nhwc(
             buf.line(f"col_ok = rn < {n}")
             buf.line(f"for t in range(0, {kh_ * kw_}):")
             with buf.indent():
-                buf.line(f"ih = ih0 + (t // {kw_}) * {p['DH']}")
-                buf.line(f"iw = iw0 + (t % {kw_}) * {p['DW']}")
-                buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
-                buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+                window_position()
                 buf.line(
                     "xv = tl.load(x + base[:, None] + rn[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)"
                 )
@@ -349,10 +354,7 @@ def _generate_conv_nhwc(
         else:
             buf.line(f"for t in range(0, {kh_ * kw_}):")
             with buf.indent():
-                buf.line(f"ih = ih0 + (t // {kw_}) * {p['DH']}")
-                buf.line(f"iw = iw0 + (t % {kw_}) * {p['DW']}")
-                buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
-                buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+                window_position()
                 buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
                 with buf.indent():
                     buf.line("ci = c0 + rk")
