@@ -130,12 +130,14 @@ def bench_one(
                 path, input_shapes=shapes, precision=precision, device="cuda", tune_budget_s=TUNE_BUDGET_S
             )
             row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
+            row["opfuse_stages_s"] = _stages(cm.report)
             if WARM:  # again, with the tuning and Triton caches the first compile filled
                 t0 = time.perf_counter()
                 cm = opfuse.compile(
                     path, input_shapes=shapes, precision=precision, device="cuda", tune_budget_s=TUNE_BUDGET_S
                 )
                 row["opfuse_warm_compile_s"] = round(time.perf_counter() - t0, 2)
+                row["opfuse_warm_stages_s"] = _stages(cm.report)
             cm.benchmark(iters=iters, warmup=warmup)
             r = cm.report
             if os.environ.get("OPFUSE_BENCH_REPORTS"):
@@ -164,6 +166,15 @@ def bench_one(
             traceback.print_exc()
     row["peers"] = peers(zm, precision, iters, warmup, modes)
     return row
+
+
+def _stages(report: dict[str, Any]) -> dict[str, Any]:
+    """Where a compile's seconds went: its stages, and the parallel kernel compile within tuning."""
+    tuning = report.get("tuning") or {}
+    return {
+        **report.get("timings_s", {}),
+        **{f"tuning_{k}": tuning[k] for k in ("compile_s", "compile_workers", "cache_hits") if k in tuning},
+    }
 
 
 def _num(v: Any) -> float:

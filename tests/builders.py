@@ -78,6 +78,34 @@ def residual_mlp(hidden: int = 32, ffn: int = 64, seed: int = 0, opset: int = 18
     return model
 
 
+def depthwise_conv_relu(channels: int, kernel: int = 3, stride: int = 1, seed: int = 0) -> onnx.ModelProto:
+    """Depthwise Conv (group = channels, "same" padding, bias) -> Relu, with a dynamic batch and
+    image size."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w", rng.standard_normal((channels, 1, kernel, kernel)) * 0.3),
+        _init("b", rng.standard_normal(channels) * 0.1),
+    ]
+    p = kernel // 2
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "w", "b"], ["c"], name="dw", group=channels, pads=[p] * 4, strides=[stride] * 2
+        ),
+        helper.make_node("Relu", ["c"], ["y"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "depthwise_conv_relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", channels, "oh", "ow"])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
 def conv_bn_relu(channels: int = 4, out_channels: int = 8, size: int = 8, seed: int = 0) -> onnx.ModelProto:
     """Conv(3x3, bias) -> BatchNormalization -> Relu, with a dynamic batch dim."""
     rng = np.random.default_rng(seed)

@@ -322,12 +322,13 @@ def _generate_conv_nhwc(
             buf.line(f"for t in range(0, {kh_ * kw_}):")
             with buf.indent():
                 window_position()
-                buf.line(
-                    "xv = tl.load(x + base[:, None] + rn[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)"
-                )
-                # The weights as a [1, BLOCK_N] tile: a 1-D load broadcast with [None, :] came out
-                # wrong on the H200 at 64x64 tiles with 4 warps (fp32, Triton 3.6), right in the
-                # interpreter; the 2-D form is the one the GEMM templates use.
+                # The masked-off lanes are zeroed with tl.where rather than the load's `other`:
+                # with `other=0.0` on this int64-indexed 2-D load, Triton 3.6 miscompiled the kernel
+                # on the H200 (sm_90) at [64, 64] and [32/64, 32] tiles with 4 warps, fp32: wrong
+                # sums in up to 885 of 4608 outputs, right in the interpreter and at other tiles.
+                # The tl.where form is right at every tile (tests/gpu sweeps them all).
+                buf.line("x_ok = ok[:, None] & col_ok[None, :]")
+                buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
                 buf.line(f"wv = tl.load(w + rn[None, :] * {kh_ * kw_} + t, mask=col_ok[None, :], other=0.0)")
                 buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")
         elif flat:

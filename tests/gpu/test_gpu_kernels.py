@@ -49,3 +49,54 @@ def test_benchmark_fills_the_report() -> None:
         assert r[side]["latency_ms"]["p50"] > 0
         assert r[side]["peak_memory_bytes"] is not None
     assert r["speedup"] is not None
+
+
+@pytest.mark.parametrize(
+    "channels, size, kernel, stride, precision",
+    [(72, 16, 3, 2, "fp32"), (72, 16, 3, 2, "fp16"), (96, 14, 7, 1, "fp32"), (240, 28, 5, 1, "fp16")],
+)
+def test_depthwise_conv_is_right_at_every_candidate_config(
+    channels: int, size: int, kernel: int, stride: int, precision: str
+) -> None:
+    """The depthwise template at its default and every tuning candidate, each launched on its own
+    against torch's convolution: Triton once miscompiled one form of it at some tile sizes only."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import CANDIDATES
+    from tests.builders import depthwise_conv_relu
+
+    torch.backends.cudnn.allow_tf32 = False
+    model = depthwise_conv_relu(channels, kernel, stride)
+    cm = opfuse.compile(
+        model,
+        input_shapes={"x": [2, channels, size, size]},
+        precision=precision,
+        device="cuda",
+        verify=False,
+        tune_budget_s=0,
+    )
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert "depthwise" in k.source
+    module = load_kernel_module(k.source, interpret=False)
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, channels, size, size, device="cuda", generator=gen)
+    w = torch.randn(channels, 1, kernel, kernel, device="cuda", generator=gen)
+    b = torch.randn(channels, device="cuda", generator=gen)
+    want = torch.relu(
+        torch.nn.functional.conv2d(x, w, b, stride=stride, padding=kernel // 2, groups=channels)
+    )
+    want = want.permute(0, 2, 3, 1).contiguous()
+    xn, wn = x.permute(0, 2, 3, 1).contiguous().to(dtype), w.permute(0, 2, 3, 1).contiguous().to(dtype)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    bad = []
+    for cand in [{}, *CANDIDATES["conv"]]:
+        config = {**k.config, **cand}
+        out = torch.full(want.shape, float("nan"), device="cuda", dtype=dtype)
+        module.launch(xn, wn, b.to(dtype), out, config=config)
+        torch.cuda.synchronize()
+        wrong = int((~torch.isclose(out.float(), want, rtol=tol, atol=tol)).sum())
+        if wrong:
+            bad.append((config, wrong))
+    assert not bad, f"wrong outputs (of {want.numel()}) at {bad}"
