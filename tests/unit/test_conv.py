@@ -73,9 +73,22 @@ def test_conv_template_low_precision(precision: str) -> None:
     ],
 )
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("index", ["int32", "int64"])
 def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
-    x: list[int], w: list[int], out: list[int], attrs: dict[str, Any], precision: str
+    x: list[int],
+    w: list[int],
+    out: list[int],
+    attrs: dict[str, Any],
+    precision: str,
+    index: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Both index forms of the template: int32 offsets (every real model so far) and the int64
+    form with its window loop unrolled (tensors past 2**31 elements, forced here)."""
+    from opfuse.codegen import conv as conv_codegen
+
+    if index == "int64":
+        monkeypatch.setattr(conv_codegen, "INT32_INDEX_LIMIT", 0)
     m, inputs = conv_model(x, w, out, "silu", group=x[1], **attrs)
     cm = check_against_ort(m, inputs, precision)
     (g,) = cm.report["fusion"]["groups"]
@@ -83,6 +96,8 @@ def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
     assert cm.report["kernels"] == {"before": 3, "after": 1}
     (k,) = cm.plan.kernels.values()
     assert "depthwise conv kernel" in k.source and "tl.dot(" not in k.source
+    assert ("tl.int64" in k.source) == (index == "int64")
+    assert ("tl.static_range" in k.source) == (index == "int64")
 
 
 def test_grouped_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:

@@ -285,6 +285,8 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
     assert {"vendor"} in [set(v.values()) for v in built]  # the all-vendor plan was built and timed
     built.clear()
     second = run_once()
+    assert first["warm"] is False and second["warm"] is True  # every config from the cache
+    assert "compile_s" not in second  # a warm compile starts no compile workers (on the GPU)
     assert second["variants"][anchor]["cached"] is True
     assert second["variants"][anchor]["choice"] == first["variants"][anchor]["choice"]
     if first["variants"][anchor]["choice"] == "template":
