@@ -301,10 +301,11 @@ def generate_pointwise(
                 if view is not None
                 else _broadcast_index(graph.spec(name).shape, shape)
             )
+            offset = f" + {view.offset}" if view is not None and view.offset else ""  # a Split output
             if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
+                buf.line(f"x{i} = tl.load(in{i}{offset}).to(tl.float32)")
             else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask=mask, other=0.0).to(tl.float32)")
+                buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other=0.0).to(tl.float32)")
             regs[name] = f"x{i}"
         for name, lit in literals.items():
             regs[name] = lit

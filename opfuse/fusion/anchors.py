@@ -100,7 +100,7 @@ def plan_anchor_groups(
                     )
                 )
             continue
-        absorbed = [n for v in views.values() for n in v.nodes]
+        absorbed = [n for v in views.values() for n in v.nodes if n.op_type != "Split"]  # a Split stays
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
         taken |= members | {x.id for x in [*prologue, *absorbed]}
@@ -128,15 +128,19 @@ def _a_operand_view(
     graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
 ) -> dict[str, StridedView]:
     """A GEMM's A operand reached through Transpose/Reshape (heads split off a projection,
-    then rotated): read with strides from the buffer behind them instead of copied first."""
+    then rotated), or one output of a Split (q of a merged QKV projection): read with strides
+    from the buffer behind them instead of copied first. The Split stays in the plan for its
+    other readers (it is a view)."""
     a = anchor.inputs[0]
     if a in graph.constants:
         return {}
     readers = frozenset([anchor.id, *(n.id for n in epilogue)])
-    view = input_view(graph, a, allow_scale=False, allow_split=False, readers=readers)
+    view = input_view(graph, a, allow_scale=False, allow_split=True, readers=readers)
     if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
         return {}
-    if any(n.id in taken or n.op_type not in ("Reshape", "Transpose") for n in view.nodes):
+    if any(n.op_type not in ("Reshape", "Transpose", "Split") for n in view.nodes):
+        return {}
+    if any(n.id in taken for n in view.nodes if n.op_type != "Split"):
         return {}
     if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
         return {}  # the epilogue reads A at the output index: only when A is output-shaped

@@ -151,7 +151,9 @@ def plan_attention_groups(
             continue
         m = match_attention(graph, n)
         if isinstance(m, AttentionMatch) and not _splits_fully_absorbed(graph, m):
-            m = match_attention(graph, n, allow_split=False)  # a Split feeding others must stay
+            # A Split with readers outside the group stays in the plan (a view: no launch); the
+            # kernel still reads its operands in place, at their offsets in the Split's input.
+            m.nodes = [x for x in m.nodes if x.op_type != "Split"]
         if m is None:
             continue
         if isinstance(m, str):

@@ -127,15 +127,24 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
 
 
 def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
-    """Read inputs produced by Reshape/Transpose straight from the buffer behind them."""
+    """Read inputs produced by Reshape/Transpose, and outputs of a Split, straight from the buffer
+    behind them.
+
+    A Split output (the gate and up halves of a merged projection, say) is a strided view of its
+    input; a kernel handed the view would first copy it into a contiguous buffer, so the group
+    reads the Split's input at the output's offset instead. The Split itself stays in the plan for
+    its other readers (it is a view: it launches nothing); the Reshapes and Transposes on the way
+    are the group's own and leave the plan."""
+    readers = frozenset(n.id for n in group.nodes)
     for x in list(group.inputs):
         if x in graph.constants:
             continue
-        view = input_view(graph, x, allow_scale=False, allow_split=False)
-        if not view.nodes or any(n.id in claimed for n in view.nodes) or view.base in graph.constants:
+        view = input_view(graph, x, allow_scale=False, allow_split=True, readers=readers)
+        own = [n for n in view.nodes if n.op_type != "Split"]
+        if not view.nodes or any(n.id in claimed for n in own) or view.base in graph.constants:
             continue
-        if any(n.op_type not in ("Reshape", "Transpose") for n in view.nodes):
+        if any(n.op_type not in ("Reshape", "Transpose", "Split") for n in view.nodes):
             continue
         group.views[x] = view
-        group.absorbed += view.nodes
-        claimed |= {n.id for n in view.nodes}
+        group.absorbed += own
+        claimed |= {n.id for n in own}

@@ -351,7 +351,13 @@ def test_llama_block(dynamo: bool) -> None:
 def test_llama_block_fp16() -> None:
     torch.manual_seed(5)
     x = torch.randn(2, 6, 16)
-    check(export(LlamaBlock(), (x,), ["x"]), {"x": x.numpy()}, precision="fp16")
+    cm = check(export(LlamaBlock(), (x,), ["x"]), {"x": x.numpy()}, precision="fp16")
+    # The merged projections' Split outputs (q, k, v; gate, up) are read in place by the kernels
+    # that take them: a Split output handed to a kernel would be a strided view, copied first.
+    split_outputs = {o for s in cm.plan.steps if s.kind == "op" and s.op_type == "Split" for o in s.outputs}
+    assert split_outputs  # q/kv and gate/up are merged projections here
+    for k in cm.plan.kernels.values():
+        assert not set(k.inputs) & split_outputs, (k.id, k.kind, k.inputs)
 
 
 def test_llama_block_without_layout_views() -> None:

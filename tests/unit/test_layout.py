@@ -233,3 +233,54 @@ def test_written_out_reductions_run_on_the_nhwc_tensor(
     feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
     (ref,) = ort_run(model, feeds)
     np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_split_halves_are_read_in_place_by_the_elementwise_kernel(precision: str) -> None:
+    """A merged gate/up projection: MatMul -> Split -> SiLU(gate) * up. The kernel reads both
+    halves from the MatMul's output at their offsets (a Split output handed to a kernel as a view
+    would be copied first); the Split launches nothing."""
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(4)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="gate_up"),
+        helper.make_node("Split", ["h", "sizes"], ["gate", "up"], name="split", axis=-1),
+        helper.make_node("Sigmoid", ["gate"], ["s"], name="sig"),
+        helper.make_node("Mul", ["gate", "s"], ["silu"], name="silu"),
+        helper.make_node("Mul", ["silu", "up"], ["y"], name="gated"),
+    ]
+    inits = {"w": rng.standard_normal((16, 48))}
+    sizes = onnx.numpy_helper.from_array(np.array([24, 24], np.int64), "sizes")
+    model = make_model(nodes, {"x": [6, 16]}, {"y": [6, 24]}, inits)
+    model.graph.initializer.append(sizes)
+    model.graph.node[1].output[:] = ["up", "gate"]  # up is the first half: gate starts at column 24
+    cm = check_against_ort(model, {"x": [6, 16]}, precision)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "pointwise"]
+    assert set(k.inputs) == {"h"}  # both halves come from the MatMul's output
+    assert "+ 24" in k.source  # gate's offset into it
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "pointwise"]
+    assert g["nodes"] == ["sig", "silu", "gated"]
+    assert cm.report["kernels"]["after"] == 2  # the MatMul (or its template) and the gated SiLU
+
+
+def test_a_split_output_read_elsewhere_keeps_the_split_and_the_kernel_still_reads_in_place() -> None:
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="proj"),
+        helper.make_node("Split", ["h", "sizes"], ["a", "b"], name="split", axis=1),
+        helper.make_node("Sigmoid", ["a"], ["s"], name="sig"),
+        helper.make_node("Mul", ["s", "a"], ["y"], name="mul"),
+        helper.make_node("Relu", ["b"], ["z"], name="relu"),
+        helper.make_node("ReduceMax", ["z", "axes"], ["m"], name="max", keepdims=1),
+    ]
+    inits = {"w": rng.standard_normal((8, 20))}
+    model = make_model(nodes, {"x": [5, 8]}, {"y": [5, 12], "m": [5, 1]}, inits)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([12, 8], np.int64), "sizes"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    cm = check_against_ort(model, {"x": [5, 8]})
+    k = next(k for k in cm.plan.kernels.values() if k.kind == "pointwise")
+    assert k.inputs == ["h"]
+    assert any(s.op_type == "Split" for s in cm.plan.steps if s.kind == "op")  # still read by Relu's side
