@@ -227,6 +227,29 @@ def test_channels_last_squeeze_excite_pool_in_one_kernel(precision: str) -> None
     assert "/ 20.0" in k.source
 
 
+@pytest.mark.parametrize("pixels, fused", [(32 * 32, True), (48 * 48, False)])
+def test_a_strided_pool_over_many_pixels_is_left_to_the_library(pixels: int, fused: bool) -> None:
+    """Channels-last global pooling over H*W pixels: a program holds 4096 // next_pow2(H*W)
+    adjacent channels; below 4 its loads are uncoalesced, and the planner says so instead."""
+    side = int(pixels**0.5)
+    shape = [1, side, side, 8]
+    nodes = [
+        helper.make_node("Sigmoid", ["x"], ["s"]),
+        helper.make_node("Mul", ["x", "s"], ["r"]),
+        helper.make_node("ReduceMean", ["r", "axes"], ["gap"], keepdims=1),
+    ]
+    axes = {"axes": np.array([1, 2], dtype=np.int64)}
+    m = _int_init_model(nodes, {"x": shape}, {"gap": [1, 1, 1, 8]}, axes)
+    cm = check_every_element(m, {"x": shape})
+    kinds = [g["kind"] for g in cm.report["fusion"]["groups"]]
+    reasons = [nf["reason"] for nf in cm.report["fusion"]["not_fused"]]
+    if fused:
+        assert kinds == ["rowwise"] and cm.report["kernels"]["after"] == 1
+    else:
+        assert kinds == ["pointwise"]  # the SiLU; the mean runs as the library's reduction
+        assert any(f"over {pixels} elements at stride 8" in r and "uncoalesced" in r for r in reasons)
+
+
 def test_softmax_written_out_over_channels() -> None:
     shape = [2, 4, 3, 3]
     nodes = [
