@@ -56,6 +56,19 @@ def _op_step(n: Node, group: str = "") -> Step:
     )
 
 
+def _drop_unread_views(steps: list[Step], outputs: set[str]) -> list[Step]:
+    """Leave out view steps nothing reads any more: a Split whose outputs the kernels now read
+    in place, from the buffer behind it."""
+    live = set(outputs)
+    keep: list[Step] = []
+    for s in reversed(steps):
+        if s.kind == "op" and s.launches == 0 and not any(o in live for o in s.outputs if o):
+            continue
+        keep.append(s)
+        live.update(x for x in s.inputs if x)
+    return keep[::-1]
+
+
 def build_plan(
     graph: Graph,
     fusion: FusionPlan,
@@ -120,7 +133,7 @@ def build_plan(
         )
         rank.append(max(order[n.id] for n in g.nodes))
     available = {s.name for s in graph.inputs} | set(graph.constants)
-    ordered = _topological(steps, rank, available)
+    ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
     return Plan(
         precision=precision,
         inputs=declared_inputs,

@@ -10,7 +10,7 @@ from opfuse.codegen.conv import CONV_OPS, NHWC_CONV, conv_anchor_reason, input_s
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
-from opfuse.fusion.views import StridedView, input_view
+from opfuse.fusion.views import VIEW_THROUGH, StridedView, input_view
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
@@ -100,7 +100,7 @@ def plan_anchor_groups(
                     )
                 )
             continue
-        absorbed = [n for v in views.values() for n in v.nodes if n.op_type != "Split"]  # a Split stays
+        absorbed = [n for v in views.values() for n in v.owned()]
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
         taken |= members | {x.id for x in [*prologue, *absorbed]}
@@ -138,9 +138,9 @@ def _a_operand_view(
     view = input_view(graph, a, allow_scale=False, allow_split=True, readers=readers)
     if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
         return {}
-    if any(n.op_type not in ("Reshape", "Transpose", "Split") for n in view.nodes):
+    if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
         return {}
-    if any(n.id in taken for n in view.nodes if n.op_type != "Split"):
+    if any(n.id in taken for n in view.owned()):
         return {}
     if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
         return {}  # the epilogue reads A at the output index: only when A is output-shaped

@@ -121,22 +121,8 @@ def match_attention(graph: Graph, mm1: Node, allow_split: bool = True) -> Attent
     scale *= q.scale * k.scale
     if v.scale != 1.0:
         return "the value operand is scaled"
-    nodes += q.nodes + k.nodes + v.nodes + out.nodes
+    nodes += q.owned() + k.owned() + v.owned() + out.nodes
     return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes)
-
-
-def _splits_fully_absorbed(graph: Graph, m: AttentionMatch) -> bool:
-    """A folded Split disappears from the plan: every output must be read inside the group."""
-    ids = {x.id for x in m.nodes}
-    consumers = graph.consumers()
-    for node in m.nodes:
-        if node.op_type == "Split":
-            for out in node.outputs:
-                if not out or out in {o.name for o in graph.outputs}:
-                    return False
-                if any(c.id not in ids for c in consumers.get(out, [])):
-                    return False
-    return True
 
 
 def plan_attention_groups(
@@ -150,10 +136,6 @@ def plan_attention_groups(
         if n.op_type != "MatMul" or n.id in taken:
             continue
         m = match_attention(graph, n)
-        if isinstance(m, AttentionMatch) and not _splits_fully_absorbed(graph, m):
-            # A Split with readers outside the group stays in the plan (a view: no launch); the
-            # kernel still reads its operands in place, at their offsets in the Split's input.
-            m.nodes = [x for x in m.nodes if x.op_type != "Split"]
         if m is None:
             continue
         if isinstance(m, str):

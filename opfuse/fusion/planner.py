@@ -14,7 +14,7 @@ from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
-from opfuse.fusion.views import input_view
+from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
@@ -130,20 +130,20 @@ def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
     """Read inputs produced by Reshape/Transpose, and outputs of a Split, straight from the buffer
     behind them.
 
-    A Split output (the gate and up halves of a merged projection, say) is a strided view of its
-    input; a kernel handed the view would first copy it into a contiguous buffer, so the group
-    reads the Split's input at the output's offset instead. The Split itself stays in the plan for
-    its other readers (it is a view: it launches nothing); the Reshapes and Transposes on the way
-    are the group's own and leave the plan."""
+    A Split or Slice output (the gate and up halves of a merged projection, say) is a strided view
+    of its input; a kernel handed the view would first copy it into a contiguous buffer, so the
+    group reads the input at the output's offset instead. Layout nodes whose outputs others read
+    too stay in the plan for them (views launch nothing); the rest are the group's own and leave
+    the plan."""
     readers = frozenset(n.id for n in group.nodes)
     for x in list(group.inputs):
         if x in graph.constants:
             continue
         view = input_view(graph, x, allow_scale=False, allow_split=True, readers=readers)
-        own = [n for n in view.nodes if n.op_type != "Split"]
+        own = view.owned()
         if not view.nodes or any(n.id in claimed for n in own) or view.base in graph.constants:
             continue
-        if any(n.op_type not in ("Reshape", "Transpose", "Split") for n in view.nodes):
+        if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
             continue
         group.views[x] = view
         group.absorbed += own

@@ -1,5 +1,6 @@
-"""Layout ops as index arithmetic: a value reached through Reshape/Transpose (and scalar scales)
-is read straight from the buffer behind them with strides, so no copy is made."""
+"""Layout ops as index arithmetic: a value reached through Reshape/Transpose/Slice (and scalar
+scales, and one Split) is read straight from the buffer behind them with strides, so no copy is
+made."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import numpy as np
 
 from opfuse.codegen.pointwise import scalar_constant
 from opfuse.graph import Graph, Node
+
+# Ops that only give the same elements a new shape (Reshape's rule decides whether as a view).
+RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+# Every op a view can be read through.
+VIEW_THROUGH = RESHAPES | {"Transpose", "Slice", "Split"}
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -23,6 +29,12 @@ class StridedView:
     scale: float = 1.0  # product of scalar Mul/Div folded on the way
     nodes: list[Node] = field(default_factory=list)  # the layout/scale nodes this view replaces
     offset: int = 0  # elements from the start of `base` (a Split output starts inside its input)
+    # Ids of `nodes` that stay in the plan (their outputs have other readers): not absorbed.
+    kept: set[str] = field(default_factory=set)
+
+    def owned(self) -> list[Node]:
+        """The layout nodes a kernel reading through this view replaces (they leave the plan)."""
+        return [n for n in self.nodes if n.id not in self.kept]
 
 
 def _single_use(graph: Graph, name: str) -> bool:
@@ -77,6 +89,27 @@ def _split_offset(graph: Graph, split: Node, output: str) -> tuple[int, int] | N
     return axis, sum(sizes[:k])
 
 
+def _slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
+    """[(axis, start)] of a Slice with constant starts/axes, unit steps and a static output shape
+    (the output's shape gives each window's length), or None."""
+    x = graph.spec(node.inputs[0]).shape
+    ins = list(node.inputs) + [""] * (5 - len(node.inputs))
+    starts = graph.constants.get(ins[1]) if ins[1] else None
+    if starts is None or any(d < 0 for d in x):
+        return None
+    axes = graph.constants.get(ins[3]) if ins[3] else np.arange(len(np.ravel(starts)))
+    steps = graph.constants.get(ins[4]) if ins[4] else np.ones(len(np.ravel(starts)), dtype=np.int64)
+    if axes is None or steps is None or any(int(s) != 1 for s in np.ravel(steps)):
+        return None
+    out: list[tuple[int, int]] = []
+    for a, st in zip(np.ravel(axes), np.ravel(starts), strict=True):
+        axis = int(a) % len(x)
+        start = int(st)
+        start = max(0, min(x[axis], start + x[axis] if start < 0 else start))
+        out.append((axis, start))
+    return out
+
+
 def input_view(
     graph: Graph,
     value: str,
@@ -84,35 +117,51 @@ def input_view(
     allow_split: bool = True,
     readers: frozenset[str] = frozenset(),
 ) -> StridedView:
-    """Walk back from `value` through Transpose, Reshape, one Split and scalar Mul/Div (each
-    folding only when its output feeds nothing else), then replay the chain forward as strides
-    over the buffer at its start. Where a reshape of the layout would need a copy, that Reshape
-    stays in the plan and the view starts from its output."""
+    """Walk back from `value` through Transpose, reshapes, Slice, Split and scalar Mul/Div, then
+    replay the chain forward as strides over the buffer at its start. A node folds (leaves the
+    plan) only when its output feeds nothing else; the others stay in `kept`. Where a reshape of
+    the layout would need a copy, that Reshape stays in the plan and the view starts from its
+    output."""
     producers = graph.producers()
     walk: list[tuple[Node, str]] = []  # (node, its output on the path), nearest to `value` first
+    kept: set[str] = set()  # nodes on the path that other readers still need: they stay
+    shared = False
     cur = value
     while True:
         p = producers.get(cur)
+        if p is None:
+            break
         # Folding a producer removes its output: only a value read once (by the next hop, or by
-        # the kernel itself) may go.
-        if p is None or not (
+        # the kernel itself) may go. Past a value others read too, the view ops on the way stay
+        # in the plan for them (views launch nothing) and the kernel reads around them.
+        owned = not shared and (
             _single_use(graph, cur) or (cur == value and _read_only_by(graph, cur, readers))
+        )
+        if p.op_type == "Split":
+            if not allow_split or _split_offset(graph, p, cur) is None:
+                break
+            walk.append((p, cur))
+            kept.add(p.id)  # the Split's other outputs are read elsewhere, or by other operands
+            shared = True
+            cur = p.inputs[0]
+            continue
+        scaled = p.op_type in ("Mul", "Div") and scalar_constant(graph, p.inputs[1]) not in (None, 0.0)
+        sliced = p.op_type == "Slice" and _slice_window(graph, p) is not None
+        if not (
+            p.op_type in RESHAPES or p.op_type == "Transpose" or sliced or (allow_scale and scaled and owned)
         ):
             break
-        if allow_split and p.op_type == "Split" and _split_offset(graph, p, cur) is not None:
-            walk.append((p, cur))
-            cur = p.inputs[0]
-            break  # the Split's input is read by its other outputs too: it is the base
-        scaled = p.op_type in ("Mul", "Div") and scalar_constant(graph, p.inputs[1]) not in (None, 0.0)
-        if p.op_type not in ("Transpose", "Reshape") and not (allow_scale and scaled):
-            break
         walk.append((p, cur))
+        if not owned:
+            kept.add(p.id)
+            shared = True
         cur = p.inputs[0]
     forward = list(reversed(walk))
     base = cur
     while True:
         result = _replay(graph, base, forward)
         if isinstance(result, StridedView):
+            result.kept = {n.id for n in result.nodes if n.id in kept}
             return result
         # forward[result] cannot be a view: it runs as a copy, and the view starts after it.
         base = forward[result][1]
@@ -130,11 +179,16 @@ def _replay(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> Strided
             assert where is not None
             offset += where[1] * strides[where[0]]
             shape = graph.spec(out).shape
+        elif node.op_type == "Slice":  # a window: same strides, a later start, a shorter extent
+            window = _slice_window(graph, node)
+            assert window is not None
+            offset += sum(start * strides[axis] for axis, start in window)
+            shape = graph.spec(out).shape
         elif node.op_type == "Transpose":
             perm = [int(x) for x in node.attrs.get("perm", list(range(len(shape)))[::-1])]
             shape = tuple(shape[k] for k in perm)
             strides = tuple(strides[k] for k in perm)
-        elif node.op_type == "Reshape":
+        elif node.op_type in RESHAPES:
             new_shape = graph.spec(out).shape
             new_strides = view_strides(shape, strides, new_shape)
             if new_strides is None:

@@ -284,3 +284,27 @@ def test_a_split_output_read_elsewhere_keeps_the_split_and_the_kernel_still_read
     k = next(k for k in cm.plan.kernels.values() if k.kind == "pointwise")
     assert k.inputs == ["h"]
     assert any(s.op_type == "Split" for s in cm.plan.steps if s.kind == "op")  # still read by Relu's side
+
+
+def test_a_slice_of_a_kernel_output_is_read_in_place() -> None:
+    """ViT's packed projection: q, k and v are windows (Slice, or Gather of one index) of one
+    buffer. An elementwise kernel reads its window at the window's offset instead of a copy."""
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(6)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="packed"),
+        helper.make_node("Slice", ["h", "starts", "ends", "axes"], ["win"], name="window"),
+        helper.make_node("Sigmoid", ["win"], ["s"], name="sig"),
+        helper.make_node("Mul", ["s", "win"], ["y"], name="mul"),
+        helper.make_node("Relu", ["h"], ["z"], name="relu"),  # h has another reader
+    ]
+    model = make_model(
+        nodes, {"x": [3, 5, 8]}, {"y": [3, 5, 6], "z": [3, 5, 20]}, {"w": rng.standard_normal((8, 20))}
+    )
+    for name, v in (("starts", [9]), ("ends", [15]), ("axes", [-1])):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(v, np.int64), name))
+    cm = check_against_ort(model, {"x": [3, 5, 8]})
+    (k,) = [k for k in cm.plan.kernels.values() if "tl.sigmoid" in k.source or "sigmoid" in k.source.lower()]
+    assert k.inputs == ["h"] and "+ 9" in k.source  # the window starts 9 columns into each row
+    assert not any(s.op_type == "Slice" for s in cm.plan.steps)  # nothing else read the window
