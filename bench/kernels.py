@@ -105,8 +105,9 @@ def plan_model(
     declared_inputs, declared_outputs = list(graph.inputs), list(graph.outputs)
     original_graph = copy.deepcopy(graph)
     passes = run_passes(graph, off)
-    apply_precision(graph, precision)
-    apply_precision(original_graph, precision)
+    cast: dict[int, Any] = {}
+    apply_precision(graph, precision, cast)
+    apply_precision(original_graph, precision, cast)
     fusion = plan_fusion(graph, off)
     base_plan = build_plan(original_graph, FusionPlan([], []), precision, declared_inputs, declared_outputs)
     plan = build_plan(graph, fusion, precision, declared_inputs, declared_outputs)

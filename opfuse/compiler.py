@@ -242,8 +242,9 @@ def _compile(
     original_graph = graph.copy()
     reference_graph = graph.copy()  # float32, unfused: the fallback reference
     passes = run_passes(graph, disabled)
-    apply_precision(graph, precision)
-    apply_precision(original_graph, precision)
+    cast: dict[int, Any] = {}  # the two graphs share weight arrays: each is cast once
+    apply_precision(graph, precision, cast)
+    apply_precision(original_graph, precision, cast)
     timings["load"] = time.perf_counter() - t
 
     t = time.perf_counter()

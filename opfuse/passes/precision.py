@@ -13,7 +13,11 @@ PRECISIONS = tuple(COMPUTE_DTYPES)
 _KEEP_FLOAT32 = {("Resize", 1), ("Resize", 2)}
 
 
-def apply_precision(graph: Graph, precision: str) -> None:
+def apply_precision(
+    graph: Graph, precision: str, cast: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+) -> None:
+    """`cast`: weights already cast for another graph that shares this one's arrays (Graph.copy),
+    by id of the float32 array; filled as this graph's weights are cast, so each is cast once."""
     target = COMPUTE_DTYPES[precision]
     if target == "float32":
         return
@@ -23,7 +27,15 @@ def apply_precision(graph: Graph, precision: str) -> None:
     for name, arr in list(graph.constants.items()):
         if arr.dtype == np.float32 and name not in keep:
             # numpy has no bfloat16: the runtime casts bf16 constants on upload; keep values exact here.
-            graph.constants[name] = arr.astype(np.float16) if target == "float16" else arr
+            if target != "float16":
+                continue
+            seen = cast.get(id(arr)) if cast is not None else None
+            if seen is not None and seen[0] is arr:
+                graph.constants[name] = seen[1]
+                continue
+            graph.constants[name] = arr.astype(np.float16)
+            if cast is not None:  # the float32 array is kept alive with it: ids stay unique
+                cast[id(arr)] = (arr, graph.constants[name])
     for name, spec in list(graph.values.items()):
         if spec.dtype == "float32" and name not in keep:
             graph.values[name] = TensorSpec(spec.name, target, spec.shape)

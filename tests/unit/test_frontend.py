@@ -182,3 +182,25 @@ def test_the_onnx_optimizer_leaves_the_model_it_is_given_alone() -> None:
     optimized, status = optimize_onnx(spec)
     assert status == "applied" and optimized is not spec
     assert spec.SerializeToString() == before
+
+
+def test_fp16_weights_shared_by_two_graphs_are_cast_once() -> None:
+    from opfuse.graph import graph_from_onnx
+    from opfuse.passes.precision import apply_precision
+    from tests.builders import residual_mlp
+
+    _, specialized = load_and_specialize(residual_mlp(), {"x": [4, 32]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(specialized)
+    other = graph.copy()  # shares the weight arrays
+    fp32 = {k: v.copy() for k, v in graph.constants.items()}
+    other.constants["extra"] = np.ones(3, np.float32)  # not shared: cast on its own
+    cast: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    apply_precision(graph, "fp16", cast)
+    apply_precision(other, "fp16", cast)
+    floats = [k for k, v in fp32.items() if v.dtype == np.float32]
+    assert floats
+    for k in floats:
+        assert graph.constants[k] is other.constants[k]  # one fp16 array for both
+        assert graph.constants[k].dtype == np.float16
+        np.testing.assert_array_equal(graph.constants[k], fp32[k].astype(np.float16))
+    assert other.constants["extra"].dtype == np.float16
