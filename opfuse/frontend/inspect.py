@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -86,33 +84,13 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
 
 
 # Float initializers whose bytes shape inference need not see (it reads their dims and type).
-_WEIGHT_TYPES = (
+WEIGHT_TYPES = (  # float initializers shape inference reads only the dims of
     onnx.TensorProto.FLOAT,
     onnx.TensorProto.FLOAT16,
     onnx.TensorProto.BFLOAT16,
     onnx.TensorProto.DOUBLE,
 )
 WEIGHT_BYTES = 1024  # smaller initializers keep their bytes (data propagation reads small tensors)
-
-
-@contextlib.contextmanager
-def weights_aside(model: onnx.ModelProto) -> Iterator[dict[str, bytes]]:
-    """The raw bytes of the model's large float initializers, moved out for the block and put back.
-
-    onnx shape inference serializes the whole model on each call: for a 440 MB transformer that
-    was most of the load time. Yields {initializer name: bytes}. (The checker keeps them: it checks
-    that each tensor's bytes fit its dims.)
-    """
-    kept: dict[int, bytes] = {}
-    for i, t in enumerate(model.graph.initializer):
-        if t.data_type in _WEIGHT_TYPES and t.HasField("raw_data") and len(t.raw_data) > WEIGHT_BYTES:
-            kept[i] = t.raw_data
-            t.ClearField("raw_data")
-    try:
-        yield {model.graph.initializer[i].name: data for i, data in kept.items()}
-    finally:
-        for i, data in kept.items():
-            model.graph.initializer[i].raw_data = data
 
 
 def check_model(model: onnx.ModelProto, data: bytes | None = None) -> None:
