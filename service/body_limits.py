@@ -24,6 +24,11 @@ def _timeout_detail(seconds: float) -> str:
     )
 
 
+# How much of a refused oversized body is still read (and dropped) so that the client gets to
+# read the refusal; past it the connection is closed on the client mid-upload.
+LINGER_BYTES = 64 * 1024 * 1024
+
+
 class BodyLimitsMiddleware:
     def __init__(
         self,
@@ -71,6 +76,8 @@ class BodyLimitsMiddleware:
         """Read the whole (small) body first, then hand it to the app; refuse it if too big or slow."""
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_json_bytes:
+            if int(declared) <= self.max_json_bytes + LINGER_BYTES:
+                await self._drain(receive, deadline)
             await self._refuse(scope, receive, send, 413, self._too_large())
             return
         body = bytearray()
@@ -87,6 +94,8 @@ class BodyLimitsMiddleware:
                 break
             body += message.get("body", b"")
             if len(body) > self.max_json_bytes:
+                if message.get("more_body", False):
+                    await self._drain(receive, deadline)
                 await self._refuse(scope, receive, send, 413, self._too_large())
                 return
             if not message.get("more_body", False):
@@ -102,6 +111,23 @@ class BodyLimitsMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _drain(self, receive: Receive, deadline: float) -> None:
+        """Read and drop the rest of a body about to be refused (at most LINGER_BYTES, within the
+        request's deadline). A client still sending when the server closes gets a reset, and a
+        reset loses the refusal it had not read yet; read to the end, the client sees the 413."""
+        seen = 0
+        timed = self._with_deadline(receive, deadline)
+        while seen <= LINGER_BYTES:
+            try:
+                message = await timed()
+            except RequestTimeoutError:
+                return
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     def _too_large(self) -> str:
         return (

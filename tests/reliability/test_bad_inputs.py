@@ -256,3 +256,41 @@ def test_bad_inputs_are_refused_or_fail_with_a_reason(
     assert after["status"] == "succeeded", f"{after.get('error')}\n{workers.diagnostics()}"
     assert worker.alive()
     assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_slow_client_sending_an_oversized_body_reads_the_413(
+    server: ApiServer, user_key: str, declared: bool
+) -> None:
+    """The server refuses a JSON body over its limit with 413, and reads (and drops) the rest of it
+    first: closing on a client still sending resets the connection, and the client never sees the
+    refusal. A real socket, a body sent in pieces with pauses, as a slow uplink sends it."""
+    import socket
+    import time
+
+    size, piece = 20 * 1024**2, 256 * 1024
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {user_key}\r\n"
+        "Content-Type: application/json\r\n"
+        + (f"Content-Length: {size}\r\n" if declared else "Transfer-Encoding: chunked\r\n")
+        + "\r\n"
+    )
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(head.encode())
+        body = b'{"pad": "' + b"x" * (piece - 9)
+        for _ in range(size // piece):
+            sock.sendall(body if declared else f"{len(body):x}\r\n".encode() + body + b"\r\n")
+            body = b"x" * piece
+            time.sleep(0.002)
+        if not declared:
+            sock.sendall(b"0\r\n\r\n")
+        response = b""
+        while b"\r\n\r\n" not in response or not response.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            response += chunk
+    status = response.split(b"\r\n", 1)[0]
+    assert b" 413 " in status, response[:300]
+    assert b"OPFUSE_MAX_JSON_BYTES" in response
