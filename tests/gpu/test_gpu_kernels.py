@@ -91,7 +91,10 @@ def test_depthwise_conv_is_right_at_every_candidate_config(
     xn, wn = x.permute(0, 2, 3, 1).contiguous().to(dtype), w.permute(0, 2, 3, 1).contiguous().to(dtype)
     tol = 1e-4 if precision == "fp32" else 2e-2
     bad = []
-    for cand in [{}, *CANDIDATES["conv"]]:
+    # Beyond the tuning candidates, the tiles at which one form of this kernel once went wrong.
+    tiles = [(64, 32, 4), (32, 32, 4), (64, 128, 4), (128, 128, 8), (16, 64, 4), (64, 64, 8), (32, 128, 4)]
+    more = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 3} for m, n, w in tiles]
+    for cand in [{}, *CANDIDATES["conv"], *more]:
         config = {**k.config, **cand}
         out = torch.full(want.shape, float("nan"), device="cuda", dtype=dtype)
         module.launch(xn, wn, b.to(dtype), out, config=config)
