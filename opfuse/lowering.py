@@ -115,7 +115,7 @@ def build_plan(
                 kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue
             )
         elif g.kind == "rowwise":
-            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split)
+            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views)
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
         kernels[kid] = KernelInfo(

@@ -18,6 +18,7 @@ each output. Values are either full (the row space's shape) or reduced (one per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -221,6 +222,20 @@ def _input_expr(
     return " + ".join(terms), vector
 
 
+def _view_row_expr(view: Any, full: tuple[int, ...], split: int | None) -> str:
+    """Row `row`'s elements in the buffer behind a folded layout view: the row dims at the view's
+    strides, the row itself contiguous (`cols`), from the view's offset."""
+    k = len(full) - 1 if split is None else split
+    row_strides = [_prod(full[d + 1 : k]) for d in range(k)]
+    terms = [str(view.offset)] if view.offset else []
+    for d in range(k):
+        if full[d] == 1:
+            continue
+        coord = _coord("row", row_strides[d], full[d])
+        terms.append(f"{coord} * {view.strides[d]}" if view.strides[d] != 1 else coord)
+    return " + ".join([*terms, "cols"])
+
+
 def _coord(var: str, div: int, size: int) -> str:
     return f"(({var} // {div}) % {size})" if div > 1 else f"({var} % {size})"
 
@@ -306,7 +321,11 @@ def generate_rowwise(
     group_id: str,
     full: tuple[int, ...],
     split: int | None = None,
+    views: dict[str, Any] | None = None,
 ) -> KernelSource:
+    """`views`: full-shaped inputs read through folded layout ops ({value: StridedView}), rows at
+    their strides in the buffer behind them, each row contiguous there."""
+    views = views or {}
     space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
@@ -393,6 +412,8 @@ def generate_rowwise(
             elif space.groups:
                 idx, vector = _group_input_expr(shape, space)
                 load_mask = "cmask" if vector else None
+            elif name in views:
+                idx, load_mask = _view_row_expr(views[name], full, space.first), "cmask"
             else:
                 idx, vector = _input_expr(space.load_shape(shape), full, space.first)
                 load_mask = "cmask" if vector else None
@@ -458,4 +479,5 @@ def generate_rowwise(
         buf.line("c = CONFIG if config is None else config")
         grid = '(ROWS * triton.cdiv(INNER, c["BLOCK_I"]),)' if tiled else "(ROWS,)"
         buf.line(f"{fn}[{grid}]({', '.join(args)}, **c)")
-    return KernelSource(kernel_id, "rowwise", buf.getvalue(), tensor_inputs, list(outputs), config)
+    passed = [views[x].base if x in views else x for x in tensor_inputs]
+    return KernelSource(kernel_id, "rowwise", buf.getvalue(), passed, list(outputs), config)

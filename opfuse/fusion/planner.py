@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from opfuse.codegen.pointwise import pointwise_reason
+from opfuse.codegen.rowwise import ROW_OPS, row_space
 from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
-from opfuse.fusion.views import VIEW_THROUGH, input_view
+from opfuse.fusion.views import VIEW_THROUGH, contiguous_strides, input_view
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
@@ -53,7 +56,11 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
             g.match = matches[g.id]
     in_attention = {n.id for g in attention for n in g.nodes}
     row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused, in_attention)
-    in_rows = {n.id for g in row_groups for n in g.nodes} | in_attention
+    if LAYOUT_RULE not in disabled:
+        claimed_by_rows: set[str] = set(in_attention)
+        for g in row_groups:
+            _fold_row_layout(graph, g, claimed_by_rows)
+    in_rows = {n.id for g in row_groups for n in [*g.nodes, *g.absorbed]} | in_attention
     row_groups = attention + row_groups
     lone: list[Group] = []
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
@@ -124,6 +131,36 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         groups.append(group)
         count += 1
     return FusionPlan(groups, not_fused, lone)
+
+
+def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
+    """A row kernel's full-shaped input reached through layout ops that keep each row contiguous
+    (a seq-first attention output transposed back to batch-first before its residual LayerNorm)
+    is read from the buffer behind them: rows at their strides, each row as it lies."""
+    space = row_space(graph, next(n for n in group.nodes if n.op_type in ROW_OPS))
+    if space.inner > 1 or space.groups:
+        return  # rows strided or grouped: their own addressing
+    full = tuple(group.full)
+    k = len(full) - 1 if group.split is None else group.split
+    if not full or k <= 0:
+        return
+    row_len = int(np.prod(full[k:], dtype=np.int64))
+    trailing = contiguous_strides(full)[k:]
+    readers = frozenset(n.id for n in group.nodes)
+    for x in list(group.inputs):
+        if x in graph.constants or tuple(graph.spec(x).shape) != full:
+            continue
+        view = input_view(graph, x, allow_scale=False, allow_split=True, readers=readers)
+        own = view.owned()
+        if not view.nodes or view.base in graph.constants or any(n.id in claimed for n in own):
+            continue
+        if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
+            continue
+        if tuple(view.strides[k:]) != trailing or row_len <= 1:
+            continue  # a row must lie contiguously, as the kernel reads it
+        group.views[x] = view
+        group.absorbed += own
+        claimed |= {n.id for n in own}
 
 
 def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

@@ -264,7 +264,9 @@ def test_split_halves_are_read_in_place_by_the_elementwise_kernel(precision: str
     assert cm.report["kernels"]["after"] == 2  # the MatMul (or its template) and the gated SiLU
 
 
-def test_a_split_output_read_elsewhere_keeps_the_split_and_the_kernel_still_reads_in_place() -> None:
+def test_split_outputs_read_by_different_kinds_of_kernel_are_each_read_in_place() -> None:
+    """One half of a Split feeds an elementwise kernel, the other a row reduction: both read the
+    Split's input at their offsets, and the Split, read by nobody any more, leaves the plan."""
     from tests.unit.test_fusion import check_against_ort
 
     rng = np.random.default_rng(5)
@@ -281,9 +283,9 @@ def test_a_split_output_read_elsewhere_keeps_the_split_and_the_kernel_still_read
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([12, 8], np.int64), "sizes"))
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "axes"))
     cm = check_against_ort(model, {"x": [5, 8]})
-    k = next(k for k in cm.plan.kernels.values() if k.kind == "pointwise")
-    assert k.inputs == ["h"]
-    assert any(s.op_type == "Split" for s in cm.plan.steps if s.kind == "op")  # still read by Relu's side
+    kinds = {k.kind: k.inputs for k in cm.plan.kernels.values()}
+    assert kinds["pointwise"] == ["h"] and kinds["rowwise"] == ["h"]
+    assert not any(s.op_type == "Split" for s in cm.plan.steps)
 
 
 def test_a_slice_of_a_kernel_output_is_read_in_place() -> None:
@@ -308,3 +310,32 @@ def test_a_slice_of_a_kernel_output_is_read_in_place() -> None:
     (k,) = [k for k in cm.plan.kernels.values() if "tl.sigmoid" in k.source or "sigmoid" in k.source.lower()]
     assert k.inputs == ["h"] and "+ 9" in k.source  # the window starts 9 columns into each row
     assert not any(s.op_type == "Slice" for s in cm.plan.steps)  # nothing else read the window
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_row_kernel_reads_its_rows_through_a_transpose(precision: str) -> None:
+    """A seq-first attention output [S, B, E] transposed back to [B, S, E] before the residual add
+    and LayerNorm: each row (E) is contiguous in both layouts, so the row kernel reads the rows at
+    their strides in the seq-first buffer instead of a transposed copy."""
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(7)
+    s, b, e = 5, 3, 16
+    nodes = [
+        helper.make_node("MatMul", ["a", "w"], ["proj"], name="out_proj"),  # [S, B, E]
+        helper.make_node("Transpose", ["proj"], ["t"], name="to_batch_first", perm=[1, 0, 2]),
+        helper.make_node("Add", ["x", "t"], ["res"], name="residual"),
+        helper.make_node("LayerNormalization", ["res", "g", "beta"], ["y"], name="ln", axis=-1),
+    ]
+    inits = {
+        "w": rng.standard_normal((e, e)),
+        "g": 1 + 0.1 * rng.standard_normal(e),
+        "beta": rng.standard_normal(e),
+    }
+    model = make_model(nodes, {"a": [s, b, e], "x": [b, s, e]}, {"y": [b, s, e]}, inits)
+    cm = check_against_ort(model, {"a": [s, b, e], "x": [b, s, e]}, precision)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "proj" in k.inputs and "t" not in k.inputs  # the MatMul's output, not a transposed copy
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert "to_batch_first" in g["layout_folded"]
+    assert not any(st.op_type == "Transpose" for st in cm.plan.steps)
