@@ -4,6 +4,7 @@ made."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,6 +170,99 @@ def input_view(
 
 
 def _replay(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> StridedView | int:
+    """The chain as one strided view over `base`, or the index of the first Reshape that cannot
+    be one (the view then starts after it). A reshape torch would copy may still be a view of the
+    chain as a whole (a head split merged into the batch and split out again): that is tried on
+    finer dims (`_replay_fine`) before giving up."""
+    result = _replay_coarse(graph, base, forward)
+    if isinstance(result, StridedView):
+        return result
+    fine = _replay_fine(graph, base, forward)
+    return fine if fine is not None else result
+
+
+Fine = list[tuple[int, int]]  # (size, stride) pieces of one dim, outer to inner
+
+
+def _merged(pieces: Fine) -> tuple[int, int] | None:
+    """One (size, stride) for pieces that lie as one strided run, else None."""
+    real = [(n, st) for n, st in pieces if n != 1]
+    if not real:
+        return 1, 0
+    for (_, outer), (n, inner) in itertools.pairwise(real):
+        if outer != n * inner:
+            return None
+    return int(np.prod([n for n, _ in real], dtype=np.int64)), real[-1][1]
+
+
+def _replay_fine(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> StridedView | None:
+    """Like `_replay_coarse`, but each dim is kept as pieces of the base's dims, split as reshapes
+    need, so a reshape merging dims that are not one strided run only fails if the final view
+    still has such a dim."""
+    shape = graph.spec(base).shape
+    dims: list[Fine] = [[(int(n), int(st))] for n, st in zip(shape, contiguous_strides(shape), strict=True)]
+    offset = 0
+    scale = 1.0
+    for node, out in forward:
+        if node.op_type in ("Split", "Slice"):
+            window = (
+                [_split_offset(graph, node, out) or (0, 0)]
+                if node.op_type == "Split"
+                else _slice_window(graph, node) or []
+            )
+            new_shape = graph.spec(out).shape
+            for axis, start in window:
+                run = _merged(dims[axis])
+                if run is None:
+                    return None
+                offset += start * run[1]
+                dims[axis] = [(int(new_shape[axis]), run[1])]
+        elif node.op_type == "Transpose":
+            perm = [int(x) for x in node.attrs.get("perm", list(range(len(dims)))[::-1])]
+            dims = [dims[k] for k in perm]
+        elif node.op_type in RESHAPES:
+            pieces = [pc for d in dims for pc in d if pc[0] != 1]
+            new_dims: list[Fine] = []
+            for size in graph.spec(out).shape:
+                got: Fine = []
+                need = int(size)
+                while need > 1:
+                    if not pieces:
+                        return None
+                    n, st = pieces.pop(0)
+                    if n <= need:
+                        if need % n:
+                            return None
+                        got.append((n, st))
+                        need //= n
+                    else:  # this dim takes the outer part of the piece
+                        if n % need:
+                            return None
+                        got.append((need, st * (n // need)))
+                        pieces.insert(0, (n // need, st))
+                        need = 1
+                new_dims.append(got or [(1, 0)])
+            if pieces:
+                return None
+            dims = new_dims
+        else:
+            c = scalar_constant(graph, node.inputs[1])
+            assert c is not None
+            scale *= c if node.op_type == "Mul" else 1.0 / c
+    out_shape = tuple(int(np.prod([n for n, _ in d], dtype=np.int64)) for d in dims)
+    if forward and out_shape != tuple(graph.spec(forward[-1][1]).shape):
+        return None
+    contiguous = contiguous_strides(out_shape)
+    strides = []
+    for d, pieces_of_d in enumerate(dims):
+        run = _merged(pieces_of_d)
+        if run is None:
+            return None
+        strides.append(run[1] if run[0] != 1 else contiguous[d])
+    return StridedView(base, out_shape, tuple(strides), scale, [n for n, _ in forward], offset)
+
+
+def _replay_coarse(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> StridedView | int:
     shape = graph.spec(base).shape
     strides = contiguous_strides(shape)
     offset = 0

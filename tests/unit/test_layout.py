@@ -339,3 +339,39 @@ def test_a_row_kernel_reads_its_rows_through_a_transpose(precision: str) -> None
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
     assert "to_batch_first" in g["layout_folded"]
     assert not any(st.op_type == "Transpose" for st in cm.plan.steps)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_heads_merged_into_the_batch_and_split_out_again_are_read_in_place(precision: str) -> None:
+    """Seq-first multi-head attention's head split, from a window of a packed projection (ViT's
+    q): [S, B, 3E] -> [S, B, E] -> [S, B*H, D] -> [B*H, S, D] -> [B, H, S, D]. The middle shape is
+    no strided view of the buffer (torch copies that reshape: B's stride is 3E, not H*D), but the
+    chain's result is one: strides (3E, D, B*3E, 1). The kernel reads it in place."""
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.views import input_view
+    from opfuse.graph import graph_from_onnx
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(8)
+    s, b, h, d = 5, 3, 2, 4
+    e = h * d
+    nodes = [
+        helper.make_node("MatMul", ["a", "w"], ["proj"], name="proj"),  # [S, B, 3E]
+        helper.make_node("Slice", ["proj", "st", "en", "ax"], ["q"], name="q_window"),
+        helper.make_node("Reshape", ["q", "s1"], ["r1"], name="merge_heads_into_batch"),
+        helper.make_node("Transpose", ["r1"], ["t"], name="seq_second", perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["t", "s2"], ["r2"], name="split_heads"),
+        helper.make_node("Sigmoid", ["r2"], ["sg"], name="sig"),
+        helper.make_node("Mul", ["sg", "r2"], ["y"], name="mul"),
+    ]
+    model = make_model(nodes, {"a": [s, b, e]}, {"y": [b, h, s, d]}, {"w": rng.standard_normal((e, 3 * e))})
+    for name, v in (("s1", [s, b * h, d]), ("s2", [b, h, s, d]), ("st", [e]), ("en", [2 * e]), ("ax", [2])):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(v, np.int64), name))
+    _, spec = load_and_specialize(model, {"a": [s, b, e]}, SUPPORTED_OPS)
+    view = input_view(graph_from_onnx(spec), "r2")
+    assert view.base == "proj" and view.shape == (b, h, s, d)
+    assert view.strides == (3 * e, d, b * 3 * e, 1) and view.offset == e
+    cm = check_against_ort(model, {"a": [s, b, e]}, precision)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "pointwise"]
+    assert k.inputs == ["proj"]
+    assert not any(st.op_type in ("Reshape", "Transpose") for st in cm.plan.steps)
