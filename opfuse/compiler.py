@@ -191,10 +191,8 @@ def compile(
     if device.startswith("cuda"):
         from opfuse.tuning_pool import CompilePool
 
-        # The kernel-compile workers import torch and start their CUDA contexts while the model
-        # loads; they are closed however compile ends.
+        # Started by _compile once the plan shows it will be used; closed however compile ends.
         compile_pool = CompilePool(device)
-        compile_pool.start()
     try:
         return _compile(
             model,
@@ -279,6 +277,23 @@ def _compile(
     plan = make_plan()
     timings["codegen"] = time.perf_counter() - t
 
+    if tune_budget_s is None:
+        tune_budget_s = float(os.environ.get("OPFUSE_TUNE_BUDGET_S", DEFAULT_TUNE_BUDGET_S))
+    tuned = device.startswith("cuda") and bool(plan.kernels) and tune_budget_s > 0
+    cache = None
+    if tuned:
+        from opfuse.tune import TuningCache
+
+        cache = TuningCache()
+    compiles = (
+        not cache.covers([plan]) if cache is not None else len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS
+    )
+    if compile_pool is not None and compiles:
+        # The kernel-compile workers import torch and start their CUDA contexts while the
+        # unfused plan is profiled. A warm compile (every config cached) or a small untuned plan
+        # starts none here.
+        compile_pool.start()
+
     rng = np.random.default_rng()
     verifier = None
     if verify:
@@ -300,9 +315,7 @@ def _compile(
 
     t = time.perf_counter()
     tuning: dict[str, Any] = {}
-    if tune_budget_s is None:
-        tune_budget_s = float(os.environ.get("OPFUSE_TUNE_BUDGET_S", DEFAULT_TUNE_BUDGET_S))
-    if device.startswith("cuda") and plan.kernels and tune_budget_s > 0:
+    if tuned:
         report_progress("tuning", 0.55)
         tuning = _tune(
             graph,
@@ -316,6 +329,7 @@ def _compile(
             tune_budget_s,
             _group_times(base_plan, before_times, fusion),
             compile_pool,
+            cache,
         )
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
@@ -594,6 +608,7 @@ def _tune(
     budget_s: float,
     group_ms: dict[str, float] | None = None,
     compiler: Any = None,
+    cache: Any = None,
 ) -> dict[str, Any]:
     """Launch configs for every kernel, then template vs vendor per anchor group, by measurement.
 
@@ -610,7 +625,7 @@ def _tune(
     from opfuse.tuning_pool import CompilePool, TuningPool
 
     deadline = time.perf_counter() + budget_s
-    cache = TuningCache()
+    cache = cache or TuningCache()
     record: dict[str, Any] = {"kernels": {}, "variants": {}}
     # Anchors with nothing to fuse join as template candidates; those whose library kernel is
     # measured faster leave again below (they run as plain library ops, as without tuning).
@@ -657,9 +672,7 @@ def _tune(
     # starting workers to load them (on the H200 the worker pool cost 10-13 s of a 15-20 s warm
     # compile).
     gpu = device.startswith("cuda")
-    warm = not to_measure and all(
-        kernel_signature(k) in cache.data for p in candidates.values() for k in p.kernels.values()
-    )
+    warm = not to_measure and cache.covers(candidates.values())
     record["warm"] = warm
     with TuningPool(device) as pool:
         if not warm:
@@ -702,7 +715,7 @@ def _tune(
         ):
             # Vendor variants taken from the cache: their epilogue kernels' configs come from it too.
             vendor_plan = make_plan(None)
-            if gpu and not all(kernel_signature(k) in cache.data for k in vendor_plan.kernels.values()):
+            if gpu and not cache.covers([vendor_plan]):
                 with CompilePool(device) as late:
                     failed.update(precompile([vendor_plan], cache, late, deadline, group_ms))
             tune("vendor", vendor_plan, pool, timed=False)

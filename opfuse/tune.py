@@ -16,7 +16,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -95,6 +95,11 @@ class TuningCache:
     def put(self, key: str, value: Any) -> None:
         self.data[key] = value
 
+    def covers(self, plans: Iterable[Plan]) -> bool:
+        """Every kernel of `plans` has its config here: each compiled and ran cleanly on this GPU
+        before (its binary is in Triton's disk cache), and none needs tuning."""
+        return all(kernel_signature(k) in self.data for p in plans for k in p.kernels.values())
+
     def save(self) -> None:
         """Write this session's entries into the file, merged with what other processes saved
         since it was read (GPU workers and benchmark shards on one host share the file)."""
@@ -157,8 +162,8 @@ def precompile(
     First every kernel at the config it will run with unless tuned (its cached config, else its
     default), with no deadline: the plan needs those anyway. Then, until `deadline`, the candidate
     configs of the kernels that will be tuned (not in `cache`), kernels of the groups with the most
-    profiled time (`group_ms`) first. Returns the requests that failed, by (kernel signature, config_key): the tuner takes
-    those as lost without trying them again.
+    profiled time (`group_ms`) first. Returns the requests that failed, by (kernel signature,
+    config_key): the tuner takes those as lost without trying them again.
     """
     must: dict[tuple[str, str], TimingRequest] = {}
     may: list[tuple[float, int, tuple[str, str], TimingRequest]] = []

@@ -84,7 +84,7 @@ def uses_external_data(model: onnx.ModelProto) -> bool:
 
 
 # Float initializers whose bytes shape inference need not see (it reads their dims and type).
-WEIGHT_TYPES = (  # float initializers shape inference reads only the dims of
+WEIGHT_TYPES = (
     onnx.TensorProto.FLOAT,
     onnx.TensorProto.FLOAT16,
     onnx.TensorProto.BFLOAT16,

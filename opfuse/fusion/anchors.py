@@ -135,7 +135,7 @@ def _a_operand_view(
     if a in graph.constants:
         return {}
     readers = frozenset([anchor.id, *(n.id for n in epilogue)])
-    view = input_view(graph, a, allow_scale=False, allow_split=True, readers=readers)
+    view = input_view(graph, a, allow_scale=False, readers=readers)
     if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
         return {}
     if any(n.op_type not in VIEW_THROUGH for n in view.nodes):

@@ -44,7 +44,7 @@ def _sole_consumer(graph: Graph, value: str) -> Node | None:
     return users[0]
 
 
-def match_attention(graph: Graph, mm1: Node, allow_split: bool = True) -> AttentionMatch | str | None:
+def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
     """None: not attention at all; a str: attention, but why it cannot fuse; else the match."""
     if mm1.op_type != "MatMul":
         return None
@@ -103,9 +103,9 @@ def match_attention(graph: Graph, mm1: Node, allow_split: bool = True) -> Attent
         return None
     mm2 = node
     nodes.append(mm2)
-    q = input_view(graph, mm1.inputs[0], allow_split=allow_split)
-    k = input_view(graph, mm1.inputs[1], allow_split=allow_split)
-    v = input_view(graph, mm2.inputs[1], allow_split=allow_split)
+    q = input_view(graph, mm1.inputs[0])
+    k = input_view(graph, mm1.inputs[1])
+    v = input_view(graph, mm2.inputs[1])
     out = output_view(graph, mm2.outputs[0])
     for view in (q, k, v):
         if len(view.shape) not in (3, 4):

@@ -7,6 +7,7 @@ caps that keep its live values in registers. Every refusal is recorded with its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +18,7 @@ from opfuse.fusion.anchors import CONV_RULE, GEMM_RULE, plan_anchor_groups
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
-from opfuse.fusion.views import VIEW_THROUGH, contiguous_strides, input_view
+from opfuse.fusion.views import VIEW_THROUGH, StridedView, contiguous_strides, input_view
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired, node_label
 
@@ -142,30 +143,26 @@ def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
         return  # rows strided or grouped: their own addressing
     full = tuple(group.full)
     k = len(full) - 1 if group.split is None else group.split
-    if not full or k <= 0:
+    if not full or k <= 0 or int(np.prod(full[k:], dtype=np.int64)) <= 1:
         return
-    row_len = int(np.prod(full[k:], dtype=np.int64))
     trailing = contiguous_strides(full)[k:]
-    readers = frozenset(n.id for n in group.nodes)
-    for x in list(group.inputs):
-        if x in graph.constants or tuple(graph.spec(x).shape) != full:
-            continue
-        view = input_view(graph, x, allow_scale=False, allow_split=True, readers=readers)
-        own = view.owned()
-        if not view.nodes or view.base in graph.constants or any(n.id in claimed for n in own):
-            continue
-        if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
-            continue
-        if tuple(view.strides[k:]) != trailing or row_len <= 1:
-            continue  # a row must lie contiguously, as the kernel reads it
-        group.views[x] = view
-        group.absorbed += own
-        claimed |= {n.id for n in own}
+    _fold_layout(
+        graph,
+        group,
+        claimed,
+        # Full-shaped, and each row lying contiguously, as the kernel reads it.
+        lambda x, view: tuple(graph.spec(x).shape) == full and tuple(view.strides[k:]) == trailing,
+    )
 
 
-def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
+def _fold_layout(
+    graph: Graph,
+    group: Group,
+    claimed: set[str],
+    accepts: Callable[[str, StridedView], bool] = lambda x, view: True,
+) -> None:
     """Read inputs produced by Reshape/Transpose, and outputs of a Split, straight from the buffer
-    behind them.
+    behind them (where `accepts` the view, for kernels that address only some views).
 
     A Split or Slice output (the gate and up halves of a merged projection, say) is a strided view
     of its input; a kernel handed the view would first copy it into a contiguous buffer, so the
@@ -176,11 +173,11 @@ def _fold_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
     for x in list(group.inputs):
         if x in graph.constants:
             continue
-        view = input_view(graph, x, allow_scale=False, allow_split=True, readers=readers)
+        view = input_view(graph, x, allow_scale=False, readers=readers)
         own = view.owned()
         if not view.nodes or any(n.id in claimed for n in own) or view.base in graph.constants:
             continue
-        if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
+        if any(n.op_type not in VIEW_THROUGH for n in view.nodes) or not accepts(x, view):
             continue
         group.views[x] = view
         group.absorbed += own

@@ -115,7 +115,6 @@ def input_view(
     graph: Graph,
     value: str,
     allow_scale: bool = True,
-    allow_split: bool = True,
     readers: frozenset[str] = frozenset(),
 ) -> StridedView:
     """Walk back from `value` through Transpose, reshapes, Slice, Split and scalar Mul/Div, then
@@ -139,7 +138,7 @@ def input_view(
             _single_use(graph, cur) or (cur == value and _read_only_by(graph, cur, readers))
         )
         if p.op_type == "Split":
-            if not allow_split or _split_offset(graph, p, cur) is None:
+            if _split_offset(graph, p, cur) is None:
                 break
             walk.append((p, cur))
             kept.add(p.id)  # the Split's other outputs are read elsewhere, or by other operands
