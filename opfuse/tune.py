@@ -56,6 +56,17 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
 }
 
 
+def candidates(k: KernelInfo) -> list[dict[str, Any]]:
+    """The configs tried for kernel `k`, each an override of its default config. A row kernel
+    holding several short rows per program (BLOCK_M) also tries a quarter, half and twice as many
+    rows, with 4 and 8 warps; its tile stays within a long row's register budget."""
+    if k.kind != "rowwise" or "BLOCK_M" not in k.config:
+        return CANDIDATES.get(k.kind, [])
+    bm, br = int(k.config["BLOCK_M"]), int(k.config["BLOCK_R"])
+    sizes = sorted({m for m in (bm // 4, bm // 2, bm, bm * 2) if m >= 1 and m * br <= 8192})
+    return [{"BLOCK_M": m, "num_warps": w} for m in sizes for w in (4, 8)]
+
+
 def _cache_path() -> str:
     root = os.environ.get("OPFUSE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "opfuse")
     os.makedirs(root, exist_ok=True)
@@ -179,7 +190,7 @@ def precompile(
                 must[key] = _request(plan, k, start)
             if cache is None or cached is not None:
                 continue
-            for cand in CANDIDATES.get(k.kind, []):
+            for cand in candidates(k):
                 config = {**k.config, **cand}
                 key = (sig, config_key(config))
                 if key not in seen:
@@ -261,7 +272,7 @@ def _tune_each(
         tried: list[dict[str, Any]] = []
         ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
         seen: set[str] = set()
-        for cand in CANDIDATES.get(k.kind, []):
+        for cand in candidates(k):
             config = {**default, **cand}
             if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
                 continue

@@ -50,6 +50,12 @@ MIN_TILED_COLUMNS = 4
 NEG_INF = 'float("-inf")'
 
 
+def rows_per_program(rows: int, block: int, elements: int = 2048) -> int:
+    """Rows of a trailing row kernel per program: a tile of about `elements` (a power of two),
+    never more rows than there are."""
+    return max(1, min(next_pow2(rows), elements // block))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -363,22 +369,34 @@ def generate_rowwise(
         config = {"BLOCK_R": block, "BLOCK_I": bi, "num_warps": 4 if block * bi <= 2048 else 8}
         interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
         buf.line(f"INNER = {inner}")
-    else:
+    elif space.groups:
         config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
         interp = {"BLOCK_R": block}
+    else:
+        # Short rows (ConvNeXt's 96 channels) share a program: one row each leaves most lanes of
+        # a program idle and the GPU at a fraction of its bandwidth.
+        bm = rows_per_program(rows, block)
+        config = {"BLOCK_M": bm, "BLOCK_R": block, "num_warps": 4 if bm * block <= 2048 else 8}
+        interp = {"BLOCK_M": rows_per_program(rows, block, 1 << 16), "BLOCK_R": block}
     buf.line(f"CONFIG = {config}".replace("'", '"'))
     buf.line(f"INTERPRETER_CONFIG = {interp}".replace("'", '"'))
     buf.line()
     buf.line()
     buf.line("@triton.jit")
-    consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr" if tiled else "BLOCK_R: tl.constexpr"
+    multi = not tiled and not space.groups  # BLOCK_M rows of the trailing layout per program
+    if tiled:
+        consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr"
+    elif multi:
+        consts = "BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr"
+    else:
+        consts = "BLOCK_R: tl.constexpr"
     buf.line(f"def {fn}({', '.join(args)}, {consts}):")
     regs: dict[str, str] = {}
     mask = "rmask" if tiled else "cmask"
 
     def reduce(op: str, expr: str, pad: str) -> str:
-        keep = ", keep_dims=True" if tiled else ""
-        return f"{op}(tl.where({mask}, {expr}, {pad}), axis=0{keep})"
+        keep = ", keep_dims=True" if tiled or multi else ""
+        return f"{op}(tl.where({mask}, {expr}, {pad}), axis={1 if multi else 0}{keep})"
 
     with buf.indent():
         if tiled:
@@ -390,6 +408,11 @@ def generate_rowwise(
             buf.line(f"rmask = rr < {r}")
             buf.line(f"imask = ii < {inner}")
             buf.line("mask = rmask & imask")
+        elif multi:
+            buf.line("row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+            buf.line("cols = tl.arange(0, BLOCK_R)[None, :]")
+            buf.line(f"rowmask = row < {rows}")
+            buf.line(f"cmask = (cols < {r}) & rowmask")
         else:
             buf.line("row = tl.program_id(0).to(tl.int64)")
             buf.line("cols = tl.arange(0, BLOCK_R)")
@@ -416,7 +439,7 @@ def generate_rowwise(
                 idx, load_mask = _view_row_expr(views[name], full, space.first), "cmask"
             else:
                 idx, vector = _input_expr(space.load_shape(shape), full, space.first)
-                load_mask = "cmask" if vector else None
+                load_mask = "cmask" if vector else ("rowmask" if multi and idx is not None else None)
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
             elif load_mask:
@@ -470,6 +493,8 @@ def generate_rowwise(
                 buf.line(f"tl.store(out{i} + outer * {inner} + ii, {value}, mask=imask)")
             elif whole and r != 1:
                 buf.line(f"tl.store(out{i} + row * {r} + cols, {value}, mask=cmask)")
+            elif multi:
+                buf.line(f"tl.store(out{i} + row, {value}, mask=rowmask)")
             else:
                 buf.line(f"tl.store(out{i} + row, {value})")
     buf.line()
@@ -477,7 +502,12 @@ def generate_rowwise(
     buf.line(f"def launch({', '.join(args)}, config=None):")
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
-        grid = '(ROWS * triton.cdiv(INNER, c["BLOCK_I"]),)' if tiled else "(ROWS,)"
+        if tiled:
+            grid = '(ROWS * triton.cdiv(INNER, c["BLOCK_I"]),)'
+        elif multi:
+            grid = '(triton.cdiv(ROWS, c["BLOCK_M"]),)'
+        else:
+            grid = "(ROWS,)"
         buf.line(f"{fn}[{grid}]({', '.join(args)}, **c)")
     passed = [views[x].base if x in views else x for x in tensor_inputs]
     return KernelSource(kernel_id, "rowwise", buf.getvalue(), passed, list(outputs), config)

@@ -329,3 +329,54 @@ def test_ridge_point_defaults_to_the_h200_table_without_a_gpu() -> None:
     assert round(peaks.ridge("fp16")) == 206 and round(peaks.ridge("tf32")) == 103
     assert round(peaks.ridge("fp32"), 1) == 14.0
     assert roofline("bf16", "cpu")["ridge_flop_per_byte"] == 206.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_short_rows_share_a_program_at_every_candidate_config(precision: str) -> None:
+    """ConvNeXt's channels-last LayerNorm: rows of 96, many of them. Several rows run per program
+    (BLOCK_M); the row count is no multiple of any candidate's, so the last program's spare rows
+    are masked. Every tuning candidate is launched on its own and checked element by element,
+    the per-row output (a keepdims mean) included."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    nodes = [
+        helper.make_node("Add", ["x", "res"], ["s"]),
+        helper.make_node("LayerNormalization", ["s", "g", "b"], ["n"], axis=-1, epsilon=1e-6),
+        helper.make_node("Relu", ["n"], ["y"]),
+        helper.make_node("ReduceMean", ["s", "axes"], ["m"], keepdims=1),
+    ]
+    shape = [2, 75, 96]
+    g, b = 1 + RNG.standard_normal(96) * 0.1, RNG.standard_normal(96) * 0.1
+    m = _int_init_model(
+        nodes,
+        {"x": shape, "res": shape},
+        {"y": shape, "s": shape, "m": [2, 75, 1]},
+        {"g": g, "b": b, **_axes()},
+    )
+    cm = check_every_element(m, {"x": shape, "res": shape}, precision)
+    assert cm.report["kernels"] == {"before": 4, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert k.config["BLOCK_M"] > 1 and "tl.arange(0, BLOCK_M)" in k.source
+    configs = [{**k.config, **c} for c in candidates(k)]
+    assert len(configs) >= 4 and {c["BLOCK_M"] for c in configs} > {k.config["BLOCK_M"]}
+
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    device = torch.device(TEST_DEVICE)
+    x, res = (RNG.standard_normal(shape).astype(np.float32) for _ in range(2))
+    s = x + res
+    mean = s.mean(-1, keepdims=True)
+    norm = (s - mean) / np.sqrt(s.var(-1, keepdims=True) + 1e-6) * g + b
+    want = {"y": np.maximum(norm, 0), "s": s, "m": mean}
+    feeds = {"x": x, "res": res, **{n: cm.plan.constants[n] for n in k.inputs if n in cm.plan.constants}}
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for config in configs:
+        args = [torch.tensor(np.asarray(feeds[n]), dtype=dtype, device=device) for n in k.inputs]
+        outs = [torch.full(want[n].shape, float("nan"), dtype=dtype, device=device) for n in k.outputs]
+        module.launch(*args, *outs, config=config)
+        for name, out in zip(k.outputs, outs, strict=True):
+            got = out.float().cpu().numpy()
+            np.testing.assert_allclose(got, want[name], rtol=tol, atol=tol, err_msg=f"{name} at {config}")
