@@ -328,15 +328,17 @@ def _generate_conv_nhwc(
             # Each output channel reads its own input channel: a [pixels, channels] tile of
             # multiply-adds per window position, channels contiguous in memory (BLOCK_K unused).
             buf.line(f"col_ok = rn < {n}")
-            buf.line(f"for t in {'range' if small_index else 'tl.static_range'}(0, {kh_ * kw_}):")
+            # The window loop is unrolled: its loads are independent and issue together (a
+            # runtime loop waits on each: ConvNeXt-T's 7x7 convs at batch 1 took 15-21 us, as
+            # long as cuDNN's). Index arithmetic is int32 where every offset fits, else int64:
+            # with int64 offsets and a runtime loop, Triton 3.6 miscompiled this kernel on the
+            # H200 (sm_90) at some tiles only (fp32 [64, 64] and [32/64, 32] with 4 warps, fp16
+            # [128, 64]): wrong sums in up to 1588 of 9216 outputs, right in the interpreter.
+            # Unrolled int64 and runtime-loop int32 were right at all 16 tiles tried, fp32 and
+            # fp16 (tests/gpu sweeps the tuning candidates).
+            buf.line(f"for t in tl.static_range(0, {kh_ * kw_}):")
             with buf.indent():
                 window_position()
-                # Index arithmetic in int32 where every offset fits (else int64 with the window
-                # loop unrolled): with int64 offsets and a runtime loop, Triton 3.6 miscompiled this
-                # kernel on the H200 (sm_90) at some tiles only (fp32 [64, 64] and [32/64, 32] with
-                # 4 warps, fp16 [128, 64]): wrong sums in up to 1588 of 9216 outputs, right in the
-                # interpreter. Both forms were right at all 16 tiles tried, fp32 and fp16
-                # (tests/gpu sweeps the tuning candidates).
                 buf.line("x_ok = ok[:, None] & col_ok[None, :]")
                 buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
                 buf.line(f"wv = tl.load(w + rn[None, :] * {kh_ * kw_} + t, mask=col_ok[None, :], other=0.0)")

@@ -63,7 +63,7 @@ def test_depthwise_conv_is_right_at_every_candidate_config(
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import CANDIDATES
+    from opfuse.tune import candidates
     from tests.builders import depthwise_conv_relu
 
     torch.backends.cudnn.allow_tf32 = False
@@ -94,7 +94,7 @@ def test_depthwise_conv_is_right_at_every_candidate_config(
     # Beyond the tuning candidates, the tiles at which one form of this kernel once went wrong.
     tiles = [(64, 32, 4), (32, 32, 4), (64, 128, 4), (128, 128, 8), (16, 64, 4), (64, 64, 8), (32, 128, 4)]
     more = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 3} for m, n, w in tiles]
-    for cand in [{}, *CANDIDATES["conv"], *more]:
+    for cand in [{}, *candidates(k), *more]:
         config = {**k.config, **cand}
         out = torch.full(want.shape, float("nan"), device="cuda", dtype=dtype)
         module.launch(xn, wn, b.to(dtype), out, config=config)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+import opfuse
 from tests.builders import TEST_DEVICE
 from tests.unit.test_fusion import check_against_ort, make_model
 
@@ -83,8 +84,8 @@ def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
     index: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both index forms of the template: int32 offsets (every real model so far) and the int64
-    form with its window loop unrolled (tensors past 2**31 elements, forced here)."""
+    """Both index forms of the template: int32 offsets (every real model so far) and int64
+    (tensors past 2**31 elements, forced here); the window loop unrolled in both."""
     from opfuse.codegen import conv as conv_codegen
 
     if index == "int64":
@@ -97,7 +98,48 @@ def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
     (k,) = cm.plan.kernels.values()
     assert "depthwise conv kernel" in k.source and "tl.dot(" not in k.source
     assert ("tl.int64" in k.source) == (index == "int64")
-    assert ("tl.static_range" in k.source) == (index == "int64")
+    assert "tl.static_range" in k.source
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_depthwise_template_is_right_at_every_tuning_candidate(precision: str) -> None:
+    """Each depthwise tile the tuner may pick, launched on its own against torch's convolution,
+    every output element checked (the image is no multiple of any tile)."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import DEPTHWISE_CANDIDATES, candidates
+    from tests.builders import depthwise_conv_relu
+
+    channels, size, kernel = 40, 9, 7
+    cm = opfuse.compile(
+        depthwise_conv_relu(channels, kernel),
+        input_shapes={"x": [2, channels, size, size]},
+        precision=precision,
+        device=TEST_DEVICE,
+        verify=False,
+        tune_budget_s=0,
+    )
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert candidates(k) == DEPTHWISE_CANDIDATES
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, channels, size, size, generator=gen)
+    w = torch.randn(channels, 1, kernel, kernel, generator=gen)
+    b = torch.randn(channels, generator=gen)
+    want = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=kernel // 2, groups=channels))
+    want = want.permute(0, 2, 3, 1).contiguous()
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    dev = torch.device(TEST_DEVICE)
+    xn = x.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
+    wn = w.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for cand in candidates(k):
+        config = {**k.config, **cand}
+        out = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(xn, wn, b.to(dev, dtype), out, config=config)
+        got = out.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
 
 
 def test_grouped_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
