@@ -286,7 +286,9 @@ def _generate_conv_nhwc(
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
     if not flat and not depthwise:
         config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
-    _kernel_head(buf, fn, args, config, m, n, k if flat else c, dtype)
+    unroll = {"UNROLL": False} if depthwise else {}
+    config.update(unroll)
+    _kernel_head(buf, fn, args, config, m, n, k if flat else c, dtype, unroll)
     regs: dict[str, str] = {}
     ohw = p["OH"] * p["OW"]
 
@@ -305,6 +307,17 @@ def _generate_conv_nhwc(
         buf.line(f"iw = iw0 + (t % {kw_}) * {p['DW']}")
         buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
         buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+
+    def depthwise_taps(loop: str) -> None:
+        """Each output channel reads its own input channel: a [pixels, channels] tile of
+        multiply-adds per window position t, channels contiguous in memory (BLOCK_K unused)."""
+        buf.line(f"for t in {loop}:")
+        with buf.indent():
+            window_position()
+            buf.line("x_ok = ok[:, None] & col_ok[None, :]")
+            buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
+            buf.line(f"wv = tl.load(w + rn[None, :] * {kh_ * kw_} + t, mask=col_ok[None, :], other=0.0)")
+            buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")
 
     def scale_tile(mask: str) -> None:
         buf.line(f"sc_tile = tl.load(sc + {scale_index}, mask={mask}, other=0.0)")
@@ -325,24 +338,25 @@ def _generate_conv_nhwc(
         buf.line(f"row_ok = rm < {m}")
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         if depthwise:
-            # Each output channel reads its own input channel: a [pixels, channels] tile of
-            # multiply-adds per window position, channels contiguous in memory (BLOCK_K unused).
             buf.line(f"col_ok = rn < {n}")
-            # The window loop is unrolled: its loads are independent and issue together (a
-            # runtime loop waits on each: ConvNeXt-T's 7x7 convs at batch 1 took 15-21 us, as
-            # long as cuDNN's). Index arithmetic is int32 where every offset fits, else int64:
-            # with int64 offsets and a runtime loop, Triton 3.6 miscompiled this kernel on the
-            # H200 (sm_90) at some tiles only (fp32 [64, 64] and [32/64, 32] with 4 warps, fp16
-            # [128, 64]): wrong sums in up to 1588 of 9216 outputs, right in the interpreter.
-            # Unrolled int64 and runtime-loop int32 were right at all 16 tiles tried, fp32 and
-            # fp16 (tests/gpu sweeps the tuning candidates).
-            buf.line(f"for t in tl.static_range(0, {kh_ * kw_}):")
-            with buf.indent():
-                window_position()
-                buf.line("x_ok = ok[:, None] & col_ok[None, :]")
-                buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
-                buf.line(f"wv = tl.load(w + rn[None, :] * {kh_ * kw_} + t, mask=col_ok[None, :], other=0.0)")
-                buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")
+            # Index arithmetic is int32 where every offset fits, else int64 with the window loop
+            # always unrolled: with int64 offsets and a runtime loop, Triton 3.6 miscompiled this
+            # kernel on the H200 (sm_90) at some tiles only (fp32 [64, 64] and [32/64, 32] with
+            # 4 warps, fp16 [128, 64]): wrong sums in up to 1588 of 9216 outputs, right in the
+            # interpreter. Unrolled (int32 or int64) and runtime-loop int32 were right at every
+            # tile tried, fp32 and fp16 (tests/gpu sweeps the tuning candidates). With int32 the
+            # unrolled loop (UNROLL) is a tuning choice: its loads issue together, but it holds
+            # more registers.
+            taps = kh_ * kw_
+            if small_index:
+                buf.line("if UNROLL:")
+                with buf.indent():
+                    depthwise_taps(f"tl.static_range(0, {taps})")
+                buf.line("else:")
+                with buf.indent():
+                    depthwise_taps(f"range(0, {taps})")
+            else:
+                depthwise_taps(f"tl.static_range(0, {taps})")
         elif flat:
             buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
             with buf.indent():
@@ -405,10 +419,20 @@ def _generate_conv_nhwc(
 
 
 def _kernel_head(
-    buf: SourceBuffer, fn: str, args: list[str], config: dict[str, Any], m: int, n: int, k: int, dtype: str
+    buf: SourceBuffer,
+    fn: str,
+    args: list[str],
+    config: dict[str, Any],
+    m: int,
+    n: int,
+    k: int,
+    dtype: str,
+    flags: dict[str, bool] | None = None,
 ) -> None:
     """CONFIG (the GPU's starting tile), INTERPRETER_CONFIG (large blocks: one numpy pass each on
-    the CPU, sized by the M×N×K the kernel sweeps) and the kernel's signature."""
+    the CPU, sized by the M×N×K the kernel sweeps) and the kernel's signature. `flags` are more
+    boolean constexprs, at their defaults in both configs."""
+    flags = flags or {}
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (
         min(256, max(16, next_pow2(m))),
@@ -416,16 +440,16 @@ def _kernel_head(
         min(128, max(16, next_pow2(k))),
     )
     upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
-    buf.line(
-        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "UPCAST": {upcast}}}'
-    )
+    interp = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST": upcast, **flags}
+    buf.line(f"INTERPRETER_CONFIG = {interp!r}")
     buf.line()
     buf.line()
     buf.line("@triton.jit")
     buf.line(
         f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
     )
-    buf.line("        UPCAST: tl.constexpr):")
+    more = "".join(f", {f}: tl.constexpr" for f in flags)
+    buf.line(f"        UPCAST: tl.constexpr{more}):")
 
 
 def input_scale_operands(graph: Graph, mul: Node, conv: Node) -> tuple[str, str]:

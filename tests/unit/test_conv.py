@@ -99,6 +99,8 @@ def test_depthwise_conv_runs_as_its_template_with_the_epilogue(
     assert "depthwise conv kernel" in k.source and "tl.dot(" not in k.source
     assert ("tl.int64" in k.source) == (index == "int64")
     assert "tl.static_range" in k.source
+    # int32: a runtime window loop by default, unrolled as a tuning choice; int64: always unrolled.
+    assert ("if UNROLL:" in k.source) == (index == "int32") and k.config["UNROLL"] is False
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -122,6 +124,7 @@ def test_depthwise_template_is_right_at_every_tuning_candidate(precision: str) -
     )
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
     assert candidates(k) == DEPTHWISE_CANDIDATES
+    assert {bool(c.get("UNROLL")) for c in DEPTHWISE_CANDIDATES} == {False, True}
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, channels, size, size, generator=gen)
     w = torch.randn(channels, 1, kernel, kernel, generator=gen)

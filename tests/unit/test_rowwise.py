@@ -333,9 +333,9 @@ def test_ridge_point_defaults_to_the_h200_table_without_a_gpu() -> None:
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_short_rows_share_a_program_at_every_candidate_config(precision: str) -> None:
-    """ConvNeXt's channels-last LayerNorm: rows of 96, many of them. Several rows run per program
-    (BLOCK_M); the row count is no multiple of any candidate's, so the last program's spare rows
-    are masked. Every tuning candidate is launched on its own and checked element by element,
+    """ConvNeXt's channels-last LayerNorm: rows of 96, many of them. Several rows may run per
+    program (BLOCK_M); the row count is no multiple of any candidate's, so the last program's spare
+    rows are masked. Every tuning candidate is launched on its own and checked element by element,
     the per-row output (a keepdims mean) included."""
     import torch
 
@@ -359,9 +359,9 @@ def test_short_rows_share_a_program_at_every_candidate_config(precision: str) ->
     cm = check_every_element(m, {"x": shape, "res": shape}, precision)
     assert cm.report["kernels"] == {"before": 4, "after": 1}
     (k,) = cm.plan.kernels.values()
-    assert k.config["BLOCK_M"] > 1 and "tl.arange(0, BLOCK_M)" in k.source
+    assert k.config["BLOCK_M"] == 1 and "tl.arange(0, BLOCK_M)" in k.source
     configs = [{**k.config, **c} for c in candidates(k)]
-    assert len(configs) >= 4 and {c["BLOCK_M"] for c in configs} > {k.config["BLOCK_M"]}
+    assert {c["BLOCK_M"] for c in configs} == {1, 8, 16}  # one row; tiles of 1024 and 2048
 
     dtype = torch.float32 if precision == "fp32" else torch.float16
     device = torch.device(TEST_DEVICE)
