@@ -380,3 +380,19 @@ def test_short_rows_share_a_program_at_every_candidate_config(precision: str) ->
         for name, out in zip(k.outputs, outs, strict=True):
             got = out.float().cpu().numpy()
             np.testing.assert_allclose(got, want[name], rtol=tol, atol=tol, err_msg=f"{name} at {config}")
+
+
+def test_rows_per_program_never_exceed_the_rows() -> None:
+    """Tiles of 1024 and 2048 elements over rows of 128: 8 and 16 rows, or fewer where there are
+    fewer (3 rows: 4 per program, the next power of two). A kernel without BLOCK_M keeps its list."""
+    from opfuse.runtime.plan import KernelInfo
+    from opfuse.tune import CANDIDATES, candidates
+
+    def kernel(rows: int, config: dict[str, int]) -> KernelInfo:
+        return KernelInfo("k0", "rowwise", "r0", ["in0"], ["out0"], config, f"ROWS = {rows}\nR = 96\n")
+
+    many = {c["BLOCK_M"] for c in candidates(kernel(1000, {"BLOCK_M": 1, "BLOCK_R": 128}))}
+    few = {c["BLOCK_M"] for c in candidates(kernel(3, {"BLOCK_M": 1, "BLOCK_R": 128}))}
+    assert (many, few) == ({1, 8, 16}, {1, 4})
+    tiled = kernel(1000, {"BLOCK_R": 128, "BLOCK_I": 8})
+    assert candidates(tiled) == CANDIDATES["rowwise"]
