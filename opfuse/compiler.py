@@ -159,6 +159,14 @@ class CompiledModel:
         before = self.report.get("before", {}).get("latency_ms", {}).get("p50")
         after = self.report["after"]["latency_ms"]["p50"]
         self.report["speedup"] = before / after if before and after else None
+        self.report.pop("speedup_note", None)
+        if before and after and after > before:
+            self.report["speedup_note"] = slower_note(
+                before,
+                after,
+                self.report.get("profile", {}).get("convolutions_ms"),
+                "channels_last" in self.report.get("fusion", {}).get("passes", {}).get("fired", {}),
+            )
         self.report.setdefault("timings_s", {})["benchmark"] = round(time.perf_counter() - t0, 3)
         return self.report
 
@@ -371,6 +379,7 @@ def _compile(
             kernel_time_after[step.group] = round(kernel_time_after.get(step.group, 0.0) + t_ms, 6)
     rolled = set(verification["rolled_back"])
     fused_groups = [g for g in fusion.groups if g.id not in rolled and g.id not in unsafe]
+    conv_ms = _conv_times(base_plan, before_times, plan, after_times, fused_groups)
     kernel_of_group = {k.group: k.id for k in plan.kernels.values()}
     groups_json = []
     for g in fused_groups:
@@ -423,6 +432,7 @@ def _compile(
             "roofline": roofline(precision, device),
             "ops": before_profile,
             "after": after_profile,
+            **({"convolutions_ms": conv_ms} if conv_ms else {}),
             "timing": "cuda-synchronized wall time per step"
             if info["kind"] == "cuda"
             else "cpu wall time per step (interpreter: not a speed claim)",
@@ -752,6 +762,55 @@ def _group_times(base_plan: Plan, times: list[float], fusion: FusionPlan) -> dic
     return {
         g.id: round(sum(by_node.get(n.id, 0.0) for n in [*g.prologue, *g.nodes]), 6) for g in fusion.groups
     }
+
+
+CONV_OPS = ("Conv", "opfuse.ConvNHWC")
+
+
+def _conv_times(
+    base_plan: Plan, before: list[float], plan: Plan, after: list[float], groups: list[Any]
+) -> dict[str, float] | None:
+    """Device time of the convolutions with their fused neighbours, unfused and fused: every Conv
+    step and every node of a conv group before; conv groups (a vendor variant's library step
+    too) and lone convolutions after. None for a model without convolutions."""
+    conv_groups = {g.id for g in groups if g.kind == "conv"}
+    conv_nodes = {n.id for g in groups if g.kind == "conv" for n in [*g.prologue, *g.nodes]}
+    was = [
+        t
+        for s, t in zip(base_plan.steps, before, strict=False)
+        if s.kind == "op" and (s.op_type in CONV_OPS or s.node in conv_nodes)
+    ]
+    now = [
+        t
+        for s, t in zip(plan.steps, after, strict=False)
+        if s.group in conv_groups or (s.kind == "op" and s.op_type in CONV_OPS)
+    ]
+    if not was:
+        return None
+    return {"before": round(sum(was), 6), "after": round(sum(now), 6)}
+
+
+def slower_note(
+    before_ms: float, after_ms: float, conv_ms: dict[str, float] | None, channels_last: bool
+) -> str:
+    """Why a fused plan ran slower than the unfused one, as far as the profile tells, and what to
+    try. Seen on the H200: ResNet-50 in fp32, whose dense convolutions cuDNN runs faster in NCHW
+    than channels-last (10.5 against 11.8 ms at batch 32)."""
+    note = (
+        f"the fused plan ran slower than the unfused one (p50 {after_ms:.3f} ms against "
+        f"{before_ms:.3f} ms); profile.ops and profile.after give each step's time before and after"
+    )
+    if conv_ms and conv_ms["after"] > 1.05 * conv_ms["before"]:
+        note += (
+            f". The convolutions with their fused ops took {conv_ms['after']:.3f} ms against "
+            f"{conv_ms['before']:.3f} ms unfused"
+        )
+        if channels_last:
+            note += (
+                ', in channels-last: fusion.disable ["channels_last"] keeps them in NCHW, where '
+                "the library's fp32 kernels for dense convolutions can be faster"
+            )
+    return note
 
 
 def _bytes_saved(plan: Plan, group: Any) -> int:

@@ -163,3 +163,40 @@ def test_conv_epilogue_may_read_the_conv_input() -> None:
     m = make_model(nodes, {"x": [1, 4, 5, 5]}, {"y": [1, 4, 5, 5]}, {"w": RNG.standard_normal((4, 4, 1, 1))})
     cm = check_against_ort(m, {"x": [1, 4, 5, 5]})
     assert cm.report["kernels"] == {"before": 2, "after": 1}
+
+
+def test_a_fused_plan_slower_than_the_unfused_one_says_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report keeps the convolutions' time before and after (with their fused ops); a fused
+    plan measured slower than the unfused one gets a note naming that time and the switch."""
+    from opfuse.bench import protocol
+    from opfuse.compiler import slower_note
+
+    m, inputs = conv_model([2, 8, 10, 10], [8, 8, 3, 3], [2, 8, 10, 10], "relu", pads=[1, 1, 1, 1])
+    cm = check_against_ort(m, inputs)
+    conv = cm.report["profile"]["convolutions_ms"]
+    assert conv["before"] > 0 and conv["after"] > 0
+    assert "speedup_note" not in cm.report
+
+    latencies = iter([2.0, 3.0])  # before, then after: the fused plan slower
+
+    def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"latency_ms": {"p50": next(latencies)}}
+
+    monkeypatch.setattr(protocol, "measure", measure)
+    cm.report["profile"]["convolutions_ms"] = {"before": 1.0, "after": 1.5}
+    report = cm.benchmark(iters=2, warmup=1)
+    assert report["speedup"] == pytest.approx(2 / 3)
+    note = report["speedup_note"]
+    assert "3.000 ms against 2.000 ms" in note and "took 1.500 ms against 1.000 ms" in note
+    assert 'fusion.disable ["channels_last"]' in note  # the conv ran channels-last
+
+    # Convolutions no slower, or no channels-last region: no advice about either.
+    assert "convolutions" not in slower_note(2.0, 3.0, {"before": 1.0, "after": 1.0}, True)
+    assert "channels_last" not in slower_note(2.0, 3.0, {"before": 1.0, "after": 2.0}, False)
+    assert "convolutions" not in slower_note(2.0, 3.0, None, True)
+
+
+def test_a_model_without_convolutions_has_no_conv_times() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    cm = check_against_ort(make_model(nodes, {"x": [3, 4]}, {"y": [3, 4]}, {}), {"x": [3, 4]})
+    assert "convolutions_ms" not in cm.report["profile"]
