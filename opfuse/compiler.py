@@ -247,7 +247,7 @@ def _compile(
     # The "before": the model as uploaded, one per-op kernel per node, in the same precision.
     original_graph = graph.copy()
     reference_graph = graph.copy()  # float32, unfused: the fallback reference
-    passes = run_passes(graph, disabled)
+    passes = run_passes(graph, disabled, precision, device)
     cast: dict[int, Any] = {}  # the two graphs share weight arrays: each is cast once
     apply_precision(graph, precision, cast)
     apply_precision(original_graph, precision, cast)

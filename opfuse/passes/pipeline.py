@@ -68,14 +68,17 @@ def optimize_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     return infer_shapes(optimized), "applied"
 
 
-def run_passes(graph: Graph, disabled: Iterable[str] = ()) -> PassResult:
+def run_passes(
+    graph: Graph, disabled: Iterable[str] = (), precision: str = "fp32", device: str = "cpu"
+) -> PassResult:
+    disabled = frozenset(disabled)
     rule_log = RuleLog()
     fold_constant_nodes(graph)
     apply_rules(graph, RULES, set(disabled), rule_log)
-    if MERGE_RULE not in set(disabled):
+    if MERGE_RULE not in disabled:
         merge_projections(graph, rule_log)
-    if LAYOUT_RULE not in set(disabled):
-        to_channels_last(graph, rule_log)
+    if LAYOUT_RULE not in disabled:
+        to_channels_last(graph, rule_log, precision, device, disabled)
     fold_constant_nodes(graph)
     drop_unused_constants(graph)
     return PassResult(fired=rule_log.fired, not_fired=rule_log.not_fired)

@@ -13,7 +13,7 @@ from onnx import helper
 import opfuse
 from opfuse.runtime.ops import SUPPORTED_OPS
 from tests.builders import TEST_DEVICE
-from tests.unit.test_fusion import make_model, ort_run
+from tests.unit.test_fusion import NHWC_ALWAYS, make_model, ort_run
 
 RNG = np.random.default_rng(11)
 
@@ -45,7 +45,9 @@ def conv_net() -> onnx.ModelProto:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_conv_region_runs_channels_last_and_matches_onnxruntime(precision: str) -> None:
     model = conv_net()
-    cm = opfuse.compile(model, {"x": [2, 3, 8, 8]}, precision=precision, device=TEST_DEVICE)
+    cm = opfuse.compile(
+        model, {"x": [2, 3, 8, 8]}, precision=precision, device=TEST_DEVICE, fusion_disable=NHWC_ALWAYS
+    )
     assert cm.report["verification"]["passed"] is True
     assert cm.report["fusion"]["passes"]["fired"]["channels_last"] == 2
     ops = [s.op_type for s in cm.plan.steps if s.kind == "op"]
@@ -123,7 +125,9 @@ def test_the_models_own_permutes_are_absorbed() -> None:
     shape = [2, c, 5, 5]
     model = make_model(nodes, {"x": shape}, {"y": shape}, inits)
     for precision, tol in (("fp32", 1e-4), ("fp16", 2e-2)):
-        cm = opfuse.compile(model, {"x": shape}, precision=precision, device=TEST_DEVICE)
+        cm = opfuse.compile(
+            model, {"x": shape}, precision=precision, device=TEST_DEVICE, fusion_disable=NHWC_ALWAYS
+        )
         assert cm.report["verification"]["passed"] is True
         # Only the region's two edges remain as Transposes: into NHWC for the input, back for y.
         transposes = [s for s in cm.plan.steps if s.op_type == "Transpose"]
@@ -158,7 +162,9 @@ def test_squeeze_excitation_scale_runs_inside_the_next_conv(precision: str) -> N
     }
     shape = [2, 8, 6, 6]
     model = make_model(nodes, {"x": shape}, {"y": [2, o, 6, 6]}, inits)
-    cm = opfuse.compile(model, {"x": shape}, precision=precision, device=TEST_DEVICE)
+    cm = opfuse.compile(
+        model, {"x": shape}, precision=precision, device=TEST_DEVICE, fusion_disable=NHWC_ALWAYS
+    )
     assert cm.report["verification"]["passed"] is True
     assert not any(s.op_type == "Mul" for s in cm.plan.steps)
     (g,) = [g for g in cm.report["fusion"]["groups"] if "se_scale" in g["nodes"]]
@@ -185,7 +191,9 @@ def test_input_scale_that_varies_over_the_image_is_not_folded() -> None:
         {"y": [1, 4, 5, 5]},
         {"w": RNG.standard_normal((4, 8, 1, 1)), "w0": RNG.standard_normal((8, 8, 1, 1))},
     )
-    cm = opfuse.compile(model, {"x": shape, "t": [1, 1, 5, 5]}, device=TEST_DEVICE)
+    cm = opfuse.compile(
+        model, {"x": shape, "t": [1, 1, 5, 5]}, device=TEST_DEVICE, fusion_disable=NHWC_ALWAYS
+    )
     assert cm.report["verification"]["passed"] is True
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if "pixel_scale" in n["nodes"]]
     assert any("varies over the image" in r for r in reasons)
@@ -225,7 +233,7 @@ def test_written_out_reductions_run_on_the_nhwc_tensor(
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
-    cm = opfuse.compile(model, {"x": shape}, device=TEST_DEVICE)
+    cm = opfuse.compile(model, {"x": shape}, device=TEST_DEVICE, fusion_disable=NHWC_ALWAYS)
     assert cm.report["verification"]["passed"] is True
     # Converted: the reduction reads the conv's NHWC output directly, no Transpose back before it.
     back = [s for s in cm.plan.steps if s.op_type == "Transpose" and s.attrs.get("perm") == [0, 3, 1, 2]]
@@ -375,3 +383,47 @@ def test_heads_merged_into_the_batch_and_split_out_again_are_read_in_place(preci
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "pointwise"]
     assert k.inputs == ["proj"]
     assert not any(st.op_type in ("Reshape", "Transpose") for st in cm.plan.steps)
+
+
+@pytest.mark.parametrize(
+    "precision, device, depthwise, nhwc",
+    [
+        ("fp32", "cuda", False, False),  # dense convolutions in fp32 on the GPU: NCHW
+        ("fp32", "cuda", True, True),  # a depthwise convolution in the region: channels-last
+        ("fp16", "cuda", False, True),
+        ("tf32", "cuda", False, True),
+        ("fp32", "cpu", False, True),  # the interpreter runs either; the tests cover NHWC
+    ],
+)
+def test_dense_fp32_convolutions_stay_nchw_on_the_gpu(
+    precision: str, device: str, depthwise: bool, nhwc: bool
+) -> None:
+    """The layout decision is a graph pass: run here for either device, no GPU needed."""
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.graph import graph_from_onnx
+    from opfuse.passes.layout import FP32_DENSE_REASON, FP32_DENSE_RULE
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1, 1, 1, 1], group=8 if depthwise else 1),
+    ]
+    w2 = RNG.standard_normal((8, 1, 3, 3) if depthwise else (8, 8, 3, 3))
+    model = make_model(
+        nodes, {"x": [1, 3, 6, 6]}, {"y": [1, 8, 6, 6]}, {"w1": RNG.standard_normal((8, 3, 3, 3)), "w2": w2}
+    )
+    _, spec = load_and_specialize(model, {"x": [1, 3, 6, 6]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    result = run_passes(graph, (), precision, device)
+    ops = {n.op_type for n in graph.nodes}
+    assert ("opfuse.ConvNHWC" in ops) == nhwc and ("Conv" in ops) == (not nhwc)
+    assert result.fired.get("channels_last", 0) == (2 if nhwc else 0)
+    assert result.fired.get(FP32_DENSE_RULE, 0) == (0 if nhwc else 2)
+    reasons = [nf.reason for nf in result.not_fired if nf.rule == "channels_last"]
+    assert reasons == ([] if nhwc else [FP32_DENSE_REASON])
+    if not nhwc:  # the switch: the same graph channels-last
+        graph = graph_from_onnx(spec)
+        run_passes(graph, (FP32_DENSE_RULE,), precision, device)
+        assert "opfuse.ConvNHWC" in {n.op_type for n in graph.nodes}
