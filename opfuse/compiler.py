@@ -795,7 +795,8 @@ def slower_note(
 ) -> str:
     """Why a fused plan ran slower than the unfused one, as far as the profile tells, and what to
     try. Seen on the H200: ResNet-50 in fp32, whose dense convolutions cuDNN runs faster in NCHW
-    than channels-last (10.5 against 11.8 ms at batch 32)."""
+    than channels-last (10.5 against 11.8 ms at batch 32; such regions now stay NCHW in fp32,
+    rule fp32_dense_nchw)."""
     note = (
         f"the fused plan ran slower than the unfused one (p50 {after_ms:.3f} ms against "
         f"{before_ms:.3f} ms); profile.ops and profile.after give each step's time before and after"
@@ -807,8 +808,8 @@ def slower_note(
         )
         if channels_last:
             note += (
-                ', in channels-last: fusion.disable ["channels_last"] keeps them in NCHW, where '
-                "the library's fp32 kernels for dense convolutions can be faster"
+                ', in channels-last: fusion.disable ["channels_last"] keeps them in NCHW, which '
+                "some of the library's convolution kernels run faster; compare the two reports"
             )
     return note
 
