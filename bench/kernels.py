@@ -6,8 +6,10 @@ running a kernel.
 For each model: the exported ONNX graph's node count (Constant nodes left out), its compute nodes
 as the compile report defines them (`compute_nodes`: the steps of the unfused plan that launch a
 kernel), the unfused plan's launches (`kernels.before`), the fused plan's launches
-(`kernels.after`), the ratio after / compute nodes, the op steps left unfused by op type, and the
-fusion groups by kind. It runs the front half of `opfuse.compile` (load, specialize, passes,
+(`kernels.after`), the ratio after / compute nodes, the launches that run an anchor (a GEMM,
+convolution or attention: never two in one kernel) and the ratio they alone make (`floor`: the
+least `after` can be under that rule), the op steps left unfused by op type, and the fusion groups
+by kind. It runs the front half of `opfuse.compile` (load, specialize, passes,
 precision, fusion planning, lowering with code generation) and stops before profiling, tuning and
 verification, which execute the plan.
 
@@ -50,6 +52,9 @@ class KernelCount:
     kernel_steps: int  # generated kernels (one launch each)
     distinct_kernels: int  # ... of which distinct for Triton's compile cache (repeated layers share)
     vendor_steps: int  # library anchors of vendor-variant conv/GEMM groups (one launch each)
+    # Launches that run a GEMM, convolution or attention (a template with its epilogue, or the
+    # library's kernel): never two in one kernel, so `after` cannot go below this.
+    anchor_launches: int
     unfused_steps: int  # op steps outside every group that launch a kernel
     unfused_by_op: dict[str, int] = field(default_factory=dict)
     groups_by_kind: dict[str, int] = field(default_factory=dict)
@@ -65,9 +70,15 @@ class KernelCount:
     def ratio(self) -> float:
         return self.after / self.compute_nodes if self.compute_nodes else float("nan")
 
+    @property
+    def floor(self) -> float:
+        """The ratio if every launch but the anchors' were fused away."""
+        return self.anchor_launches / self.compute_nodes if self.compute_nodes else float("nan")
+
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["ratio"] = round(self.ratio, 4)
+        d["floor"] = round(self.floor, 4)
         return d
 
 
@@ -179,6 +190,21 @@ def jitted_function(source: str) -> tuple[int, str]:
     return start, "\n".join(lines[start:end])
 
 
+ANCHOR_KERNELS = ("gemm", "conv", "attention")
+ANCHOR_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "opfuse.ConvNHWC")
+
+
+def anchor_launches(plan: Any) -> int:
+    """Launching steps of `plan` that run an anchor: a GEMM, conv or attention kernel, or a
+    library GEMM/convolution (alone or as a vendor variant's first step)."""
+    return sum(
+        s.launches
+        for s in plan.steps
+        if (s.kind == "kernel" and plan.kernels[s.kernel].kind in ANCHOR_KERNELS)
+        or (s.kind == "op" and s.op_type in ANCHOR_OPS)
+    )
+
+
 def count(name: str, batch: int, precision: str, onnx_nodes: int, p: Planned) -> KernelCount:
     groups = step_groups(p)
     unfused = [s for s in p.plan.steps if s.kind == "op" and not s.group and s.launches]
@@ -200,6 +226,7 @@ def count(name: str, batch: int, precision: str, onnx_nodes: int, p: Planned) ->
         kernel_steps=sum(1 for s in p.plan.steps if s.kind == "kernel"),
         distinct_kernels=len({jitted_function(k.source) for k in p.plan.kernels.values()}),
         vendor_steps=len(vendor),
+        anchor_launches=anchor_launches(p.plan),
         unfused_steps=len(unfused),
         unfused_by_op=dict(collections.Counter(s.op_type for s in unfused).most_common()),
         groups_by_kind=dict(sorted(kinds.items())),
@@ -334,7 +361,7 @@ def print_row(r: KernelCount, top: int = 10, show_patterns: int = 0) -> None:
     print(
         f"{r.model:<20}{r.batch:>3} {r.precision:<5}{r.onnx_nodes:>7}{r.compute_nodes:>9}"
         f"{r.before:>8}{r.after:>7}{r.ratio:>7.2f}   kernels {r.kernel_steps} ({r.distinct_kernels} "
-        f"distinct), vendor anchors "
+        f"distinct), anchor launches {r.anchor_launches} (floor {r.floor:.2f}), vendor anchors "
         f"{r.vendor_steps}, unfused ops {r.unfused_steps}; hidden view copies before/after "
         f"{r.copies_before}/{r.copies_after}"
     )
@@ -351,7 +378,7 @@ def print_row(r: KernelCount, top: int = 10, show_patterns: int = 0) -> None:
 
 HEADER = (
     f"{'model':<20}{'b':>3} {'prec':<5}{'onnx':>7}{'compute':>9}{'before':>8}{'after':>7}{'ratio':>7}"
-    f"{'copies b/a':>12}"
+    f"{'anchors':>8}{'floor':>7}{'copies b/a':>12}"
 )
 
 
@@ -390,7 +417,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for r in rows:
         print(
             f"{r.model:<20}{r.batch:>3} {r.precision:<5}{r.onnx_nodes:>7}{r.compute_nodes:>9}"
-            f"{r.before:>8}{r.after:>7}{r.ratio:>7.2f}{f'{r.copies_before}/{r.copies_after}':>12}"
+            f"{r.before:>8}{r.after:>7}{r.ratio:>7.2f}{r.anchor_launches:>8}{r.floor:>7.2f}"
+            f"{f'{r.copies_before}/{r.copies_after}':>12}"
         )
 
 

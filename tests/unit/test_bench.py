@@ -96,3 +96,24 @@ def test_kernel_counts_tell_distinct_kernels_by_what_triton_caches() -> None:
     assert jitted_function(a) == jitted_function(b)
     assert jitted_function(a) != jitted_function("\n" + a)  # another line: another cache key
     assert jitted_function(a) != jitted_function(a.replace("pass", "return"))
+
+
+def test_anchor_launches_count_each_gemm_and_convolution_once() -> None:
+    """The floor of a plan's launches: its GEMM and conv kernels, fused with their epilogues or
+    not, each count once; pooling and row kernels do not."""
+    import opfuse
+    from bench.kernels import anchor_launches
+    from tests.unit.test_layout import conv_net
+
+    cm = opfuse.compile(conv_net(), {"x": [2, 3, 8, 8]}, device=TEST_DEVICE, verify=False, tune_budget_s=0)
+    assert anchor_launches(cm.plan) == 2  # two convolutions (with Relu, scale and Sigmoid fused)
+    assert cm.plan.launches > 2  # the max pool, the pooling and the layout edge launch besides
+    library = opfuse.compile(
+        conv_net(),
+        {"x": [2, 3, 8, 8]},
+        device=TEST_DEVICE,
+        verify=False,
+        tune_budget_s=0,
+        fusion_disable=["conv_epilogue"],
+    )
+    assert anchor_launches(library.plan) == 2  # library convolutions count the same
