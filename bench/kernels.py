@@ -191,17 +191,19 @@ def jitted_function(source: str) -> tuple[int, str]:
 
 
 ANCHOR_KERNELS = ("gemm", "conv", "attention")
-ANCHOR_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose", "opfuse.ConvNHWC")
 
 
 def anchor_launches(plan: Any) -> int:
     """Launching steps of `plan` that run an anchor: a GEMM, conv or attention kernel, or a
     library GEMM/convolution (alone or as a vendor variant's first step)."""
+    from opfuse.codegen.conv import CONV_OPS
+
+    anchor_ops = ("MatMul", "Gemm", "ConvTranspose", *CONV_OPS)
     return sum(
         s.launches
         for s in plan.steps
         if (s.kind == "kernel" and plan.kernels[s.kernel].kind in ANCHOR_KERNELS)
-        or (s.kind == "op" and s.op_type in ANCHOR_OPS)
+        or (s.kind == "op" and s.op_type in anchor_ops)
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import torch
 
+from opfuse.codegen.conv import CONV_OPS
 from opfuse.errors import BundleError, ModelError
 from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
@@ -762,9 +763,6 @@ def _group_times(base_plan: Plan, times: list[float], fusion: FusionPlan) -> dic
     return {
         g.id: round(sum(by_node.get(n.id, 0.0) for n in [*g.prologue, *g.nodes]), 6) for g in fusion.groups
     }
-
-
-CONV_OPS = ("Conv", "opfuse.ConvNHWC")
 
 
 def _conv_times(

@@ -96,9 +96,10 @@ def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
 
 
 def is_depthwise(graph: Graph, node: Node) -> bool:
-    """One filter per channel: group == input channels == output channels (NHWC conv)."""
+    """One filter per channel: group == input channels == output channels (an ONNX Conv, NCHW, or
+    its NHWC form)."""
     group = int(node.attrs.get("group", 1))
-    channels = graph.spec(node.inputs[0]).shape[3]
+    channels = graph.spec(node.inputs[0]).shape[3 if node.op_type == NHWC_CONV else 1]
     return group > 1 and group == channels == graph.spec(node.inputs[1]).shape[0]
 
 

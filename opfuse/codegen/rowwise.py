@@ -335,6 +335,7 @@ def generate_rowwise(
     space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
+    multi = not tiled and not space.groups  # the trailing layout: BLOCK_M rows per program
     rows, r, inner = space.outer, space.r, space.inner
     block = next_pow2(r)
     fn = "fused_rowwise"
@@ -369,20 +370,19 @@ def generate_rowwise(
         config = {"BLOCK_R": block, "BLOCK_I": bi, "num_warps": 4 if block * bi <= 2048 else 8}
         interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
         buf.line(f"INNER = {inner}")
-    elif space.groups:
-        config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
-        interp = {"BLOCK_R": block}
-    else:
+    elif multi:
         # BLOCK_M rows per program: one by default; short rows (ConvNeXt's 96 channels) may share
         # a program where the tuner measures it faster (opfuse.tune.candidates).
         config = {"BLOCK_M": 1, "BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
         interp = {"BLOCK_M": rows_per_program(rows, block, 1 << 16), "BLOCK_R": block}
+    else:
+        config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
+        interp = {"BLOCK_R": block}
     buf.line(f"CONFIG = {config}".replace("'", '"'))
     buf.line(f"INTERPRETER_CONFIG = {interp}".replace("'", '"'))
     buf.line()
     buf.line()
     buf.line("@triton.jit")
-    multi = not tiled and not space.groups  # BLOCK_M rows of the trailing layout per program
     if tiled:
         consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr"
     elif multi:

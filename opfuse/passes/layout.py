@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from opfuse.codegen.conv import is_depthwise
 from opfuse.codegen.pointwise import EMITTERS
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import NotFired, RuleLog, node_label
@@ -166,11 +167,6 @@ FP32_DENSE_REASON = (
 )
 
 
-def _depthwise(graph: Graph, node: Node) -> bool:
-    w = graph.constants.get(node.inputs[1]) if len(node.inputs) > 1 else None
-    return int(node.attrs.get("group", 1)) > 1 and w is not None and w.ndim == 4 and w.shape[1] == 1
-
-
 def to_channels_last(
     graph: Graph,
     log: RuleLog,
@@ -196,7 +192,7 @@ def to_channels_last(
         FP32_DENSE_RULE not in disabled
         and precision == "fp32"
         and device.startswith("cuda")
-        and not any(_depthwise(graph, n) for n in convs)
+        and not any(is_depthwise(graph, n) for n in convs)
     ):
         log.fired[FP32_DENSE_RULE] = log.fired.get(FP32_DENSE_RULE, 0) + len(convs)
         log.not_fired.append(NotFired(RULE, [node_label(n) for n in convs], FP32_DENSE_REASON))
