@@ -177,10 +177,13 @@ def test_a_fused_plan_slower_than_the_unfused_one_says_where(monkeypatch: pytest
     assert conv["before"] > 0 and conv["after"] > 0
     assert "speedup_note" not in cm.report
 
-    latencies = iter([2.0, 3.0])  # before, then after: the fused plan slower
+    calls: list[int] = []
 
     def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {"latency_ms": {"p50": next(latencies)}}
+        # Before (the first call) 2 ms; every fused measurement (on the GPU: step by step and
+        # as a CUDA graph) 3 ms, so the fused plan is the slower one.
+        calls.append(1)
+        return {"latency_ms": {"p50": 2.0 if len(calls) == 1 else 3.0}}
 
     monkeypatch.setattr(protocol, "measure", measure)
     cm.report["profile"]["convolutions_ms"] = {"before": 1.0, "after": 1.5}
