@@ -346,7 +346,7 @@ def _compile(
         from opfuse.tune import config_key, kernel_signature, precompile
 
         report_progress("tuning", 0.55)
-        failed = precompile([plan], None, compile_pool)  # the untuned plan's kernels, in parallel
+        failed = precompile([plan], None, compile_pool).failed  # the untuned plan's kernels, in parallel
         compile_pool.close()
         tuning = {"compile_failed": {}, "unsafe_groups": []}
         for kid, k in plan.kernels.items():
@@ -626,6 +626,7 @@ def _tune(
     Kernels are tuned where the time is first: in order of their group's time in the unfused
     profile (`group_ms`), so a spent budget leaves only the cheap kernels at their defaults."""
     from opfuse.tune import (
+        Precompiled,
         TuningCache,
         kernel_signature,
         precompile,
@@ -661,22 +662,25 @@ def _tune(
         variants.clear()
     times: dict[str, dict[str, float]] = {}
     crashed: dict[str, set[str]] = {}
+    ran: dict[str, tuple[Executor, dict[str, Any]]] = {}
+    # The budget starts once every kernel the candidate plans need is compiled (precompile).
+    deadline = time.perf_counter() + budget_s
+    pre = Precompiled()
 
-    failed: dict[Any, Any] = {}
-
-    def tune(name: str, p: Plan, pool: Any, timed: bool) -> None:
+    def tune(name: str, p: Plan, pool: Any) -> None:
         executor = Executor(p, device)
         priority = {kid: (group_ms or {}).get(k.group, 0.0) for kid, k in p.kernels.items()}
-        tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority, failed)
+        tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority, pre)
         record["kernels"].update(tuned)
         for k in p.kernels.values():
             configs[kernel_signature(k)] = dict(k.config)
-        if timed:  # runs `p` here only when every generated kernel in it ran cleanly in the worker
-            times[name] = variant_group_times(p, executor, feeds, tuned)
+        ran[name] = (executor, tuned)
         crashed[name] = unsafe_groups(p, tuned)
 
-    # Candidates are compiled in parallel first (CompilePool); one worker then times them all.
-    # Triton's interpreter (device "cpu") compiles nothing: there the worker only times.
+    # The kernels are compiled in parallel first (CompilePool), each at the config it runs with;
+    # then the candidate configs compile in the background, most profiled time first, while one
+    # worker times those already compiled. Triton's interpreter (device "cpu") compiles nothing:
+    # there the worker only times.
     # A warm compile (every choice and config in the tuning cache, so every kernel was compiled
     # and run cleanly on this GPU before, and sits in Triton's disk cache) starts neither: it
     # times nothing, and loading a handful of cached binaries in this process is faster than
@@ -692,17 +696,25 @@ def _tune(
             if compiler is not None:
                 compiler.close()
             record["precompile"] = "skipped: every kernel's config is in the tuning cache"
-        elif gpu:
+        if gpu and not warm:
             t0 = time.perf_counter()
             compiler = compiler or CompilePool(device)  # the caller's pool may have started already
             try:
-                failed.update(precompile(list(candidates.values()), cache, compiler, deadline, group_ms))
+                pre = precompile(list(candidates.values()), cache, compiler, budget_s, group_ms)
+                record["compile_s"] = round(time.perf_counter() - t0, 2)
+                record["compile_workers"] = compiler.workers
+                deadline = pre.deadline or deadline
+                for name, p in candidates.items():
+                    tune(name, p, pool)
             finally:
+                pre.close()
                 compiler.close()  # frees its GPU contexts before anything is timed
-            record["compile_s"] = round(time.perf_counter() - t0, 2)
-            record["compile_workers"] = compiler.workers
-        for name, p in candidates.items():
-            tune(name, p, pool, timed=bool(to_measure))
+        else:
+            for name, p in candidates.items():
+                tune(name, p, pool)
+        if to_measure:  # the plans run here only with kernels that ran cleanly in the worker
+            for name, (executor, tuned) in ran.items():
+                times[name] = variant_group_times(candidates[name], executor, feeds, tuned)
         for gid in anchors:
             if gid not in to_measure:
                 variants[gid] = known[gid]["choice"]
@@ -728,8 +740,15 @@ def _tune(
             vendor_plan = make_plan(None)
             if gpu and not cache.covers([vendor_plan]):
                 with CompilePool(device) as late:
-                    failed.update(precompile([vendor_plan], cache, late, deadline, group_ms))
-            tune("vendor", vendor_plan, pool, timed=False)
+                    pre = precompile(
+                        [vendor_plan], cache, late, max(0.0, deadline - time.perf_counter()), group_ms
+                    )
+                    try:
+                        tune("vendor", vendor_plan, pool)
+                    finally:
+                        pre.close()
+            else:
+                tune("vendor", vendor_plan, pool)
     library = {g.id for g in lone if variants.get(g.id) == "vendor"}
     if library:
         fusion.groups[:] = [g for g in fusion.groups if g.id not in library]

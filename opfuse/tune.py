@@ -25,7 +25,7 @@ from opfuse.codegen.rowwise import rows_per_program
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
-from opfuse.tuning_pool import CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
+from opfuse.tuning_pool import CompileJob, CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
 
 # Variations tried around each kernel's own starting config (codegen picks it from the shapes).
 CANDIDATES: dict[str, list[dict[str, Any]]] = {
@@ -185,20 +185,68 @@ def _request(plan: Plan, k: KernelInfo, config: dict[str, Any]) -> TimingRequest
     return TimingRequest(k.source, config, shapes, out_shapes)
 
 
+LEFT_OUT = "not compiled within the tuning budget"
+
+
+class Precompiled:
+    """What `precompile` did: the requests that failed (the tuner never times them), and the
+    candidate configs still compiling in the background, which the tuner waits for one kernel at a
+    time, in the order they were submitted (the order it tunes in). `deadline`: when tuning ends
+    (the budget starts once every kernel the plans need is compiled)."""
+
+    def __init__(
+        self,
+        failed: dict[tuple[str, str], Timing] | None = None,
+        job: CompileJob | None = None,
+        index: dict[tuple[str, str], int] | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.failed = dict(failed or {})
+        self.job = job
+        self.index = dict(index or {})
+        self.deadline = deadline
+
+    def outcome(self, key: tuple[str, str]) -> Timing | None:
+        """None: time this candidate (compiled, or left to whoever times it to compile); a Timing:
+        do not, it failed to compile or was left out at the deadline (error LEFT_OUT)."""
+        if key in self.failed:
+            return self.failed[key]
+        i = self.index.get(key)
+        if i is None or self.job is None:
+            return None
+        timing = self.job.wait(i)
+        if timing is None:
+            return Timing(math.inf, LEFT_OUT)
+        if not timing.ok:
+            self.failed[key] = timing
+            return timing
+        return None
+
+    def close(self) -> None:
+        """Stop taking candidates and wait for those compiling now (their workers stay usable)."""
+        if self.job is not None:
+            self.job.cancel()
+            for key, i in self.index.items():
+                timing = self.job.wait(i)
+                if timing is not None and not timing.ok:
+                    self.failed[key] = timing
+
+
 def precompile(
     plans: list[Plan],
     cache: TuningCache | None,
     compiler: CompilePool,
-    deadline: float | None = None,
+    budget_s: float | None = None,
     group_ms: dict[str, float] | None = None,
-) -> dict[tuple[str, str], Timing]:
+) -> Precompiled:
     """Compile the plans' kernels in parallel before anything times or runs them.
 
     First every kernel at the config it will run with unless tuned (its cached config, else its
-    default), with no deadline: the plan needs those anyway. Then, until `deadline`, the candidate
-    configs of the kernels that will be tuned (not in `cache`), kernels of the groups with the most
-    profiled time (`group_ms`) first. Returns the requests that failed, by (kernel signature,
-    config_key): the tuner takes those as lost without trying them again.
+    default), with no deadline, each run once to check it: the plan needs those anyway. Then the
+    tuning budget (`budget_s`) starts, and the candidate configs of the kernels to be tuned (not
+    in `cache`) compile in the background, without running, kernels of the groups with the most
+    profiled time (`group_ms`) first, while the tuner times those already compiled. The caller
+    closes the result when tuning is done.
     """
     must: dict[tuple[str, str], TimingRequest] = {}
     may: list[tuple[float, int, tuple[str, str], TimingRequest]] = []
@@ -221,16 +269,16 @@ def precompile(
                     seen.add(key)
                     weight = (group_ms or {}).get(k.group, 0.0)
                     may.append((-weight, len(may), key, _request(plan, k, config)))
-    failed: dict[tuple[str, str], Timing] = {}
     keys = list(must)
-    results = compiler.run([must[k] for k in keys])
+    failed = {
+        key: timing
+        for key, timing in zip(keys, compiler.run([must[k] for k in keys]), strict=True)
+        if timing is not None and not timing.ok
+    }
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     may.sort(key=lambda item: item[:2])
-    keys += [item[2] for item in may]
-    results += compiler.run([item[3] for item in may], deadline)
-    for key, timing in zip(keys, results, strict=True):
-        if timing is not None and not timing.ok:
-            failed[key] = timing
-    return failed
+    job = compiler.submit([item[3] for item in may], deadline, launch=False)
+    return Precompiled(failed, job, {item[2]: i for i, item in enumerate(may)}, deadline)
 
 
 def tune_kernel_configs(
@@ -240,17 +288,18 @@ def tune_kernel_configs(
     deadline: float,
     pool: TuningPool | None = None,
     priority: dict[str, float] | None = None,
-    failed: dict[tuple[str, str], Timing] | None = None,
+    precompiled: Precompiled | None = None,
 ) -> dict[str, Any]:
     """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config.
 
-    Kernels are tuned in order of `priority` (kernel id -> weight, highest first: the profile's
-    time of the nodes a kernel replaces), so a budget that runs out leaves the cheap ones untuned.
+        Kernels are tuned in order of `priority` (kernel id -> weight, highest first: the profile's
+        time of the nodes a kernel replaces), so a budget that runs out leaves the cheap ones untuned.
 
-    Candidates are timed in `pool` (one is made for this call when None; pass one to share its
-    worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
-    candidates killed the worker keeps its default config and is cached as "crashed", so that it
-    is not tried again. `failed` (from `precompile`): candidates already known to fail, not tried.
+        Candidates are timed in `pool` (one is made for this call when None; pass one to share its
+        worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
+        candidates killed the worker keeps its default config and is cached as "crashed", so that it
+        is not tried again. `precompiled` (from `precompile`): a candidate is timed once it has compiled;
+    one that failed to compile, or was left out at the deadline, is not tried.
     """
     own_pool = None
     if tune_inprocess():
@@ -258,7 +307,7 @@ def tune_kernel_configs(
     elif pool is None:
         pool = own_pool = TuningPool(str(executor.device))
     try:
-        return _tune_each(plan, executor, cache, deadline, pool, priority or {}, failed or {})
+        return _tune_each(plan, executor, cache, deadline, pool, priority or {}, precompiled or Precompiled())
     finally:
         if own_pool is not None:
             own_pool.close()
@@ -271,7 +320,7 @@ def _tune_each(
     deadline: float,
     pool: TuningPool | None,
     priority: dict[str, float],
-    failed: dict[tuple[str, str], Timing],
+    precompiled: Precompiled,
 ) -> dict[str, Any]:
     record: dict[str, Any] = {}
     order = sorted(plan.kernels, key=lambda kid: -priority.get(kid, 0.0))  # stable: plan order on ties
@@ -296,12 +345,16 @@ def _tune_each(
         tried: list[dict[str, Any]] = []
         ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
         seen: set[str] = set()
+        left_out = 0
         for cand in candidates(k):
             config = {**default, **cand}
             if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
                 continue
             seen.add(config_key(config))
-            timing = failed.get((key, config_key(config))) or time_candidate(config)
+            timing = precompiled.outcome((key, config_key(config))) or time_candidate(config)
+            if timing.error == LEFT_OUT:
+                left_out += 1
+                continue
             if not timing.ok:
                 tried.append({"config": cand, "error": timing.error})
                 if timing.killed:  # a bug the default config may share: no more of this kernel
@@ -322,7 +375,13 @@ def _tune_each(
             k.config = default
             record[kid] = {"config": default, "skipped": pool.start_error}
             continue
+        if left_out and not ran and crashed is None:  # the deadline came before its candidates
+            k.config = default
+            record[kid] = {"config": default, "skipped": "tuning budget spent"}
+            continue
         entry: dict[str, Any] = {"config": best, "ms": best_ms}
+        if left_out:  # chosen among those compiled in time; cached so, a warm compile keeps it
+            entry["left_out"] = left_out
         if outvoted:  # computed something else than the other configs: never chosen
             entry["outvoted"] = outvoted
         if crashed is not None:

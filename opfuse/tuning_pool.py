@@ -43,6 +43,7 @@ class TimingRequest:
     inputs: Sequence[TensorShape]
     outputs: Sequence[TensorShape]
     reps: int = 10  # 0: compile and run once, untimed (CompilePool)
+    launch: bool = True  # with reps 0, False: compile only, nothing runs on the device
 
 
 @dataclass
@@ -236,6 +237,7 @@ class TuningPool:
                     "inputs": [(list(s), d) for s, d in request.inputs],
                     "outputs": [(list(s), d) for s, d in request.outputs],
                     "reps": request.reps,
+                    "launch": request.launch,
                 }
             )
             if not self._conn.poll(limit):
@@ -338,37 +340,119 @@ class CompilePool:
             self._pools.append(pool)
 
     def run(self, requests: Sequence[TimingRequest], deadline: float | None = None) -> list[Timing | None]:
-        results: list[Timing | None] = [None] * len(requests)
+        """Compile and run each request once; returns when all are done or the deadline passed."""
+        return self.submit(requests, deadline).results()
+
+    def submit(
+        self, requests: Sequence[TimingRequest], deadline: float | None = None, launch: bool = True
+    ) -> CompileJob:
+        """Start compiling `requests` in the background, in order; returns at once. `launch=False`
+        compiles without running anything on the device (Triton's warmup), so the GPU stays free
+        for whoever times kernels meanwhile."""
+        job = CompileJob(len(requests))
         if not requests:
-            return results
-        n = min(self.workers, len(requests))
-        self.start(n)
+            job.finish()
+            return job
+        self.start(min(self.workers, len(requests)))
         todo = list(enumerate(requests))
         todo.reverse()  # popped from the end: request order
         lock = threading.Lock()
 
         def serve(pool: TuningPool) -> None:
-            while True:
-                with lock:
-                    if not todo or (deadline is not None and time.perf_counter() > deadline):
-                        return
-                    i, request = todo.pop()
-                compile_only = TimingRequest(
-                    request.source, request.config, request.inputs, request.outputs, 0
-                )
-                results[i] = pool.time(compile_only)
+            try:
+                while True:
+                    with lock:
+                        late = deadline is not None and time.perf_counter() > deadline
+                        if not todo or late or job.cancelled:
+                            return
+                        i, request = todo.pop()
+                    compile_only = TimingRequest(
+                        request.source, request.config, request.inputs, request.outputs, 0, launch
+                    )
+                    job.set(i, pool.time(compile_only))
+            finally:
+                job.worker_done()
 
-        threads = [threading.Thread(target=serve, args=(pool,), daemon=True) for pool in self._pools]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return results
+        job.workers = len(self._pools)
+        for pool in self._pools:
+            threading.Thread(target=serve, args=(pool,), daemon=True).start()
+        return job
 
     def close(self) -> None:
         for pool in self._pools:
             pool.close()
         self._pools.clear()
+
+
+class CompileJob:
+    """Requests compiling in CompilePool's workers. `wait(i)` blocks until request `i` is done, or
+    until no worker will take it any more (the deadline passed): then it is None."""
+
+    def __init__(self, n: int) -> None:
+        self._results: list[Timing | None] = [None] * n
+        self._done = [False] * n
+        self._cond = threading.Condition()
+        self.workers = 0
+        self.cancelled = False  # no worker takes another request (those compiling finish)
+        self._finished = n == 0
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def set(self, i: int, timing: Timing) -> None:
+        with self._cond:
+            self._results[i], self._done[i] = timing, True
+            self._cond.notify_all()
+
+    def worker_done(self) -> None:
+        with self._cond:
+            self.workers -= 1
+            if self.workers <= 0:
+                self._finished = True
+                self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def wait(self, i: int) -> Timing | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._done[i] or self._finished)
+            return self._results[i]
+
+    def results(self) -> list[Timing | None]:
+        """Every request's outcome, once no worker is running (None: left out at the deadline)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished)
+            return list(self._results)
+
+
+@contextlib.contextmanager
+def _compile_only(module: Any, interpret: bool) -> Any:
+    """While inside, the module's Triton kernels compile when launched (`warmup`) and run nothing;
+    under the interpreter there is nothing to compile, so a launch does nothing at all."""
+    from triton.runtime.jit import KernelInterface
+
+    class CompileOnly:
+        def __init__(self, fn: Any) -> None:
+            self.fn = fn
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            def call(*args: Any, **kwargs: Any) -> None:
+                if not interpret:
+                    self.fn.warmup(*args, grid=grid, **kwargs)
+
+            return call
+
+    kernels = {name: fn for name, fn in vars(module).items() if isinstance(fn, KernelInterface)}
+    try:
+        for name, fn in kernels.items():
+            setattr(module, name, CompileOnly(fn))
+        yield
+    finally:
+        for name, fn in kernels.items():
+            setattr(module, name, fn)
 
 
 def _last_words(text: str) -> str:
@@ -426,14 +510,21 @@ class _Worker:
         dev = torch.device(self.device)
         torch.manual_seed(0)
         ins = []
+        compile_only = msg["reps"] == 0 and not msg.get("launch", True)
         for shape, dtype in msg["inputs"]:
             dt = torch_dtype(dtype)
-            if dt.is_floating_point:
+            if compile_only:  # the values are never read: no kernel fills them
+                ins.append(torch.empty(shape, dtype=dt, device=dev))
+            elif dt.is_floating_point:
                 ins.append(torch.randn(shape, device=dev).to(dt))
             else:
                 ins.append(torch.randint(0, 4, shape, device=dev).to(dt))
         outs = [torch.empty(shape, dtype=torch_dtype(dtype), device=dev) for shape, dtype in msg["outputs"]]
         config = msg["config"]
+        if compile_only:  # into Triton's disk cache
+            with _compile_only(module, self.interpret):
+                module.launch(*ins, *outs, config=config)
+            return 0.0, None
         if msg["reps"] == 0:  # compile (into Triton's on-disk cache) and check that it runs
             module.launch(*ins, *outs, config=config)
             if not self.interpret:

@@ -103,3 +103,27 @@ def test_depthwise_conv_is_right_at_every_candidate_config(
         if wrong:
             bad.append((config, wrong))
     assert not bad, f"wrong outputs (of {want.numel()}) at {bad}"
+
+
+def test_compile_only_compiles_and_runs_nothing() -> None:
+    """The compile workers' candidate pass: a launch under `_compile_only` leaves its outputs as
+    they were, yet the kernel is compiled (the next launch finds it in the JIT's cache)."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tuning_pool import _compile_only
+    from tests.unit.test_tuning import SOURCE
+
+    module = load_kernel_module(SOURCE.replace("add_one", "add_one_compile_only"), False)
+    x = torch.randn(4096, device="cuda")
+    out = torch.full((4096,), 7.0, device="cuda")
+    with _compile_only(module, False):
+        module.launch(x, out, config={"BLOCK": 256})
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(out, 7.0))
+    fn = module.add_one_compile_only
+    caches = getattr(fn, "device_caches", None)
+    if caches is not None:  # the JIT's per-device kernel cache (Triton 3)
+        assert any(len(entry[0]) == 1 for entry in caches.values())
+    module.launch(x, out, config={"BLOCK": 256})
+    assert torch.equal(out, x + 1.0)

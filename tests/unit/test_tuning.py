@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -363,18 +363,97 @@ def test_precompiled_failures_are_not_timed_again(tuning: Any, monkeypatch: pyte
     plan = one_kernel_plan()
     sig = tuning.kernel_signature(plan.kernels["k0_add"])
     with CompilePool("cpu", workers=2) as compiler:
-        assert tuning.precompile([plan], None, compiler) == {}  # no cache: the start config alone
-        failed = tuning.precompile([plan], tuning.TuningCache(), compiler)
-    assert list(failed) == [(sig, tuning.config_key({"BLOCK": 64, "fault": "raise"}))]
-    assert "ValueError: no such config" in (failed[next(iter(failed))].error or "")
-
-    pool = ScriptedPool()
-    cache = tuning.TuningCache()
-    record = tuning.tune_kernel_configs(
-        plan, cpu_executor(), cache, time.perf_counter() + 60, pool, failed=failed
-    )["k0_add"]
+        alone = tuning.precompile([plan], None, compiler)  # no cache: the start config alone
+        assert alone.failed == {} and alone.index == {}
+        pre = tuning.precompile([plan], tuning.TuningCache(), compiler, budget_s=60)
+        pool = ScriptedPool()
+        cache = tuning.TuningCache()
+        record = tuning.tune_kernel_configs(
+            plan, cpu_executor(), cache, time.perf_counter() + 60, pool, precompiled=pre
+        )
+        pre.close()
+    assert list(pre.failed) == [(sig, tuning.config_key({"BLOCK": 64, "fault": "raise"}))]
+    assert "ValueError: no such config" in (pre.failed[next(iter(pre.failed))].error or "")
     assert [r.config for r in pool.requests] == [{"BLOCK": 64}, {"BLOCK": 128}]
-    assert record["candidates"] == 3 and record["config"] == {"BLOCK": 128}
+    assert record["k0_add"]["candidates"] == 3 and record["k0_add"]["config"] == {"BLOCK": 128}
+
+
+def test_candidates_left_out_at_the_deadline_are_not_timed(
+    tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Candidates compile in the background once the budget starts; those no worker reached by the
+    deadline are not timed (the timing worker would compile them one by one). A kernel none of
+    whose candidates compiled keeps its default config, uncached; one with some compiled is tuned
+    among those, and the record says how many were left out."""
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{"BLOCK": 128}, {"BLOCK": 32}])
+    plan = one_kernel_plan()
+    with CompilePool("cpu", workers=1) as compiler:
+        pre = tuning.precompile([plan], tuning.TuningCache(), compiler, budget_s=-1.0)  # spent already
+        pool = ScriptedPool()
+        cache = tuning.TuningCache()
+        record = tuning.tune_kernel_configs(
+            plan, cpu_executor(), cache, time.perf_counter() + 60, pool, precompiled=pre
+        )
+        pre.close()
+    assert pool.requests == []
+    assert record["k0_add"] == {"config": {"BLOCK": 64}, "skipped": "tuning budget spent"}
+    assert cache.get(tuning.kernel_signature(plan.kernels["k0_add"])) is None
+
+    # One of the two compiled in time: chosen among the one, and said so.
+    sig = tuning.kernel_signature(plan.kernels["k0_add"])
+    index = {(sig, tuning.config_key({"BLOCK": 128})): 0, (sig, tuning.config_key({"BLOCK": 32})): 1}
+    half = tuning.Precompiled({}, cast(Any, FinishedJob([Timing(0.0), None])), index)
+    pool = ScriptedPool()
+    record = tuning.tune_kernel_configs(
+        plan, cpu_executor(), tuning.TuningCache(), time.perf_counter() + 60, pool, precompiled=half
+    )
+    assert [r.config for r in pool.requests] == [{"BLOCK": 128}]
+    assert record["k0_add"]["config"] == {"BLOCK": 128} and record["k0_add"]["left_out"] == 1
+
+
+class FinishedJob:
+    """A compile job whose workers have stopped, with these outcomes (None: never compiled)."""
+
+    def __init__(self, results: list[Timing | None]) -> None:
+        self._results = results
+
+    def wait(self, i: int) -> Timing | None:
+        return self._results[i]
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_compile_job_is_waited_for_one_request_at_a_time() -> None:
+    """submit returns at once; wait(i) blocks until request i is compiled; a cancelled job takes no
+    more requests, and what it left out waits for nothing."""
+    with CompilePool("cpu", workers=1) as compiler:
+        job = compiler.submit([request(), request(fault="raise"), request(BLOCK=128)], launch=False)
+        first = job.wait(0)
+        assert first is not None and first.ok and first.ms == 0.0
+        second = job.wait(1)  # a config whose launch raises fails without running anything
+        assert second is not None and "ValueError" in (second.error or "")
+        assert [r is not None and r.ok for r in job.results()] == [True, False, True]
+
+        job = compiler.submit([request(), request(BLOCK=128), request(BLOCK=32)], launch=False)
+        job.cancel()  # the worker takes at most the first (it compiles for a while): no more after
+        assert job.results()[1:] == [None, None]
+
+
+def test_compile_only_runs_nothing_under_the_interpreter() -> None:
+    """A compile-only launch leaves its outputs untouched (on the GPU it compiles, tests/gpu)."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tuning_pool import _compile_only
+
+    module = load_kernel_module(SOURCE, True)
+    x, out = torch.randn(256), torch.full((256,), 7.0)
+    with _compile_only(module, True):
+        module.launch(x, out, config={"BLOCK": 64})
+    assert torch.equal(out, torch.full((256,), 7.0))
+    module.launch(x, out, config={"BLOCK": 64})  # restored: runs again
+    assert torch.equal(out, x + 1.0)
 
 
 def test_compile_pool_started_early_runs_on_the_workers_it_started() -> None:
