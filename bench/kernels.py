@@ -313,25 +313,30 @@ def import_torchvision() -> None:
         import torchvision  # noqa: F401
 
 
-def export_zoo(name: str, batch: int, path: str) -> dict[str, list[int]]:
+def export_zoo(name: str, batch: int, path: str, keep_batchnorm: bool = False) -> dict[str, list[int]]:
     from bench.zoo import build, export_onnx
 
     if name not in ("bert-base", "gpt2", "llama-small"):
         import_torchvision()
     zm = build(name, batch)
-    export_onnx(zm, path)
+    export_onnx(zm, path, keep_batchnorm)
     return {k: list(v.shape) for k, v in zm.example.items()}
 
 
 def measure(
-    name: str, batch: int, precisions: list[str], disabled: Collection[str], dump_dir: str | None
+    name: str,
+    batch: int,
+    precisions: list[str],
+    disabled: Collection[str],
+    dump_dir: str | None,
+    keep_batchnorm: bool = False,
 ) -> list[KernelCount]:
     import onnx
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, f"{name}.onnx")
-        shapes = export_zoo(name, batch, path)
+        shapes = export_zoo(name, batch, path, keep_batchnorm)
         proto = onnx.load(path)
         onnx_nodes = sum(1 for n in proto.graph.node if n.op_type != "Constant")
         for precision in precisions:
@@ -396,6 +401,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--patterns", type=int, default=0, help="also print the N commonest launch patterns")
     ap.add_argument("--dump", default=None, help="folder for per-model step listings and JSON")
     ap.add_argument("--out", default=None, help="write all rows as JSON here")
+    ap.add_argument(
+        "--keep-batchnorm",
+        action="store_true",
+        help="export BatchNormalization as nodes of their own (the ONNX Model Zoo's form) instead of "
+        "folded into the convolutions by the exporter",
+    )
     args = ap.parse_args(argv)
     disabled = [x for x in args.disable.split(",") if x]
     precisions = args.precision.split(",")
@@ -403,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(HEADER, flush=True)
     for name in args.models.split(","):
         try:
-            new = measure(name, args.batch, precisions, disabled, args.dump)
+            new = measure(name, args.batch, precisions, disabled, args.dump, args.keep_batchnorm)
         except Exception as exc:
             print(f"{name:<20}{args.batch:>3} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue

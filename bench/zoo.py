@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,13 +115,25 @@ def build(name: str, batch: int, seq: int = 128) -> ZooModel:
     return _hf(name, batch, seq)
 
 
-def export_onnx(zm: ZooModel, path: str) -> None:
+def export_onnx(zm: ZooModel, path: str, keep_batchnorm: bool = False) -> None:
+    """`keep_batchnorm`: BatchNormalization stays a node (as in the ONNX Model Zoo's CNNs); by
+    default the TorchScript exporter folds it into the convolution before it."""
     args = tuple(zm.example.values())
     names = list(zm.example)
+    extra: dict[str, Any] = {}
+    if keep_batchnorm:
+        extra = {"training": torch.onnx.TrainingMode.PRESERVE, "do_constant_folding": False}
     with torch.no_grad():
         try:
             torch.onnx.export(
-                zm.module, args, path, input_names=names, output_names=["y"], opset_version=18, dynamo=False
+                zm.module,
+                args,
+                path,
+                input_names=names,
+                output_names=["y"],
+                opset_version=18,
+                dynamo=False,
+                **extra,
             )
         except Exception:  # some modules only export through the dynamo exporter
             torch.onnx.export(

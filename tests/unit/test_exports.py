@@ -3,15 +3,17 @@ with torch.onnx, compiled by opfuse on the CPU and compared with onnxruntime on 
 
 fp32 must match to a relative L2 error of 1e-4, fp16 to 2e-2. The families are those of issue 3:
 ResNet-style CNNs, MobileNet v3 blocks, ConvNeXt, ShuffleNet/DenseNet wiring, a segmentation decoder,
-a BERT/ViT encoder block, a GPT-2 block and a LLaMA-style decoder block written by hand. torchvision
-and transformers models run too when those packages are installed (they are not by default).
+a BERT/ViT encoder block, a GPT-2 block and a LLaMA-style decoder block written by hand; then
+torchvision's and transformers' own models (both pinned in the dev extra that `make test` installs).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
 import warnings
+from typing import Any
 
 import numpy as np
 import onnx
@@ -33,11 +35,16 @@ def export(
     names: list[str],
     dynamo: bool = False,
     dynamic: dict[str, dict[int, str]] | None = None,
+    keep_batchnorm: bool = False,
 ) -> onnx.ModelProto:
-    """torch.onnx.export at opset 18: the TorchScript exporter, or the torch.export-based one."""
+    """torch.onnx.export at opset 18: the TorchScript exporter, or the torch.export-based one.
+    `keep_batchnorm`: BatchNormalization stays a node of its own (the TorchScript exporter folds it
+    into the convolution before; ONNX Model Zoo models and other exporters keep it)."""
     model.eval()
     f = io.BytesIO()
     kwargs: dict[str, object] = {"dynamo": dynamo, "opset_version": 18, "input_names": names}
+    if keep_batchnorm:
+        kwargs.update(training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)
     if dynamic and dynamo:
         dims = {d: torch.export.Dim(d) for axes in dynamic.values() for d in axes.values()}
         kwargs["dynamic_shapes"] = {k: {i: dims[d] for i, d in axes.items()} for k, axes in dynamic.items()}
@@ -398,11 +405,41 @@ def test_t5_style_encoder_with_relative_bias() -> None:
 
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "squeezenet1_0", "shufflenet_v2_x0_5"])
 def test_torchvision_models(name: str) -> None:
-    models = pytest.importorskip("torchvision.models")
+    models = torchvision_models()
     torch.manual_seed(6)
     model = getattr(models, name)(weights=None, num_classes=10)
     x = image(1, 3, 64, 64)
     check(export(model, (torch.from_numpy(x),), ["x"]), {"x": x})
+
+
+def torchvision_models() -> Any:
+    """torchvision.models, also where its C++ ops cannot load (a CUDA build of torchvision beside
+    the CPU torch of CI): the models use none of them."""
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed")
+    from bench.kernels import import_torchvision
+
+    import_torchvision()
+    import torchvision.models
+
+    return torchvision.models
+
+
+def test_resnet_with_batchnorm_nodes_launches_under_two_fifths_of_its_compute_nodes() -> None:
+    """ResNet-18 as the ONNX Model Zoo ships ResNets: Conv, BatchNormalization, Relu and Add as
+    separate nodes. opfuse folds each BatchNormalization into its convolution and the Relu and the
+    residual Add into the convolution's epilogue: at most 40% as many launches as compute nodes (the
+    same network exported with BN already folded has fewer compute nodes, and its convolutions
+    alone are 44% of them: tests/unit/test_exports.py::test_torchvision_models)."""
+    models = torchvision_models()
+    torch.manual_seed(8)
+    model = models.resnet18(weights=None, num_classes=10)
+    x = image(1, 3, 64, 64)
+    onnx_model = export(model, (torch.from_numpy(x),), ["x"], keep_batchnorm=True)
+    assert sum(n.op_type == "BatchNormalization" for n in onnx_model.graph.node) == 20
+    cm = check(onnx_model, {"x": x})
+    kernels, compute = cm.report["kernels"]["after"], cm.report["compute_nodes"]
+    assert compute == 68 and kernels <= 0.4 * compute, (kernels, compute)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "vit", "t5", "llama"])
