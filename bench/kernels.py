@@ -31,7 +31,6 @@ import os
 import sys
 import tempfile
 import time
-import types
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,26 +297,9 @@ def describe_steps(p: Planned) -> list[str]:
     return lines
 
 
-def import_torchvision() -> None:
-    """torchvision's models, even where its C++ ops cannot load (a CUDA build of torchvision beside
-    a CPU torch): the models need none of them, only the import must get through."""
-    try:
-        import torchvision
-    except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
-            raise
-        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
-            del sys.modules[k]
-        # The fake-kernel registrations are what fail without the ops; the models do not use them.
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision  # noqa: F401
-
-
 def export_zoo(name: str, batch: int, path: str, keep_batchnorm: bool = False) -> dict[str, list[int]]:
     from bench.zoo import build, export_onnx
 
-    if name not in ("bert-base", "gpt2", "llama-small"):
-        import_torchvision()
     zm = build(name, batch)
     export_onnx(zm, path, keep_batchnorm)
     return {k: list(v.shape) for k, v in zm.example.items()}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +102,23 @@ def _takes_cache(m: torch.nn.Module) -> bool:
     return type(m).__name__ in ("GPT2Model", "LlamaModel")
 
 
+def import_torchvision() -> None:
+    """torchvision's models, even where its C++ ops cannot load (a CUDA build of torchvision beside
+    a CPU torch): the models need none of them, only the import must get through."""
+    try:
+        import torchvision
+    except RuntimeError as exc:
+        if "torchvision::" not in str(exc):
+            raise
+        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[k]
+        # The fake-kernel registrations are what fail without the ops; the models do not use them.
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision  # noqa: F401
+
+
 def build(name: str, batch: int, seq: int = 128) -> ZooModel:
+    import_torchvision()
     import torchvision.models as tv
 
     vision = {

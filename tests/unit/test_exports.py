@@ -417,7 +417,7 @@ def torchvision_models() -> Any:
     the CPU torch of CI): the models use none of them."""
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("torchvision is not installed")
-    from bench.kernels import import_torchvision
+    from bench.zoo import import_torchvision
 
     import_torchvision()
     import torchvision.models
