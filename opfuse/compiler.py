@@ -708,7 +708,7 @@ def _tune(
                     tune(name, p, pool)
             finally:
                 pre.close()
-                compiler.close()  # frees its GPU contexts before anything is timed
+                compiler.close()  # frees its GPU contexts before the plans run here
         else:
             for name, p in candidates.items():
                 tune(name, p, pool)
