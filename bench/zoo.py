@@ -136,34 +136,16 @@ def build(name: str, batch: int, seq: int = 128) -> ZooModel:
 def export_onnx(zm: ZooModel, path: str, keep_batchnorm: bool = False) -> None:
     """`keep_batchnorm`: BatchNormalization stays a node (as in the ONNX Model Zoo's CNNs); by
     default the TorchScript exporter folds it into the convolution before it."""
-    args = tuple(zm.example.values())
-    names = list(zm.example)
-    extra: dict[str, Any] = {}
+    common: dict[str, Any] = {"input_names": list(zm.example), "output_names": ["y"], "opset_version": 18}
+    torchscript: dict[str, Any] = {"dynamo": False}
     if keep_batchnorm:
-        extra = {"training": torch.onnx.TrainingMode.PRESERVE, "do_constant_folding": False}
+        torchscript.update(training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)
+    args = tuple(zm.example.values())
     with torch.no_grad():
         try:
-            torch.onnx.export(
-                zm.module,
-                args,
-                path,
-                input_names=names,
-                output_names=["y"],
-                opset_version=18,
-                dynamo=False,
-                **extra,
-            )
+            torch.onnx.export(zm.module, args, path, **common, **torchscript)
         except Exception:  # some modules only export through the dynamo exporter
-            torch.onnx.export(
-                zm.module,
-                args,
-                path,
-                input_names=names,
-                output_names=["y"],
-                opset_version=18,
-                dynamo=True,
-                external_data=False,
-            )
+            torch.onnx.export(zm.module, args, path, **common, dynamo=True, external_data=False)
     assert os.path.getsize(path) > 0
 
 
