@@ -160,6 +160,7 @@ def bench_one(
                 vacuous=any(
                     "atol alone" in o.get("reason", "") for o in r["verification"]["outputs"].values()
                 ),
+                tuning=(r.get("tuning") or {}).get("summary"),
             )
         except Exception as exc:
             row["opfuse_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -220,6 +221,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             )
         if r.get("vacuous"):
             print("    VACUOUS: verified only because the reference output is ~0; not a result")
+        spent = (r.get("tuning") or {}).get("budget_spent", 0)
+        if spent:
+            print(
+                f"    untuned: the tuning budget ran out before {spent} of {r['tuning']['kernels']} kernels"
+            )
         if "opfuse_error" in r:
             print(f"    opfuse error: {r['opfuse_error'][:200]}")
     if ratios:

@@ -763,7 +763,22 @@ def _tune(
     record["unsafe_groups"] = sorted(unsafe)
     cache.save()
     record["cache_hits"] = cache.hits
+    record["summary"] = tuning_summary(record["kernels"], budget_s)
     return record
+
+
+def tuning_summary(kernels: dict[str, Any], budget_s: float) -> dict[str, Any]:
+    """How far tuning got, at a glance: kernels timed now, taken from the cache, and left at their
+    default config because the budget ran out (raise `tune_budget_s` if that is not 0), and
+    candidate configs not compiled in time."""
+    return {
+        "budget_s": budget_s,
+        "kernels": len(kernels),
+        "timed": sum(1 for k in kernels.values() if "candidates" in k),
+        "cached": sum(1 for k in kernels.values() if k.get("cached")),
+        "budget_spent": sum(1 for k in kernels.values() if k.get("skipped") == "tuning budget spent"),
+        "candidates_left_out": sum(int(k.get("left_out", 0)) for k in kernels.values()),
+    }
 
 
 def _bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:

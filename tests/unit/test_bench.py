@@ -44,6 +44,7 @@ def test_run_prints_one_table_from_several_result_files(
             "vacuous": model == "mobilenet",
             "opfuse_compile_s": 41.0,
             "opfuse_warm_compile_s": 6.5 if i == 0 else None,
+            "tuning": {"kernels": 80, "budget_spent": 12 if model == "bert-base" else 0},
         }
         path = tmp_path / f"gpu{i}.json"
         path.write_text(json.dumps({"meta": {"gpu": "x"}, "rows": [row]}))
@@ -57,6 +58,7 @@ def test_run_prints_one_table_from_several_result_files(
     out = capsys.readouterr().out
     assert "resnet50" in out and "bert-base" in out and "UNVERIFIED" in out and "VACUOUS" in out
     assert "warm s" in out and "41.0    6.5" in out
+    assert out.count("untuned:") == 1 and "ran out before 12 of 80 kernels" in out
     assert (
         "geometric mean opfuse / (torch.compile + CUDA graph): 1.00" in out
     )  # sqrt(0.5 * 2.0): the unverified and vacuous rows are out

@@ -282,12 +282,22 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
 
     first = run_once()
     assert "cached" not in first["variants"][anchor]
+    n = len(first["kernels"])
+    assert first["summary"] == {
+        "budget_s": 60.0,
+        "kernels": n,
+        "timed": n,
+        "cached": 0,
+        "budget_spent": 0,
+        "candidates_left_out": 0,
+    }
     assert {"vendor"} in [set(v.values()) for v in built]  # the all-vendor plan was built and timed
     built.clear()
     second = run_once()
     assert first["warm"] is False and second["warm"] is True  # every config from the cache
     assert "compile_s" not in second  # a warm compile starts no compile workers (on the GPU)
     assert second["variants"][anchor]["cached"] is True
+    assert second["summary"]["cached"] == len(second["kernels"]) and second["summary"]["timed"] == 0
     assert second["variants"][anchor]["choice"] == first["variants"][anchor]["choice"]
     if first["variants"][anchor]["choice"] == "template":
         assert built == []  # nothing but the template plan it was given
@@ -319,6 +329,10 @@ def test_kernels_are_tuned_where_the_time_is_first(tuning: Any, monkeypatch: pyt
     )
     assert record["k1_add"]["candidates"] == 2  # the expensive one, although it comes second
     assert record["k0_add"]["skipped"] == "tuning budget spent"
+    from opfuse.compiler import tuning_summary
+
+    summary = tuning_summary(record, 0.05)
+    assert (summary["timed"], summary["budget_spent"], summary["cached"]) == (1, 1, 0)
 
 
 def test_compile_pool_runs_each_request_once_and_reports_failures() -> None:
