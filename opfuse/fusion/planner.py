@@ -68,6 +68,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     row_groups += gemm_groups
     in_rows |= {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:
+        if LAYOUT_RULE not in disabled:
+            _explain_concat_copies(graph, row_groups, not_fused)
         return FusionPlan(row_groups, not_fused, lone)
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
@@ -131,7 +133,28 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
             _fold_layout(graph, group, claimed)
         groups.append(group)
         count += 1
+    if LAYOUT_RULE not in disabled:
+        _explain_concat_copies(graph, groups, not_fused)
     return FusionPlan(groups, not_fused, lone)
+
+
+def _explain_concat_copies(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:
+    """A Concat left in the plan is a copy of its inputs (one kernel): say so, and why no view
+    replaces it, as for the other layout ops."""
+    in_groups = {n.id for g in groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
+    for n in graph.nodes:
+        if n.op_type != "Concat" or n.id in in_groups:
+            continue
+        axis = int(n.attrs.get("axis", 0))
+        not_fused.append(
+            NotFired(
+                LAYOUT_RULE,
+                [node_label(n)],
+                f"Concat of {len([x for x in n.inputs if x])} inputs along axis {axis} runs as a copy: "
+                "the kernels that produce them each write a buffer of their own, and none writes "
+                "into its slice of the concatenated one",
+            )
+        )
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

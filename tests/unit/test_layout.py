@@ -427,3 +427,21 @@ def test_dense_fp32_convolutions_stay_nchw_on_the_gpu(
         graph = graph_from_onnx(spec)
         run_passes(graph, (FP32_DENSE_RULE,), precision, device)
         assert "opfuse.ConvNHWC" in {n.op_type for n in graph.nodes}
+
+
+def test_a_concat_left_as_a_copy_is_explained() -> None:
+    """Two branches concatenated: the Concat is one copy kernel, and fusion.not_fused says why."""
+    from tests.unit.test_fusion import check_against_ort
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Sigmoid", ["x"], ["b"]),
+        helper.make_node("Concat", ["a", "b"], ["c"], axis=1, name="branches"),
+        helper.make_node("Tanh", ["c"], ["y"]),
+    ]
+    model = make_model(nodes, {"x": [2, 3, 4]}, {"y": [2, 6, 4]})
+    cm = check_against_ort(model, {"x": [2, 3, 4]})
+    (entry,) = [n for n in cm.report["fusion"]["not_fused"] if any("branches" in x for x in n["nodes"])]
+    assert entry["rule"] == "layout_views"
+    assert "Concat of 2 inputs along axis 1 runs as a copy" in entry["reason"]
+    assert cm.report["kernels"]["after"] == 4  # Relu, Sigmoid, the copy, Tanh
