@@ -430,29 +430,31 @@ class CompileJob:
 
 @contextlib.contextmanager
 def _compile_only(module: Any, interpret: bool) -> Any:
-    """While inside, the module's Triton kernels compile when launched (`warmup`) and run nothing;
-    under the interpreter there is nothing to compile, so a launch does nothing at all."""
+    """While inside, a launch (`kernel[grid](...)`) of the module's Triton kernels compiles them
+    (`warmup`) and runs nothing; under the interpreter there is nothing to compile, so it does
+    nothing at all. Launching is switched on the kernels' classes, not by replacing the module's
+    names: a @triton.jit helper that a kernel calls must stay what it is while the kernel compiles."""
     from triton.runtime.jit import KernelInterface
 
-    class CompileOnly:
-        def __init__(self, fn: Any) -> None:
-            self.fn = fn
+    def launch(self: Any, grid: Any) -> Callable[..., None]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            if not interpret:
+                self.warmup(*args, grid=grid, **kwargs)
 
-        def __getitem__(self, grid: Any) -> Callable[..., None]:
-            def call(*args: Any, **kwargs: Any) -> None:
-                if not interpret:
-                    self.fn.warmup(*args, grid=grid, **kwargs)
+        return call
 
-            return call
-
-    kernels = {name: fn for name, fn in vars(module).items() if isinstance(fn, KernelInterface)}
+    classes = {type(fn) for fn in vars(module).values() if isinstance(fn, KernelInterface)}
+    own = {cls: cls.__dict__.get("__getitem__") for cls in classes}
     try:
-        for name, fn in kernels.items():
-            setattr(module, name, CompileOnly(fn))
+        for cls in classes:
+            cls.__getitem__ = launch  # type: ignore[method-assign]
         yield
     finally:
-        for name, fn in kernels.items():
-            setattr(module, name, fn)
+        for cls, previous in own.items():
+            if previous is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = previous  # type: ignore[method-assign]
 
 
 def _last_words(text: str) -> str:

@@ -112,9 +112,9 @@ def test_compile_only_compiles_and_runs_nothing() -> None:
 
     from opfuse.runtime.kernels import load_kernel_module
     from opfuse.tuning_pool import _compile_only
-    from tests.unit.test_tuning import SOURCE
+    from tests.unit.test_tuning import HELPER_SOURCE
 
-    module = load_kernel_module(SOURCE.replace("add_one", "add_one_compile_only"), False)
+    module = load_kernel_module(HELPER_SOURCE.replace("add_one", "add_one_compile_only"), False)
     x = torch.randn(4096, device="cuda")
     out = torch.full((4096,), 7.0, device="cuda")
     with _compile_only(module, False):

@@ -50,6 +50,13 @@ def launch(x, out, config=None):
         out[:64] *= 3.0
 """
 SHAPES = [((256,), "float32")]
+# The same kernel calling a @triton.jit helper (compile-only launches must leave helpers alone).
+HELPER_SOURCE = SOURCE.replace(
+    "tl.load(x + offs, mask=mask) + 1.0", "plus_one(tl.load(x + offs, mask=mask))"
+).replace(
+    "@triton.jit\ndef add_one",
+    "@triton.jit\ndef plus_one(v):\n    return v + 1.0\n\n\n@triton.jit\ndef add_one",
+)
 
 
 def request(**config: Any) -> TimingRequest:
@@ -464,7 +471,8 @@ def test_compile_only_runs_nothing_under_the_interpreter() -> None:
     from opfuse.runtime.kernels import load_kernel_module
     from opfuse.tuning_pool import _compile_only
 
-    module = load_kernel_module(SOURCE, True)
+    module = load_kernel_module(HELPER_SOURCE, True)
+    assert "def plus_one" in HELPER_SOURCE and "plus_one(tl.load" in HELPER_SOURCE
     x, out = torch.randn(256), torch.full((256,), 7.0)
     with _compile_only(module, True):
         module.launch(x, out, config={"BLOCK": 64})
