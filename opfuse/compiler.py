@@ -636,7 +636,6 @@ def _tune(
     )
     from opfuse.tuning_pool import CompilePool, TuningPool
 
-    deadline = time.perf_counter() + budget_s
     cache = cache or TuningCache()
     record: dict[str, Any] = {"kernels": {}, "variants": {}}
     # Anchors with nothing to fuse join as template candidates; those whose library kernel is
@@ -692,10 +691,6 @@ def _tune(
     with TuningPool(device) as pool:
         if not warm:
             pool.start(wait=False)
-        if gpu and warm:
-            if compiler is not None:
-                compiler.close()
-            record["precompile"] = "skipped: every kernel's config is in the tuning cache"
         if gpu and not warm:
             t0 = time.perf_counter()
             compiler = compiler or CompilePool(device)  # the caller's pool may have started already
@@ -710,6 +705,10 @@ def _tune(
                 pre.close()
                 compiler.close()  # frees its GPU contexts before the plans run here
         else:
+            if gpu:  # warm
+                if compiler is not None:
+                    compiler.close()
+                record["precompile"] = "skipped: every kernel's config is in the tuning cache"
             for name, p in candidates.items():
                 tune(name, p, pool)
         if to_measure:  # the plans run here only with kernels that ran cleanly in the worker
@@ -771,12 +770,14 @@ def tuning_summary(kernels: dict[str, Any], budget_s: float) -> dict[str, Any]:
     """How far tuning got, at a glance: kernels timed now, taken from the cache, and left at their
     default config because the budget ran out (raise `tune_budget_s` if that is not 0), and
     candidate configs not compiled in time."""
+    from opfuse.tune import BUDGET_SPENT
+
     return {
         "budget_s": budget_s,
         "kernels": len(kernels),
         "timed": sum(1 for k in kernels.values() if "candidates" in k),
         "cached": sum(1 for k in kernels.values() if k.get("cached")),
-        "budget_spent": sum(1 for k in kernels.values() if k.get("skipped") == "tuning budget spent"),
+        "budget_spent": sum(1 for k in kernels.values() if k.get("skipped") == BUDGET_SPENT),
         "candidates_left_out": sum(int(k.get("left_out", 0)) for k in kernels.values()),
     }
 

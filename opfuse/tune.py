@@ -186,6 +186,7 @@ def _request(plan: Plan, k: KernelInfo, config: dict[str, Any]) -> TimingRequest
 
 
 LEFT_OUT = "not compiled within the tuning budget"
+BUDGET_SPENT = "tuning budget spent"  # a kernel's record: left at its default config
 
 
 class Precompiled:
@@ -226,8 +227,9 @@ class Precompiled:
         """Stop taking candidates and wait for those compiling now (their workers stay usable)."""
         if self.job is not None:
             self.job.cancel()
+            results = self.job.results()
             for key, i in self.index.items():
-                timing = self.job.wait(i)
+                timing = results[i]
                 if timing is not None and not timing.ok:
                     self.failed[key] = timing
 
@@ -292,14 +294,14 @@ def tune_kernel_configs(
 ) -> dict[str, Any]:
     """Pick each kernel's fastest launch config; writes it into plan.kernels[*].config.
 
-        Kernels are tuned in order of `priority` (kernel id -> weight, highest first: the profile's
-        time of the nodes a kernel replaces), so a budget that runs out leaves the cheap ones untuned.
+    Kernels are tuned in order of `priority` (kernel id -> weight, highest first: the profile's
+    time of the nodes a kernel replaces), so a budget that runs out leaves the cheap ones untuned.
 
-        Candidates are timed in `pool` (one is made for this call when None; pass one to share its
-        worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
-        candidates killed the worker keeps its default config and is cached as "crashed", so that it
-        is not tried again. `precompiled` (from `precompile`): a candidate is timed once it has compiled;
-    one that failed to compile, or was left out at the deadline, is not tried.
+    Candidates are timed in `pool` (one is made for this call when None; pass one to share its
+    worker between calls), or in this process under OPFUSE_TUNE_INPROCESS=1. A kernel one of whose
+    candidates killed the worker keeps its default config and is cached as "crashed", so that it
+    is not tried again. `precompiled` (from `precompile`): a candidate is timed once it has
+    compiled; one that failed to compile, or was left out at the deadline, is not tried.
     """
     own_pool = None
     if tune_inprocess():
@@ -336,7 +338,7 @@ def _tune_each(
                 record[kid]["crashed"] = cached["crashed"]
             continue
         if time.perf_counter() > deadline:
-            record[kid] = {"config": k.config, "skipped": "tuning budget spent"}
+            record[kid] = {"config": k.config, "skipped": BUDGET_SPENT}
             continue
         time_candidate = _candidate_timer(plan, executor, kid, pool)
         default = dict(k.config)
@@ -377,7 +379,7 @@ def _tune_each(
             continue
         if left_out and not ran and crashed is None:  # the deadline came before its candidates
             k.config = default
-            record[kid] = {"config": default, "skipped": "tuning budget spent"}
+            record[kid] = {"config": default, "skipped": BUDGET_SPENT}
             continue
         entry: dict[str, Any] = {"config": best, "ms": best_ms}
         if left_out:  # chosen among those compiled in time; cached so, a warm compile keeps it

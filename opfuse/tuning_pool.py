@@ -351,8 +351,7 @@ class CompilePool:
         for whoever times kernels meanwhile."""
         job = CompileJob(len(requests))
         if not requests:
-            job.finish()
-            return job
+            return job  # finished already
         self.start(min(self.workers, len(requests)))
         todo = list(enumerate(requests))
         todo.reverse()  # popped from the end: request order
@@ -410,11 +409,6 @@ class CompileJob:
             if self.workers <= 0:
                 self._finished = True
                 self._cond.notify_all()
-
-    def finish(self) -> None:
-        with self._cond:
-            self._finished = True
-            self._cond.notify_all()
 
     def wait(self, i: int) -> Timing | None:
         with self._cond:
