@@ -127,6 +127,11 @@ def build(name: str, batch: int, seq: int = 128) -> ZooModel:
         "efficientnet_b0": tv.efficientnet_b0,
         "convnext_tiny": tv.convnext_tiny,
         "vit_b_16": tv.vit_b_16,
+        # Not in the zoo's timed rows; the CNNs of tests/unit/test_exports.py, for bench/kernels.py.
+        "resnet18": tv.resnet18,
+        "mobilenet_v3_small": tv.mobilenet_v3_small,
+        "shufflenet_v2_x0_5": tv.shufflenet_v2_x0_5,
+        "squeezenet1_0": tv.squeezenet1_0,
     }
     if name in vision:
         return _vision(name, vision[name], batch)

@@ -380,8 +380,9 @@ def _generate_conv_nhwc(
                 )
                 dot("a_tile", "b_tile")
         else:
-            buf.line(f"for t in range(0, {kh_ * kw_}):")
-            with buf.indent():
+            segments = tap_segments(graph.constants[w_name]) if w_name in graph.constants else None
+
+            def window_body() -> None:
                 window_position()
                 buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
                 with buf.indent():
@@ -394,6 +395,32 @@ def _generate_conv_nhwc(
                         f"b_tile = tl.load(w + rn[None, :] * {k} + t * {c} + ci[:, None], mask=(ci[:, None] < {c}) & (rn[None, :] < {n}), other=0.0)"
                     )
                     dot("a_tile", "b_tile")
+
+            if segments:
+                # Output channels whose weights are zero outside a sub-window (a conv merged from
+                # side-by-side branches: passes/concat_convs.py): a program runs only the window
+                # rows and columns its tile's channels use (the union over the segments it touches).
+                buf.line("n_lo = tl.program_id(1) * BLOCK_N")
+                buf.line(f"n_hi = tl.minimum(n_lo + BLOCK_N, {n})")
+                for j, (a, b, r0, r1, c0, c1) in enumerate(segments):
+                    buf.line(f"hit = (n_lo < {b}) & (n_hi > {a})")
+                    for var, lo, hi, full in (("th", r0, r1, kh_), ("tw", c0, c1, kw_)):
+                        if j == 0:
+                            buf.line(f"{var}0 = tl.where(hit, {lo}, {full})")
+                            buf.line(f"{var}1 = tl.where(hit, {hi}, 0)")
+                        else:
+                            buf.line(f"{var}0 = tl.minimum({var}0, tl.where(hit, {lo}, {full}))")
+                            buf.line(f"{var}1 = tl.maximum({var}1, tl.where(hit, {hi}, 0))")
+                buf.line("for th in range(th0, th1):")
+                with buf.indent():
+                    buf.line("for tw in range(tw0, tw1):")
+                    with buf.indent():
+                        buf.line(f"t = th * {kw_} + tw")
+                        window_body()
+            else:
+                buf.line(f"for t in range(0, {kh_ * kw_}):")
+                with buf.indent():
+                    window_body()
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = row_ok[:, None] & (cols < {n})")
         buf.line(f"dst = rm[:, None] * {n} + cols")
@@ -417,6 +444,37 @@ def _generate_conv_nhwc(
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     tensor_inputs = [x_name, w_name, *([scale] if scale else []), *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+MAX_TAP_SEGMENTS = 8
+
+
+def tap_segments(w: np.ndarray) -> list[tuple[int, int, int, int, int, int]] | None:
+    """For an NHWC weight [Cout, KH, KW, Cin] whose output channels use only part of the window:
+    runs of output channels [a, b) with the window rows [r0, r1) and columns [c0, c1) outside which
+    their weights are zero. None when every channel uses the whole window (or the runs are many)."""
+    co, kh, kw = w.shape[0], w.shape[1], w.shape[2]
+    if kh * kw == 1:
+        return None
+    used = np.any(w != 0, axis=3)  # [Cout, KH, KW]
+    rows, cols = np.any(used, axis=2), np.any(used, axis=1)
+    boxes = []
+    for i in range(co):
+        r, c = np.flatnonzero(rows[i]), np.flatnonzero(cols[i])
+        # A channel of zeros needs no tap; it takes its neighbour's window (or the whole).
+        box = (int(r[0]), int(r[-1]) + 1, int(c[0]), int(c[-1]) + 1) if r.size else None
+        boxes.append(box)
+    segments: list[tuple[int, int, int, int, int, int]] = []
+    for i, box in enumerate(boxes):
+        if box is None:
+            box = segments[-1][2:] if segments else (0, kh, 0, kw)
+        if segments and segments[-1][2:] == box:
+            segments[-1] = (segments[-1][0], i + 1, *box)
+        else:
+            segments.append((i, i + 1, *box))
+    if len(segments) > MAX_TAP_SEGMENTS or all(sg[2:] == (0, kh, 0, kw) for sg in segments):
+        return None
+    return segments
 
 
 def _kernel_head(

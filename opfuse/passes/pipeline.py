@@ -12,6 +12,7 @@ from opfuse.frontend.load import infer_shapes
 from opfuse.graph import Graph
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.cleanup import eliminate_noops
+from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
@@ -31,6 +32,7 @@ RULES: list[Rule] = [
     rotate_half,
     group_norm,
     fold_batchnorm,
+    merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
 ]

@@ -203,3 +203,96 @@ def test_a_model_without_convolutions_has_no_conv_times() -> None:
     nodes = [helper.make_node("Relu", ["x"], ["y"])]
     cm = check_against_ort(make_model(nodes, {"x": [3, 4]}, {"y": [3, 4]}, {}), {"x": [3, 4]})
     assert "convolutions_ms" not in cm.report["profile"]
+
+
+def concat_of_convs(
+    x: list[int], branches: list[tuple[int, int, int, list[int]]], act: list[str | None]
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """Convolutions of one input, each (out channels, kh, kw, pads) with its activation (or None),
+    concatenated along channels: SqueezeNet's fire-module expand."""
+    nodes, inits, concat_in = [], {}, []
+    for i, ((co, kh, kw, pads), a) in enumerate(zip(branches, act, strict=True)):
+        inits[f"w{i}"] = RNG.standard_normal((co, x[1], kh, kw)) * 0.2
+        inits[f"b{i}"] = RNG.standard_normal(co) * 0.1
+        nodes.append(helper.make_node("Conv", ["x", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}", pads=pads))
+        if a is not None:
+            nodes.append(helper.make_node(a, [f"c{i}"], [f"a{i}"], name=f"act{i}"))
+        concat_in.append(f"a{i}" if a is not None else f"c{i}")
+    nodes.append(helper.make_node("Concat", concat_in, ["y"], name="cat", axis=1))
+    out = [x[0], sum(b[0] for b in branches), x[2], x[3]]
+    return make_model(nodes, {"x": x}, {"y": out}, inits), inits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_convs_of_one_input_concatenated_become_one_conv_that_skips_the_taps_a_branch_lacks(
+    precision: str,
+) -> None:
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    shape = [2, 16, 9, 9]
+    m, w = concat_of_convs(shape, [(24, 1, 1, [0, 0, 0, 0]), (40, 3, 3, [1, 1, 1, 1])], ["Relu", "Relu"])
+    cm = check_against_ort(m, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["merge_concat_convs"] == 1
+    assert cm.report["kernels"] == {"before": 5, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "conv" and "for th in range(th0, th1):" in k.source
+    (g,) = cm.report["fusion"]["groups"]
+    assert {"conv0", "conv1", "act0", "act1"} <= set("+".join(g["nodes"]).split("+"))
+
+    # Every tile the tuner may pick, against torch: tiles inside the 1x1 branch's 24 channels run
+    # one window position, tiles across the boundary the union of both windows.
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(*shape, generator=gen)
+    w0, w1 = (torch.from_numpy(w[f"w{i}"]).float() for i in (0, 1))
+    b0, b1 = (torch.from_numpy(w[f"b{i}"]).float() for i in (0, 1))
+    conv = torch.nn.functional.conv2d
+    want = torch.cat([conv(x, w0, b0).relu(), conv(x, w1, b1, padding=1).relu()], 1).permute(0, 2, 3, 1)
+    merged = torch.zeros(64, 16, 3, 3)
+    merged[:24, :, 1:2, 1:2], merged[24:] = w0, w1
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    dev = torch.device(TEST_DEVICE)
+    args = [
+        x.permute(0, 2, 3, 1).contiguous().to(dev, dtype),
+        merged.permute(0, 2, 3, 1).contiguous().to(dev, dtype),
+        torch.cat([b0, b1]).to(dev, dtype),
+    ]
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    configs = [{**k.config, **c} for c in candidates(k)] + [{**k.config, "BLOCK_N": 16, "BLOCK_M": 32}]
+    for config in configs:
+        out = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(*args, out, config=config)
+        got = out.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+
+
+def test_concatenated_convs_of_different_windows_merge_into_their_bounding_window() -> None:
+    shape = [1, 16, 8, 10]
+    branches = [(32, 3, 3, [1, 1, 1, 1]), (16, 5, 5, [2, 2, 2, 2]), (8, 1, 3, [0, 1, 0, 1])]
+    m, _ = concat_of_convs(shape, branches, ["LeakyRelu"] * 3)
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["kernels"] == {"before": 7, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert "w [56, 5, 5, 16]" in k.source and "for th in range(th0, th1):" in k.source
+
+
+def test_concatenated_convs_that_cannot_share_a_conv_say_why() -> None:
+    shape = [1, 16, 6, 6]
+    m, _ = concat_of_convs(shape, [(8, 1, 1, [0] * 4), (8, 3, 3, [1] * 4)], ["Relu", "Sigmoid"])
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_concat_convs"]
+    assert nf["reason"] == "the branches end in different activations"
+    assert nf["nodes"] == ["conv0", "act0", "conv1", "act1", "cat"]
+    # A 1x1 beside a wide 5x5: the vendor convolution would do 4.3x the work.
+    m, _ = concat_of_convs(shape, [(16, 1, 1, [0] * 4), (4, 5, 5, [2] * 4)], [None, None])
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_concat_convs"]
+    assert "would do over 2.0x the branches' multiply-adds" in nf["reason"]
+    # Disabled, the branches stay apart (two conv kernels and the Concat).
+    m, _ = concat_of_convs(shape, [(8, 1, 1, [0] * 4), (8, 3, 3, [1] * 4)], ["Relu", "Relu"])
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=(*NHWC_ALWAYS, "merge_concat_convs"))
+    assert "merge_concat_convs" not in cm.report["fusion"]["passes"]["fired"]
+    assert cm.report["kernels"]["after"] == 3

@@ -1,0 +1,179 @@
+"""Convolutions that read the same input and are concatenated along channels (SqueezeNet's fire
+module: a 1x1 and a 3x3 "expand" conv side by side) become one convolution whose output is the
+Concat's: one launch instead of two convs and a copy, and the concatenated tensor is written once.
+
+The merged weight is the branches' kernels placed in one window (the bounding box of their taps,
+zeros elsewhere), their output channels side by side. The NHWC template skips a tile's zero taps
+(`codegen.conv.tap_segments`): a program whose output channels all belong to the 1x1 branch runs
+one window position, not nine, so the merge adds no multiply-adds there. A shared activation
+after each branch (Relu on both) runs once, in the merged conv's epilogue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.rules import Rule
+
+RULE = "merge_concat_convs"
+# The template skips zero taps; the vendor convolution (a tuning choice) computes them: at most this
+# many times the branches' own multiply-adds (SqueezeNet's 1x1 + 3x3: 1.8x).
+MAX_PADDED_WORK = 2.0
+
+# One-input elementwise activations that may sit between a branch's conv and the Concat.
+ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Softplus")
+
+
+def _branch(graph: Graph, value: str, graph_outputs: set[str]) -> tuple[Node, Node | None] | None:
+    """(conv, activation or None) producing `value`, each output used once (by the next node)."""
+    producers, consumers = graph.producers(), graph.consumers()
+    node = producers.get(value)
+    act = None
+    if node is not None and node.op_type in ACTIVATIONS and len(node.inputs) == 1:
+        act, node = node, producers.get(node.inputs[0])
+        if node is None or len(consumers.get(node.outputs[0], [])) != 1 or node.outputs[0] in graph_outputs:
+            return None
+    if node is None or node.op_type != "Conv":
+        return None
+    return node, act
+
+
+def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "Concat" or len(node.inputs) < 2 or len(graph.spec(node.outputs[0]).shape) != 4:
+        return None
+    if int(node.attrs.get("axis", 0)) % 4 != 1:
+        return None
+    outs = {o.name for o in graph.outputs}
+    consumers = graph.consumers()
+    branches = []
+    for x in node.inputs:
+        b = _branch(graph, x, outs)
+        if b is None or x in outs or len(consumers.get(x, [])) != 1 or node.inputs.count(x) != 1:
+            return None
+        branches.append(b)
+    if len({conv.inputs[0] for conv, _ in branches}) != 1:
+        return None
+    return {"branches": branches, "nodes": [n for b in branches for n in b if n is not None] + [node]}
+
+
+def _pads(graph: Graph, conv: Node) -> tuple[int, int, int, int] | None:
+    """(top, left, bottom, right), or None where auto_pad sets them."""
+    if str(conv.attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return None
+    p = [int(v) for v in conv.attrs.get("pads", [0, 0, 0, 0])]
+    if str(conv.attrs.get("auto_pad", "NOTSET")) == "VALID":
+        p = [0, 0, 0, 0]
+    return p[0], p[1], p[2], p[3]
+
+
+def _layout(graph: Graph, branches: list[tuple[Node, Node | None]]) -> dict[str, Any] | str:
+    """The merged window (kernel size and pads) and each branch's tap offset in it, or why the
+    branches cannot share one convolution."""
+    convs = [c for c, _ in branches]
+    acts = [a for _, a in branches]
+    if len({(a.op_type, repr(sorted(a.attrs.items()))) if a else None for a in acts}) != 1:
+        return "the branches end in different activations"
+    for key, default in (("strides", [1, 1]), ("dilations", [1, 1])):
+        if len({tuple(int(v) for v in c.attrs.get(key, default)) for c in convs}) != 1:
+            return f"the convolutions' {key} differ"
+    if any(int(c.attrs.get("group", 1)) != 1 for c in convs):
+        return "a grouped convolution"
+    if any(c.inputs[1] not in graph.constants for c in convs) or any(
+        len(c.inputs) > 2 and c.inputs[2] and c.inputs[2] not in graph.constants for c in convs
+    ):
+        return "a weight or bias is not a constant"
+    if len({graph.constants[c.inputs[1]].dtype for c in convs}) != 1:
+        return "the weights differ in type"
+    pads = [_pads(graph, c) for c in convs]
+    if any(p is None for p in pads):
+        return "auto_pad SAME: the pads depend on the kernel"
+    dh, dw = (int(v) for v in convs[0].attrs.get("dilations", [1, 1]))
+    sh, sw = (int(v) for v in convs[0].attrs.get("strides", [1, 1]))
+    top, left = max(p[0] for p in pads if p is not None), max(p[1] for p in pads if p is not None)
+    offsets = []
+    for p in pads:
+        assert p is not None
+        if (top - p[0]) % dh or (left - p[1]) % dw:
+            return "the kernels' windows are not aligned on the dilation grid"
+        offsets.append(((top - p[0]) // dh, (left - p[1]) // dw))
+    shapes = [graph.constants[c.inputs[1]].shape for c in convs]
+    kh = max(o[0] + s[2] for o, s in zip(offsets, shapes, strict=True))
+    kw = max(o[1] + s[3] for o, s in zip(offsets, shapes, strict=True))
+    _, _, h, w = graph.spec(convs[0].inputs[0]).shape
+    _, _, oh, ow = graph.spec(convs[0].outputs[0]).shape
+    if any(graph.spec(c.outputs[0]).shape[2:] != (oh, ow) for c in convs):
+        return "the convolutions' outputs differ in size"
+    # The far pads that give the same output size with the merged window.
+    bottom = max(0, (oh - 1) * sh + dh * (kh - 1) + 1 - h - top)
+    right = max(0, (ow - 1) * sw + dw * (kw - 1) + 1 - w - left)
+    if (h + top + bottom - dh * (kh - 1) - 1) // sh + 1 != oh or (
+        w + left + right - dw * (kw - 1) - 1
+    ) // sw + 1 != ow:
+        return "no padding of the merged window gives the branches' output size"
+    macs = sum(s[0] * s[2] * s[3] for s in shapes)
+    if sum(s[0] for s in shapes) * kh * kw > MAX_PADDED_WORK * macs:
+        return (
+            f"the merged {kh}x{kw} window would do over {MAX_PADDED_WORK}x the branches' multiply-adds "
+            "where its zero taps are not skipped (the vendor convolution)"
+        )
+    return {"kernel": (kh, kw), "pads": [top, left, bottom, right], "offsets": offsets}
+
+
+def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    layout = _layout(graph, m["branches"])
+    if isinstance(layout, str):
+        return layout
+    m["layout"] = layout
+    return None
+
+
+def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    branches: list[tuple[Node, Node | None]] = m["branches"]
+    layout = m["layout"]
+    convs = [c for c, _ in branches]
+    first = convs[0]
+    weights = [graph.constants[c.inputs[1]] for c in convs]
+    kh, kw = layout["kernel"]
+    cin = weights[0].shape[1]
+    w = np.zeros((sum(x.shape[0] for x in weights), cin, kh, kw), dtype=weights[0].dtype)
+    b = np.zeros(w.shape[0], dtype=weights[0].dtype)
+    row = 0
+    for c, x, (oy, ox) in zip(convs, weights, layout["offsets"], strict=True):
+        w[row : row + x.shape[0], :, oy : oy + x.shape[2], ox : ox + x.shape[3]] = x
+        if len(c.inputs) > 2 and c.inputs[2]:
+            b[row : row + x.shape[0]] = graph.constants[c.inputs[2]]
+        row += x.shape[0]
+    w_name, b_name, mid = f"{first.id}_concat_w", f"{first.id}_concat_b", f"{first.id}_concat_conv"
+    wdtype = graph.spec(first.inputs[1]).dtype
+    graph.constants[w_name], graph.constants[b_name] = w, b
+    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
+    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
+    out = node.outputs[0]
+    act = branches[0][1]
+    conv_out = mid if act is not None else out
+    if act is not None:
+        graph.values[mid] = TensorSpec(mid, graph.spec(out).dtype, graph.spec(out).shape)
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
+    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
+    names = "+".join(c.name for c in convs if c.name)
+    new = [Node(f"{first.id}c", "Conv", [first.inputs[0], w_name, b_name], [conv_out], attrs, names)]
+    if act is not None:
+        act_names = "+".join(a.name for _, a in branches if a is not None and a.name)
+        new.append(Node(f"{first.id}a", act.op_type, [mid], [out], dict(act.attrs), act_names))
+    removed = {n.id for n in m["nodes"]}
+    at = graph.nodes.index(node)
+    graph.nodes[at + 1 : at + 1] = new
+    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+
+
+merge_concat_convs = Rule(
+    RULE,
+    _match,
+    _check,
+    _rewrite,
+    doc="Convolutions of one input concatenated along channels become one convolution that writes "
+    "the Concat's output (the taps a branch lacks are zeros, which the template skips).",
+)
