@@ -189,7 +189,7 @@ def jitted_function(source: str) -> tuple[int, str]:
     return start, "\n".join(lines[start:end])
 
 
-ANCHOR_KERNELS = ("gemm", "conv", "attention")
+ANCHOR_KERNELS = ("gemm", "conv", "attention", "chain")
 
 
 def anchor_launches(plan: Any) -> int:

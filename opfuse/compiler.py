@@ -806,8 +806,8 @@ def _conv_times(
     """Device time of the convolutions with their fused neighbours, unfused and fused: every Conv
     step and every node of a conv group before; conv groups (a vendor variant's library step
     too) and lone convolutions after. None for a model without convolutions."""
-    conv_groups = {g.id for g in groups if g.kind == "conv"}
-    conv_nodes = {n.id for g in groups if g.kind == "conv" for n in [*g.prologue, *g.nodes]}
+    conv_groups = {g.id for g in groups if g.kind in ("conv", "chain")}
+    conv_nodes = {n.id for g in groups if g.kind in ("conv", "chain") for n in [*g.prologue, *g.nodes]}
     was = [
         t
         for s, t in zip(base_plan.steps, before, strict=False)

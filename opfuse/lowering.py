@@ -6,6 +6,7 @@ import heapq
 from collections.abc import Collection
 
 from opfuse.codegen.attention import generate_attention
+from opfuse.codegen.chain import generate_chain
 from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
@@ -113,6 +114,17 @@ def build_plan(
         elif g.kind == "conv":
             src = generate_conv(
                 kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue
+            )
+        elif g.kind == "chain":
+            cut = int(g.match)  # the second anchor's place in the group's nodes
+            src = generate_chain(
+                kid,
+                (g.nodes[0], g.nodes[cut]),
+                (g.nodes[1:cut], g.nodes[cut + 1 :]),
+                g.outputs,
+                graph,
+                g.id,
+                precision,
             )
         elif g.kind == "rowwise":
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views)

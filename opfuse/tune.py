@@ -47,6 +47,15 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
         {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
     ],
+    # Two chained GEMVs (codegen/chain.py): rows are the batch; the column tile sets how many
+    # programs share the work, each computing the hidden vector again.
+    "chain": [
+        {},
+        {"BLOCK_N": 32, "BLOCK_K": 64},
+        {"BLOCK_N": 128, "BLOCK_K": 64},
+        {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64},
+    ],
     "attention": [
         {},
         {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},

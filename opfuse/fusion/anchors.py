@@ -203,3 +203,91 @@ def _input_scale(
         not_fused.append(NotFired(CONV_RULE, [node_label(mul), node_label(conv)], why))
         return []
     return [mul]
+
+
+CHAIN_RULE = "gemv_chain"
+# Every program along the second product's columns computes the whole hidden vector, reading the
+# first weight again (from L2): only for a small first weight and a hidden vector that fits one
+# register tile beside the accumulator.
+CHAIN_MAX_FIRST_WEIGHT = 65536  # elements
+CHAIN_MAX_HIDDEN = 256
+CHAIN_MAX_ROWS = 256  # beyond this batch the products are no longer GEMVs
+
+
+def _gemv(graph: Graph, node: Node) -> bool:
+    """An NHWC 1x1 convolution of a 1x1 map by a constant weight: a GEMV over channels."""
+    if node.op_type != NHWC_CONV or int(node.attrs.get("group", 1)) != 1:
+        return False
+    x, y = graph.spec(node.inputs[0]).shape, graph.spec(node.outputs[0]).shape
+    w = graph.constants.get(node.inputs[1])
+    bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    return (
+        len(x) == 4
+        and x[1:3] == (1, 1)
+        and y[1:3] == (1, 1)
+        and w is not None
+        and w.shape[1:3] == (1, 1)
+        and (not bias or bias in graph.constants)
+    )
+
+
+def chain_gemv_groups(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> list[Group]:
+    """Conv groups of two GEMVs back to back, the first's output read only by the second (the
+    squeeze-excitation MLP), become one "chain" group: two memory-bound anchors in one kernel,
+    which the rule "never two compute-bound anchors" allows (their arithmetic intensity is the
+    batch size, far below the ridge point)."""
+    consumers = graph.consumers()
+    outputs = {o.name for o in graph.outputs}
+    by_output = {o: g for g in groups for o in g.outputs}
+    merged: dict[str, Group] = {}
+    drop: set[str] = set()
+
+    def simple(g: Group) -> bool:
+        if (
+            g.kind != "conv"
+            or g.variant != "template"
+            or g.prologue
+            or g.views
+            or not _gemv(graph, g.nodes[0])
+        ):
+            return False
+        # The epilogue reads the accumulator and one-element constants only.
+        anchor = g.nodes[0]
+        own = {anchor.inputs[0], anchor.inputs[1], *anchor.inputs[2:]}
+        return all(x in own or (x in graph.constants and graph.constants[x].size == 1) for x in g.inputs)
+
+    for g2 in groups:
+        second = g2.nodes[0]
+        g1 = by_output.get(second.inputs[0])
+        if g1 is None or g1.id in drop or g2.id in drop or not simple(g1) or not simple(g2):
+            continue
+        h = second.inputs[0]
+        if g1.outputs != [h] or h in outputs or [c.id for c in consumers.get(h, [])] != [second.id]:
+            continue
+        first = g1.nodes[0]
+        labels = [node_label(first), node_label(second)]
+        rows = graph.spec(first.inputs[0]).shape[0]
+        w1 = graph.constants[first.inputs[1]]
+        if w1.shape[0] > CHAIN_MAX_HIDDEN:
+            reason = (
+                f"the hidden vector has {w1.shape[0]} channels (over {CHAIN_MAX_HIDDEN} held in registers)"
+            )
+        elif w1.size > CHAIN_MAX_FIRST_WEIGHT:
+            reason = (
+                f"the first weight has {w1.size} elements (over {CHAIN_MAX_FIRST_WEIGHT}), which every "
+                "program of the second product would read again"
+            )
+        elif rows > CHAIN_MAX_ROWS:
+            reason = f"{rows} rows: the products are GEMMs, not memory-bound GEMVs"
+        else:
+            reason = None
+        if reason is not None:
+            not_fused.append(NotFired(CHAIN_RULE, labels, reason))
+            continue
+        nodes = [*g1.nodes, *g2.nodes]
+        ins, outs = group_boundary(graph, nodes)
+        merged[g2.id] = Group(
+            "s" + g1.id[1:], "chain", CHAIN_RULE, nodes, ins, outs, variant="template", match=len(g1.nodes)
+        )
+        drop |= {g1.id, g2.id}
+    return [merged.get(g.id, g) for g in groups if g.id not in drop or g.id in merged]

@@ -16,7 +16,7 @@ MAX_GROUP_TENSORS = 16
 @dataclass
 class Group:
     id: str
-    kind: str  # "pointwise" | "rowwise" | "gemm" | "conv"
+    kind: str  # "pointwise" | "rowwise" | "gemm" | "conv" | "chain" | "attention"
     rule: str
     nodes: list[Node]
     inputs: list[str] = field(default_factory=list)
@@ -27,7 +27,9 @@ class Group:
     # library kernel, then the epilogue as one kernel right after it).
     variant: str = ""
     note: str = ""
-    match: Any = None  # attention: the matched pattern the kernel is generated from
+    # attention: the matched pattern the kernel is generated from; chain: where the second anchor
+    # stands in `nodes`
+    match: Any = None
     # Pointwise: external inputs read through folded Reshape/Transpose ({value: StridedView}), and
     # the layout nodes that disappear with them.
     views: dict[str, Any] = field(default_factory=dict)

@@ -296,3 +296,75 @@ def test_concatenated_convs_that_cannot_share_a_conv_say_why() -> None:
     cm = check_against_ort(m, {"x": shape}, fusion_disable=(*NHWC_ALWAYS, "merge_concat_convs"))
     assert "merge_concat_convs" not in cm.report["fusion"]["passes"]["fired"]
     assert cm.report["kernels"]["after"] == 3
+
+
+def squeeze_excite(n: int, c: int, hidden: int, size: int = 5) -> tuple[Any, dict[str, np.ndarray]]:
+    """x * HardSigmoid(W2 Relu(W1 mean(x) + b1) + b2), then a 1x1 conv: MobileNetV3's block tail."""
+    inits = {
+        "w1": RNG.standard_normal((hidden, c, 1, 1)) * 0.3,
+        "b1": RNG.standard_normal(hidden) * 0.1,
+        "w2": RNG.standard_normal((c, hidden, 1, 1)) * 0.3,
+        "b2": RNG.standard_normal(c) * 0.1,
+        "wp": RNG.standard_normal((8, c, 1, 1)) * 0.2,
+    }
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["p"], name="pool"),
+        helper.make_node("Conv", ["p", "w1", "b1"], ["f1"], name="fc1"),
+        helper.make_node("Relu", ["f1"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "w2", "b2"], ["f2"], name="fc2"),
+        helper.make_node("HardSigmoid", ["f2"], ["s"], name="gate", alpha=1 / 6),
+        helper.make_node("Mul", ["x", "s"], ["xs"], name="scale"),
+        helper.make_node("Conv", ["xs", "wp"], ["y"], name="project"),
+    ]
+    shape = [n, c, size, size]
+    return make_model(nodes, {"x": shape}, {"y": [n, 8, size, size]}, inits), inits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str) -> None:
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    n, c, hidden = 3, 40, 24
+    m, w = squeeze_excite(n, c, hidden)
+    cm = check_against_ort(m, {"x": [n, c, 5, 5]}, precision)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "chain"]
+    assert g["rule"] == "gemv_chain" and g["nodes"] == ["fc1", "relu", "fc2", "gate"]
+    # The pool, the chained GEMVs, the project conv with the scale as its prologue.
+    assert cm.report["kernels"] == {"before": 7, "after": 3}
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "chain"]
+
+    # Every tile the tuner may pick (rows and columns no multiple of any tile), against torch.
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(n, c, generator=gen)
+    t = {name: torch.from_numpy(v).float() for name, v in w.items()}
+    h = torch.relu(p @ t["w1"].reshape(hidden, c).T + t["b1"])
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    h = h.to(dtype).float()  # the hidden vector is rounded to the model's type, as if stored
+    want = torch.nn.functional.hardsigmoid(h @ t["w2"].reshape(c, hidden).T + t["b2"])
+    dev = torch.device(TEST_DEVICE)
+    args = [p, t["w1"].reshape(hidden, c), t["w2"].reshape(c, hidden), t["b1"], t["b2"]]
+    args = [a.contiguous().to(dev, dtype) for a in args]
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    assert len(candidates(k)) > 1
+    for cand in candidates(k):
+        config = {**k.config, **cand}
+        out = torch.full((n, c), float("nan"), device=dev, dtype=dtype)
+        module.launch(*args, out, config=config)
+        got = out.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol), (config, float((got - want).abs().max()))
+
+
+def test_squeeze_excite_mlp_with_a_large_first_weight_stays_two_kernels_and_says_why() -> None:
+    m, _ = squeeze_excite(2, 320, 240, size=3)  # 76800 weights: each program would read them again
+    cm = check_against_ort(m, {"x": [2, 320, 3, 3]})
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "gemv_chain"]
+    assert nf["nodes"] == ["fc1", "fc2"] and "76800 elements (over 65536)" in nf["reason"]
+    assert cm.report["kernels"]["after"] == 4
+    m, _ = squeeze_excite(2, 16, 8)
+    cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=("gemv_chain",))
+    assert not any(g["kind"] == "chain" for g in cm.report["fusion"]["groups"])
+    assert cm.report["kernels"]["after"] == 4
