@@ -12,6 +12,7 @@ with cin innermost, so an A row is a contiguous run of input channels, the weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -240,15 +241,23 @@ def _generate_conv_nhwc(
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     scale = ""
-    if prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
+    dw: Node | None = None  # a depthwise conv computed as the input tiles are loaded
+    dw_w = dw_b = ""
+    if prologue and prologue[0].op_type == NHWC_CONV:
+        dw = prologue[0]
+        x_name, dw_w = dw.inputs[0], dw.inputs[1]
+        dw_b = dw.inputs[2] if len(dw.inputs) > 2 else ""
+    elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    operands_only = {x_name, w_name, scale} - {""} - epilogue_reads
+    operands_only = {x_name, w_name, scale, dw_w, dw_b} - {""} - epilogue_reads
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
-    extra = [e for e in extra if e != scale]
+    extra = [e for e in extra if e not in (scale, dw_w, dw_b)]
+    dw_args = (["dw"] + (["db"] if dw_b else [])) if dw is not None else []
     args = (
         ["x", "w"]
         + (["sc"] if scale else [])
+        + dw_args
         + [f"in{i}" for i in range(len(extra))]
         + [f"out{i}" for i in range(len(outputs))]
     )
@@ -277,7 +286,8 @@ def _generate_conv_nhwc(
         f"{list(out_shape)}; M={m} N={n} K={k}"
     )
     for node in prologue:
-        buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: input scale)")
+        role = "input scale" if dw is None else "depthwise conv on the input tiles"
+        buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: {role})")
     buf.line(f"#   {anchor.id}: Conv {comment_text(anchor.name)} (anchor)")
     for node in epilogue:
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (epilogue)")
@@ -285,6 +295,8 @@ def _generate_conv_nhwc(
     buf.line("import triton.language as tl")
     buf.line()
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
+    if dw is not None:
+        flat = False  # the depthwise prologue has its own loop over channel blocks
     if not flat and not depthwise:
         config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
     unroll = {"UNROLL": False} if depthwise else {}
@@ -358,6 +370,8 @@ def _generate_conv_nhwc(
                     depthwise_taps(f"range(0, {taps})")
             else:
                 depthwise_taps(f"tl.static_range(0, {taps})")
+        elif dw is not None:
+            _depthwise_prologue(buf, graph, dw, prologue[1:], {**literals}, c, n, dot)
         elif flat:
             buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
             with buf.indent():
@@ -442,8 +456,54 @@ def _generate_conv_nhwc(
         emit_nodes(buf, graph, epilogue, regs)
         emit_stores(buf, outputs, regs, "dst")
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
-    tensor_inputs = [x_name, w_name, *([scale] if scale else []), *extra]
+    dw_inputs = ([dw_w] + ([dw_b] if dw_b else [])) if dw is not None else []
+    tensor_inputs = [x_name, w_name, *([scale] if scale else []), *dw_inputs, *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def _depthwise_prologue(
+    buf: SourceBuffer,
+    graph: Graph,
+    dw: Node,
+    chain: list[Node],
+    regs: dict[str, str],
+    c: int,
+    n: int,
+    dot: Callable[[str, str], None],
+) -> None:
+    """A 1x1 conv's K loop whose input tiles are a depthwise conv's output, computed from its
+    input `x` as they are needed (fp32 multiply-adds over the window), then its one-input
+    activation (`chain`), rounded to the model's type as a stored tensor would be."""
+    d = conv_params(graph, dw)
+    taps = d["KH"] * d["KW"]
+    buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
+    with buf.indent():
+        buf.line("ci = c0 + rk")
+        buf.line(f"c_ok = ci < {c}")
+        buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
+        buf.line(f"for t in tl.static_range(0, {taps}):")
+        with buf.indent():
+            buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
+            buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (t % {d['KW']}) * {d['DW']}")
+            buf.line(f"ok = row_ok & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
+            buf.line("x_ok = ok[:, None] & c_ok[None, :]")
+            buf.line(
+                f"xv = tl.load(x + (((img * {d['H']} + ih) * {d['W']} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other=0.0)"
+            )
+            buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
+            buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
+        if len(dw.inputs) > 2 and dw.inputs[2]:
+            buf.line("dacc = dacc + tl.load(db + ci, mask=c_ok, other=0.0)[None, :].to(tl.float32)")
+        regs[dw.outputs[0]] = "dacc"
+        emit_nodes(buf, graph, chain, regs, prefix="u")
+        last = chain[-1].outputs[0] if chain else dw.outputs[0]
+        buf.line(
+            f"a_tile = tl.where(row_ok[:, None] & c_ok[None, :], {regs[last]}, 0.0).to(x.dtype.element_ty)"
+        )
+        buf.line(
+            f"b_tile = tl.load(w + rn[None, :] * {c} + ci[:, None], mask=c_ok[:, None] & (rn[None, :] < {n}), other=0.0)"
+        )
+        dot("a_tile", "b_tile")
 
 
 MAX_TAP_SEGMENTS = 8

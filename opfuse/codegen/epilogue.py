@@ -28,13 +28,15 @@ def emit_loads(buf: SourceBuffer, extra: list[str], index_of: IndexOf, regs: dic
         regs[name] = f"x{i}"
 
 
-def emit_nodes(buf: SourceBuffer, graph: Graph, nodes: list[Node], regs: dict[str, str]) -> None:
-    """One line per pointwise node, `v{j}`, reading the registers of its inputs."""
+def emit_nodes(
+    buf: SourceBuffer, graph: Graph, nodes: list[Node], regs: dict[str, str], prefix: str = "v"
+) -> None:
+    """One line per pointwise node, `v{j}` (`prefix`), reading the registers of its inputs."""
     for j, node in enumerate(nodes):
         a_exprs = [regs[x] if x else "" for x in node.inputs]
         consts = [scalar_constant(graph, x) if x else None for x in node.inputs]
-        buf.line(f"v{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.op_type}")
-        regs[node.outputs[0]] = f"v{j}"
+        buf.line(f"{prefix}{j} = {EMITTERS[node.op_type](a_exprs, node, consts)}  # {node.op_type}")
+        regs[node.outputs[0]] = f"{prefix}{j}"
 
 
 def emit_stores(

@@ -6,7 +6,14 @@ activation, residual add, scale, cast). Never two anchors in one kernel: only po
 
 from __future__ import annotations
 
-from opfuse.codegen.conv import CONV_OPS, NHWC_CONV, conv_anchor_reason, input_scale_reason
+from opfuse.codegen.conv import (
+    CONV_OPS,
+    NHWC_CONV,
+    conv_anchor_reason,
+    conv_params,
+    input_scale_reason,
+    is_depthwise,
+)
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
@@ -291,3 +298,79 @@ def chain_gemv_groups(graph: Graph, groups: list[Group], not_fused: list[NotFire
         )
         drop |= {g1.id, g2.id}
     return [merged.get(g.id, g) for g in groups if g.id not in drop or g.id in merged]
+
+
+DEPTHWISE_RULE = "depthwise_prologue"
+# The prologue runs once per column tile of the pointwise conv: beyond two tiles of the default
+# width it would compute the depthwise conv too many times over.
+DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
+
+
+def _pointwise_conv(graph: Graph, node: Node) -> bool:
+    """An NHWC 1x1 convolution, stride 1, no padding, group 1: a GEMM over the input's pixels."""
+    if node.op_type != NHWC_CONV or int(node.attrs.get("group", 1)) != 1:
+        return False
+    w = graph.constants.get(node.inputs[1])
+    p = conv_params(graph, node)
+    return w is not None and (p["KH"], p["KW"], p["SH"], p["SW"], p["PH"], p["PW"]) == (1, 1, 1, 1, 0, 0)
+
+
+def depthwise_prologues(
+    graph: Graph, groups: list[Group], lone: list[Group], not_fused: list[NotFired]
+) -> list[Group]:
+    """A depthwise conv (with its one-input activation) whose output only a 1x1 conv reads is
+    computed inside that conv's kernel, as the tiles of its input are loaded: MobileNet's and
+    ShuffleNet's depthwise-separable pairs in one launch, and the depthwise output never written.
+    The depthwise conv is memory-bound (KH*KW multiply-adds per element), so it may join an anchor
+    as a prologue; the result is rounded to the model's type, as the unfused plan would store it."""
+    consumers = graph.consumers()
+    outputs = {o.name for o in graph.outputs}
+    by_output = {o: g for g in [*groups, *lone] for o in g.outputs}
+    gone: set[str] = set()
+    promoted: list[Group] = []  # lone 1x1 convs that now have a prologue to run
+    lone_ids = {g.id for g in lone}
+    for g in [*groups, *lone]:
+        if g.kind != "conv" or g.variant != "template" or g.prologue or g.views:
+            continue
+        pw = g.nodes[0]
+        if not _pointwise_conv(graph, pw):
+            continue
+        src = by_output.get(pw.inputs[0])
+        if src is None or src.id in gone or src.kind != "conv" or src.variant != "template" or src.prologue:
+            continue
+        dw = src.nodes[0]
+        if dw.op_type != NHWC_CONV or not is_depthwise(graph, dw):
+            continue
+        x = pw.inputs[0]
+        if src.outputs != [x] or x in outputs or [c.id for c in consumers.get(x, [])] != [pw.id]:
+            continue
+        # The depthwise epilogue: a chain of one-input ops (scalar constants aside).
+        chain_ok = all(
+            sum(1 for i in n.inputs if i and not (i in graph.constants and graph.constants[i].size == 1)) == 1
+            for n in src.nodes[1:]
+        )
+        dw_bias = dw.inputs[2] if len(dw.inputs) > 2 else ""
+        if not chain_ok or any(
+            i not in graph.constants for i in [dw.inputs[1], *([dw_bias] if dw_bias else [])]
+        ):
+            continue
+        columns = graph.spec(pw.outputs[0]).shape[3]
+        if columns > DEPTHWISE_PROLOGUE_MAX_COLUMNS:
+            not_fused.append(
+                NotFired(
+                    DEPTHWISE_RULE,
+                    [node_label(dw), node_label(pw)],
+                    f"the 1x1 conv has {columns} output channels (over {DEPTHWISE_PROLOGUE_MAX_COLUMNS}): "
+                    "each of its column tiles would compute the depthwise conv again",
+                )
+            )
+            continue
+        g.prologue = list(src.nodes)
+        g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])
+        g.rule = f"{g.rule}+{DEPTHWISE_RULE}"
+        gone.add(src.id)
+        if g.id in lone_ids:
+            g.note = ""
+            promoted.append(g)
+    lone[:] = [g for g in lone if g.id not in gone and all(g is not p for p in promoted)]
+    return [g for g in groups if g.id not in gone] + promoted

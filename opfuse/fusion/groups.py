@@ -34,8 +34,8 @@ class Group:
     # the layout nodes that disappear with them.
     views: dict[str, Any] = field(default_factory=dict)
     absorbed: list[Node] = field(default_factory=list)
-    # Conv groups: a per-(image, input channel) scale of the anchor's input (squeeze-excitation's
-    # x * s), applied to the input tiles as they are loaded.
+    # Conv groups: what computes the anchor's input tiles as they are loaded: a per-(image, input
+    # channel) scale (squeeze-excitation's x * s), or a depthwise conv and its activation.
     prologue: list[Node] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

@@ -14,7 +14,15 @@ import numpy as np
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.codegen.rowwise import ROW_OPS, row_space
-from opfuse.fusion.anchors import CHAIN_RULE, CONV_RULE, GEMM_RULE, chain_gemv_groups, plan_anchor_groups
+from opfuse.fusion.anchors import (
+    CHAIN_RULE,
+    CONV_RULE,
+    DEPTHWISE_RULE,
+    GEMM_RULE,
+    chain_gemv_groups,
+    depthwise_prologues,
+    plan_anchor_groups,
+)
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
@@ -24,12 +32,22 @@ from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
 LAYOUT_RULE = "layout_views"
-RULES = (ATTENTION_RULE, ROW_RULE, GEMM_RULE, CONV_RULE, CHAIN_RULE, POINTWISE_RULE, LAYOUT_RULE)
+RULES = (
+    ATTENTION_RULE,
+    ROW_RULE,
+    GEMM_RULE,
+    CONV_RULE,
+    CHAIN_RULE,
+    DEPTHWISE_RULE,
+    POINTWISE_RULE,
+    LAYOUT_RULE,
+)
 
 __all__ = [
     "ATTENTION_RULE",
     "CHAIN_RULE",
     "CONV_RULE",
+    "DEPTHWISE_RULE",
     "GEMM_RULE",
     "POINTWISE_RULE",
     "ROW_RULE",
@@ -66,6 +84,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     row_groups = attention + row_groups
     lone: list[Group] = []
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
+    if DEPTHWISE_RULE not in disabled:
+        gemm_groups = depthwise_prologues(graph, gemm_groups, lone, not_fused)
     if CHAIN_RULE not in disabled:
         gemm_groups = chain_gemv_groups(graph, gemm_groups, not_fused)
     row_groups += gemm_groups

@@ -368,3 +368,94 @@ def test_squeeze_excite_mlp_with_a_large_first_weight_stays_two_kernels_and_says
     cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=("gemv_chain",))
     assert not any(g["kind"] == "chain" for g in cm.report["fusion"]["groups"])
     assert cm.report["kernels"]["after"] == 4
+
+
+def separable(
+    n: int, c: int, out: int, size: int, stride: int = 1, act: str | None = "Clip", dw_reads: int = 1
+) -> tuple[Any, dict[str, np.ndarray]]:
+    """A depthwise 3x3 (bias: a folded BatchNorm), an activation, then a 1x1 conv with bias: the
+    depthwise-separable pair of MobileNet and ShuffleNet. `dw_reads` 2: the activation's output is
+    also a graph output."""
+    inits = {
+        "wd": RNG.standard_normal((c, 1, 3, 3)) * 0.4,
+        "bd": RNG.standard_normal(c) * 0.1,
+        "wp": RNG.standard_normal((out, c, 1, 1)) * 0.3,
+        "bp": RNG.standard_normal(out) * 0.1,
+    }
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "wd", "bd"], ["d"], name="dw", group=c, pads=[1, 1, 1, 1], strides=[stride, stride]
+        )
+    ]
+    if act == "Clip":
+        inits.update(lo=np.array(0.0), hi=np.array(6.0))
+        nodes.append(helper.make_node("Clip", ["d", "lo", "hi"], ["a"], name="relu6"))
+    elif act is not None:
+        nodes.append(helper.make_node(act, ["d"], ["a"], name="act"))
+    nodes.append(helper.make_node("Conv", ["a" if act else "d", "wp", "bp"], ["y"], name="pw"))
+    o = (size - 1) // stride + 1
+    outputs = {"y": [n, out, o, o]}
+    if dw_reads == 2:
+        outputs["a" if act else "d"] = [n, c, o, o]
+    return make_model(nodes, {"x": [n, c, size, size]}, outputs, inits), inits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("stride, act", [(1, "Clip"), (2, None), (1, "HardSwish")])
+def test_depthwise_conv_runs_inside_the_pointwise_conv_that_reads_it(
+    precision: str, stride: int, act: str
+) -> None:
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    n, c, out, size = 2, 24, 40, 9
+    m, w = separable(n, c, out, size, stride, act)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == "conv_epilogue+depthwise_prologue"
+    assert g["nodes"] == ["dw", *({"Clip": ["relu6"], "HardSwish": ["act"]}.get(act, [])), "pw"]
+    assert cm.report["kernels"]["after"] == 1
+    (k,) = cm.plan.kernels.values()
+    assert "prologue: depthwise conv on the input tiles" in k.source and "dacc" in k.source
+
+    # Every tile the tuner may pick, against torch (channels no multiple of the K tile).
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(n, c, size, size, generator=gen)
+    t = {name: torch.from_numpy(v).float() for name, v in w.items()}
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    d = torch.nn.functional.conv2d(x, t["wd"], t["bd"], stride=stride, padding=1, groups=c)
+    d = {"Clip": lambda v: v.clamp(0, 6), "HardSwish": torch.nn.functional.hardswish}.get(act, lambda v: v)(d)
+    d = d.to(dtype).float()  # rounded as the stored depthwise output would be
+    want = torch.nn.functional.conv2d(d, t["wp"], t["bp"]).permute(0, 2, 3, 1)
+    dev = torch.device(TEST_DEVICE)
+    args = [
+        x.permute(0, 2, 3, 1).contiguous(),
+        t["wp"].reshape(out, c),
+        t["wd"].reshape(c, 9),
+        t["bd"],
+        t["bp"],
+    ]
+    args = [a.contiguous().to(dev, dtype) for a in args]
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    configs = [{**k.config, **cand} for cand in candidates(k)] + [{**k.config, "BLOCK_K": 16}]
+    for config in configs:
+        y = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(*args, y, config=config)
+        got = y.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+
+
+def test_depthwise_conv_stays_its_own_kernel_where_the_pointwise_conv_is_wide_or_others_read_it() -> None:
+    m, _ = separable(1, 16, 160, 6)
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]})
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "depthwise_prologue"]
+    assert nf["nodes"] == ["dw", "pw"] and "160 output channels (over 128)" in nf["reason"]
+    assert cm.report["kernels"]["after"] == 2
+    m, _ = separable(1, 16, 32, 6, dw_reads=2)  # the activation is a graph output too
+    assert check_against_ort(m, {"x": [1, 16, 6, 6]}).report["kernels"]["after"] == 2
+    m, _ = separable(1, 16, 32, 6)
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_prologue",))
+    assert cm.report["kernels"]["after"] == 2
