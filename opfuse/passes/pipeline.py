@@ -11,6 +11,8 @@ import onnx
 from opfuse.frontend.load import infer_shapes
 from opfuse.graph import Graph
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
+from opfuse.passes.channel_shuffle import RULE as SHUFFLE_RULE
+from opfuse.passes.channel_shuffle import fold_channel_shuffles
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
@@ -77,6 +79,8 @@ def run_passes(
     rule_log = RuleLog()
     fold_constant_nodes(graph)
     apply_rules(graph, RULES, set(disabled), rule_log)
+    if SHUFFLE_RULE not in disabled:
+        fold_channel_shuffles(graph, rule_log)
     if MERGE_RULE not in disabled:
         merge_projections(graph, rule_log)
     if LAYOUT_RULE not in disabled:

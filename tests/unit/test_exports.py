@@ -235,6 +235,76 @@ def test_cnn_fp16() -> None:
     check(model, {"x": image(2, 8, 10, 10)}, precision="fp16")
 
 
+def channel_shuffle(x: torch.Tensor, groups: int = 2) -> torch.Tensor:
+    n, c, h, w = x.shape
+    return x.reshape(n, groups, c // groups, h, w).transpose(1, 2).reshape(n, c, h, w)
+
+
+class ShuffleUnits(nn.Module):
+    """ShuffleNetV2: a stride-2 unit (two branches), two stride-1 units (channel split, branch,
+    concat, shuffle), then a 1x1 conv and global pooling."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+
+        def bn_relu(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(cin, cout, 1), nn.BatchNorm2d(cout), nn.ReLU())
+
+        def dw(ch: int, stride: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(ch, ch, 3, stride, 1, groups=ch), nn.BatchNorm2d(ch))
+
+        self.down1 = nn.Sequential(dw(c, 2), bn_relu(c, c))
+        self.down2 = nn.Sequential(bn_relu(c, c), dw(c, 2), bn_relu(c, c))
+        self.units = nn.ModuleList(nn.Sequential(bn_relu(c, c), dw(c, 1), bn_relu(c, c)) for _ in range(2))
+        self.head = bn_relu(2 * c, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = channel_shuffle(torch.cat([self.down1(x), self.down2(x)], 1))
+        for unit in self.units:
+            a, b = x.chunk(2, dim=1)
+            x = channel_shuffle(torch.cat([a, unit(b)], 1))
+        return self.head(x).mean((2, 3))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_channel_shuffles_fold_into_the_convolutions_and_concats_around_them(precision: str) -> None:
+    """No shuffled tensor is ever copied: each shuffle's permutation moves into the weights of the
+    convolutions that read it, and through the Concats, where the channel split is a view."""
+    from bench.kernels import view_copies
+
+    torch.manual_seed(3)
+    model = ShuffleUnits()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    x = image(2, 8, 12, 12)
+    cm = check(export(model, (torch.from_numpy(x),), ["x"]), {"x": x}, precision)
+    assert cm.report["fusion"]["passes"]["fired"]["fold_channel_shuffle"] == 3
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Gather" not in launched and launched.count("Concat") == 3, launched
+    # The only copies left are of the graph input's layout change, one per kernel reading it (the
+    # stride-2 unit's two branches); the unfused plan (NCHW) copies each shuffle.
+    assert view_copies(cm.plan) == 2 and view_copies(cm.base_plan) == 3
+    # 12 convolutions, 4 of them depthwise inside the 1x1 conv after each; 3 Concats; the head's
+    # Relu with the mean.
+    assert cm.report["kernels"]["after"] == 8 + 3 + 1
+
+
+def test_a_shuffled_graph_output_is_still_the_shuffled_tensor() -> None:
+    class Shuffle(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 6, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return channel_shuffle(torch.relu(self.conv(x)), 3)
+
+    x = image(1, 4, 5, 5)
+    cm = check(export(Shuffle(), (torch.from_numpy(x),), ["x"]), {"x": x})
+    assert cm.report["fusion"]["passes"]["fired"]["fold_channel_shuffle"] == 1
+
+
 # --- transformers -----------------------------------------------------------------------------------
 
 
