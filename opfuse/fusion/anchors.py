@@ -222,18 +222,20 @@ CHAIN_MAX_ROWS = 256  # beyond this batch the products are no longer GEMVs
 
 
 def _gemv(graph: Graph, node: Node) -> bool:
-    """An NHWC 1x1 convolution of a 1x1 map by a constant weight: a GEMV over channels."""
-    if node.op_type != NHWC_CONV or int(node.attrs.get("group", 1)) != 1:
+    """A 1x1 convolution of a 1x1 map by a constant weight: a GEMV over channels. NCHW or NHWC
+    alike: a [N, C, 1, 1] tensor lies in memory as [N, 1, 1, C] does, and so do the weights."""
+    if node.op_type not in CONV_OPS or int(node.attrs.get("group", 1)) != 1:
         return False
     x, y = graph.spec(node.inputs[0]).shape, graph.spec(node.outputs[0]).shape
     w = graph.constants.get(node.inputs[1])
     bias = node.inputs[2] if len(node.inputs) > 2 else ""
+    spatial = slice(1, 3) if node.op_type == NHWC_CONV else slice(2, 4)
     return (
         len(x) == 4
-        and x[1:3] == (1, 1)
-        and y[1:3] == (1, 1)
+        and x[spatial] == (1, 1)
+        and y[spatial] == (1, 1)
         and w is not None
-        and w.shape[1:3] == (1, 1)
+        and w.shape[spatial] == (1, 1)
         and (not bias or bias in graph.constants)
     )
 

@@ -321,7 +321,8 @@ def squeeze_excite(n: int, c: int, hidden: int, size: int = 5) -> tuple[Any, dic
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str) -> None:
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str, layout: str) -> None:
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
@@ -329,11 +330,13 @@ def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str) -> N
 
     n, c, hidden = 3, 40, 24
     m, w = squeeze_excite(n, c, hidden)
-    cm = check_against_ort(m, {"x": [n, c, 5, 5]}, precision)
+    off = ("channels_last",) if layout == "nchw" else NHWC_ALWAYS
+    cm = check_against_ort(m, {"x": [n, c, 5, 5]}, precision, fusion_disable=off)
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "chain"]
     assert g["rule"] == "gemv_chain" and g["nodes"] == ["fc1", "relu", "fc2", "gate"]
-    # The pool, the chained GEMVs, the project conv with the scale as its prologue.
-    assert cm.report["kernels"] == {"before": 7, "after": 3}
+    # The pool, the chained GEMVs, the project conv with the scale as its prologue (NHWC) or the
+    # scale as a kernel of its own (NCHW: the input-scale prologue is the NHWC template's).
+    assert cm.report["kernels"] == {"before": 7, "after": 3 if layout == "nhwc" else 4}
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "chain"]
 
     # Every tile the tuner may pick (rows and columns no multiple of any tile), against torch.
@@ -360,12 +363,12 @@ def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str) -> N
 
 def test_squeeze_excite_mlp_with_a_large_first_weight_stays_two_kernels_and_says_why() -> None:
     m, _ = squeeze_excite(2, 320, 240, size=3)  # 76800 weights: each program would read them again
-    cm = check_against_ort(m, {"x": [2, 320, 3, 3]})
+    cm = check_against_ort(m, {"x": [2, 320, 3, 3]}, fusion_disable=NHWC_ALWAYS)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "gemv_chain"]
     assert nf["nodes"] == ["fc1", "fc2"] and "76800 elements (over 65536)" in nf["reason"]
     assert cm.report["kernels"]["after"] == 4
     m, _ = squeeze_excite(2, 16, 8)
-    cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=("gemv_chain",))
+    cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=(*NHWC_ALWAYS, "gemv_chain"))
     assert not any(g["kind"] == "chain" for g in cm.report["fusion"]["groups"])
     assert cm.report["kernels"]["after"] == 4
 
