@@ -645,7 +645,7 @@ def _tune(
     if lone:
         fusion.groups.extend(lone)
         plan = make_plan(None)
-    anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv") and g.variant == "template"]
+    anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv", "pool") and g.variant == "template"]
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}

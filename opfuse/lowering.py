@@ -10,6 +10,7 @@ from opfuse.codegen.chain import generate_chain
 from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
+from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.source import fixed_header
 from opfuse.fusion.groups import group_boundary
@@ -94,7 +95,7 @@ def build_plan(
         rank.append(order[n.id])
     for g in on:
         kid = f"k{len(kernels)}"
-        if g.kind in ("gemm", "conv") and variants.get(g.id, g.variant) == "vendor":
+        if g.kind in ("gemm", "conv", "pool") and variants.get(g.id, g.variant) == "vendor":
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
             # Folded layout ops and an input scale run as their own ops before the library kernel.
@@ -115,6 +116,8 @@ def build_plan(
             src = generate_conv(
                 kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue
             )
+        elif g.kind == "pool":
+            src = generate_pool(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id)
         elif g.kind == "chain":
             cut = int(g.match)  # the second anchor's place in the group's nodes
             src = generate_chain(

@@ -47,6 +47,15 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
         {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
         {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
     ],
+    # Max pooling (codegen/pool.py): [pixels, channels] tiles, channels contiguous.
+    "pool": [
+        {},
+        {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+        {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    ],
     # Two chained GEMVs (codegen/chain.py): rows are the batch; the column tile sets how many
     # programs share the work, each computing the hidden vector again.
     "chain": [

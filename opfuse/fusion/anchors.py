@@ -16,6 +16,7 @@ from opfuse.codegen.conv import (
 )
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
+from opfuse.codegen.pool import MAX_POOL_NHWC, pool_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.views import VIEW_THROUGH, StridedView, input_view
 from opfuse.graph import Graph, Node
@@ -23,6 +24,10 @@ from opfuse.passes.rules import NotFired, node_label
 
 GEMM_RULE = "gemm_epilogue"
 CONV_RULE = "conv_epilogue"
+POOL_RULE = "pool_epilogue"
+# Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
+# r (row), g (pointwise), s (chained GEMVs).
+PREFIX = {"gemm": "m", "conv": "c", "pool": "p"}
 MAX_EPILOGUE_NODES = 16
 MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside the accumulator
 
@@ -55,6 +60,15 @@ def plan_anchor_groups(
             variant, note = (
                 ("template", "") if reason is None else ("vendor", f"vendor convolution: {reason}")
             )
+        elif anchor.op_type == MAX_POOL_NHWC and POOL_RULE not in disabled:
+            # Memory-bound, but a head like an anchor's: the window's maximum, then the pointwise
+            # ops after it. The library's pool runs it unless the template is measured faster.
+            rule, kind = POOL_RULE, "pool"
+            reason = pool_reason(graph, anchor)
+            if reason is not None:
+                not_fused.append(NotFired(rule, [node_label(anchor)], reason))
+                continue
+            variant, note = "template", ""
         else:
             continue
         prologue = _input_scale(graph, anchor, taken, consumers, not_fused) if variant == "template" else []
@@ -94,7 +108,7 @@ def plan_anchor_groups(
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
             # is measured faster (a depthwise 7x7, a small GEMM).
             if variant == "template" and lone is not None:
-                prefix = "m" if kind == "gemm" else "c"
+                prefix = PREFIX[kind]
                 lone.append(
                     Group(
                         f"{prefix}{len(groups) + len(lone)}",
@@ -103,7 +117,8 @@ def plan_anchor_groups(
                         [anchor],
                         *group_boundary(graph, [anchor]),
                         variant="template",
-                        note="an anchor alone: its template was measured faster than the library kernel",
+                        note=f"{'a pool' if kind == 'pool' else 'an anchor'} alone: its template was measured "
+                        "faster than the library kernel",
                     )
                 )
             continue
@@ -111,8 +126,7 @@ def plan_anchor_groups(
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
         taken |= members | {x.id for x in [*prologue, *absorbed]}
-        # Ids are unique across group kinds: m (GEMM), c (conv), a (attention), r (row), g (pointwise).
-        prefix = "m" if kind == "gemm" else "c"
+        prefix = PREFIX[kind]
         groups.append(
             Group(
                 f"{prefix}{len(groups) + len(lone or [])}",  # one numbering with the lone anchors

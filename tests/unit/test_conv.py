@@ -462,3 +462,93 @@ def test_depthwise_conv_stays_its_own_kernel_where_the_pointwise_conv_is_wide_or
     m, _ = separable(1, 16, 32, 6)
     cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_prologue",))
     assert cm.report["kernels"]["after"] == 2
+
+
+def conv_pool(shape: list[int], out: list[int], epilogue: bool = True, **pool: Any) -> Any:
+    """Conv + Relu, a MaxPool, then (with `epilogue`) x * 0.5 + a per-channel bias."""
+    c = shape[1]
+    inits = {"w": RNG.standard_normal((c, c, 3, 3)) * 0.3, "b": RNG.standard_normal(c) * 0.1}
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("MaxPool", ["r"], ["p" if epilogue else "y"], name="pool", **pool),
+    ]
+    if epilogue:
+        inits.update(half=np.array(0.5), shift=RNG.standard_normal((c, 1, 1)))
+        nodes += [
+            helper.make_node("Mul", ["p", "half"], ["h"], name="scale"),
+            helper.make_node("Add", ["h", "shift"], ["y"], name="shift"),
+        ]
+    return make_model(nodes, {"x": shape}, {"y": out}, inits)
+
+
+POOLS = [
+    ([2, 24, 9, 9], [2, 24, 5, 5], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    (
+        [1, 16, 8, 8],
+        [1, 16, 4, 4],
+        {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},
+    ),  # past the edge
+    ([1, 20, 7, 6], [1, 20, 3, 2], {"kernel_shape": [2, 3], "strides": [2, 2], "dilations": [2, 1]}),
+]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("shape, out, pool", POOLS)
+def test_max_pool_runs_as_its_template_with_the_epilogue(
+    precision: str, shape: list[int], out: list[int], pool: dict[str, Any]
+) -> None:
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    cm = check_against_ort(conv_pool(shape, out, **pool), {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "pool"]
+    assert g["rule"] == "pool_epilogue" and g["nodes"] == ["pool", "scale", "shift"]
+    assert cm.report["kernels"] == {"before": 5, "after": 2}
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "pool"]
+
+    # Every tile the tuner may pick, against torch's pool, every element checked.
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(*shape, generator=gen)
+    padding = [p for p in pool.get("pads", [0, 0, 0, 0])[:2]]
+    want = torch.nn.functional.max_pool2d(
+        x,
+        pool["kernel_shape"],
+        pool["strides"],
+        padding,
+        pool.get("dilations", [1, 1]),
+        bool(pool.get("ceil_mode")),
+    )
+    assert list(want.shape) == out
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    dev = torch.device(TEST_DEVICE)
+    xn = x.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
+    shift = torch.from_numpy(conv_pool_shift(cm)).to(dev, dtype)
+    want = (want.to(dtype).float() * 0.5 + shift.float().cpu().reshape(1, -1, 1, 1)).permute(0, 2, 3, 1)
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    assert len(candidates(k)) > 1
+    for cand in candidates(k):
+        config = {**k.config, **cand}
+        y = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(xn, shift, y, config=config)
+        got = y.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol), (config, float((got - want).abs().max()))
+
+
+def conv_pool_shift(cm: Any) -> np.ndarray:
+    """The per-channel shift as the pool kernel reads it (NHWC: [1, 1, 1, C])."""
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "pool"]
+    return np.asarray(cm.plan.constants[k.inputs[1]], dtype=np.float32)
+
+
+def test_a_max_pool_alone_stays_the_library_pool_unless_measured_faster() -> None:
+    cm = check_against_ort(
+        conv_pool([1, 8, 6, 6], [1, 8, 3, 3], epilogue=False, kernel_shape=[2, 2], strides=[2, 2]),
+        {"x": [1, 8, 6, 6]},
+        fusion_disable=NHWC_ALWAYS,
+    )
+    assert not any(g["kind"] == "pool" for g in cm.report["fusion"]["groups"])
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["opfuse.MaxPoolNHWC"]
