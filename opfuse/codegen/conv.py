@@ -27,6 +27,7 @@ FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 
 NHWC_CONV = "opfuse.ConvNHWC"
+MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"
 CONV_OPS = ("Conv", NHWC_CONV)
 
 
@@ -241,19 +242,22 @@ def _generate_conv_nhwc(
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     scale = ""
-    dw: Node | None = None  # a depthwise conv computed as the input tiles are loaded
+    # A depthwise conv or a max pool computed as the input tiles are loaded.
+    dw: Node | None = None
     dw_w = dw_b = ""
-    if prologue and prologue[0].op_type == NHWC_CONV:
+    if prologue and prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
         dw = prologue[0]
-        x_name, dw_w = dw.inputs[0], dw.inputs[1]
-        dw_b = dw.inputs[2] if len(dw.inputs) > 2 else ""
+        x_name = dw.inputs[0]
+        if dw.op_type == NHWC_CONV:
+            dw_w = dw.inputs[1]
+            dw_b = dw.inputs[2] if len(dw.inputs) > 2 else ""
     elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     operands_only = {x_name, w_name, scale, dw_w, dw_b} - {""} - epilogue_reads
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     extra = [e for e in extra if e not in (scale, dw_w, dw_b)]
-    dw_args = (["dw"] + (["db"] if dw_b else [])) if dw is not None else []
+    dw_args = (["dw"] if dw_w else []) + (["db"] if dw_b else [])
     args = (
         ["x", "w"]
         + (["sc"] if scale else [])
@@ -286,7 +290,11 @@ def _generate_conv_nhwc(
         f"{list(out_shape)}; M={m} N={n} K={k}"
     )
     for node in prologue:
-        role = "input scale" if dw is None else "depthwise conv on the input tiles"
+        role = (
+            "input scale"
+            if dw is None
+            else ("max pool" if dw.op_type == MAX_POOL_NHWC else "depthwise conv") + " on the input tiles"
+        )
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: {role})")
     buf.line(f"#   {anchor.id}: Conv {comment_text(anchor.name)} (anchor)")
     for node in epilogue:
@@ -456,7 +464,7 @@ def _generate_conv_nhwc(
         emit_nodes(buf, graph, epilogue, regs)
         emit_stores(buf, outputs, regs, "dst")
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
-    dw_inputs = ([dw_w] + ([dw_b] if dw_b else [])) if dw is not None else []
+    dw_inputs = [v for v in (dw_w, dw_b) if v]
     tensor_inputs = [x_name, w_name, *([scale] if scale else []), *dw_inputs, *extra]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
 
@@ -471,16 +479,24 @@ def _depthwise_prologue(
     n: int,
     dot: Callable[[str, str], None],
 ) -> None:
-    """A 1x1 conv's K loop whose input tiles are a depthwise conv's output, computed from its
-    input `x` as they are needed (fp32 multiply-adds over the window), then its one-input
-    activation (`chain`), rounded to the model's type as a stored tensor would be."""
-    d = conv_params(graph, dw)
+    """A 1x1 conv's K loop whose input tiles are a depthwise conv's output (fp32 multiply-adds
+    over the window) or a max pool's (the window's maximum; outside the input -inf), computed from
+    their input `x` as they are needed, then the one-input activation after it (`chain`), rounded
+    to the model's type as a stored tensor would be."""
+    from opfuse.codegen.pool import pool_params  # pool.py builds on this module
+
+    pool = dw.op_type == MAX_POOL_NHWC
+    d = pool_params(graph, dw) if pool else conv_params(graph, dw)
+    fill = 'float("-inf")' if pool else "0.0"
     taps = d["KH"] * d["KW"]
     buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
     with buf.indent():
         buf.line("ci = c0 + rk")
         buf.line(f"c_ok = ci < {c}")
-        buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
+        if pool:
+            buf.line('dacc = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
+        else:
+            buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
         buf.line(f"for t in tl.static_range(0, {taps}):")
         with buf.indent():
             buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
@@ -488,10 +504,13 @@ def _depthwise_prologue(
             buf.line(f"ok = row_ok & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
             buf.line("x_ok = ok[:, None] & c_ok[None, :]")
             buf.line(
-                f"xv = tl.load(x + (((img * {d['H']} + ih) * {d['W']} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other=0.0)"
+                f"xv = tl.load(x + (((img * {d['H']} + ih) * {d['W']} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other={fill})"
             )
-            buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
-            buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
+            if pool:
+                buf.line("dacc = tl.maximum(dacc, xv.to(tl.float32))")
+            else:
+                buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
+                buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
         if len(dw.inputs) > 2 and dw.inputs[2]:
             buf.line("dacc = dacc + tl.load(db + ci, mask=c_ok, other=0.0)[None, :].to(tl.float32)")
         regs[dw.outputs[0]] = "dacc"

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from opfuse.codegen.conv import FLOAT_TYPES, _broadcast_index
+from opfuse.codegen.conv import FLOAT_TYPES, MAX_POOL_NHWC, _broadcast_index
 from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
 from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text
 from opfuse.graph import Graph, Node
 
-MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"
 INT32_INDEX_LIMIT = 2**31 - 2**24
 
 

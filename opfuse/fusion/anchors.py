@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from opfuse.codegen.conv import (
     CONV_OPS,
+    MAX_POOL_NHWC,
     NHWC_CONV,
     conv_anchor_reason,
     conv_params,
@@ -16,7 +17,7 @@ from opfuse.codegen.conv import (
 )
 from opfuse.codegen.gemm import gemm_anchor_reason
 from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.codegen.pool import MAX_POOL_NHWC, pool_reason
+from opfuse.codegen.pool import pool_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.views import VIEW_THROUGH, StridedView, input_view
 from opfuse.graph import Graph, Node
@@ -317,6 +318,7 @@ def chain_gemv_groups(graph: Graph, groups: list[Group], not_fused: list[NotFire
 
 
 DEPTHWISE_RULE = "depthwise_prologue"
+POOL_PROLOGUE_RULE = "pool_prologue"  # the same, for a max pool read only by a 1x1 conv
 # The prologue runs once per column tile of the pointwise conv: beyond two tiles of the default
 # width it would compute the depthwise conv too many times over.
 DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
@@ -332,13 +334,19 @@ def _pointwise_conv(graph: Graph, node: Node) -> bool:
 
 
 def depthwise_prologues(
-    graph: Graph, groups: list[Group], lone: list[Group], not_fused: list[NotFired]
+    graph: Graph,
+    groups: list[Group],
+    lone: list[Group],
+    not_fused: list[NotFired],
+    disabled: set[str] | frozenset[str] = frozenset(),
 ) -> list[Group]:
     """A depthwise conv (with its one-input activation) whose output only a 1x1 conv reads is
     computed inside that conv's kernel, as the tiles of its input are loaded: MobileNet's and
     ShuffleNet's depthwise-separable pairs in one launch, and the depthwise output never written.
     The depthwise conv is memory-bound (KH*KW multiply-adds per element), so it may join an anchor
-    as a prologue; the result is rounded to the model's type, as the unfused plan would store it."""
+    as a prologue; the result is rounded to the model's type, as the unfused plan would store it.
+    A max pool read only by a 1x1 conv joins it the same way (SqueezeNet's pool before each
+    squeeze conv): the window's maximum computed on the input tiles."""
     consumers = graph.consumers()
     outputs = {o.name for o in graph.outputs}
     by_output = {o: g for g in [*groups, *lone] for o in g.outputs}
@@ -352,10 +360,14 @@ def depthwise_prologues(
         if not _pointwise_conv(graph, pw):
             continue
         src = by_output.get(pw.inputs[0])
-        if src is None or src.id in gone or src.kind != "conv" or src.variant != "template" or src.prologue:
+        if src is None or src.id in gone or src.variant != "template" or src.prologue:
             continue
         dw = src.nodes[0]
-        if dw.op_type != NHWC_CONV or not is_depthwise(graph, dw):
+        pool = src.kind == "pool" and dw.op_type == MAX_POOL_NHWC
+        if not pool and not (src.kind == "conv" and dw.op_type == NHWC_CONV and is_depthwise(graph, dw)):
+            continue
+        rule = POOL_PROLOGUE_RULE if pool else DEPTHWISE_RULE
+        if rule in disabled:
             continue
         x = pw.inputs[0]
         if src.outputs != [x] or x in outputs or [c.id for c in consumers.get(x, [])] != [pw.id]:
@@ -365,25 +377,23 @@ def depthwise_prologues(
             sum(1 for i in n.inputs if i and not (i in graph.constants and graph.constants[i].size == 1)) == 1
             for n in src.nodes[1:]
         )
-        dw_bias = dw.inputs[2] if len(dw.inputs) > 2 else ""
-        if not chain_ok or any(
-            i not in graph.constants for i in [dw.inputs[1], *([dw_bias] if dw_bias else [])]
-        ):
+        weights = [] if pool else [i for i in dw.inputs[1:3] if i]
+        if not chain_ok or any(i not in graph.constants for i in weights):
             continue
         columns = graph.spec(pw.outputs[0]).shape[3]
         if columns > DEPTHWISE_PROLOGUE_MAX_COLUMNS:
             not_fused.append(
                 NotFired(
-                    DEPTHWISE_RULE,
+                    rule,
                     [node_label(dw), node_label(pw)],
                     f"the 1x1 conv has {columns} output channels (over {DEPTHWISE_PROLOGUE_MAX_COLUMNS}): "
-                    "each of its column tiles would compute the depthwise conv again",
+                    f"each of its column tiles would compute the {'pool' if pool else 'depthwise conv'} again",
                 )
             )
             continue
         g.prologue = list(src.nodes)
         g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])
-        g.rule = f"{g.rule}+{DEPTHWISE_RULE}"
+        g.rule = f"{g.rule}+{rule}"
         gone.add(src.id)
         if g.id in lone_ids:
             g.note = ""

@@ -19,6 +19,7 @@ from opfuse.fusion.anchors import (
     CONV_RULE,
     DEPTHWISE_RULE,
     GEMM_RULE,
+    POOL_PROLOGUE_RULE,
     POOL_RULE,
     chain_gemv_groups,
     depthwise_prologues,
@@ -40,6 +41,7 @@ RULES = (
     CONV_RULE,
     CHAIN_RULE,
     DEPTHWISE_RULE,
+    POOL_PROLOGUE_RULE,
     POINTWISE_RULE,
     LAYOUT_RULE,
 )
@@ -51,6 +53,7 @@ __all__ = [
     "DEPTHWISE_RULE",
     "GEMM_RULE",
     "POINTWISE_RULE",
+    "POOL_PROLOGUE_RULE",
     "POOL_RULE",
     "ROW_RULE",
     "RULES",
@@ -86,8 +89,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     row_groups = attention + row_groups
     lone: list[Group] = []
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
-    if DEPTHWISE_RULE not in disabled:
-        gemm_groups = depthwise_prologues(graph, gemm_groups, lone, not_fused)
+    if DEPTHWISE_RULE not in disabled or POOL_PROLOGUE_RULE not in disabled:
+        gemm_groups = depthwise_prologues(graph, gemm_groups, lone, not_fused, disabled)
     if CHAIN_RULE not in disabled:
         gemm_groups = chain_gemv_groups(graph, gemm_groups, not_fused)
     row_groups += gemm_groups

@@ -552,3 +552,51 @@ def test_a_max_pool_alone_stays_the_library_pool_unless_measured_faster() -> Non
     )
     assert not any(g["kind"] == "pool" for g in cm.report["fusion"]["groups"])
     assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["opfuse.MaxPoolNHWC"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("shape, out, pool", POOLS)
+def test_max_pool_runs_inside_the_1x1_conv_that_reads_it(
+    precision: str, shape: list[int], out: list[int], pool: dict[str, Any]
+) -> None:
+    """SqueezeNet's pool before each squeeze conv: the window's maximum on the conv's input tiles."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    c, co = shape[1], 12
+    inits = {"wp": RNG.standard_normal((co, c, 1, 1)) * 0.3, "bp": RNG.standard_normal(co) * 0.1}
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["p"], name="pool", **pool),
+        helper.make_node("Conv", ["p", "wp", "bp"], ["q"], name="squeeze"),
+        helper.make_node("Relu", ["q"], ["y"], name="relu"),
+    ]
+    # The model's first conv puts the pool in the channels-last region.
+    inits["w0"] = np.eye(c).reshape(c, c, 1, 1)
+    nodes.insert(0, helper.make_node("Conv", ["x0", "w0"], ["x"], name="stem"))
+    m = make_model(nodes, {"x0": shape}, {"y": [out[0], co, *out[2:]]}, inits)
+    cm = check_against_ort(m, {"x0": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "pool_prologue" in g["rule"]]
+    assert g["rule"] == "conv_epilogue+pool_prologue" and g["nodes"] == ["pool", "squeeze", "relu"]
+    (k,) = [k for k in cm.plan.kernels.values() if "prologue: max pool on the input tiles" in k.source]
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(*shape, generator=gen)
+    w, b = torch.from_numpy(inits["wp"]).float(), torch.from_numpy(inits["bp"]).float()
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    pooled = torch.nn.functional.max_pool2d(
+        x, pool["kernel_shape"], pool["strides"], pool.get("pads", [0, 0])[:2], pool.get("dilations", [1, 1]),
+        bool(pool.get("ceil_mode")),
+    )  # fmt: skip
+    want = torch.relu(torch.nn.functional.conv2d(pooled.to(dtype).float(), w, b)).permute(0, 2, 3, 1)
+    dev = torch.device(TEST_DEVICE)
+    args = [x.permute(0, 2, 3, 1).contiguous(), w.reshape(co, c), b]
+    args = [a.contiguous().to(dev, dtype) for a in args]
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for config in [{**k.config, **cand} for cand in candidates(k)] + [{**k.config, "BLOCK_K": 16}]:
+        y = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(*args, y, config=config)
+        got = y.float().cpu()
+        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
