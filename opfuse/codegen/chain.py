@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from opfuse.codegen.conv import _kernel_head
-from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
 from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text
@@ -51,9 +51,7 @@ def generate_chain(
     n = graph.spec(second.outputs[0]).numel // m
     width = hidden_width(graph, first)
     dtype = graph.spec(x_name).dtype
-    prec = ""
-    if dtype == "float32":
-        prec = ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'
+    prec = dot_precision(dtype, precision)
     lit1, extra1 = _epilogue_literals(graph, first, epilogues[0])
     lit2, extra2 = _epilogue_literals(graph, second, epilogues[1])
     if extra1 or extra2:
@@ -83,14 +81,6 @@ def generate_chain(
     _kernel_head(buf, "fused_chain", args, config, m, n, c, dtype)
     regs: dict[str, str] = {}
 
-    def dot(acc: str, a: str, b: str) -> None:
-        buf.line("if UPCAST:")
-        with buf.indent():
-            buf.line(f'{acc} = tl.dot({a}.to(tl.float32), {b}.to(tl.float32), {acc}, input_precision="ieee")')
-        buf.line("else:")
-        with buf.indent():
-            buf.line(f"{acc} = tl.dot({a}, {b}, {acc}{prec})")
-
     with buf.indent():
         buf.line("rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
         buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
@@ -109,7 +99,7 @@ def generate_chain(
             buf.line(
                 f"b_tile = tl.load(w1 + rh[None, :] * {c} + kk[:, None], mask=k_ok[:, None] & h_ok[None, :], other=0.0)"
             )
-            dot("acc", "a_tile", "b_tile")
+            emit_dot(buf, "acc", "a_tile", "b_tile", prec)
         buf.line("mask = row_ok[:, None] & h_ok[None, :]")
         if b1:
             emit_loads(buf, [b1], lambda name: ("rh[None, :]", "h_ok[None, :]"), regs)
@@ -125,7 +115,7 @@ def generate_chain(
             f"w_tile = tl.load(w2 + rn[None, :] * {hidden} + rh[:, None], mask=h_ok[:, None] & col_ok[None, :], other=0.0)"
         )
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-        dot("acc", "h", "w_tile")
+        emit_dot(buf, "acc", "h", "w_tile", prec)
         buf.line("cols = rn[None, :]")
         buf.line("mask = row_ok[:, None] & col_ok[None, :]")
         regs2: dict[str, str] = {}

@@ -39,6 +39,24 @@ def emit_nodes(
         regs[node.outputs[0]] = f"{prefix}{j}"
 
 
+def dot_precision(dtype: str, precision: str) -> str:
+    """tl.dot's precision argument: float32 operands in IEEE fp32, or TF32 where the job asks."""
+    if dtype != "float32":
+        return ""
+    return ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'
+
+
+def emit_dot(buf: SourceBuffer, acc: str, a: str, b: str, prec: str) -> None:
+    """`acc += a @ b` on tensor cores; with UPCAST in fp32 (the CPU interpreter multiplies
+    bfloat16 tiles wrongly)."""
+    buf.line("if UPCAST:")
+    with buf.indent():
+        buf.line(f'{acc} = tl.dot({a}.to(tl.float32), {b}.to(tl.float32), {acc}, input_precision="ieee")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line(f"{acc} = tl.dot({a}, {b}, {acc}{prec})")
+
+
 def emit_stores(
     buf: SourceBuffer, outputs: list[str], regs: dict[str, str], dst: str, mask: str = "mask"
 ) -> None:

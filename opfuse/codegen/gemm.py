@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
 from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import _input_expr, matmul_tile_config, next_pow2
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
@@ -54,12 +54,6 @@ def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
     n = b[0] if trans_b else b[1]
     m = int(np.prod(a[:-1], dtype=np.int64))
     return m, n, k, trans_b
-
-
-def _dot_precision(dtype: str, precision: str) -> str:
-    if dtype != "float32":
-        return ""
-    return ', input_precision="tf32"' if precision == "tf32" else ', input_precision="ieee"'
 
 
 def generate_gemm(
@@ -160,14 +154,7 @@ def generate_gemm(
             buf.line(
                 f"b_tile = tl.load(b + kk[:, None] * {sbk} + rn[None, :] * {sbn}, mask=(kk[:, None] < {k}) & (rn[None, :] < {n}), other=0.0)"
             )
-            buf.line("if UPCAST:")
-            with buf.indent():
-                buf.line(
-                    'acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc, input_precision="ieee")'
-                )
-            buf.line("else:")
-            with buf.indent():
-                buf.line(f"acc = tl.dot(a_tile, b_tile, acc{_dot_precision(dtype, precision)})")
+            emit_dot(buf, "acc", "a_tile", "b_tile", dot_precision(dtype, precision))
         buf.line("row = rm[:, None]")
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (row < {m}) & (cols < {n})")
