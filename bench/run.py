@@ -31,6 +31,7 @@ from bench.zoo import ZOO, build, export_onnx
 
 TUNE_BUDGET_S = 60.0  # set by main(): --tune-budget
 WARM = False  # set by main(): --warm
+DISABLE: list[str] = []  # set by main(): --disable
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -127,14 +128,24 @@ def bench_one(
         try:
             t0 = time.perf_counter()
             cm = opfuse.compile(
-                path, input_shapes=shapes, precision=precision, device="cuda", tune_budget_s=TUNE_BUDGET_S
+                path,
+                input_shapes=shapes,
+                precision=precision,
+                device="cuda",
+                tune_budget_s=TUNE_BUDGET_S,
+                fusion_disable=DISABLE,
             )
             row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
             row["opfuse_stages_s"] = _stages(cm.report)
             if WARM:  # again, with the tuning and Triton caches the first compile filled
                 t0 = time.perf_counter()
                 cm = opfuse.compile(
-                    path, input_shapes=shapes, precision=precision, device="cuda", tune_budget_s=TUNE_BUDGET_S
+                    path,
+                    input_shapes=shapes,
+                    precision=precision,
+                    device="cuda",
+                    tune_budget_s=TUNE_BUDGET_S,
+                    fusion_disable=DISABLE,
                 )
                 row["opfuse_warm_compile_s"] = round(time.perf_counter() - t0, 2)
                 row["opfuse_warm_stages_s"] = _stages(cm.report)
@@ -247,6 +258,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/out/results.json")
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
     ap.add_argument(
+        "--disable", default="", help="opfuse fusion/pass rules to disable, comma-separated (A/B runs)"
+    )
+    ap.add_argument(
         "--warm",
         action="store_true",
         help="compile each model twice and benchmark the second (warm tuning and Triton caches); "
@@ -276,9 +290,10 @@ def main() -> None:
             merged += data["rows"]
         print_table(merged)
         return
-    global TUNE_BUDGET_S, WARM
+    global TUNE_BUDGET_S, WARM, DISABLE
     TUNE_BUDGET_S = args.tune_budget
     WARM = args.warm
+    DISABLE = [x for x in args.disable.split(",") if x]
     if not torch.cuda.is_available():
         sys.exit("bench/run.py needs a CUDA GPU")
     meta = {
