@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import build_plan
+from opfuse.lowering import WINDOW_PROLOGUES, build_plan
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -646,11 +646,20 @@ def _tune(
         fusion.groups.extend(lone)
         plan = make_plan(None)
     anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv", "pool") and g.variant == "template"]
+    split_groups = {
+        g.id
+        for g in fusion.groups
+        if g.kind == "conv" and g.prologue and g.prologue[0].op_type in WINDOW_PROLOGUES
+    }
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
     variant_key = {
-        gid: "variant:" + kernel_signature(template_kernel[gid]) for gid in anchors if gid in template_kernel
+        # A split-form choice is keyed apart: its "vendor" is two templates, not the library.
+        gid: ("variant-split:" if gid in split_groups else "variant:")
+        + kernel_signature(template_kernel[gid])
+        for gid in anchors
+        if gid in template_kernel
     }
     known: dict[str, Any] = {gid: cache.get(key) for gid, key in variant_key.items()}
     to_measure = [gid for gid in anchors if not known.get(gid)]
@@ -730,6 +739,8 @@ def _tune(
                 "template_ms": round(t_ms, 5),
                 "vendor_ms": round(v_ms, 5),
             }
+            if gid in split_groups:  # its "vendor" form is two template kernels (lowering.py)
+                record["variants"][gid]["vendor_form"] = "split: the prologue's kernel, then the anchor's"
             if gid in variant_key and min(t_ms, v_ms) < float("inf"):
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
         if "vendor" not in candidates and any(

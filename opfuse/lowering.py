@@ -7,9 +7,9 @@ from collections.abc import Collection
 
 from opfuse.codegen.attention import generate_attention
 from opfuse.codegen.chain import generate_chain
-from opfuse.codegen.conv import generate_conv
+from opfuse.codegen.conv import MAX_POOL_NHWC, NHWC_CONV, generate_conv
 from opfuse.codegen.gemm import generate_gemm
-from opfuse.codegen.pointwise import generate_pointwise
+from opfuse.codegen.pointwise import KernelSource, generate_pointwise
 from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.source import fixed_header
@@ -18,6 +18,8 @@ from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
+
+WINDOW_PROLOGUES = (NHWC_CONV, MAX_POOL_NHWC)  # a conv group's depthwise or pool prologue
 
 
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
@@ -93,9 +95,38 @@ def build_plan(
             continue
         steps.append(_op_step(n))
         rank.append(order[n.id])
+
+    def add_kernel(src: KernelSource, g: Group, nodes: list[Node]) -> None:
+        kernels[src.id] = KernelInfo(
+            src.id, src.kind, g.id, src.inputs, src.outputs, src.config, fixed_header(src.source)
+        )
+        label = ", ".join(node_label(n) for n in nodes)
+        steps.append(
+            Step("kernel", list(src.inputs), list(src.outputs), kernel=src.id, group=g.id, label=label)
+        )
+        rank.append(max(order[n.id] for n in nodes))
+
     for g in on:
         kid = f"k{len(kernels)}"
-        if g.kind in ("gemm", "conv", "pool") and variants.get(g.id, g.variant) == "vendor":
+        vendor = variants.get(g.id, g.variant) == "vendor"
+        if vendor and g.kind == "conv" and g.prologue and g.prologue[0].op_type in WINDOW_PROLOGUES:
+            # A depthwise conv or max pool computed on the input tiles: the alternative measured
+            # against the one kernel is the split form, the prologue's own kernel (with its
+            # activation) and then the anchor's template, as without the prologue rule.
+            head = g.prologue
+            ins, outs = group_boundary(graph, head)
+            if head[0].op_type == MAX_POOL_NHWC:
+                first = generate_pool(kid, head[0], head[1:], ins, outs, graph, g.id)
+            else:
+                first = generate_conv(kid, head[0], head[1:], ins, outs, graph, g.id, precision)
+            add_kernel(first, g, head)
+            ins, outs = group_boundary(graph, g.nodes)
+            kid = f"k{len(kernels)}"
+            add_kernel(
+                generate_conv(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision), g, g.nodes
+            )
+            continue
+        if g.kind in ("gemm", "conv", "pool") and vendor:
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
             # Folded layout ops and an input scale run as their own ops before the library kernel.
@@ -133,20 +164,7 @@ def build_plan(
             src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views)
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
-        kernels[kid] = KernelInfo(
-            kid, src.kind, g.id, src.inputs, src.outputs, src.config, fixed_header(src.source)
-        )
-        steps.append(
-            Step(
-                "kernel",
-                list(src.inputs),
-                list(src.outputs),
-                kernel=kid,
-                group=g.id,
-                label=", ".join(node_label(n) for n in g.nodes),
-            )
-        )
-        rank.append(max(order[n.id] for n in g.nodes))
+        add_kernel(src, g, g.nodes)
     available = {s.name for s in graph.inputs} | set(graph.constants)
     ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
     return Plan(

@@ -10,7 +10,7 @@ from onnx import helper
 
 import opfuse
 from tests.builders import TEST_DEVICE
-from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model
+from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, ort_run
 
 RNG = np.random.default_rng(5)
 
@@ -600,3 +600,40 @@ def test_max_pool_runs_inside_the_1x1_conv_that_reads_it(
         module.launch(*args, y, config=config)
         got = y.float().cpu()
         assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+
+
+@pytest.mark.parametrize("head", ["depthwise", "pool"])
+def test_the_split_form_of_a_window_prologue_computes_the_same(head: str) -> None:
+    """What tuning measures against a depthwise or pool prologue: its own kernel, then the 1x1
+    conv's template (two kernels, no library op)."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    if head == "depthwise":
+        m, _ = separable(2, 16, 24, 7, act="HardSwish")
+        shape = [2, 16, 7, 7]
+    else:
+        c = 16
+        inits = {"w0": np.eye(c).reshape(c, c, 1, 1), "wp": RNG.standard_normal((8, c, 1, 1)) * 0.3}
+        nodes = [
+            helper.make_node("Conv", ["x", "w0"], ["s"], name="stem"),
+            helper.make_node(
+                "MaxPool", ["s"], ["p"], name="pool", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1
+            ),
+            helper.make_node("Conv", ["p", "wp"], ["y"], name="squeeze"),
+        ]
+        shape = [1, c, 8, 8]
+        m = make_model(nodes, {"x": shape}, {"y": [1, 8, 4, 4]}, inits)
+    p = plan_model(m, {"x": shape}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.prologue]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [s for s in split.steps if s.group == g.id]
+    assert [s.kind for s in mine] == ["kernel", "kernel"]
+    kinds = [split.kernels[s.kernel].kind for s in mine]
+    assert kinds == (["conv", "conv"] if head == "depthwise" else ["pool", "conv"])
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
