@@ -1,7 +1,11 @@
-"""Plan anchor groups: one compute-bound op (GEMM or Conv) with the pointwise epilogue after it.
+"""Plan anchor groups: one compute-bound op (GEMM or Conv) with the pointwise epilogue after it,
+and a max pool with its epilogue.
 
 The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
-activation, residual add, scale, cast). Never two anchors in one kernel: only pointwise ops join.
+activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
+pointwise ops join, and, after the groups are formed, memory-bound neighbours by rules of their
+own: a depthwise conv or max pool computed on a 1x1 conv's input tiles (`depthwise_prologues`),
+and squeeze-excitation's two GEMVs in one kernel (`chain_gemv_groups`).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def plan_anchor_groups(
             )
         elif anchor.op_type == MAX_POOL_NHWC and POOL_RULE not in disabled:
             # Memory-bound, but a head like an anchor's: the window's maximum, then the pointwise
-            # ops after it. The library's pool runs it unless the template is measured faster.
+            # ops after it. Alone, it stays the library's pool unless its kernel is measured faster.
             rule, kind = POOL_RULE, "pool"
             reason = pool_reason(graph, anchor)
             if reason is not None:
