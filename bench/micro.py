@@ -15,6 +15,7 @@ torch.matmul.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from typing import Any
@@ -105,6 +106,10 @@ def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]])
     return float(sum(ks)), len(ks)
 
 
+def _linear_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.relu(torch.matmul(x, w) + b)
+
+
 def bandwidth(device: str, small: bool) -> list[dict[str, Any]]:
     rows = []
     for name, (kind, shape) in BANDWIDTH_CASES.items():
@@ -126,7 +131,7 @@ def bandwidth(device: str, small: bool) -> list[dict[str, Any]]:
         if device.startswith("cuda"):
             src = torch.empty(nbytes // 4, dtype=torch.float16, device=device)
             dst = torch.empty_like(src)  # a copy of the same bytes moved: nbytes/2 read + nbytes/2 written
-            copy_ms = cuda_graph_ms(lambda s=src, d=dst: d.copy_(s), reps=20)
+            copy_ms = cuda_graph_ms(functools.partial(dst.copy_, src), reps=20)
             row["copy_tb_per_s"] = nbytes / (copy_ms * 1e-3) / 1e12
             row["fraction_of_copy"] = row["tb_per_s"] / row["copy_tb_per_s"]
         rows.append(row)
@@ -160,11 +165,9 @@ def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             w = torch.randn(k, n, device=device, dtype=torch.float16)
             b = torch.randn(n, device=device, dtype=torch.float16)
-            mm_ms = cuda_graph_ms(lambda x=x, w=w: torch.matmul(x, w), reps=20)
+            mm_ms = cuda_graph_ms(functools.partial(torch.matmul, x, w), reps=20)
             row["torch_matmul_ms"] = mm_ms
-            row["torch_eager_group_ms"] = cuda_graph_ms(
-                lambda x=x, w=w, b=b: torch.relu(torch.matmul(x, w) + b), reps=20
-            )
+            row["torch_eager_group_ms"] = cuda_graph_ms(functools.partial(_linear_relu, x, w, b), reps=20)
             row["torch_matmul_tflops"] = flops / (mm_ms * 1e-3) / 1e12
             if row.get("template_ms"):
                 row["template_tflops"] = flops / (row["template_ms"] * 1e-3) / 1e12

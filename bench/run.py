@@ -93,15 +93,20 @@ def peers(zm: Any, precision: str, iters: int, warmup: int, modes: list[str]) ->
                 compiled(*static.values())
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t0
-                out[key] = {
-                    "ms": time_cuda(lambda i, c=compiled: c(*sets[i % 3].values()), iters, warmup),
-                    "compile_s": compile_s,
-                }
-                replay = graphed(lambda c=compiled: c(*static.values()))
-                out[key + "_cudagraph"] = {
-                    "ms": time_cuda(lambda i, r=replay: r(), iters, warmup),
-                    "compile_s": compile_s,
-                }
+
+                def on_set(i: int, c: Any = compiled) -> Any:
+                    return c(*sets[i % 3].values())
+
+                def on_static(c: Any = compiled) -> Any:
+                    return c(*static.values())
+
+                out[key] = {"ms": time_cuda(on_set, iters, warmup), "compile_s": compile_s}
+                replay = graphed(on_static)
+
+                def replayed(i: int, r: Any = replay) -> Any:
+                    return r()
+
+                out[key + "_cudagraph"] = {"ms": time_cuda(replayed, iters, warmup), "compile_s": compile_s}
             except Exception as exc:
                 out[key] = {"error": repr(exc)[:300]}
     return out

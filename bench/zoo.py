@@ -57,6 +57,7 @@ def _vision(name: str, ctor: Callable[[], torch.nn.Module], batch: int, size: in
 def _hf(name: str, batch: int, seq: int) -> ZooModel:
     import transformers as tf
 
+    cfg: Any  # the family's config class
     if name == "bert-base":
         cfg = tf.BertConfig()
         model: torch.nn.Module = tf.BertModel(cfg)
