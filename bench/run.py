@@ -130,7 +130,8 @@ def bench_one(
         export_onnx(zm, path)
         row["export_s"] = round(time.perf_counter() - t0, 2)
         shapes = {k: list(v.shape) for k, v in zm.example.items()}
-        try:
+
+        def compile_timed(prefix: str) -> opfuse.CompiledModel:
             t0 = time.perf_counter()
             cm = opfuse.compile(
                 path,
@@ -140,20 +141,14 @@ def bench_one(
                 tune_budget_s=TUNE_BUDGET_S,
                 fusion_disable=DISABLE,
             )
-            row["opfuse_compile_s"] = round(time.perf_counter() - t0, 2)
-            row["opfuse_stages_s"] = _stages(cm.report)
+            row[f"{prefix}_compile_s"] = round(time.perf_counter() - t0, 2)
+            row[f"{prefix}_stages_s"] = _stages(cm.report)
+            return cm
+
+        try:
+            cm = compile_timed("opfuse")
             if WARM:  # again, with the tuning and Triton caches the first compile filled
-                t0 = time.perf_counter()
-                cm = opfuse.compile(
-                    path,
-                    input_shapes=shapes,
-                    precision=precision,
-                    device="cuda",
-                    tune_budget_s=TUNE_BUDGET_S,
-                    fusion_disable=DISABLE,
-                )
-                row["opfuse_warm_compile_s"] = round(time.perf_counter() - t0, 2)
-                row["opfuse_warm_stages_s"] = _stages(cm.report)
+                cm = compile_timed("opfuse_warm")
             cm.benchmark(iters=iters, warmup=warmup)
             r = cm.report
             if os.environ.get("OPFUSE_BENCH_REPORTS"):

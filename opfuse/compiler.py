@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import WINDOW_PROLOGUES, build_plan
+from opfuse.lowering import build_plan, has_window_prologue
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -646,11 +646,7 @@ def _tune(
         fusion.groups.extend(lone)
         plan = make_plan(None)
     anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv", "pool") and g.variant == "template"]
-    split_groups = {
-        g.id
-        for g in fusion.groups
-        if g.kind == "conv" and g.prologue and g.prologue[0].op_type in WINDOW_PROLOGUES
-    }
+    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)}
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}

@@ -19,7 +19,11 @@ from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
 
-WINDOW_PROLOGUES = (NHWC_CONV, MAX_POOL_NHWC)  # a conv group's depthwise or pool prologue
+
+def has_window_prologue(g: Group) -> bool:
+    """A conv group computing a depthwise conv or max pool on its input tiles: its alternative
+    to the one kernel is the split form (two template kernels), not the library."""
+    return g.kind == "conv" and bool(g.prologue) and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC)
 
 
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
@@ -109,7 +113,7 @@ def build_plan(
     for g in on:
         kid = f"k{len(kernels)}"
         vendor = variants.get(g.id, g.variant) == "vendor"
-        if vendor and g.kind == "conv" and g.prologue and g.prologue[0].op_type in WINDOW_PROLOGUES:
+        if vendor and has_window_prologue(g):
             # A depthwise conv or max pool computed on the input tiles: the alternative measured
             # against the one kernel is the split form, the prologue's own kernel (with its
             # activation) and then the anchor's template, as without the prologue rule.

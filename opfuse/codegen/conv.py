@@ -36,6 +36,28 @@ CONV_OPS = ("Conv", NHWC_CONV)
 INT32_INDEX_LIMIT = 2**31 - 2**24
 
 
+def window_geometry(
+    node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
+) -> dict[str, int]:
+    """Strides, dilations and leading pads of a 2-D window op (Conv, MaxPool), auto_pad resolved
+    from the input and output sizes."""
+    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
+    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
+    auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begins = []
+        for n, o, k, st, d in ((size[0], out[0], kernel[0], sh, dh), (size[1], out[1], kernel[1], sw, dw)):
+            total = max(0, (o - 1) * st + (k - 1) * d + 1 - n)
+            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        ph, pw = begins
+    elif auto_pad == "VALID":
+        ph = pw = 0
+    else:
+        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
+        ph, pw = p[0], p[1]
+    return {"SH": sh, "SW": sw, "DH": dh, "DW": dw, "PH": ph, "PW": pw}
+
+
 def conv_params(graph: Graph, node: Node) -> dict[str, int]:
     x = graph.spec(node.inputs[0]).shape
     w = graph.spec(node.inputs[1]).shape
@@ -43,36 +65,8 @@ def conv_params(graph: Graph, node: Node) -> dict[str, int]:
     if node.op_type == NHWC_CONV:  # the same numbers read off NHWC shapes
         x, w, y = (x[0], x[3], x[1], x[2]), (w[0], w[3], w[1], w[2]), (y[0], y[3], y[1], y[2])
     kh, kw = w[2], w[3]
-    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
-    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
-    auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        pads = []
-        for i, (size, out, k, s, d) in enumerate(((x[2], y[2], kh, sh, dh), (x[3], y[3], kw, sw, dw))):
-            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
-            small, big = total // 2, total - total // 2
-            pads.append((small, big) if auto_pad == "SAME_UPPER" else (big, small))
-            del i
-        ph, pw = pads[0][0], pads[1][0]
-    elif auto_pad == "VALID":
-        ph = pw = 0
-    else:
-        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
-        ph, pw = p[0], p[1]
-    return {
-        "N": x[0],
-        "C": x[1],
-        "H": x[2],
-        "W": x[3],
-        "CO": w[0],
-        "KH": kh,
-        "KW": kw,
-        "SH": sh,
-        "SW": sw,
-        "DH": dh,
-        "DW": dw,
-        "PH": ph,
-        "PW": pw,
+    geometry = window_geometry(node, (x[2], x[3]), (y[2], y[3]), (kh, kw))
+    return {"N": x[0], "C": x[1], "H": x[2], "W": x[3], "CO": w[0], "KH": kh, "KW": kw, **geometry} | {
         "OH": y[2],
         "OW": y[3],
     }
@@ -234,14 +228,14 @@ def _generate_conv_nhwc(
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     scale = ""
     # A depthwise conv or a max pool computed as the input tiles are loaded.
-    dw: Node | None = None
+    window: Node | None = None
     dw_w = dw_b = ""
     if prologue and prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
-        dw = prologue[0]
-        x_name = dw.inputs[0]
-        if dw.op_type == NHWC_CONV:
-            dw_w = dw.inputs[1]
-            dw_b = dw.inputs[2] if len(dw.inputs) > 2 else ""
+        window = prologue[0]
+        x_name = window.inputs[0]
+        if window.op_type == NHWC_CONV:
+            dw_w = window.inputs[1]
+            dw_b = window.inputs[2] if len(window.inputs) > 2 else ""
     elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
@@ -281,8 +275,8 @@ def _generate_conv_nhwc(
     for node in prologue:
         role = (
             "input scale"
-            if dw is None
-            else ("max pool" if dw.op_type == MAX_POOL_NHWC else "depthwise conv") + " on the input tiles"
+            if window is None
+            else ("max pool" if window.op_type == MAX_POOL_NHWC else "depthwise conv") + " on the input tiles"
         )
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: {role})")
     buf.line(f"#   {anchor.id}: Conv {comment_text(anchor.name)} (anchor)")
@@ -292,7 +286,7 @@ def _generate_conv_nhwc(
     buf.line("import triton.language as tl")
     buf.line()
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
-    if dw is not None:
+    if window is not None:
         flat = False  # the depthwise prologue has its own loop over channel blocks
     if not flat and not depthwise:
         config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
@@ -362,8 +356,8 @@ def _generate_conv_nhwc(
                     depthwise_taps(f"range(0, {taps})")
             else:
                 depthwise_taps(f"tl.static_range(0, {taps})")
-        elif dw is not None:
-            _depthwise_prologue(buf, graph, dw, prologue[1:], {**literals}, c, n, dot)
+        elif window is not None:
+            _window_prologue(buf, graph, window, prologue[1:], {**literals}, c, n, dot)
         elif flat:
             buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
             with buf.indent():
@@ -453,7 +447,7 @@ def _generate_conv_nhwc(
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
 
 
-def _depthwise_prologue(
+def _window_prologue(
     buf: SourceBuffer,
     graph: Graph,
     dw: Node,

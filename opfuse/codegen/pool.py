@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opfuse.codegen.conv import FLOAT_TYPES, MAX_POOL_NHWC, _broadcast_index
+from opfuse.codegen.conv import FLOAT_TYPES, MAX_POOL_NHWC, _broadcast_index, window_geometry
 from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
 from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import next_pow2
@@ -23,28 +23,8 @@ def pool_params(graph: Graph, node: Node) -> dict[str, int]:
     n, h, w, c = graph.spec(node.inputs[0]).shape
     _, oh, ow, _ = graph.spec(node.outputs[0]).shape
     kh, kw = (int(v) for v in node.attrs["kernel_shape"])
-    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
-    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
-    auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        begins = []
-        for size, out, k, s, d in ((h, oh, kh, sh, dh), (w, ow, kw, sw, dw)):
-            total = max(0, (out - 1) * s + (k - 1) * d + 1 - size)
-            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        ph, pw = begins
-    elif auto_pad == "VALID":
-        ph = pw = 0
-    else:
-        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
-        ph, pw = p[0], p[1]
-    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw} | {
-        "SH": sh,
-        "SW": sw,
-        "DH": dh,
-        "DW": dw,
-        "PH": ph,
-        "PW": pw,
-    }
+    geometry = window_geometry(node, (h, w), (oh, ow), (kh, kw))
+    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw, **geometry}
 
 
 def pool_reason(graph: Graph, node: Node) -> str | None:

@@ -4,7 +4,7 @@ and a max pool with its epilogue.
 The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
 activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
 pointwise ops join, and, after the groups are formed, memory-bound neighbours by rules of their
-own: a depthwise conv or max pool computed on a 1x1 conv's input tiles (`depthwise_prologues`),
+own: a depthwise conv or max pool computed on a 1x1 conv's input tiles (`window_prologues`),
 and squeeze-excitation's two GEMVs in one kernel (`chain_gemv_groups`).
 """
 
@@ -337,7 +337,7 @@ def _pointwise_conv(graph: Graph, node: Node) -> bool:
     return w is not None and (p["KH"], p["KW"], p["SH"], p["SW"], p["PH"], p["PW"]) == (1, 1, 1, 1, 0, 0)
 
 
-def depthwise_prologues(
+def window_prologues(
     graph: Graph,
     groups: list[Group],
     lone: list[Group],

@@ -22,8 +22,8 @@ from opfuse.fusion.anchors import (
     POOL_PROLOGUE_RULE,
     POOL_RULE,
     chain_gemv_groups,
-    depthwise_prologues,
     plan_anchor_groups,
+    window_prologues,
 )
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
@@ -90,7 +90,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     lone: list[Group] = []
     gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
     if DEPTHWISE_RULE not in disabled or POOL_PROLOGUE_RULE not in disabled:
-        gemm_groups = depthwise_prologues(graph, gemm_groups, lone, not_fused, disabled)
+        gemm_groups = window_prologues(graph, gemm_groups, lone, not_fused, disabled)
     if CHAIN_RULE not in disabled:
         gemm_groups = chain_gemv_groups(graph, gemm_groups, not_fused)
     row_groups += gemm_groups
