@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import build_plan, has_window_prologue
+from opfuse.lowering import build_plan, has_reduction_prologue, has_window_prologue
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -645,8 +645,13 @@ def _tune(
     if lone:
         fusion.groups.extend(lone)
         plan = make_plan(None)
-    anchors = [g.id for g in fusion.groups if g.kind in ("gemm", "conv", "pool") and g.variant == "template"]
-    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)}
+    anchors = [
+        g.id
+        for g in fusion.groups
+        if (g.kind in ("gemm", "conv", "pool") or has_reduction_prologue(g)) and g.variant == "template"
+    ]
+    reduction_groups = {g.id for g in fusion.groups if has_reduction_prologue(g)}
+    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)} | reduction_groups
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
@@ -735,8 +740,12 @@ def _tune(
                 "template_ms": round(t_ms, 5),
                 "vendor_ms": round(v_ms, 5),
             }
-            if gid in split_groups:  # its "vendor" form is two template kernels (lowering.py)
-                record["variants"][gid]["vendor_form"] = "split: the prologue's kernel, then the anchor's"
+            if gid in split_groups:  # its "vendor" form is two kernels (lowering.py)
+                record["variants"][gid]["vendor_form"] = (
+                    "split: the library's depthwise conv, then the row kernel"
+                    if gid in reduction_groups
+                    else "split: the prologue's kernel, then the anchor's"
+                )
             if gid in variant_key and min(t_ms, v_ms) < float("inf"):
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
         if "vendor" not in candidates and any(

@@ -26,6 +26,12 @@ def has_window_prologue(g: Group) -> bool:
     return g.kind == "conv" and bool(g.prologue) and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC)
 
 
+def has_reduction_prologue(g: Group) -> bool:
+    """A row group computing a depthwise conv on its tiles (fusion.anchors.depthwise_reductions):
+    its alternative is the split form, the conv as the library's kernel and then the row kernel."""
+    return g.kind == "rowwise" and bool(g.prologue)
+
+
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
     """Order steps so every input is produced first; ties keep the original node order."""
     producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}
@@ -127,14 +133,27 @@ def build_plan(
             ins, outs = group_boundary(graph, g.nodes)
             kid = f"k{len(kernels)}"
             add_kernel(
-                generate_conv(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision), g, g.nodes
+                generate_conv(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision, views=g.views),
+                g,
+                g.nodes,
             )
+            continue
+        if vendor and has_reduction_prologue(g):
+            for n in g.prologue:  # the library's depthwise conv, as without the rule
+                steps.append(_op_step(n, g.id))
+                rank.append(order[n.id])
+            ins, outs = group_boundary(graph, g.nodes)
+            src = generate_rowwise(kid, g.nodes, ins, outs, graph, g.id, g.full, g.split, g.views)
+            add_kernel(src, g, g.nodes)
             continue
         if g.kind in ("gemm", "conv", "pool") and vendor:
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
-            # Folded layout ops and an input scale run as their own ops before the library kernel.
-            for n in [*g.absorbed, *g.prologue, anchor]:
+            # Folded layout ops and an input scale run as their own ops before the library kernel,
+            # a Concat the template writes in place as its own op after the epilogue.
+            concat = [n for n in epilogue if n.op_type == "Concat"]
+            epilogue = [n for n in epilogue if n.op_type != "Concat"]
+            for n in [*g.absorbed, *g.prologue, anchor, *concat]:
                 steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])
             if not epilogue:
@@ -149,7 +168,7 @@ def build_plan(
             )
         elif g.kind == "conv":
             src = generate_conv(
-                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue
+                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue, g.views
             )
         elif g.kind == "pool":
             src = generate_pool(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id)
@@ -165,7 +184,9 @@ def build_plan(
                 precision,
             )
         elif g.kind == "rowwise":
-            src = generate_rowwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views)
+            src = generate_rowwise(
+                kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views, g.prologue
+            )
         else:
             src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
         add_kernel(src, g, g.nodes)

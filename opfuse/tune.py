@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from opfuse.codegen.rowwise import rows_per_program
+from opfuse.codegen.rowwise import MIN_TILED_COLUMNS, rows_per_program
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
@@ -96,9 +96,16 @@ def candidates(k: KernelInfo) -> list[dict[str, Any]]:
     """The configs tried for kernel `k`, each an override of its default config. The depthwise
     template has its own (DEPTHWISE_CANDIDATES). A row kernel that may hold several rows per
     program (BLOCK_M in its config) tries one, and tiles of ROW_TILES elements, with 4 and 8 warps
-    each (2 more for one row)."""
+    each (2 more for one row); a strided one (BLOCK_I) also half and a quarter of its columns per
+    program, never under MIN_TILED_COLUMNS."""
     if k.kind == "conv" and "UNROLL" in k.config:  # only the depthwise template has the flag
         return DEPTHWISE_CANDIDATES
+    if k.kind == "rowwise" and "BLOCK_I" in k.config:
+        # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
+        # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).
+        bi = int(k.config["BLOCK_I"])
+        narrower = [b for b in (bi // 2, bi // 4) if b >= MIN_TILED_COLUMNS]
+        return CANDIDATES["rowwise"] + [{"BLOCK_I": b, "num_warps": w} for b in narrower for w in (4, 8)]
     if k.kind != "rowwise" or "BLOCK_M" not in k.config:
         return CANDIDATES.get(k.kind, [])
     block = int(k.config["BLOCK_R"])

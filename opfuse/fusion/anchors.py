@@ -5,7 +5,8 @@ The epilogue grows from the anchor's output through pointwise consumers of the s
 activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
 pointwise ops join, and, after the groups are formed, memory-bound neighbours by rules of their
 own: a depthwise conv or max pool computed on a 1x1 conv's input tiles (`window_prologues`),
-and squeeze-excitation's two GEMVs in one kernel (`chain_gemv_groups`).
+squeeze-excitation's two GEMVs in one kernel (`chain_gemv_groups`), and a depthwise conv computed
+on the tiles of the row kernel that pools its output (`depthwise_reductions`).
 """
 
 from __future__ import annotations
@@ -404,3 +405,126 @@ def window_prologues(
             promoted.append(g)
     lone[:] = [g for g in lone if g.id not in gone and all(g is not p for p in promoted)]
     return [g for g in groups if g.id not in gone] + promoted
+
+
+DEPTHWISE_REDUCTION_RULE = "depthwise_reduction"
+
+
+def depthwise_reductions(
+    graph: Graph, row_groups: list[Group], lone: list[Group], not_fused: list[NotFired]
+) -> None:
+    """A depthwise conv (NHWC) read only by a row kernel that reduces over the conv's pixels
+    (squeeze-excitation's pooling, with the activation between) is computed on that kernel's
+    tiles: the depthwise conv, its activation and the pool in one launch, and the conv's output
+    never written. Such a conv has nothing else to fuse (a lone anchor, which runs as the library
+    kernel without this rule); tuning times the group against that split form."""
+    from opfuse.codegen.rowwise import ROW_OPS, row_space
+
+    consumers = graph.consumers()
+    graph_outputs = {o.name for o in graph.outputs}
+    lone_by_output = {g.outputs[0]: g for g in lone if g.kind == "conv" and len(g.outputs) == 1}
+    gone: set[str] = set()
+    for rg in row_groups:
+        if rg.kind != "rowwise" or rg.prologue or rg.views:
+            continue
+        head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
+        space = row_space(graph, head)
+        for x in rg.inputs:
+            src = lone_by_output.get(x)
+            if src is None or src.id in gone:
+                continue
+            dw = src.nodes[0]
+            if dw.op_type != NHWC_CONV or not is_depthwise(graph, dw):
+                continue
+            labels = [node_label(dw), node_label(head)]
+            members = {n.id for n in rg.nodes}
+            if len(space.full) != 4 or space.groups or (space.first, space.end) != (1, 3):
+                reason = "the row kernel does not reduce over the depthwise conv's pixels (H and W)"
+            elif tuple(graph.spec(x).shape) != space.full:
+                reason = "the depthwise conv's output is not the row kernel's full-shaped input"
+            elif x in graph_outputs or any(c.id not in members for c in consumers.get(x, [])):
+                reason = "the depthwise conv's output is read outside the row kernel too"
+            elif any(i not in graph.constants for i in dw.inputs[1:3] if i):
+                reason = "the depthwise conv's weight or bias is not a constant"
+            else:
+                reason = None
+            if reason is not None:
+                not_fused.append(NotFired(DEPTHWISE_REDUCTION_RULE, labels, reason))
+                continue
+            rg.prologue = [dw]
+            rg.inputs, rg.outputs = group_boundary(graph, [dw, *rg.nodes])
+            rg.rule = f"{rg.rule}+{DEPTHWISE_REDUCTION_RULE}"
+            rg.variant = "template"  # against the split form, where tuning measures
+            gone.add(src.id)
+            break
+    lone[:] = [g for g in lone if g.id not in gone]
+
+
+CONCAT_RULE = "concat_epilogue"
+# Inputs of a Concat copied by the conv kernel that absorbs it: each is a loop of loads and stores.
+CONCAT_MAX_COPIED = 8
+
+
+def concat_epilogues(graph: Graph, groups: list[Group], not_fused: list[NotFired], claimed: set[str]) -> None:
+    """A channel Concat (NHWC, the last axis) whose input is the one output of a conv group, read
+    by nothing else, joins that group: the kernel stores its result at its channel offset of the
+    Concat's output and copies the Concat's other inputs into theirs (a block of channels per
+    program), reading inputs that come through Slice/Transpose from the buffer behind them. The
+    Concat's copy kernel is gone, and the conv's result is written once, where it belongs:
+    ShuffleNet's blocks end this way (the branch conv beside the half passed through). Where
+    several inputs are conv outputs, the last conv in the graph takes the Concat; the others' outputs
+    are copied like any other input. `claimed`: nodes other groups hold (views never fold them)."""
+    consumers = graph.consumers()
+    graph_outputs = {o.name for o in graph.outputs}
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    by_output = {g.outputs[0]: g for g in groups if len(g.outputs) == 1}
+    for cat in graph.nodes:
+        if cat.op_type != "Concat" or cat.id in claimed:
+            continue
+        out = graph.spec(cat.outputs[0]).shape
+        if len(out) != 4 or int(cat.attrs.get("axis", 0)) % 4 != 3:
+            continue
+        owners = [
+            by_output[x]
+            for x in cat.inputs
+            if x in by_output
+            and by_output[x].kind == "conv"
+            and by_output[x].variant == "template"
+            and by_output[x].nodes[0].op_type == NHWC_CONV
+            and x not in graph_outputs
+            and [c.id for c in consumers.get(x, [])] == [cat.id]
+            and cat.inputs.count(x) == 1
+        ]
+        if not owners:
+            continue
+        g = max(owners, key=lambda grp: max(order[n.id] for n in grp.nodes))
+        labels = [node_label(g.nodes[0]), node_label(cat)]
+        others = [x for x in cat.inputs if x and x != g.outputs[0]]
+        if len(others) > CONCAT_MAX_COPIED:
+            reason = f"{len(others)} other inputs to copy (over {CONCAT_MAX_COPIED})"
+        elif any(x in graph.constants for x in others):
+            reason = "a constant input: the library's Concat copies it"
+        else:
+            reason = None
+        if reason is not None:
+            not_fused.append(NotFired(CONCAT_RULE, labels, reason))
+            continue
+        members = frozenset({cat.id})
+        for x in others:
+            view = input_view(graph, x, allow_scale=False, readers=members)
+            own = view.owned()
+            if (
+                not view.nodes
+                or view.base in graph.constants
+                or any(n.op_type not in VIEW_THROUGH for n in view.nodes)
+                or any(n.id in claimed for n in own)
+                or len(view.shape) != 4
+            ):
+                continue
+            g.views[x] = view
+            g.absorbed += own
+            claimed |= {n.id for n in own}
+        g.nodes.append(cat)
+        claimed.add(cat.id)
+        g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])
+        g.rule = f"{g.rule}+{CONCAT_RULE}"

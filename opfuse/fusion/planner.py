@@ -16,12 +16,16 @@ from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.codegen.rowwise import ROW_OPS, row_space
 from opfuse.fusion.anchors import (
     CHAIN_RULE,
+    CONCAT_RULE,
     CONV_RULE,
+    DEPTHWISE_REDUCTION_RULE,
     DEPTHWISE_RULE,
     GEMM_RULE,
     POOL_PROLOGUE_RULE,
     POOL_RULE,
     chain_gemv_groups,
+    concat_epilogues,
+    depthwise_reductions,
     plan_anchor_groups,
     window_prologues,
 )
@@ -42,6 +46,8 @@ RULES = (
     CHAIN_RULE,
     DEPTHWISE_RULE,
     POOL_PROLOGUE_RULE,
+    DEPTHWISE_REDUCTION_RULE,
+    CONCAT_RULE,
     POINTWISE_RULE,
     LAYOUT_RULE,
 )
@@ -49,7 +55,9 @@ RULES = (
 __all__ = [
     "ATTENTION_RULE",
     "CHAIN_RULE",
+    "CONCAT_RULE",
     "CONV_RULE",
+    "DEPTHWISE_REDUCTION_RULE",
     "DEPTHWISE_RULE",
     "GEMM_RULE",
     "POINTWISE_RULE",
@@ -93,8 +101,13 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         gemm_groups = window_prologues(graph, gemm_groups, lone, not_fused, disabled)
     if CHAIN_RULE not in disabled:
         gemm_groups = chain_gemv_groups(graph, gemm_groups, not_fused)
+    if DEPTHWISE_REDUCTION_RULE not in disabled:
+        depthwise_reductions(graph, row_groups, lone, not_fused)
+    if CONCAT_RULE not in disabled and LAYOUT_RULE not in disabled:
+        held = in_rows | {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
+        concat_epilogues(graph, gemm_groups, not_fused, held)
     row_groups += gemm_groups
-    in_rows |= {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
+    in_rows |= {n.id for g in row_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:
         if LAYOUT_RULE not in disabled:
             _explain_concat_copies(graph, row_groups, not_fused)

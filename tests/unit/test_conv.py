@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import opfuse
 from tests.builders import TEST_DEVICE
@@ -291,11 +291,14 @@ def test_concatenated_convs_that_cannot_share_a_conv_say_why() -> None:
     cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_concat_convs"]
     assert "would do over 2.0x the branches' multiply-adds" in nf["reason"]
-    # Disabled, the branches stay apart (two conv kernels and the Concat).
+    # Disabled, the branches stay apart: two conv kernels, the second writing the Concat
+    # (`concat_epilogue`), or the Concat's copy too without that rule.
     m, _ = concat_of_convs(shape, [(8, 1, 1, [0] * 4), (8, 3, 3, [1] * 4)], ["Relu", "Relu"])
     cm = check_against_ort(m, {"x": shape}, fusion_disable=(*NHWC_ALWAYS, "merge_concat_convs"))
     assert "merge_concat_convs" not in cm.report["fusion"]["passes"]["fired"]
-    assert cm.report["kernels"]["after"] == 3
+    assert cm.report["kernels"]["after"] == 2
+    off = (*NHWC_ALWAYS, "merge_concat_convs", "concat_epilogue")
+    assert check_against_ort(m, {"x": shape}, fusion_disable=off).report["kernels"]["after"] == 3
 
 
 def squeeze_excite(n: int, c: int, hidden: int, size: int = 5) -> tuple[Any, dict[str, np.ndarray]]:
@@ -635,5 +638,237 @@ def test_the_split_form_of_a_window_prologue_computes_the_same(head: str) -> Non
     x = RNG.standard_normal(shape).astype(np.float32)
     want = ort_run(m, {"x": x})[0]
     for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def depthwise_squeeze_excite(
+    n: int, c: int, size: int, stride: int = 1, k: int = 3, dw_reads: int = 1
+) -> Any:
+    """MobileNetV3's squeeze-excitation after a depthwise conv: dw -> HardSwish -> global pool ->
+    two 1x1 convs -> HardSigmoid -> x * gate -> a 1x1 projection. `dw_reads` 2: the depthwise
+    conv's output is also a graph output."""
+    hidden, out = 8, 12
+    inits = {
+        "wd": RNG.standard_normal((c, 1, k, k)) * 0.4,
+        "bd": RNG.standard_normal(c) * 0.1,
+        "w1": RNG.standard_normal((hidden, c, 1, 1)) * 0.3,
+        "b1": RNG.standard_normal(hidden) * 0.1,
+        "w2": RNG.standard_normal((c, hidden, 1, 1)) * 0.3,
+        "b2": RNG.standard_normal(c) * 0.1,
+        "wp": RNG.standard_normal((out, c, 1, 1)) * 0.3,
+    }
+    pad = k // 2
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "wd", "bd"], ["d"], name="dw", group=c, pads=[pad] * 4, strides=[stride] * 2
+        ),
+        helper.make_node("HardSwish", ["d"], ["a"], name="act"),
+        helper.make_node("GlobalAveragePool", ["a"], ["p"], name="squeeze"),
+        helper.make_node("Conv", ["p", "w1", "b1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["hr"], name="relu"),
+        helper.make_node("Conv", ["hr", "w2", "b2"], ["g"], name="fc2"),
+        helper.make_node("HardSigmoid", ["g"], ["s"], name="gate", alpha=1 / 6, beta=0.5),
+        helper.make_node("Mul", ["a", "s"], ["e"], name="excite"),
+        helper.make_node("Conv", ["e", "wp"], ["y"], name="proj"),
+    ]
+    o = (size - 1) // stride + 1
+    outputs = {"y": [n, out, o, o]}
+    if dw_reads == 2:
+        outputs["d"] = [n, c, o, o]
+    return make_model(nodes, {"x": [n, c, size, size]}, outputs, inits), inits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("n, c, size, stride, k", [(2, 24, 9, 1, 3), (1, 40, 14, 2, 5), (3, 6, 5, 1, 3)])
+def test_depthwise_conv_runs_inside_the_squeeze_kernel(
+    precision: str, n: int, c: int, size: int, stride: int, k: int
+) -> None:
+    """Squeeze-excitation in three launches: the depthwise conv, its activation and the pool in
+    one row kernel, the two GEMVs chained, the excitation on the projection's input tiles."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    m, w = depthwise_squeeze_excite(n, c, size, stride, k)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
+    assert cm.report["kernels"] == {"before": 9, "after": 3}
+    rows = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert [(g["rule"], g["nodes"]) for g in rows] == [
+        ("row_reduction+depthwise_reduction", ["dw", "act", "squeeze"])
+    ]
+    (kern,) = [x for x in cm.plan.kernels.values() if x.kind == "rowwise"]
+    assert "prologue: depthwise conv on the tiles" in kern.source and "dacc" in kern.source
+
+    # Every config the tuner may pick, against torch: both outputs, every element.
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, c, size, size, generator=gen)
+    t = {name: torch.from_numpy(v).float() for name, v in w.items()}
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    d = torch.nn.functional.conv2d(x, t["wd"], t["bd"], stride=stride, padding=k // 2, groups=c)
+    act = torch.nn.functional.hardswish(d.to(dtype).float()).permute(0, 2, 3, 1)  # NHWC
+    pooled = act.mean(dim=(1, 2), keepdim=True)
+    dev = torch.device(TEST_DEVICE)
+    args = [x.permute(0, 2, 3, 1).contiguous(), t["wd"].reshape(c, k * k), t["bd"]]
+    args = [a.contiguous().to(dev, dtype) for a in args]
+    module = load_kernel_module(kern.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    configs = [{**kern.config, **cand} for cand in candidates(kern)]
+    assert any(cfg["BLOCK_I"] < kern.config["BLOCK_I"] for cfg in configs) or kern.config["BLOCK_I"] < 8
+    for config in configs:
+        a_out = torch.full(act.shape, float("nan"), device=dev, dtype=dtype)
+        p_out = torch.full(pooled.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(*args, a_out, p_out, config=config)
+        for got, want in ((a_out, act), (p_out, pooled)):
+            got = got.float().cpu()
+            assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (
+                config,
+                float((got - want).abs().max()),
+            )
+
+
+def test_depthwise_reduction_says_why_not() -> None:
+    m, _ = depthwise_squeeze_excite(1, 16, 6, dw_reads=2)  # the depthwise output is a graph output too
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]})
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "depthwise_reduction"]
+    assert nf["nodes"] == ["dw", "squeeze"] and "read outside the row kernel" in nf["reason"]
+    assert cm.report["kernels"]["after"] == 4
+    m, _ = depthwise_squeeze_excite(1, 16, 6)
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_reduction",))
+    assert cm.report["kernels"]["after"] == 4
+    assert all("depthwise_reduction" not in g["rule"] for g in cm.report["fusion"]["groups"])
+
+
+def test_the_split_form_of_a_depthwise_reduction_computes_the_same() -> None:
+    """What tuning measures against a depthwise conv computed on a row kernel's tiles: the
+    library's depthwise conv, then the row kernel reading its output."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    shape = [2, 16, 7, 7]
+    m, _ = depthwise_squeeze_excite(2, 16, 7, stride=2)
+    p = plan_model(m, {"x": shape}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.kind == "rowwise" and g.prologue]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [s for s in split.steps if s.group == g.id]
+    assert [(s.kind, s.op_type) for s in mine] == [("op", "opfuse.ConvNHWC"), ("kernel", "")]
+    assert "dacc" not in split.kernels[mine[1].kernel].source
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def concat_block(n: int, c: int, size: int, two_convs: bool) -> Any:
+    """ShuffleNet's block ends: `two_convs` False, the input's first half passed through beside
+    Relu(conv(second half)) (a stride-1 unit); True, Relu(conv_a(x)) beside Relu(conv_b(x)) (the
+    stride-2 unit's two branches). Then the Concat goes on into a 3x3 conv."""
+    half = c // 2
+    inits = {
+        "wa": RNG.standard_normal((half, half if not two_convs else c, 1, 1)) * 0.3,
+        "ba": RNG.standard_normal(half) * 0.1,
+        "wb": RNG.standard_normal((half, c, 3, 3)) * 0.2,
+        "bb": RNG.standard_normal(half) * 0.1,
+        "wh": RNG.standard_normal((6, c, 3, 3)) * 0.2,
+        "split": np.array([half, half]),
+    }
+    if two_convs:
+        nodes = [
+            helper.make_node("Conv", ["x", "wa", "ba"], ["ca"], name="branch_a"),
+            helper.make_node("Relu", ["ca"], ["p"], name="relu_a"),
+            helper.make_node("Conv", ["x", "wb", "bb"], ["cb"], name="branch_b", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["cb"], ["b"], name="relu_b"),
+        ]
+    else:
+        nodes = [
+            helper.make_node("Split", ["x", "split"], ["p", "q"], name="halves", axis=1),
+            helper.make_node("Conv", ["q", "wa", "ba"], ["cb"], name="branch_b"),
+            helper.make_node("Relu", ["cb"], ["b"], name="relu_b"),
+        ]
+    nodes += [
+        helper.make_node("Concat", ["p", "b"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "wh"], ["y"], name="head", pads=[1, 1, 1, 1]),
+    ]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, 6, size, size]}, inits)
+    m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([half, half], np.int64), "split"))
+    return m
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("two_convs", [False, True])
+def test_a_conv_writes_the_concat_it_feeds(precision: str, two_convs: bool) -> None:
+    """The Concat's copy kernel is gone: the branch's conv stores its channels at their offset of
+    the Concat's output and copies the other input (a view of the block's input, or the other
+    branch's output) into its own, at every launch config the tuner may pick."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tune import candidates
+
+    n, c, size = 2, 24, 7
+    m = concat_block(n, c, size, two_convs)
+    off = (*NHWC_ALWAYS, "merge_concat_convs")  # which would make the two branches one conv
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=off)
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Concat" not in launched
+    assert cm.report["kernels"]["after"] == (3 if two_convs else 2)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"].endswith("+concat_epilogue")]
+    assert g["nodes"] == ["branch_b", "relu_b", "cat"]
+    (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
+    assert "(written in place, other inputs copied)" in k.source and "tl.num_programs(1)" in k.source
+    if not two_convs:  # the half passed through is read from the block's input, not copied first
+        assert g["layout_folded"] and "Split" not in launched
+
+    x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [*candidates(k), {"BLOCK_N": 16}]:
+        ex.configs[k.id] = {**k.config, **cand}
+        got = np.asarray(ex.run({"x": x})["y"], dtype=np.float32)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err < tol, (cand, err)
+
+
+def test_concat_epilogue_says_why_not() -> None:
+    """A Concat with a constant input stays the library's copy, and the rule can be switched off."""
+    n, c, size = 1, 8, 5
+    inits = {"w": RNG.standard_normal((c, c, 1, 1)) * 0.3, "k": RNG.standard_normal((n, 4, size, size))}
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["a"], name="conv"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Concat", ["r", "k"], ["cat"], name="cat", axis=1),
+        helper.make_node("Sigmoid", ["cat"], ["y"], name="after"),
+    ]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, c + 4, size, size]}, inits)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "concat_epilogue"]
+    assert nf["nodes"] == ["conv", "cat"] and "constant input" in nf["reason"]
+    m = concat_block(1, 8, 5, two_convs=False)
+    cm = check_against_ort(m, {"x": [1, 8, 5, 5]}, fusion_disable=(*NHWC_ALWAYS, "concat_epilogue"))
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == [
+        "Concat",
+        "opfuse.ConvNHWC",
+    ]
+
+
+def test_the_vendor_variant_of_a_conv_writing_a_concat_runs_the_concat_as_its_own_copy() -> None:
+    """The library's conv cannot write into the Concat: its variant runs the conv, the epilogue
+    kernel, then the Concat op (the passed-through half's view ops before it), and computes the same."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    shape = [2, 16, 6, 6]
+    m = concat_block(2, 16, 6, two_convs=False)
+    p = plan_model(m, {"x": shape}, "fp32", NHWC_ALWAYS)
+    (g,) = [g for g in p.fusion.groups if g.rule.endswith("+concat_epilogue")]
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [(s.kind, s.op_type) for s in vendor.steps if s.group == g.id and s.launches]
+    assert mine == [("op", "opfuse.ConvNHWC"), ("kernel", ""), ("op", "Concat")]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, vendor):
         got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)

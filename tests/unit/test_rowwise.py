@@ -384,7 +384,7 @@ def test_short_rows_share_a_program_at_every_candidate_config(precision: str) ->
 
 def test_rows_per_program_never_exceed_the_rows() -> None:
     """Tiles of 1024 and 2048 elements over rows of 128: 8 and 16 rows, or fewer where there are
-    fewer (3 rows: 4 per program, the next power of two). A kernel without BLOCK_M keeps its list."""
+    fewer (3 rows: 4 per program, the next power of two)."""
     from opfuse.runtime.plan import KernelInfo
     from opfuse.tune import CANDIDATES, candidates
 
@@ -394,5 +394,8 @@ def test_rows_per_program_never_exceed_the_rows() -> None:
     many = {c["BLOCK_M"] for c in candidates(kernel(1000, {"BLOCK_M": 1, "BLOCK_R": 128}))}
     few = {c["BLOCK_M"] for c in candidates(kernel(3, {"BLOCK_M": 1, "BLOCK_R": 128}))}
     assert (many, few) == ({1, 8, 16}, {1, 4})
+    # A strided kernel: narrower column blocks too, never under 4 adjacent columns.
     tiled = kernel(1000, {"BLOCK_R": 128, "BLOCK_I": 8})
-    assert candidates(tiled) == CANDIDATES["rowwise"]
+    assert candidates(tiled) == CANDIDATES["rowwise"] + [{"BLOCK_I": 4, "num_warps": w} for w in (4, 8)]
+    narrow = kernel(1000, {"BLOCK_R": 1024, "BLOCK_I": 4})
+    assert candidates(narrow) == CANDIDATES["rowwise"]

@@ -671,3 +671,51 @@ def test_a_depthwise_prologue_is_timed_against_its_split_form(
     assert entry["vendor_form"].startswith("split")
     kinds = [k.kind for k in make_plan().kernels.values() if k.group == gid]
     assert kinds == (["conv", "conv"] if faster == "split" else ["conv"])
+
+
+@pytest.mark.parametrize("faster", ["fused", "split"])
+def test_a_depthwise_reduction_is_timed_against_its_split_form(
+    faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The alternative to a row kernel computing its depthwise conv on its tiles is the plan
+    without the rule: the library's depthwise conv, then the row kernel. The faster is kept."""
+    import numpy as np
+
+    from opfuse import compiler, tune
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.lowering import build_plan
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
+    from tests.unit.test_conv import depthwise_squeeze_excite
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    rng = np.random.default_rng(8)
+    model, _ = depthwise_squeeze_excite(1, 16, 6)
+    _, spec = load_and_specialize(model, {"x": [1, 16, 6, 6]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    (gid,) = [g.id for g in fusion.groups if g.kind == "rowwise" and g.prologue]
+
+    def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
+        split = any(s.kind == "op" for s in plan.steps if s.group == gid)
+        return {gid: 1.0 if split == (faster == "split") else 2.0}
+
+    monkeypatch.setattr(tune, "variant_group_times", timed)
+    variants: dict[str, str] = {}
+
+    def make_plan(enabled: list[str] | None = None) -> Any:
+        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
+
+    plan = make_plan()
+    feeds = random_inputs(graph.inputs, rng)
+    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    entry = record["variants"][gid]
+    assert entry["choice"] == ("vendor" if faster == "split" else "template")
+    assert entry["vendor_form"] == "split: the library's depthwise conv, then the row kernel"
+    mine = [(s.kind, s.op_type) for s in make_plan().steps if s.group == gid]
+    assert mine == ([("op", "opfuse.ConvNHWC"), ("kernel", "")] if faster == "split" else [("kernel", "")])
