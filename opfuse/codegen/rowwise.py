@@ -318,29 +318,39 @@ def row_input_reason(shape: tuple[int, ...], out: tuple[int, ...], space: RowSpa
     return None
 
 
-def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str]) -> None:
-    """The depthwise conv's output at the tile's (image `outer`, pixel `rr`, channel `ii`): fp32
-    multiply-adds over the window, rounded to the model's type as the stored output would be."""
+def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str], tiled: bool) -> None:
+    """The depthwise conv's output on the tile, rounded to the model's type as the stored output
+    would be (fp32 multiply-adds over the window). Tiled (a pool over H, W): image `outer`, pixels
+    `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image, height,
+    width flattened), channels `cols`."""
     from opfuse.codegen.conv import conv_params  # conv.py builds on this module
 
     d = conv_params(graph, dw)
     taps = d["KH"] * d["KW"]
     x, w = ptr[dw.inputs[0]], ptr[dw.inputs[1]]
-    buf.line(f"oh = rr // {d['OW']}")
-    buf.line(f"ow = rr % {d['OW']}")
-    buf.line("dacc = tl.zeros((BLOCK_R, BLOCK_I), dtype=tl.float32)")
+    if tiled:
+        img, pixel, chan, tile, chan_ok = "outer", "rr", "ii", "(BLOCK_R, BLOCK_I)", "imask"
+    else:
+        img, pixel, chan, tile, chan_ok = "img", "row", "cols", "(BLOCK_M, BLOCK_R)", f"(cols < {d['C']})"
+        buf.line(f"img = row // {d['OH'] * d['OW']}")
+    buf.line(f"oh = ({pixel} // {d['OW']}) % {d['OH']}" if not tiled else f"oh = {pixel} // {d['OW']}")
+    buf.line(f"ow = {pixel} % {d['OW']}")
+    buf.line(f"dacc = tl.zeros({tile}, dtype=tl.float32)")
     buf.line(f"for t in tl.static_range(0, {taps}):")
     with buf.indent():
         buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
         buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (t % {d['KW']}) * {d['DW']}")
-        buf.line(f"ok = mask & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
+        mask = "mask" if tiled else "cmask"
+        buf.line(f"ok = {mask} & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
         buf.line(
-            f"xv = tl.load({x} + ((outer * {d['H']} + ih) * {d['W']} + iw) * {d['C']} + ii, mask=ok, other=0.0)"
+            f"xv = tl.load({x} + (({img} * {d['H']} + ih) * {d['W']} + iw) * {d['C']} + {chan}, mask=ok, other=0.0)"
         )
-        buf.line(f"wv = tl.load({w} + ii * {taps} + t, mask=imask, other=0.0)")
+        buf.line(f"wv = tl.load({w} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
         buf.line("dacc = dacc + xv.to(tl.float32) * wv.to(tl.float32)")
     if len(dw.inputs) > 2 and dw.inputs[2]:
-        buf.line(f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + ii, mask=imask, other=0.0).to(tl.float32)")
+        buf.line(
+            f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + {chan}, mask={chan_ok}, other=0.0).to(tl.float32)"
+        )
     buf.line(f"dwv = dacc.to({x}.dtype.element_ty).to(tl.float32)")
 
 
@@ -365,7 +375,7 @@ def generate_rowwise(
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
     window = prologue[0] if prologue else None
-    assert window is None or (tiled and (space.first, space.end, len(full)) == (1, 3, 4)), space
+    assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
     window_args: list[str] = []  # the depthwise conv's input, weight and bias
     if window is not None:
         window_args = [x for x in window.inputs[:3] if x]
@@ -456,7 +466,8 @@ def generate_rowwise(
         per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
         group_params = {x for n in nodes if n.op_type == "GroupNormalization" for x in n.inputs[1:3] if x}
         if window is not None:
-            _depthwise_tile(buf, graph, window, {x: f"in{tensor_inputs.index(x)}" for x in window_args})
+            ptr = {x: f"in{tensor_inputs.index(x)}" for x in window_args}
+            _depthwise_tile(buf, graph, window, ptr, tiled)
             regs[window.outputs[0]] = "dwv"
         for i, name in enumerate(tensor_inputs):
             if name in window_args and name not in read:

@@ -414,10 +414,11 @@ def depthwise_reductions(
     graph: Graph, row_groups: list[Group], lone: list[Group], not_fused: list[NotFired]
 ) -> None:
     """A depthwise conv (NHWC) read only by a row kernel that reduces over the conv's pixels
-    (squeeze-excitation's pooling, with the activation between) is computed on that kernel's
-    tiles: the depthwise conv, its activation and the pool in one launch, and the conv's output
-    never written. Such a conv has nothing else to fuse (a lone anchor, which runs as the library
-    kernel without this rule); tuning times the group against that split form."""
+    (squeeze-excitation's pooling, with the activation between) or over its channels (ConvNeXt's
+    LayerNorm after its 7x7 depthwise conv) is computed on that kernel's tiles: the depthwise conv
+    and the reduction in one launch, and the conv's output never written. Such a conv has
+    nothing else to fuse (a lone anchor, which runs as the library kernel without this rule);
+    tuning times the group against that split form."""
     from opfuse.codegen.rowwise import ROW_OPS, row_space
 
     consumers = graph.consumers()
@@ -438,8 +439,8 @@ def depthwise_reductions(
                 continue
             labels = [node_label(dw), node_label(head)]
             members = {n.id for n in rg.nodes}
-            if len(space.full) != 4 or space.groups or (space.first, space.end) != (1, 3):
-                reason = "the row kernel does not reduce over the depthwise conv's pixels (H and W)"
+            if len(space.full) != 4 or space.groups or (space.first, space.end) not in ((1, 3), (3, 4)):
+                reason = "the row kernel reduces neither over the depthwise conv's pixels nor its channels"
             elif tuple(graph.spec(x).shape) != space.full:
                 reason = "the depthwise conv's output is not the row kernel's full-shaped input"
             elif x in graph_outputs or any(c.id not in members for c in consumers.get(x, [])):
@@ -465,7 +466,9 @@ CONCAT_RULE = "concat_epilogue"
 CONCAT_MAX_COPIED = 8
 
 
-def concat_epilogues(graph: Graph, groups: list[Group], not_fused: list[NotFired], claimed: set[str]) -> None:
+def concat_epilogues(
+    graph: Graph, groups: list[Group], lone: list[Group], not_fused: list[NotFired], claimed: set[str]
+) -> None:
     """A channel Concat (NHWC, the last axis) whose input is the one output of a conv group, read
     by nothing else, joins that group: the kernel stores its result at its channel offset of the
     Concat's output and copies the Concat's other inputs into theirs (a block of channels per
@@ -473,11 +476,12 @@ def concat_epilogues(graph: Graph, groups: list[Group], not_fused: list[NotFired
     Concat's copy kernel is gone, and the conv's result is written once, where it belongs:
     ShuffleNet's blocks end this way (the branch conv beside the half passed through). Where
     several inputs are conv outputs, the last conv in the graph takes the Concat; the others' outputs
-    are copied like any other input. `claimed`: nodes other groups hold (views never fold them)."""
+    are copied like any other input. A lone conv (nothing else to fuse) that takes a Concat
+    joins `groups`. `claimed`: nodes other groups hold (views never fold them)."""
     consumers = graph.consumers()
     graph_outputs = {o.name for o in graph.outputs}
     order = {n.id: i for i, n in enumerate(graph.nodes)}
-    by_output = {g.outputs[0]: g for g in groups if len(g.outputs) == 1}
+    by_output = {g.outputs[0]: g for g in [*groups, *lone] if len(g.outputs) == 1}
     for cat in graph.nodes:
         if cat.op_type != "Concat" or cat.id in claimed:
             continue
@@ -524,6 +528,10 @@ def concat_epilogues(graph: Graph, groups: list[Group], not_fused: list[NotFired
             g.views[x] = view
             g.absorbed += own
             claimed |= {n.id for n in own}
+        if any(g is x for x in lone):
+            lone[:] = [x for x in lone if x is not g]
+            g.note = ""
+            groups.append(g)
         g.nodes.append(cat)
         claimed.add(cat.id)
         g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])

@@ -105,7 +105,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         depthwise_reductions(graph, row_groups, lone, not_fused)
     if CONCAT_RULE not in disabled and LAYOUT_RULE not in disabled:
         held = in_rows | {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
-        concat_epilogues(graph, gemm_groups, not_fused, held)
+        concat_epilogues(graph, gemm_groups, lone, not_fused, held)
     row_groups += gemm_groups
     in_rows |= {n.id for g in row_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:

@@ -872,3 +872,63 @@ def test_the_vendor_variant_of_a_conv_writing_a_concat_runs_the_concat_as_its_ow
     for plan in (p.plan, vendor):
         got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def depthwise_layernorm(n: int, c: int, size: int, k: int = 7) -> Any:
+    """ConvNeXt's block head: a kxk depthwise conv, channels-last, then LayerNorm over the channels."""
+    inits = {
+        "wd": RNG.standard_normal((c, 1, k, k)) * 0.2,
+        "bd": RNG.standard_normal(c) * 0.1,
+        "g": 1.0 + RNG.standard_normal(c) * 0.1,
+        "b": RNG.standard_normal(c) * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wd", "bd"], ["d"], name="dw", group=c, pads=[k // 2] * 4),
+        helper.make_node("Transpose", ["d"], ["t"], name="to_nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["t", "g", "b"], ["y"], name="ln", axis=-1, epsilon=1e-6),
+    ]
+    return make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, size, size, c]}, inits), inits
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_depthwise_conv_runs_inside_the_layernorm_kernel(precision: str) -> None:
+    """ConvNeXt's 7x7 depthwise conv computed on the rows of the LayerNorm over its channels that
+    reads it: one launch, at every config the tuner may pick (rows per program)."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tune import candidates
+
+    n, c, size = 2, 16, 5
+    m, _ = depthwise_layernorm(n, c, size)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
+    assert cm.report["kernels"] == {"before": 2, "after": 1}  # the Transpose is a view
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == "row_reduction+depthwise_reduction" and g["nodes"] == ["dw", "ln"]
+    (k,) = cm.plan.kernels.values()
+    assert "prologue: depthwise conv on the tiles" in k.source and "BLOCK_M" in k.config
+    x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    blocks = sorted({int(cand.get("BLOCK_M", 1)) for cand in candidates(k)})
+    assert len(blocks) > 1
+    for block in blocks:  # warps change nothing in the interpreter: each tile once
+        cand = {"BLOCK_M": block}
+        ex.configs[k.id] = {**k.config, **cand}
+        got = np.asarray(ex.run({"x": x})["y"], dtype=np.float32)
+        assert np.abs(got - want).max() < tol * 10, (cand, float(np.abs(got - want).max()))
+
+
+def test_a_conv_with_nothing_else_to_fuse_still_writes_its_concat() -> None:
+    """A lone conv (no activation after it) joins a group of its own to write the Concat."""
+    n, c, size = 2, 8, 5
+    inits = {"w": RNG.standard_normal((c, c, 3, 3)) * 0.3, "b": RNG.standard_normal(c) * 0.1}
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["a"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["x", "a"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "w2"], ["y"], name="head"),
+    ]
+    inits["w2"] = RNG.standard_normal((4, 2 * c, 1, 1)) * 0.3
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, 4, size, size]}, inits)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, "fp16", fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"].endswith("+concat_epilogue")]
+    assert g["nodes"] == ["conv", "cat"] and "Concat" not in [s.op_type for s in cm.plan.steps]
