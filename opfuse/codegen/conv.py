@@ -238,7 +238,7 @@ def _generate_conv_nhwc(
     copied: list[str] = []
     if concat is not None:
         made = {anchor.outputs[0], *(o for node in epilogue for o in node.outputs)}
-        copied = [x for x in concat.inputs if x and x not in made]
+        copied = list(dict.fromkeys(x for x in concat.inputs if x and x not in made))
     out_shape = graph.spec(anchor.outputs[0]).shape  # [N, OH, OW, CO]
     dtype = graph.spec(anchor.inputs[0]).dtype
     c, kh_, kw_ = p["C"], p["KH"], p["KW"]
@@ -488,26 +488,24 @@ def _concat_stores(
     views: dict[str, Any],
 ) -> None:
     """The group's stores when it writes a channel Concat: its own value at its channel offset of
-    the Concat's rows, then each other input copied into its offset, the programs of one row
-    block sharing its channels (a BLOCK_N block each, strided by the grid's width)."""
+    the Concat's rows, and each other input (`copied`: one pointer `cat{j}` per distinct value)
+    copied into its offset, the programs of one row block sharing its channels (a BLOCK_N block
+    each, strided by the grid's width)."""
     width = graph.spec(concat.outputs[0]).shape[3]
-    offsets: dict[str, int] = {}
-    at = 0
-    for x in concat.inputs:
-        if x:
-            offsets.setdefault(x, at)
-            at += graph.spec(x).shape[3]
     for i, name in enumerate(outputs):
         if name != concat.outputs[0]:
             buf.line(f"tl.store(out{i} + dst, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
             continue
-        mine = next(x for x in concat.inputs if x and x not in copied)
         buf.line(f"row_dst = rm[:, None] * {width}")
-        buf.line(
-            f"tl.store(out{i} + row_dst + {offsets[mine]} + cols, {regs[mine]}.to(out{i}.dtype.element_ty), mask=mask)"
-        )
-        for j, x in enumerate(copied):
-            cj = graph.spec(x).shape[3]
+        at = 0
+        for x in (x for x in concat.inputs if x):
+            cx = graph.spec(x).shape[3]
+            at, offset = at + cx, at
+            if x not in copied:  # the group's own value
+                buf.line(
+                    f"tl.store(out{i} + row_dst + {offset} + cols, {regs[x]}.to(out{i}.dtype.element_ty), mask=mask)"
+                )
+                continue
             if x in views:
                 v = views[x]
                 terms = [str(v.offset)] if v.offset else []
@@ -517,14 +515,14 @@ def _concat_stores(
                         terms.append(coord if stride == 1 else f"{coord} * {stride}")
                 src = " + ".join(terms)
             else:
-                src = f"rm[:, None] * {cj} + cc[None, :]"
-            buf.line(f"for c0 in range(tl.program_id(1) * BLOCK_N, {cj}, tl.num_programs(1) * BLOCK_N):")
+                src = f"rm[:, None] * {cx} + cc[None, :]"
+            buf.line(f"for c0 in range(tl.program_id(1) * BLOCK_N, {cx}, tl.num_programs(1) * BLOCK_N):")
             with buf.indent():
                 buf.line("cc = c0 + tl.arange(0, BLOCK_N)")
-                buf.line(f"c_ok = row_ok[:, None] & (cc[None, :] < {cj})")
-                buf.line(f"cv = tl.load(cat{j} + {src}, mask=c_ok, other=0.0)")
+                buf.line(f"c_ok = row_ok[:, None] & (cc[None, :] < {cx})")
+                buf.line(f"cv = tl.load(cat{copied.index(x)} + {src}, mask=c_ok, other=0.0)")
                 buf.line(
-                    f"tl.store(out{i} + row_dst + {offsets[x]} + cc[None, :], cv.to(out{i}.dtype.element_ty), mask=c_ok)"
+                    f"tl.store(out{i} + row_dst + {offset} + cc[None, :], cv.to(out{i}.dtype.element_ty), mask=c_ok)"
                 )
 
 

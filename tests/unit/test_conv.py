@@ -932,3 +932,25 @@ def test_a_conv_with_nothing_else_to_fuse_still_writes_its_concat() -> None:
     cm = check_against_ort(m, {"x": [n, c, size, size]}, "fp16", fusion_disable=NHWC_ALWAYS)
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"].endswith("+concat_epilogue")]
     assert g["nodes"] == ["conv", "cat"] and "Concat" not in [s.op_type for s in cm.plan.steps]
+
+
+def test_a_concat_input_repeated_is_copied_into_each_of_its_places() -> None:
+    n, c, size = 1, 8, 4
+    half = c // 2
+    inits = {
+        "w": RNG.standard_normal((half, half, 1, 1)) * 0.3,
+        "wh": RNG.standard_normal((3, 3 * half, 1, 1)) * 0.3,
+        "split": np.array([half, half]),
+    }
+    nodes = [
+        helper.make_node("Split", ["x", "split"], ["p", "q"], name="halves", axis=1),
+        helper.make_node("Conv", ["q", "w"], ["cq"], name="conv"),
+        helper.make_node("Relu", ["cq"], ["b"], name="relu"),
+        helper.make_node("Concat", ["p", "b", "p"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "wh"], ["y"], name="head"),
+    ]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, 3, size, size]}, inits)
+    m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([half, half], np.int64), "split"))
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"].endswith("+concat_epilogue")]
+    assert g["nodes"] == ["conv", "relu", "cat"]

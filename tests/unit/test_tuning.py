@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -623,13 +623,17 @@ def test_fingerprint_in_chunks_sees_every_element(monkeypatch: pytest.MonkeyPatc
     assert not fingerprints_agree(fingerprint([y]), fingerprint([late]), 2e-2)
 
 
-@pytest.mark.parametrize("faster", ["fused", "split"])
-def test_a_depthwise_prologue_is_timed_against_its_split_form(
-    faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    """The alternative to a 1x1 conv computing its depthwise input on its tiles is the depthwise
-    conv's own kernel, then the 1x1 conv's template (what the plan is without the rule), not the
-    library ops; the faster is kept, and the record says what the alternative was."""
+def _tune_with_fake_times(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+    model: Any,
+    shape: list[int],
+    select: Callable[[Any], bool],
+    is_split: Callable[[Any, str], bool],
+    faster: str,
+) -> tuple[dict[str, Any], str, Callable[[], Any]]:
+    """compiler._tune on the one group `select` picks, with the split form (`is_split` of a plan)
+    or the fused kernel timed faster: (the tuning record, the group's id, the plan as tuned)."""
     import numpy as np
 
     from opfuse import compiler, tune
@@ -641,21 +645,16 @@ def test_a_depthwise_prologue_is_timed_against_its_split_form(
     from opfuse.runtime.ops import SUPPORTED_OPS
     from opfuse.verify.reference import random_inputs
     from tests.builders import TEST_DEVICE
-    from tests.unit.test_conv import separable
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    rng = np.random.default_rng(6)
-    model, _ = separable(1, 16, 24, 6)
-    _, spec = load_and_specialize(model, {"x": [1, 16, 6, 6]}, SUPPORTED_OPS)
+    _, spec = load_and_specialize(model, {"x": shape}, SUPPORTED_OPS)
     graph = graph_from_onnx(spec)
     run_passes(graph)
     fusion = plan_fusion(graph)
-    (gid,) = [g.id for g in fusion.groups if g.prologue]
+    (gid,) = [g.id for g in fusion.groups if select(g)]
 
     def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
-        split = sum(k.group == gid for k in plan.kernels.values()) == 2
-        assert all(s.kind == "kernel" for s in plan.steps if s.group == gid)  # no library op
-        return {gid: 1.0 if split == (faster == "split") else 2.0}
+        return {gid: 1.0 if is_split(plan, gid) == (faster == "split") else 2.0}
 
     monkeypatch.setattr(tune, "variant_group_times", timed)
     variants: dict[str, str] = {}
@@ -664,11 +663,30 @@ def test_a_depthwise_prologue_is_timed_against_its_split_form(
         return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
 
     plan = make_plan()
-    feeds = random_inputs(graph.inputs, rng)
+    feeds = random_inputs(graph.inputs, np.random.default_rng(6))
     record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
-    entry = record["variants"][gid]
-    assert entry["choice"] == ("vendor" if faster == "split" else "template")
-    assert entry["vendor_form"].startswith("split")
+    assert record["variants"][gid]["choice"] == ("vendor" if faster == "split" else "template")
+    return record, gid, make_plan
+
+
+@pytest.mark.parametrize("faster", ["fused", "split"])
+def test_a_depthwise_prologue_is_timed_against_its_split_form(
+    faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The alternative to a 1x1 conv computing its depthwise input on its tiles is the depthwise
+    conv's own kernel, then the 1x1 conv's template (what the plan is without the rule), not the
+    library ops; the faster is kept, and the record says what the alternative was."""
+    from tests.unit.test_conv import separable
+
+    def is_split(plan: Any, gid: str) -> bool:
+        assert all(s.kind == "kernel" for s in plan.steps if s.group == gid)  # no library op
+        return sum(k.group == gid for k in plan.kernels.values()) == 2
+
+    model, _ = separable(1, 16, 24, 6)
+    record, gid, make_plan = _tune_with_fake_times(
+        monkeypatch, tmp_path, model, [1, 16, 6, 6], lambda g: bool(g.prologue), is_split, faster
+    )
+    assert record["variants"][gid]["vendor_form"].startswith("split")
     kinds = [k.kind for k in make_plan().kernels.values() if k.group == gid]
     assert kinds == (["conv", "conv"] if faster == "split" else ["conv"])
 
@@ -679,43 +697,23 @@ def test_a_depthwise_reduction_is_timed_against_its_split_form(
 ) -> None:
     """The alternative to a row kernel computing its depthwise conv on its tiles is the plan
     without the rule: the library's depthwise conv, then the row kernel. The faster is kept."""
-    import numpy as np
-
-    from opfuse import compiler, tune
-    from opfuse.frontend.load import load_and_specialize
-    from opfuse.fusion.planner import plan_fusion
-    from opfuse.graph import graph_from_onnx
-    from opfuse.lowering import build_plan
-    from opfuse.passes.pipeline import run_passes
-    from opfuse.runtime.ops import SUPPORTED_OPS
-    from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
     from tests.unit.test_conv import depthwise_squeeze_excite
 
-    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    rng = np.random.default_rng(8)
+    def is_split(plan: Any, gid: str) -> bool:
+        return any(s.kind == "op" for s in plan.steps if s.group == gid)
+
     model, _ = depthwise_squeeze_excite(1, 16, 6)
-    _, spec = load_and_specialize(model, {"x": [1, 16, 6, 6]}, SUPPORTED_OPS)
-    graph = graph_from_onnx(spec)
-    run_passes(graph)
-    fusion = plan_fusion(graph)
-    (gid,) = [g.id for g in fusion.groups if g.kind == "rowwise" and g.prologue]
-
-    def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
-        split = any(s.kind == "op" for s in plan.steps if s.group == gid)
-        return {gid: 1.0 if split == (faster == "split") else 2.0}
-
-    monkeypatch.setattr(tune, "variant_group_times", timed)
-    variants: dict[str, str] = {}
-
-    def make_plan(enabled: list[str] | None = None) -> Any:
-        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
-    plan = make_plan()
-    feeds = random_inputs(graph.inputs, rng)
-    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
-    entry = record["variants"][gid]
-    assert entry["choice"] == ("vendor" if faster == "split" else "template")
-    assert entry["vendor_form"] == "split: the library's depthwise conv, then the row kernel"
+    record, gid, make_plan = _tune_with_fake_times(
+        monkeypatch,
+        tmp_path,
+        model,
+        [1, 16, 6, 6],
+        lambda g: g.kind == "rowwise" and bool(g.prologue),
+        is_split,
+        faster,
+    )
+    assert (
+        record["variants"][gid]["vendor_form"] == "split: the library's depthwise conv, then the row kernel"
+    )
     mine = [(s.kind, s.op_type) for s in make_plan().steps if s.group == gid]
     assert mine == ([("op", "opfuse.ConvNHWC"), ("kernel", "")] if faster == "split" else [("kernel", "")])
