@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import build_plan, has_reduction_prologue, has_window_prologue
+from opfuse.lowering import build_plan, has_pool_prologue, has_reduction_prologue, has_window_prologue
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -648,10 +648,14 @@ def _tune(
     anchors = [
         g.id
         for g in fusion.groups
-        if (g.kind in ("gemm", "conv", "pool") or has_reduction_prologue(g)) and g.variant == "template"
+        if (g.kind in ("gemm", "conv", "pool") or has_reduction_prologue(g))
+        and g.variant == "template"
+        # Merged sibling convs (a Split in the epilogue) have no library form: the template's.
+        and (has_window_prologue(g) or not any(n.op_type == "Split" for n in g.nodes))
     ]
     reduction_groups = {g.id for g in fusion.groups if has_reduction_prologue(g)}
-    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)} | reduction_groups
+    pooled_groups = {g.id for g in fusion.groups if has_pool_prologue(g)}
+    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)} | reduction_groups | pooled_groups
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
@@ -744,6 +748,8 @@ def _tune(
                 record["variants"][gid]["vendor_form"] = (
                     "split: the library's depthwise conv, then the row kernel"
                     if gid in reduction_groups
+                    else "split: the row kernel, then the GEMM's template"
+                    if gid in pooled_groups
                     else "split: the prologue's kernel, then the anchor's"
                 )
             if gid in variant_key and min(t_ms, v_ms) < float("inf"):

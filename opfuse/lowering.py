@@ -11,7 +11,7 @@ from opfuse.codegen.conv import MAX_POOL_NHWC, NHWC_CONV, generate_conv
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import KernelSource, generate_pointwise
 from opfuse.codegen.pool import generate_pool
-from opfuse.codegen.rowwise import generate_rowwise
+from opfuse.codegen.rowwise import generate_rowwise, row_space
 from opfuse.codegen.source import fixed_header
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
@@ -30,6 +30,12 @@ def has_reduction_prologue(g: Group) -> bool:
     """A row group computing a depthwise conv on its tiles (fusion.anchors.depthwise_reductions):
     its alternative is the split form, the conv as the library's kernel and then the row kernel."""
     return g.kind == "rowwise" and bool(g.prologue)
+
+
+def has_pool_prologue(g: Group) -> bool:
+    """A GEMM computing a global average pool on its A tiles (fusion.anchors.pooled_gemms): its
+    alternative is the split form, the row kernel and then the GEMM's template."""
+    return g.kind == "gemm" and bool(g.prologue)
 
 
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
@@ -146,6 +152,20 @@ def build_plan(
             src = generate_rowwise(kid, g.nodes, ins, outs, graph, g.id, g.full, g.split, g.views)
             add_kernel(src, g, g.nodes)
             continue
+        if vendor and has_pool_prologue(g):
+            pool = g.prologue[-1]
+            space = row_space(graph, pool)
+            ins, outs = group_boundary(graph, g.prologue)
+            add_kernel(
+                generate_rowwise(kid, g.prologue, ins, outs, graph, g.id, space.full, space.first),
+                g,
+                g.prologue,
+            )
+            kid = f"k{len(kernels)}"
+            ins, outs = group_boundary(graph, g.nodes)
+            src = generate_gemm(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision, g.views)
+            add_kernel(src, g, g.nodes)
+            continue
         if g.kind in ("gemm", "conv", "pool") and vendor:
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
@@ -164,7 +184,7 @@ def build_plan(
             src = generate_attention(kid, g.match, g.nodes, graph, g.id, precision)
         elif g.kind == "gemm":
             src = generate_gemm(
-                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.views
+                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.views, g.prologue
             )
         elif g.kind == "conv":
             src = generate_conv(

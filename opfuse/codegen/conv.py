@@ -136,8 +136,8 @@ def generate_conv(
             prologue or [],
             views or {},
         )
-    if prologue or any(node.op_type == "Concat" for node in epilogue):
-        raise ValueError("an input-scale prologue or a Concat epilogue needs the NHWC template")
+    if prologue or any(node.op_type in ("Concat", "Split") for node in epilogue):
+        raise ValueError("a prologue, or a Concat or Split in the epilogue, needs the NHWC template")
     p = conv_params(graph, anchor)
     out_shape = graph.spec(anchor.outputs[0]).shape
     dtype = graph.spec(anchor.inputs[0]).dtype
@@ -235,6 +235,19 @@ def _generate_conv_nhwc(
     # A channel Concat the kernel writes: its result at its offset, the other inputs copied.
     concat = next((node for node in epilogue if node.op_type == "Concat"), None)
     epilogue = [node for node in epilogue if node is not concat]
+    # A Split of the output channels (sibling convolutions merged): each part, or the last op of
+    # the activation chain after it, is stored from its own columns of the tile.
+    split = next((node for node in epilogue if node.op_type == "Split"), None)
+    epilogue = [node for node in epilogue if node is not split]
+    parts: dict[str, tuple[int, int]] = {}  # value -> (first column, columns)
+    if split is not None:
+        at = 0
+        for o, size in zip(split.outputs, graph.constants[split.inputs[1]].tolist(), strict=True):
+            parts[o], at = (at, int(size)), at + int(size)
+        for node in epilogue:
+            part = next((parts[x] for x in node.inputs if x in parts), None)
+            if part is not None:
+                parts[node.outputs[0]] = part
     copied: list[str] = []
     if concat is not None:
         made = {anchor.outputs[0], *(o for node in epilogue for o in node.outputs)}
@@ -259,7 +272,8 @@ def _generate_conv_nhwc(
     elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    operands_only = {x_name, w_name, scale, dw_w, dw_b, *copied} - {""} - epilogue_reads
+    split_sizes = {split.inputs[1]} if split is not None else set()
+    operands_only = {x_name, w_name, scale, dw_w, dw_b, *copied, *split_sizes} - {""} - epilogue_reads
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     extra = [e for e in extra if e not in (scale, dw_w, dw_b)]
     dw_args = (["dw"] if dw_w else []) + (["db"] if dw_b else [])
@@ -309,6 +323,8 @@ def _generate_conv_nhwc(
         buf.line(
             f"#   {concat.id}: Concat {comment_text(concat.name)} (written in place, other inputs copied)"
         )
+    if split is not None:
+        buf.line(f"#   {split.id}: Split {comment_text(split.name)} (each part stored from its columns)")
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line()
@@ -466,8 +482,17 @@ def _generate_conv_nhwc(
         if b_name:
             buf.line(f"acc = acc + {regs[b_name]}")
         regs[anchor.outputs[0]] = "acc"
+        for o in split.outputs if split is not None else []:
+            regs[o] = "acc"
         emit_nodes(buf, graph, epilogue, regs)
-        if concat is None:
+        if split is not None:
+            for i, name in enumerate(outputs):
+                first, width = parts[name]
+                buf.line(
+                    f"tl.store(out{i} + rm[:, None] * {width} + cols - {first}, "
+                    f"{regs[name]}.to(out{i}.dtype.element_ty), mask=mask & (cols >= {first}) & (cols < {first + width}))"
+                )
+        elif concat is None:
             emit_stores(buf, outputs, regs, "dst")
         else:
             _concat_stores(buf, graph, concat, copied, outputs, regs, views)

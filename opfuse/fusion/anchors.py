@@ -38,6 +38,41 @@ MAX_EPILOGUE_NODES = 16
 MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside the accumulator
 
 
+def _split_epilogue(
+    graph: Graph, anchor: Node, taken: set[str], consumers: dict[str, list[Node]]
+) -> set[str]:
+    """Sibling convolutions merged into one (passes/sibling_convs.py): the Split of the conv's
+    output channels that only it feeds, and after each part the chain of one-input pointwise ops
+    (an activation; scalar constants aside) that only it feeds. The kernel stores each part, or
+    the last op of its chain, as a buffer of its own (codegen.conv: the columns of that part)."""
+    out = anchor.outputs[0]
+    users = consumers.get(out, [])
+    if len(users) != 1 or users[0].op_type != "Split" or users[0].id in taken:
+        return set()
+    split = users[0]
+    sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
+    if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in {o.name for o in graph.outputs}:
+        return set()
+    members = {split.id}
+    for part in split.outputs:
+        value = part
+        while True:
+            nxt = consumers.get(value, [])
+            if len(nxt) != 1 or nxt[0].id in taken or pointwise_reason(graph, nxt[0]) is not None:
+                break
+            node = nxt[0]
+            tensors = [
+                x for x in node.inputs if x and not (x in graph.constants and graph.constants[x].size == 1)
+            ]
+            if tensors != [value] or graph.spec(node.outputs[0]).shape != graph.spec(value).shape:
+                break
+            if value in {o.name for o in graph.outputs}:
+                break
+            members.add(node.id)
+            value = node.outputs[0]
+    return members
+
+
 def plan_anchor_groups(
     graph: Graph,
     taken: set[str],
@@ -100,6 +135,8 @@ def plan_anchor_groups(
                     members = merged
                     pending.pop(c.id, None)
                     frontier.append(c)
+        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
+            members |= _split_epilogue(graph, anchor, taken, consumers)
         by_id = {x.id: x for x in graph.nodes}
         members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
         for cid, why in pending.items():
@@ -536,3 +573,65 @@ def concat_epilogues(
         claimed.add(cat.id)
         g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])
         g.rule = f"{g.rule}+{CONCAT_RULE}"
+
+
+POOLED_GEMM_RULE = "pooled_gemm"
+
+
+def pooled_gemms(
+    graph: Graph, row_groups: list[Group], groups: list[Group], lone: list[Group], not_fused: list[NotFired]
+) -> None:
+    """A classifier's head: the global average pool (a row kernel: the mean over H and W of an
+    NHWC or NCHW tensor, with the pointwise ops before it) whose result only a GEMM reads, as its A
+    operand (through Flatten or Reshape), is computed on the GEMM's A tiles: each K block of A is
+    the mean over the pixels, so the pooled vector is never written. The GEMM has as many rows as
+    there are images, so the pool is computed once per column tile of the GEMM (read again from
+    L2); tuning times it against the split form (the row kernel, then the GEMM's template)."""
+    from opfuse.codegen.gemm import gemm_dims
+    from opfuse.codegen.rowwise import ROW_OPS, row_space
+
+    consumers = graph.consumers()
+    graph_outputs = {o.name for o in graph.outputs}
+    pooled_by = {g.outputs[0]: g for g in row_groups if g.kind == "rowwise" and len(g.outputs) == 1}
+    gone: set[str] = set()
+    for g in [*groups, *lone]:
+        if g.kind != "gemm" or g.variant != "template" or g.prologue:
+            continue
+        anchor = g.nodes[0]
+        a = anchor.inputs[0]
+        view = g.views.get(a)
+        rg = pooled_by.get(view.base if view is not None else a)
+        if rg is None or rg.id in gone or rg.prologue or rg.views:
+            continue
+        reduce = rg.nodes[-1]
+        labels = [node_label(reduce), node_label(anchor)]
+        space = row_space(graph, reduce)
+        m, _n, k, _t = gemm_dims(graph, anchor)
+        pooled = rg.outputs[0]
+        readers = {n.id for n in [*g.absorbed, anchor]}
+        if reduce.op_type not in ("ReduceMean", "GlobalAveragePool") or any(
+            n.op_type in ROW_OPS for n in rg.nodes[:-1]
+        ):
+            reason = "the row kernel is not one mean after pointwise ops"
+        elif len(space.full) != 4 or space.groups or (space.first, space.end) not in ((1, 3), (2, 4)):
+            reason = "the mean is not over the pixels (H and W) of an NHWC or NCHW tensor"
+        elif (m, k) != (space.full[0], space.full[3 if space.first == 1 else 1]):
+            reason = "the GEMM's rows are not the images, or its K not the channels"
+        elif pooled in graph_outputs or any(c.id not in readers for c in consumers.get(pooled, [])):
+            reason = "the pooled value is read outside the GEMM too"
+        elif any(a in n.inputs for n in g.nodes[1:]):
+            reason = "the GEMM's epilogue reads the pooled value"
+        else:
+            reason = None
+        if reason is not None:
+            not_fused.append(NotFired(POOLED_GEMM_RULE, labels, reason))
+            continue
+        g.prologue = list(rg.nodes)
+        g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.absorbed, *g.nodes])
+        g.rule = f"{g.rule}+{POOLED_GEMM_RULE}"
+        gone.add(rg.id)
+        if any(g is x for x in lone):
+            lone[:] = [x for x in lone if x is not g]
+            g.note = ""
+            groups.append(g)
+    row_groups[:] = [rg for rg in row_groups if rg.id not in gone]

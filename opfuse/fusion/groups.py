@@ -16,7 +16,7 @@ MAX_GROUP_TENSORS = 16
 @dataclass
 class Group:
     id: str
-    kind: str  # "pointwise" | "rowwise" | "gemm" | "conv" | "chain" | "attention"
+    kind: str  # "pointwise" | "rowwise" | "gemm" | "conv" | "pool" | "chain" | "attention"
     rule: str
     nodes: list[Node]
     inputs: list[str] = field(default_factory=list)
@@ -35,7 +35,8 @@ class Group:
     views: dict[str, Any] = field(default_factory=dict)
     absorbed: list[Node] = field(default_factory=list)
     # Conv groups: what computes the anchor's input tiles as they are loaded: a per-(image, input
-    # channel) scale (squeeze-excitation's x * s), or a depthwise conv and its activation.
+    # channel) scale (squeeze-excitation's x * s), or a depthwise conv or max pool and its
+    # activation. Row groups: a depthwise conv computed on the row kernel's tiles.
     prologue: list[Node] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:

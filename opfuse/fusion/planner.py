@@ -23,10 +23,12 @@ from opfuse.fusion.anchors import (
     GEMM_RULE,
     POOL_PROLOGUE_RULE,
     POOL_RULE,
+    POOLED_GEMM_RULE,
     chain_gemv_groups,
     concat_epilogues,
     depthwise_reductions,
     plan_anchor_groups,
+    pooled_gemms,
     window_prologues,
 )
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
@@ -48,6 +50,7 @@ RULES = (
     POOL_PROLOGUE_RULE,
     DEPTHWISE_REDUCTION_RULE,
     CONCAT_RULE,
+    POOLED_GEMM_RULE,
     POINTWISE_RULE,
     LAYOUT_RULE,
 )
@@ -61,6 +64,7 @@ __all__ = [
     "DEPTHWISE_RULE",
     "GEMM_RULE",
     "POINTWISE_RULE",
+    "POOLED_GEMM_RULE",
     "POOL_PROLOGUE_RULE",
     "POOL_RULE",
     "ROW_RULE",
@@ -106,6 +110,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     if CONCAT_RULE not in disabled and LAYOUT_RULE not in disabled:
         held = in_rows | {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
         concat_epilogues(graph, gemm_groups, lone, not_fused, held)
+    if POOLED_GEMM_RULE not in disabled:
+        pooled_gemms(graph, row_groups, gemm_groups, lone, not_fused)
     row_groups += gemm_groups
     in_rows |= {n.id for g in row_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:

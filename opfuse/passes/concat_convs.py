@@ -69,9 +69,12 @@ def _pads(graph: Graph, conv: Node) -> tuple[int, int, int, int] | None:
     return p[0], p[1], p[2], p[3]
 
 
-def _layout(graph: Graph, branches: list[tuple[Node, Node | None]]) -> dict[str, Any] | str:
+def merged_window(
+    graph: Graph, branches: list[tuple[Node, Node | None]], nhwc: bool = False
+) -> dict[str, Any] | str:
     """The merged window (kernel size and pads) and each branch's tap offset in it, or why the
-    branches cannot share one convolution."""
+    branches cannot share one convolution. `nhwc`: the convolutions are `opfuse.ConvNHWC` (weights
+    [Cout, KH, KW, Cin], tensors [N, H, W, C])."""
     convs = [c for c, _ in branches]
     acts = [a for _, a in branches]
     if len({(a.op_type, repr(sorted(a.attrs.items()))) if a else None for a in acts}) != 1:
@@ -99,12 +102,15 @@ def _layout(graph: Graph, branches: list[tuple[Node, Node | None]]) -> dict[str,
         if (top - p[0]) % dh or (left - p[1]) % dw:
             return "the kernels' windows are not aligned on the dilation grid"
         offsets.append(((top - p[0]) // dh, (left - p[1]) // dw))
-    shapes = [graph.constants[c.inputs[1]].shape for c in convs]
-    kh = max(o[0] + s[2] for o, s in zip(offsets, shapes, strict=True))
-    kw = max(o[1] + s[3] for o, s in zip(offsets, shapes, strict=True))
-    _, _, h, w = graph.spec(convs[0].inputs[0]).shape
-    _, _, oh, ow = graph.spec(convs[0].outputs[0]).shape
-    if any(graph.spec(c.outputs[0]).shape[2:] != (oh, ow) for c in convs):
+    # (Cout, KH, KW) of each weight, and the spatial dims of the tensors, in either layout.
+    hw = slice(1, 3) if nhwc else slice(2, 4)
+    shapes = [(x.shape[0], *x.shape[1:3]) if nhwc else (x.shape[0], *x.shape[2:4]) for x in
+              (graph.constants[c.inputs[1]] for c in convs)]  # fmt: skip
+    kh = max(o[0] + s[1] for o, s in zip(offsets, shapes, strict=True))
+    kw = max(o[1] + s[2] for o, s in zip(offsets, shapes, strict=True))
+    h, w = graph.spec(convs[0].inputs[0]).shape[hw]
+    oh, ow = graph.spec(convs[0].outputs[0]).shape[hw]
+    if any(graph.spec(c.outputs[0]).shape[hw] != (oh, ow) for c in convs):
         return "the convolutions' outputs differ in size"
     # The far pads that give the same output size with the merged window.
     bottom = max(0, (oh - 1) * sh + dh * (kh - 1) + 1 - h - top)
@@ -113,7 +119,7 @@ def _layout(graph: Graph, branches: list[tuple[Node, Node | None]]) -> dict[str,
         w + left + right - dw * (kw - 1) - 1
     ) // sw + 1 != ow:
         return "no padding of the merged window gives the branches' output size"
-    macs = sum(s[0] * s[2] * s[3] for s in shapes)
+    macs = sum(s[0] * s[1] * s[2] for s in shapes)
     if sum(s[0] for s in shapes) * kh * kw > MAX_PADDED_WORK * macs:
         return (
             f"the merged {kh}x{kw} window would do over {MAX_PADDED_WORK}x the branches' multiply-adds "
@@ -123,7 +129,7 @@ def _layout(graph: Graph, branches: list[tuple[Node, Node | None]]) -> dict[str,
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
-    layout = _layout(graph, m["branches"])
+    layout = merged_window(graph, m["branches"])
     if isinstance(layout, str):
         return layout
     m["layout"] = layout

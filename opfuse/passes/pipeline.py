@@ -24,6 +24,8 @@ from opfuse.passes.layout import to_channels_last
 from opfuse.passes.projections import MERGE_RULE, merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
+from opfuse.passes.sibling_convs import RULE as SIBLING_RULE
+from opfuse.passes.sibling_convs import merge_sibling_convs
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ def run_passes(
         merge_projections(graph, rule_log)
     if LAYOUT_RULE not in disabled:
         to_channels_last(graph, rule_log, precision, device, disabled)
+        if SIBLING_RULE not in disabled:
+            merge_sibling_convs(graph, rule_log)
     fold_constant_nodes(graph)
     drop_unused_constants(graph)
     return PassResult(fired=rule_log.fired, not_fired=rule_log.not_fired)

@@ -293,11 +293,13 @@ def test_concatenated_convs_that_cannot_share_a_conv_say_why() -> None:
     assert "would do over 2.0x the branches' multiply-adds" in nf["reason"]
     # Disabled, the branches stay apart: two conv kernels, the second writing the Concat
     # (`concat_epilogue`), or the Concat's copy too without that rule.
+    # (merge_sibling_convs off too, which would make them one conv again, writing a Split.)
     m, _ = concat_of_convs(shape, [(8, 1, 1, [0] * 4), (8, 3, 3, [1] * 4)], ["Relu", "Relu"])
-    cm = check_against_ort(m, {"x": shape}, fusion_disable=(*NHWC_ALWAYS, "merge_concat_convs"))
+    off = (*NHWC_ALWAYS, "merge_concat_convs", "merge_sibling_convs")
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=off)
     assert "merge_concat_convs" not in cm.report["fusion"]["passes"]["fired"]
     assert cm.report["kernels"]["after"] == 2
-    off = (*NHWC_ALWAYS, "merge_concat_convs", "concat_epilogue")
+    off = (*off, "concat_epilogue")
     assert check_against_ort(m, {"x": shape}, fusion_disable=off).report["kernels"]["after"] == 3
 
 
@@ -808,7 +810,8 @@ def test_a_conv_writes_the_concat_it_feeds(precision: str, two_convs: bool) -> N
 
     n, c, size = 2, 24, 7
     m = concat_block(n, c, size, two_convs)
-    off = (*NHWC_ALWAYS, "merge_concat_convs")  # which would make the two branches one conv
+    # The rules that would make the two branches one conv.
+    off = (*NHWC_ALWAYS, "merge_concat_convs", "merge_sibling_convs")
     cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=off)
     launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
     assert "Concat" not in launched
@@ -954,3 +957,83 @@ def test_a_concat_input_repeated_is_copied_into_each_of_its_places() -> None:
     cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"].endswith("+concat_epilogue")]
     assert g["nodes"] == ["conv", "relu", "cat"]
+
+
+def basic_block(
+    n: int, c: int, co: int, size: int, stride: int = 2, shortcut_stride: int | None = None
+) -> Any:
+    """ResNet's basic block with a downsample shortcut: Relu(conv2(Relu(conv1(x))) + down(x)),
+    conv1 3x3 and the 1x1 shortcut both at `stride` (the shortcut at `shortcut_stride` if given)."""
+    inits = {
+        "w1": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "b1": RNG.standard_normal(co) * 0.1,
+        "w2": RNG.standard_normal((co, co, 3, 3)) * 0.2,
+        "b2": RNG.standard_normal(co) * 0.1,
+        "wd": RNG.standard_normal((co, c, 1, 1)) * 0.3,
+        "bd": RNG.standard_normal(co) * 0.1,
+    }
+    s2 = shortcut_stride or stride
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4, strides=[stride] * 2),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1] * 4),
+        helper.make_node("Conv", ["x", "wd", "bd"], ["d"], name="down", strides=[s2] * 2),
+        helper.make_node("Add", ["c2", "d"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu2"),
+    ]
+    o = (size - 1) // stride + 1
+    return make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, co, o, o]}, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_sibling_convs_reading_one_input_run_as_one_conv(precision: str) -> None:
+    """ResNet's downsampling block: conv1 and the 1x1 shortcut read x at stride 2, so they are one
+    implicit GEMM (the shortcut's channels on the centre tap only), whose kernel stores Relu(conv1)
+    and the shortcut as two buffers. Two launches instead of three, at every tuning candidate."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tune import candidates
+
+    n, c, co, size = 2, 16, 16, 9  # 16 input channels: the window loop, whose zero taps are skipped
+    m = basic_block(n, c, co, size)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["merge_sibling_convs"] == 1
+    assert cm.report["kernels"] == {"before": 6, "after": 2}
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "conv1+down" in g["nodes"]]
+    assert g["nodes"] == ["conv1+down", "conv1+down", "relu1"]  # the merged conv, the Split, the Relu
+    (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
+    assert "(each part stored from its columns)" in k.source and "for th in range(th0, th1):" in k.source
+    x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [*candidates(k), {"BLOCK_N": 16}]:
+        ex.configs[k.id] = {**k.config, **cand}
+        got = np.asarray(ex.run({"x": x})["y"], dtype=np.float32)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err < tol, (cand, err)
+
+
+def test_sibling_convs_say_why_not() -> None:
+    """ResNet-50's bottleneck: its 1x1 conv at stride 1 beside the shortcut at stride 2 cannot
+    share a conv; and the rule can be switched off."""
+    c = 8
+    inits = {
+        "wa": RNG.standard_normal((c, c, 1, 1)) * 0.3,
+        "wb": RNG.standard_normal((c, c, 3, 3)) * 0.2,
+        "wd": RNG.standard_normal((c, c, 1, 1)) * 0.3,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wa"], ["a"], name="reduce"),
+        helper.make_node("Relu", ["a"], ["ra"], name="relu"),
+        helper.make_node("Conv", ["ra", "wb"], ["b"], name="conv3x3", pads=[1] * 4, strides=[2, 2]),
+        helper.make_node("Conv", ["x", "wd"], ["d"], name="down", strides=[2, 2]),
+        helper.make_node("Add", ["b", "d"], ["y"], name="add"),
+    ]
+    m = make_model(nodes, {"x": [1, c, 7, 7]}, {"y": [1, c, 4, 4]}, inits)
+    cm = check_against_ort(m, {"x": [1, c, 7, 7]}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_sibling_convs"]
+    assert nf["nodes"] == ["reduce", "down"] and "differ in strides" in nf["reason"]
+    m = basic_block(1, 8, 8, 7)
+    cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "merge_sibling_convs"))
+    assert "merge_sibling_convs" not in cm.report["fusion"]["passes"]["fired"]
+    assert cm.report["kernels"]["after"] == 3

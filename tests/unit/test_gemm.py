@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import onnx
 import pytest
 from onnx import helper, numpy_helper
 
@@ -199,3 +202,86 @@ def test_linear_layer_after_a_head_merge_becomes_matmul(precision: str) -> None:
     assert cm.report["fusion"]["passes"]["fired"].get("gemm_to_matmul") == 1
     assert cm.report["kernels"] == {"before": 1, "after": 1}  # the reshapes are views
     assert [g["kind"] for g in cm.report["fusion"]["groups"]] == ["gemm"]  # bias in the epilogue
+
+
+def classifier_head(n: int, c: int, size: int, classes: int, flatten: bool = True) -> Any:
+    """A CNN's head: Relu(x + r) (the last residual), global average pool, Flatten, Gemm."""
+    rng = np.random.default_rng(9)
+    inits = {
+        "w": rng.standard_normal((classes, c)) * 0.2,
+        "b": rng.standard_normal(classes) * 0.1,
+        "conv_w": rng.standard_normal((c, c, 1, 1)) * 0.3,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "conv_w"], ["cx"], name="conv"),
+        helper.make_node("Add", ["cx", "r"], ["s"], name="residual"),
+        helper.make_node("Relu", ["s"], ["a"], name="relu"),
+    ]
+    if flatten:
+        nodes += [
+            helper.make_node("GlobalAveragePool", ["a"], ["p"], name="pool"),
+            helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        ]
+    else:  # torchvision's ShuffleNet: x.mean([2, 3])
+        inits["axes"] = np.array([2, 3])
+        nodes.append(helper.make_node("ReduceMean", ["a", "axes"], ["f"], name="pool", keepdims=0))
+    nodes.append(helper.make_node("Gemm", ["f", "w", "b"], ["y"], name="fc", transB=1))
+    shape = [n, c, size, size]
+    m = make_model(nodes, {"x": shape, "r": shape}, {"y": [n, classes]}, inits)
+    if not flatten:
+        m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([2, 3], np.int64), "axes"))
+    return m
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
+    precision: str, flatten: bool, layout: str
+) -> None:
+    """The head's pool (with the residual add and Relu before it) is computed on the GEMM's A
+    tiles: one kernel for pool and classifier, at every tuning candidate, and its split form (the
+    row kernel, then the GEMM's template) computes the same."""
+    from bench.kernels import plan_model
+    from opfuse.tune import candidates
+
+    n, c, size, classes = 2, 24, 5, 40
+    m = classifier_head(n, c, size, classes, flatten)
+    shapes = {"x": [n, c, size, size], "r": [n, c, size, size]}
+    off = ("fp32_dense_nchw",) if layout == "nhwc" else ("channels_last",)
+    cm = check_against_ort(m, shapes, precision, fusion_disable=off)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "gemm"]
+    assert g["rule"] == "gemm_epilogue+pooled_gemm" and g["nodes"][:3] == ["residual", "relu", "pool"]
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "gemm"]
+    assert "the pool computed on A's tiles" in k.source and "psum" in k.source
+    assert not [s for s in cm.plan.steps if s.op_type in ("ReduceMean", "GlobalAveragePool")]
+    rng = np.random.default_rng(3)
+    feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+    want = ort_run(m, feeds)[0]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in candidates(k):
+        ex.configs[k.id] = {**k.config, **cand}
+        got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err < tol, (cand, err)
+    p = plan_model(m, shapes, precision, off)
+    (pg,) = [x for x in p.fusion.groups if x.kind == "gemm"]
+    split = build_plan(
+        p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants={pg.id: "vendor"}
+    )
+    assert [split.kernels[s.kernel].kind for s in split.steps if s.group == pg.id] == ["rowwise", "gemm"]
+    got = np.asarray(Executor(split, TEST_DEVICE).run(feeds)["y"], dtype=np.float32)
+    assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < tol
+
+
+def test_pooled_gemm_says_why_not() -> None:
+    m = classifier_head(1, 8, 4, 6)
+    shapes = {"x": [1, 8, 4, 4], "r": [1, 8, 4, 4]}
+    cm = check_against_ort(m, shapes, fusion_disable=("pooled_gemm",))
+    assert any(g["kind"] == "rowwise" for g in cm.report["fusion"]["groups"])
+    # The pooled value also a graph output: the pool is written, and stays its own kernel.
+    m.graph.output.append(helper.make_tensor_value_info("f", onnx.TensorProto.FLOAT, [1, 8]))
+    cm = check_against_ort(m, shapes)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "pooled_gemm"]
+    assert "read outside the GEMM" in nf["reason"]

@@ -1,0 +1,106 @@
+"""Convolutions that read the same input with the same strides (a ResNet block's first 3x3 conv and
+its 1x1 downsample shortcut) become one convolution whose output channels are theirs side by side,
+then a Split back into each conv's output: one implicit GEMM over the input instead of two, and one
+launch. The conv kernel writes each part of the Split as a buffer of its own, with the
+activation that follows that part (fusion.anchors: `split_epilogue`), so nothing reads the merged
+tensor.
+
+The merged weight is the convolutions' kernels placed in one window (their bounding box, zeros
+elsewhere), as for `merge_concat_convs`: the NHWC template skips the zero taps of a tile's output
+channels (`codegen.conv.tap_segments`), so the 1x1 shortcut's channels run one window position.
+Runs on the channels-last graph (`opfuse.ConvNHWC`), after the layout pass: only the NHWC template
+writes a Split, and a region that stays NCHW keeps its convolutions apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.concat_convs import merged_window
+from opfuse.passes.rules import NotFired, RuleLog, node_label
+
+RULE = "merge_sibling_convs"
+NHWC_CONV = "opfuse.ConvNHWC"
+
+
+def _candidates(graph: Graph) -> list[list[Node]]:
+    """Dense NHWC convolutions with constant weights, grouped by the value they read (two or more)."""
+    readers: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op_type != NHWC_CONV or int(n.attrs.get("group", 1)) != 1:
+            continue
+        if n.inputs[1] not in graph.constants or (
+            len(n.inputs) > 2 and n.inputs[2] and n.inputs[2] not in graph.constants
+        ):
+            continue
+        readers.setdefault(n.inputs[0], []).append(n)
+    return [convs for convs in readers.values() if len(convs) > 1]
+
+
+def merge_sibling_convs(graph: Graph, log: RuleLog) -> None:
+    """Each set of convolutions that read one value with the same strides and dilations and give
+    outputs of one size becomes one convolution and a Split."""
+    outputs = {o.name for o in graph.outputs}
+    for readers in _candidates(graph):
+        sets: dict[tuple[object, ...], list[Node]] = {}
+        for c in readers:
+            if c.outputs[0] in outputs:
+                continue
+            key = (
+                tuple(c.attrs.get("strides", [1, 1])),
+                tuple(c.attrs.get("dilations", [1, 1])),
+                graph.spec(c.outputs[0]).shape[1:3],
+            )
+            sets.setdefault(key, []).append(c)
+        if all(len(convs) < 2 for convs in sets.values()):
+            why = "the convolutions differ in strides, dilations or output size"
+            log.not_fired.append(NotFired(RULE, [node_label(c) for c in readers], why))
+            continue
+        for convs in sets.values():
+            if len(convs) < 2:
+                continue
+            layout = merged_window(graph, [(c, None) for c in convs], nhwc=True)
+            if isinstance(layout, str):
+                log.not_fired.append(NotFired(RULE, [node_label(c) for c in convs], layout))
+                continue
+            _rewrite(graph, convs, layout)
+            log.fired[RULE] = log.fired.get(RULE, 0) + 1
+
+
+def _rewrite(graph: Graph, convs: list[Node], layout: dict[str, Any]) -> None:
+    first = convs[0]
+    weights = [graph.constants[c.inputs[1]] for c in convs]
+    kh, kw = (int(v) for v in layout["kernel"])
+    cin = weights[0].shape[3]
+    w = np.zeros((sum(x.shape[0] for x in weights), kh, kw, cin), dtype=weights[0].dtype)
+    b = np.zeros(w.shape[0], dtype=weights[0].dtype)
+    row = 0
+    for c, x, (oy, ox) in zip(convs, weights, layout["offsets"], strict=True):
+        w[row : row + x.shape[0], oy : oy + x.shape[1], ox : ox + x.shape[2], :] = x
+        if len(c.inputs) > 2 and c.inputs[2]:
+            b[row : row + x.shape[0]] = graph.constants[c.inputs[2]]
+        row += x.shape[0]
+    w_name, b_name = f"{first.id}_siblings_w", f"{first.id}_siblings_b"
+    sizes, merged = f"{first.id}_siblings_split", f"{first.id}_siblings"
+    wdtype = graph.spec(first.inputs[1]).dtype
+    graph.constants[w_name], graph.constants[b_name] = w, b
+    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
+    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
+    graph.constants[sizes] = np.array([x.shape[0] for x in weights], dtype=np.int64)
+    graph.values[sizes] = TensorSpec(sizes, "int64", (len(convs),))
+    out = graph.spec(first.outputs[0])
+    graph.values[merged] = TensorSpec(merged, out.dtype, (*out.shape[:3], w.shape[0]))
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
+    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
+    names = "+".join(c.name for c in convs if c.name)
+    new = [
+        Node(f"{first.id}m", NHWC_CONV, [first.inputs[0], w_name, b_name], [merged], attrs, names),
+        Node(f"{first.id}s", "Split", [merged, sizes], [c.outputs[0] for c in convs], {"axis": 3}, names),
+    ]
+    removed = {c.id for c in convs}
+    at = graph.nodes.index(first)
+    graph.nodes[at:at] = new
+    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
