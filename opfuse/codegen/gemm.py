@@ -115,12 +115,18 @@ def generate_gemm(
     buf.line("import triton.language as tl")
     buf.line()
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "GROUP_M": 8, "UPCAST": False}
+    pool_pixels = 0
+    if pool is not None:  # pixels of the pool summed per step (a third tile dimension)
+        full = graph.spec(pool.inputs[0]).shape
+        pool_pixels = int(np.prod(full[1:3] if row_space(graph, pool).first == 1 else full[2:4]))
+        config["BLOCK_P"] = min(8, next_pow2(pool_pixels))
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (min(128, max(16, next_pow2(x))) for x in (m, n, k))
     # Triton's CPU interpreter multiplies bfloat16 tiles wrongly; there they are widened first.
     upcast = dtype == "bfloat16"
+    pool_block = f', "BLOCK_P": {next_pow2(pool_pixels)}' if pool is not None else ""
     buf.line(
-        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "GROUP_M": 1, "UPCAST": {upcast}}}'
+        f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "GROUP_M": 1, "UPCAST": {upcast}{pool_block}}}'
     )
     buf.line()
     buf.line()
@@ -128,7 +134,9 @@ def generate_gemm(
     buf.line(
         f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
     )
-    buf.line("        GROUP_M: tl.constexpr, UPCAST: tl.constexpr):")
+    buf.line(
+        f"        GROUP_M: tl.constexpr, UPCAST: tl.constexpr{', BLOCK_P: tl.constexpr' if pool else ''}):"
+    )
     regs: dict[str, str] = {}
     with buf.indent():
         buf.line("pid = tl.program_id(0)")
@@ -214,29 +222,31 @@ def _pooled_a_tile(
     k: int,
 ) -> None:
     """`a_tile`: rows `rm` (images) and columns `kk` (channels) of the mean over the pixels of the
-    prologue's pointwise ops (NHWC or NCHW), summed in float32 one pixel at a time and rounded to
-    the model's type, as the stored pooled value would be."""
+    prologue's pointwise ops (NHWC or NCHW), summed in float32 over [rows, BLOCK_P pixels,
+    channels] tiles and rounded to the model's type, as the stored pooled value would be."""
     from opfuse.codegen.conv import _broadcast_index  # conv.py's epilogue indexing
 
     pool = prologue[-1]
+    hw = "hw[None, :, None]"
     if row_space(graph, pool).first == 1:  # NHWC
         _, h, w, _c = graph.spec(pool.inputs[0]).shape
-        coords = {0: "rm[:, None]", 1: f"(hw // {w})", 2: f"(hw % {w})", 3: "kk[None, :]"}
+        coords = {0: "rm[:, None, None]", 1: f"({hw} // {w})", 2: f"({hw} % {w})", 3: "kk[None, None, :]"}
     else:  # NCHW: the channels at stride H*W
         _, _c, h, w = graph.spec(pool.inputs[0]).shape
-        coords = {0: "rm[:, None]", 1: "kk[None, :]", 2: f"(hw // {w})", 3: f"(hw % {w})"}
-    buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
+        coords = {0: "rm[:, None, None]", 1: "kk[None, None, :]", 2: f"({hw} // {w})", 3: f"({hw} % {w})"}
     buf.line("psum = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
-    buf.line(f"for hw in range(0, {h * w}):")
+    buf.line(f"for hw0 in range(0, {h * w}, BLOCK_P):  # BLOCK_P pixels at a time: [rows, pixels, channels]")
     with buf.indent():
+        buf.line("hw = hw0 + tl.arange(0, BLOCK_P)")
+        buf.line(f"p_ok = (rm[:, None, None] < {m}) & ({hw} < {h * w}) & (kk[None, None, :] < {k})")
         regs = dict(literals)
         for i, name in enumerate(loads):
             idx = _broadcast_index(graph.spec(name).shape, coords)
             if idx is None:
                 buf.line(f"q{i} = tl.load(p{i}).to(tl.float32)")
             else:
-                buf.line(f"q{i} = tl.load(p{i} + {idx}, mask=a_ok, other=0.0).to(tl.float32)")
+                buf.line(f"q{i} = tl.load(p{i} + {idx}, mask=p_ok, other=0.0).to(tl.float32)")
             regs[name] = f"q{i}"
         emit_nodes(buf, graph, prologue[:-1], regs, prefix="u")
-        buf.line(f"psum += tl.where(a_ok, {regs[pool.inputs[0]]}, 0.0)")
+        buf.line(f"psum += tl.sum(tl.where(p_ok, {regs[pool.inputs[0]]}, 0.0), axis=1)")
     buf.line(f"a_tile = (psum / {h * w}.0).to(b.dtype.element_ty)")
