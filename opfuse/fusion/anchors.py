@@ -576,6 +576,9 @@ def concat_epilogues(
 
 
 POOLED_GEMM_RULE = "pooled_gemm"
+# Every column tile of the GEMM computes the pool again: rows x pixels x channels loads each. At
+# batch 1-4 (a GEMV) that is a few hundred KB from L2; at batch 32 (ResNet-50's head) tens of MB.
+POOLED_GEMM_MAX_ROWS = 4
 
 
 def pooled_gemms(
@@ -585,8 +588,9 @@ def pooled_gemms(
     NHWC or NCHW tensor, with the pointwise ops before it) whose result only a GEMM reads, as its A
     operand (through Flatten or Reshape), is computed on the GEMM's A tiles: each K block of A is
     the mean over the pixels, so the pooled vector is never written. The GEMM has as many rows as
-    there are images, so the pool is computed once per column tile of the GEMM (read again from
-    L2); tuning times it against the split form (the row kernel, then the GEMM's template)."""
+    there are images, and the pool is computed once per column tile of the GEMM (read again from
+    L2): so only up to POOLED_GEMM_MAX_ROWS images. Tuning times it against the split form (the
+    row kernel, then the GEMM's template)."""
     from opfuse.codegen.gemm import gemm_dims
     from opfuse.codegen.rowwise import ROW_OPS, row_space
 
@@ -617,6 +621,11 @@ def pooled_gemms(
             reason = "the mean is not over the pixels (H and W) of an NHWC or NCHW tensor"
         elif (m, k) != (space.full[0], space.full[3 if space.first == 1 else 1]):
             reason = "the GEMM's rows are not the images, or its K not the channels"
+        elif m > POOLED_GEMM_MAX_ROWS:
+            reason = (
+                f"{m} images (over {POOLED_GEMM_MAX_ROWS}): each of the GEMM's column tiles would "
+                "pool them all again"
+            )
         elif pooled in graph_outputs or any(c.id not in readers for c in consumers.get(pooled, [])):
             reason = "the pooled value is read outside the GEMM too"
         elif any(a in n.inputs for n in g.nodes[1:]):

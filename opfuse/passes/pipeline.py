@@ -87,7 +87,8 @@ def run_passes(
         merge_projections(graph, rule_log)
     if LAYOUT_RULE not in disabled:
         to_channels_last(graph, rule_log, precision, device, disabled)
-        if SIBLING_RULE not in disabled:
+        if SIBLING_RULE not in disabled and "conv_epilogue" not in disabled:
+            # Only the conv template writes the merged conv's Split as separate buffers.
             merge_sibling_convs(graph, rule_log)
     fold_constant_nodes(graph)
     drop_unused_constants(graph)

@@ -286,3 +286,8 @@ def test_pooled_gemm_says_why_not() -> None:
     cm = check_against_ort(m, shapes)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "pooled_gemm"]
     assert "read outside the GEMM" in nf["reason"]
+    # Past 4 images each column tile of the GEMM would pool too much again.
+    m = classifier_head(6, 8, 4, 6)
+    cm = check_against_ort(m, {"x": [6, 8, 4, 4], "r": [6, 8, 4, 4]})
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "pooled_gemm"]
+    assert "6 images (over 4)" in nf["reason"]
