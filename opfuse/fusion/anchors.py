@@ -204,7 +204,9 @@ def _a_operand_view(
         return {}
     if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
         return {}
-    if any(n.id in taken for n in view.owned()):
+    # A view through a node another group holds (a merged conv's Split, whose parts that group
+    # stores as buffers of their own) would read a buffer nobody writes.
+    if any(n.id in taken for n in view.nodes):
         return {}
     if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
         return {}  # the epilogue reads A at the output index: only when A is output-shaped
@@ -558,7 +560,7 @@ def concat_epilogues(
                 not view.nodes
                 or view.base in graph.constants
                 or any(n.op_type not in VIEW_THROUGH for n in view.nodes)
-                or any(n.id in claimed for n in own)
+                or any(n.id in claimed for n in view.nodes)
                 or len(view.shape) != 4
             ):
                 continue

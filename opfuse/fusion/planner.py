@@ -245,7 +245,9 @@ def _fold_layout(
             continue
         view = input_view(graph, x, allow_scale=False, readers=readers)
         own = view.owned()
-        if not view.nodes or any(n.id in claimed for n in own) or view.base in graph.constants:
+        # Through a node another group holds (a merged conv's Split, whose parts that group
+        # stores as buffers of their own) the buffer behind would be one nobody writes.
+        if not view.nodes or any(n.id in claimed for n in view.nodes) or view.base in graph.constants:
             continue
         if any(n.op_type not in VIEW_THROUGH for n in view.nodes) or not accepts(x, view):
             continue

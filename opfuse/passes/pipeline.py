@@ -25,7 +25,7 @@ from opfuse.passes.projections import MERGE_RULE, merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
 from opfuse.passes.sibling_convs import RULE as SIBLING_RULE
-from opfuse.passes.sibling_convs import merge_sibling_convs
+from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ RULES: list[Rule] = [
     rotate_half,
     group_norm,
     fold_batchnorm,
+    sum_sibling_convs,
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,

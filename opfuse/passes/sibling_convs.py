@@ -20,7 +20,7 @@ import numpy as np
 
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.concat_convs import merged_window
-from opfuse.passes.rules import NotFired, RuleLog, node_label
+from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
 
 RULE = "merge_sibling_convs"
 NHWC_CONV = "opfuse.ConvNHWC"
@@ -104,3 +104,75 @@ def _rewrite(graph: Graph, convs: list[Node], layout: dict[str, Any]) -> None:
     at = graph.nodes.index(first)
     graph.nodes[at:at] = new
     graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+
+
+SUM_RULE = "sum_sibling_convs"
+
+
+def _sum_match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    """Add(Conv(x, W1, b1), Conv(x, W2, b2)), each conv read only by the Add: a projection
+    shortcut added to a one-conv main path (ResNet-style downsampling without an activation
+    between)."""
+    if node.op_type != "Add" or len(node.inputs) != 2:
+        return None
+    producers, consumers = graph.producers(), graph.consumers()
+    outputs = {o.name for o in graph.outputs}
+    convs = [producers.get(x) for x in node.inputs]
+    if any(c is None or c.op_type != "Conv" for c in convs) or node.inputs[0] == node.inputs[1]:
+        return None
+    pair = [c for c in convs if c is not None]
+    if pair[0].inputs[0] != pair[1].inputs[0]:
+        return None
+    if any(c.outputs[0] in outputs or len(consumers.get(c.outputs[0], [])) != 1 for c in pair):
+        return None
+    if graph.spec(pair[0].outputs[0]).shape != graph.spec(node.outputs[0]).shape:
+        return None  # the Add broadcasts: not one conv's output
+    return {"convs": pair, "nodes": [*pair, node]}
+
+
+def _sum_check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    layout = merged_window(graph, [(c, None) for c in m["convs"]])
+    if isinstance(layout, str):
+        return layout
+    if len({graph.constants[c.inputs[1]].shape[0] for c in m["convs"]}) != 1:
+        return "the convolutions differ in output channels"
+    m["layout"] = layout
+    return None
+
+
+def _sum_rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    convs: list[Node] = m["convs"]
+    layout = m["layout"]
+    first = convs[0]
+    weights = [graph.constants[c.inputs[1]] for c in convs]
+    kh, kw = (int(v) for v in layout["kernel"])
+    w = np.zeros((weights[0].shape[0], weights[0].shape[1], kh, kw), dtype=np.float64)
+    b = np.zeros(w.shape[0], dtype=np.float64)
+    for c, x, (oy, ox) in zip(convs, weights, layout["offsets"], strict=True):
+        w[:, :, oy : oy + x.shape[2], ox : ox + x.shape[3]] += x
+        if len(c.inputs) > 2 and c.inputs[2]:
+            b += graph.constants[c.inputs[2]]
+    w_name, b_name = f"{first.id}_sum_w", f"{first.id}_sum_b"
+    wdtype = graph.spec(first.inputs[1]).dtype
+    graph.constants[w_name] = w.astype(weights[0].dtype)
+    graph.constants[b_name] = b.astype(weights[0].dtype)
+    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
+    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
+    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
+    names = "+".join(n.name for n in m["nodes"] if n.name)
+    new = Node(f"{first.id}+", "Conv", [first.inputs[0], w_name, b_name], [node.outputs[0]], attrs, names)
+    removed = {n.id for n in m["nodes"]}
+    at = graph.nodes.index(node)
+    graph.nodes[at:at] = [new]
+    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+
+
+sum_sibling_convs = Rule(
+    SUM_RULE,
+    _sum_match,
+    _sum_check,
+    _sum_rewrite,
+    doc="Two convolutions of one input added together are one convolution whose weight is their "
+    "sum (each kernel placed in the bounding window) and whose bias is the sum of theirs.",
+)

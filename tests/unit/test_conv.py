@@ -1037,3 +1037,46 @@ def test_sibling_convs_say_why_not() -> None:
     cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "merge_sibling_convs"))
     assert "merge_sibling_convs" not in cm.report["fusion"]["passes"]["fired"]
     assert cm.report["kernels"]["after"] == 3
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_two_convs_of_one_input_added_are_one_conv(precision: str) -> None:
+    """relu(conv3x3(x) + conv1x1(x)) at one stride (a downsampling path of one conv beside its
+    projection shortcut) is one conv with the kernels summed: one launch, fewer multiply-adds."""
+    n, c, co, size = 2, 8, 12, 9
+    inits = {
+        "wa": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "ba": RNG.standard_normal(co) * 0.1,
+        "wb": RNG.standard_normal((co, c, 1, 1)) * 0.3,
+        "bb": RNG.standard_normal(co) * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="down", pads=[1] * 4, strides=[2, 2]),
+        helper.make_node("Conv", ["x", "wb", "bb"], ["b"], name="skip", strides=[2, 2]),
+        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, co, 5, 5]}, inits)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["sum_sibling_convs"] == 1
+    assert cm.report["kernels"] == {"before": 4, "after": 1}
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["nodes"] == ["down+skip+add", "relu"]
+    off = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=(*NHWC_ALWAYS, "sum_sibling_convs"))
+    assert "sum_sibling_convs" not in off.report["fusion"]["passes"]["fired"]
+    # Without it the convs still share one implicit GEMM (merge_sibling_convs), then the Add.
+    assert off.report["kernels"]["after"] == 2
+
+
+def test_added_convs_of_different_dilations_stay_apart_and_say_why() -> None:
+    n, c, size = 1, 8, 7
+    inits = {"wa": RNG.standard_normal((c, c, 3, 3)) * 0.2, "wb": RNG.standard_normal((c, c, 3, 3)) * 0.2}
+    nodes = [
+        helper.make_node("Conv", ["x", "wa"], ["a"], name="near", pads=[1] * 4),
+        helper.make_node("Conv", ["x", "wb"], ["b"], name="far", pads=[2] * 4, dilations=[2, 2]),
+        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, c, size, size]}, inits)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "sum_sibling_convs"]
+    assert nf["nodes"] == ["near", "far", "add"] and nf["reason"] == "the convolutions' dilations differ"
