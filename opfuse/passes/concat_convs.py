@@ -128,6 +128,23 @@ def merged_window(
     return {"kernel": (kh, kw), "pads": [top, left, bottom, right], "offsets": offsets}
 
 
+def merged_conv(
+    graph: Graph, first: Node, layout: dict[str, Any], w: np.ndarray, b: np.ndarray, tag: str
+) -> tuple[list[str], dict[str, Any]]:
+    """The merged convolution's operands and attributes: `w` and `b` become constants named after
+    `first` (and `tag`), in the weight's type; its window is the merged one."""
+    w_name, b_name = f"{first.id}_{tag}_w", f"{first.id}_{tag}_b"
+    wdtype = graph.spec(first.inputs[1]).dtype
+    graph.constants[w_name] = w.astype(graph.constants[first.inputs[1]].dtype)
+    graph.constants[b_name] = b.astype(graph.constants[first.inputs[1]].dtype)
+    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
+    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
+    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
+    kh, kw = layout["kernel"]
+    attrs.update(kernel_shape=[int(kh), int(kw)], pads=layout["pads"])
+    return [first.inputs[0], w_name, b_name], attrs
+
+
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     layout = merged_window(graph, m["branches"])
     if isinstance(layout, str):
@@ -152,20 +169,15 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         if len(c.inputs) > 2 and c.inputs[2]:
             b[row : row + x.shape[0]] = graph.constants[c.inputs[2]]
         row += x.shape[0]
-    w_name, b_name, mid = f"{first.id}_concat_w", f"{first.id}_concat_b", f"{first.id}_concat_conv"
-    wdtype = graph.spec(first.inputs[1]).dtype
-    graph.constants[w_name], graph.constants[b_name] = w, b
-    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
-    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
+    operands, attrs = merged_conv(graph, first, layout, w, b, "concat")
+    mid = f"{first.id}_concat_conv"
     out = node.outputs[0]
     act = branches[0][1]
     conv_out = mid if act is not None else out
     if act is not None:
         graph.values[mid] = TensorSpec(mid, graph.spec(out).dtype, graph.spec(out).shape)
-    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
-    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
     names = "+".join(c.name for c in convs if c.name)
-    new = [Node(f"{first.id}c", "Conv", [first.inputs[0], w_name, b_name], [conv_out], attrs, names)]
+    new = [Node(f"{first.id}c", "Conv", operands, [conv_out], attrs, names)]
     if act is not None:
         act_names = "+".join(a.name for _, a in branches if a is not None and a.name)
         new.append(Node(f"{first.id}a", act.op_type, [mid], [out], dict(act.attrs), act_names))

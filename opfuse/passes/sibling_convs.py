@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.passes.concat_convs import merged_window
+from opfuse.passes.concat_convs import merged_conv, merged_window
 from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
 
 RULE = "merge_sibling_convs"
@@ -83,21 +83,15 @@ def _rewrite(graph: Graph, convs: list[Node], layout: dict[str, Any]) -> None:
         if len(c.inputs) > 2 and c.inputs[2]:
             b[row : row + x.shape[0]] = graph.constants[c.inputs[2]]
         row += x.shape[0]
-    w_name, b_name = f"{first.id}_siblings_w", f"{first.id}_siblings_b"
+    operands, attrs = merged_conv(graph, first, layout, w, b, "siblings")
     sizes, merged = f"{first.id}_siblings_split", f"{first.id}_siblings"
-    wdtype = graph.spec(first.inputs[1]).dtype
-    graph.constants[w_name], graph.constants[b_name] = w, b
-    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
-    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
     graph.constants[sizes] = np.array([x.shape[0] for x in weights], dtype=np.int64)
     graph.values[sizes] = TensorSpec(sizes, "int64", (len(convs),))
     out = graph.spec(first.outputs[0])
     graph.values[merged] = TensorSpec(merged, out.dtype, (*out.shape[:3], w.shape[0]))
-    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
-    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
     names = "+".join(c.name for c in convs if c.name)
     new = [
-        Node(f"{first.id}m", NHWC_CONV, [first.inputs[0], w_name, b_name], [merged], attrs, names),
+        Node(f"{first.id}m", NHWC_CONV, operands, [merged], attrs, names),
         Node(f"{first.id}s", "Split", [merged, sizes], [c.outputs[0] for c in convs], {"axis": 3}, names),
     ]
     removed = {c.id for c in convs}
@@ -152,16 +146,9 @@ def _sum_rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         w[:, :, oy : oy + x.shape[2], ox : ox + x.shape[3]] += x
         if len(c.inputs) > 2 and c.inputs[2]:
             b += graph.constants[c.inputs[2]]
-    w_name, b_name = f"{first.id}_sum_w", f"{first.id}_sum_b"
-    wdtype = graph.spec(first.inputs[1]).dtype
-    graph.constants[w_name] = w.astype(weights[0].dtype)
-    graph.constants[b_name] = b.astype(weights[0].dtype)
-    graph.values[w_name] = TensorSpec(w_name, wdtype, tuple(w.shape))
-    graph.values[b_name] = TensorSpec(b_name, wdtype, tuple(b.shape))
-    attrs = {k: v for k, v in first.attrs.items() if k not in ("pads", "kernel_shape", "auto_pad")}
-    attrs.update(kernel_shape=[kh, kw], pads=layout["pads"])
+    operands, attrs = merged_conv(graph, first, layout, w, b, "sum")
     names = "+".join(n.name for n in m["nodes"] if n.name)
-    new = Node(f"{first.id}+", "Conv", [first.inputs[0], w_name, b_name], [node.outputs[0]], attrs, names)
+    new = Node(f"{first.id}+", "Conv", operands, [node.outputs[0]], attrs, names)
     removed = {n.id for n in m["nodes"]}
     at = graph.nodes.index(node)
     graph.nodes[at:at] = [new]

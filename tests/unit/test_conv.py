@@ -764,6 +764,25 @@ def test_the_split_form_of_a_depthwise_reduction_computes_the_same() -> None:
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+def check_every_candidate(
+    cm: Any, k: Any, model: Any, feeds: dict[str, np.ndarray], precision: str, extra: Any = ()
+) -> None:
+    """Run the compiled plan with kernel `k` at each tuning candidate config (and `extra`), every
+    output element against onnxruntime at the precision's tolerance (relative L2)."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tune import candidates
+
+    want = ort_run(model, feeds)[0]
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    name = cm.plan.outputs[0].name
+    for cand in [*candidates(k), *extra]:
+        ex.configs[k.id] = {**k.config, **cand}
+        got = np.asarray(ex.run(feeds)[name], dtype=np.float32)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err < tol, (cand, err)
+
+
 def concat_block(n: int, c: int, size: int, two_convs: bool) -> Any:
     """ShuffleNet's block ends: `two_convs` False, the input's first half passed through beside
     Relu(conv(second half)) (a stride-1 unit); True, Relu(conv_a(x)) beside Relu(conv_b(x)) (the
@@ -805,8 +824,6 @@ def test_a_conv_writes_the_concat_it_feeds(precision: str, two_convs: bool) -> N
     """The Concat's copy kernel is gone: the branch's conv stores its channels at their offset of
     the Concat's output and copies the other input (a view of the block's input, or the other
     branch's output) into its own, at every launch config the tuner may pick."""
-    from opfuse.runtime.executor import Executor
-    from opfuse.tune import candidates
 
     n, c, size = 2, 24, 7
     m = concat_block(n, c, size, two_convs)
@@ -824,14 +841,7 @@ def test_a_conv_writes_the_concat_it_feeds(precision: str, two_convs: bool) -> N
         assert g["layout_folded"] and "Split" not in launched
 
     x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
-    want = ort_run(m, {"x": x})[0]
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
-    for cand in [*candidates(k), {"BLOCK_N": 16}]:
-        ex.configs[k.id] = {**k.config, **cand}
-        got = np.asarray(ex.run({"x": x})["y"], dtype=np.float32)
-        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        assert err < tol, (cand, err)
+    check_every_candidate(cm, k, m, {"x": x}, precision, [{"BLOCK_N": 16}])
 
 
 def test_concat_epilogue_says_why_not() -> None:
@@ -990,8 +1000,6 @@ def test_sibling_convs_reading_one_input_run_as_one_conv(precision: str) -> None
     """ResNet's downsampling block: conv1 and the 1x1 shortcut read x at stride 2, so they are one
     implicit GEMM (the shortcut's channels on the centre tap only), whose kernel stores Relu(conv1)
     and the shortcut as two buffers. Two launches instead of three, at every tuning candidate."""
-    from opfuse.runtime.executor import Executor
-    from opfuse.tune import candidates
 
     n, c, co, size = 2, 16, 16, 9  # 16 input channels: the window loop, whose zero taps are skipped
     m = basic_block(n, c, co, size)
@@ -1003,14 +1011,7 @@ def test_sibling_convs_reading_one_input_run_as_one_conv(precision: str) -> None
     (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
     assert "(each part stored from its columns)" in k.source and "for th in range(th0, th1):" in k.source
     x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
-    want = ort_run(m, {"x": x})[0]
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
-    for cand in [*candidates(k), {"BLOCK_N": 16}]:
-        ex.configs[k.id] = {**k.config, **cand}
-        got = np.asarray(ex.run({"x": x})["y"], dtype=np.float32)
-        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        assert err < tol, (cand, err)
+    check_every_candidate(cm, k, m, {"x": x}, precision, [{"BLOCK_N": 16}])
 
 
 def test_sibling_convs_say_why_not() -> None:

@@ -244,6 +244,7 @@ def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
     row kernel, then the GEMM's template) computes the same."""
     from bench.kernels import plan_model
     from opfuse.tune import candidates
+    from tests.unit.test_conv import check_every_candidate
 
     n, c, size, classes = 2, 24, 5, 40
     m = classifier_head(n, c, size, classes, flatten)
@@ -259,13 +260,8 @@ def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
     feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
     want = ort_run(m, feeds)[0]
     tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
     assert {c.get("BLOCK_P") for c in candidates(k)} >= {4, 16}
-    for cand in [*candidates(k), {"BLOCK_P": 2}]:  # 25 pixels in steps of 2, 4, 8 or 16
-        ex.configs[k.id] = {**k.config, **cand}
-        got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
-        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        assert err < tol, (cand, err)
+    check_every_candidate(cm, k, m, feeds, precision, [{"BLOCK_P": 2}])  # 25 pixels, steps of 2-16
     p = plan_model(m, shapes, precision, off)
     (pg,) = [x for x in p.fusion.groups if x.kind == "gemm"]
     split = build_plan(
