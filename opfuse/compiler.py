@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import build_plan, has_pool_prologue, has_reduction_prologue, has_window_prologue
+from opfuse.lowering import build_plan, split_form
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -645,17 +645,18 @@ def _tune(
     if lone:
         fusion.groups.extend(lone)
         plan = make_plan(None)
+    # Groups timed against an alternative: their split form, or else the library's kernel (none
+    # for merged sibling convs, a Split in the epilogue: the template alone writes its parts).
+    split_groups = {g.id: form for g in fusion.groups if (form := split_form(g)) is not None}
     anchors = [
         g.id
         for g in fusion.groups
-        if (g.kind in ("gemm", "conv", "pool") or has_reduction_prologue(g))
-        and g.variant == "template"
-        # Merged sibling convs (a Split in the epilogue) have no library form: the template's.
-        and (has_window_prologue(g) or not any(n.op_type == "Split" for n in g.nodes))
+        if g.variant == "template"
+        and (
+            g.id in split_groups
+            or (g.kind in ("gemm", "conv", "pool") and not any(n.op_type == "Split" for n in g.nodes))
+        )
     ]
-    reduction_groups = {g.id for g in fusion.groups if has_reduction_prologue(g)}
-    pooled_groups = {g.id for g in fusion.groups if has_pool_prologue(g)}
-    split_groups = {g.id for g in fusion.groups if has_window_prologue(g)} | reduction_groups | pooled_groups
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
@@ -745,13 +746,7 @@ def _tune(
                 "vendor_ms": round(v_ms, 5),
             }
             if gid in split_groups:  # its "vendor" form is two kernels (lowering.py)
-                record["variants"][gid]["vendor_form"] = (
-                    "split: the library's depthwise conv, then the row kernel"
-                    if gid in reduction_groups
-                    else "split: the row kernel, then the GEMM's template"
-                    if gid in pooled_groups
-                    else "split: the prologue's kernel, then the anchor's"
-                )
+                record["variants"][gid]["vendor_form"] = split_groups[gid]
             if gid in variant_key and min(t_ms, v_ms) < float("inf"):
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
         if "vendor" not in candidates and any(

@@ -38,6 +38,18 @@ def has_pool_prologue(g: Group) -> bool:
     return g.kind == "gemm" and bool(g.prologue)
 
 
+def split_form(g: Group) -> str | None:
+    """What tuning measures a group against when that is not the library's kernel (its "vendor"
+    variant in this module: two kernels), said as the report's `vendor_form`; None otherwise."""
+    if has_window_prologue(g):
+        return "split: the prologue's kernel, then the anchor's"
+    if has_reduction_prologue(g):
+        return "split: the library's depthwise conv, then the row kernel"
+    if has_pool_prologue(g):
+        return "split: the row kernel, then the GEMM's template"
+    return None
+
+
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
     """Order steps so every input is produced first; ties keep the original node order."""
     producer = {o: i for i, s in enumerate(steps) for o in s.outputs if o}

@@ -51,7 +51,8 @@ def _split_epilogue(
         return set()
     split = users[0]
     sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
-    if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in {o.name for o in graph.outputs}:
+    graph_outputs = {o.name for o in graph.outputs}
+    if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in graph_outputs:
         return set()
     members = {split.id}
     for part in split.outputs:
@@ -66,7 +67,7 @@ def _split_epilogue(
             ]
             if tensors != [value] or graph.spec(node.outputs[0]).shape != graph.spec(value).shape:
                 break
-            if value in {o.name for o in graph.outputs}:
+            if value in graph_outputs:
                 break
             members.add(node.id)
             value = node.outputs[0]

@@ -15,6 +15,31 @@ from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, o
 RNG = np.random.default_rng(5)
 
 
+def launch_at_every_config(
+    k: Any, args: list[Any], wants: list[Any], precision: str, extra: Any = (), atol_scale: float = 10.0
+) -> None:
+    """Launch kernel `k`'s generated module on `args` at its config with each tuning candidate (and
+    `extra`) applied, its outputs NaN-filled first: every element against `wants` (one tensor per
+    output), rtol the precision's tolerance, atol `atol_scale` times it."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tune import candidates
+
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for cand in [*candidates(k), *extra]:
+        config = {**k.config, **cand}
+        outs = [torch.full(w.shape, float("nan"), device=args[0].device, dtype=args[0].dtype) for w in wants]
+        module.launch(*args, *outs, config=config)
+        for out, want in zip(outs, wants, strict=True):
+            got = out.float().cpu()
+            assert torch.allclose(got, want, rtol=tol, atol=tol * atol_scale), (
+                config,
+                float((got - want).abs().max()),
+            )
+
+
 def conv_model(x: list[int], w: list[int], out: list[int], epilogue: str, **attrs: Any):  # type: ignore[no-untyped-def]
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", **attrs)]
     inits = {"w": RNG.standard_normal(w) * 0.3, "b": RNG.standard_normal(w[0]) * 0.1}
@@ -229,9 +254,6 @@ def test_convs_of_one_input_concatenated_become_one_conv_that_skips_the_taps_a_b
 ) -> None:
     import torch
 
-    from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
-
     shape = [2, 16, 9, 9]
     m, w = concat_of_convs(shape, [(24, 1, 1, [0, 0, 0, 0]), (40, 3, 3, [1, 1, 1, 1])], ["Relu", "Relu"])
     cm = check_against_ort(m, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
@@ -259,14 +281,7 @@ def test_convs_of_one_input_concatenated_become_one_conv_that_skips_the_taps_a_b
         merged.permute(0, 2, 3, 1).contiguous().to(dev, dtype),
         torch.cat([b0, b1]).to(dev, dtype),
     ]
-    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    configs = [{**k.config, **c} for c in candidates(k)] + [{**k.config, "BLOCK_N": 16, "BLOCK_M": 32}]
-    for config in configs:
-        out = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
-        module.launch(*args, out, config=config)
-        got = out.float().cpu()
-        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+    launch_at_every_config(k, args, [want], precision, [{"BLOCK_N": 16, "BLOCK_M": 32}])
 
 
 def test_concatenated_convs_of_different_windows_merge_into_their_bounding_window() -> None:
@@ -330,7 +345,6 @@ def squeeze_excite(n: int, c: int, hidden: int, size: int = 5) -> tuple[Any, dic
 def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str, layout: str) -> None:
     import torch
 
-    from opfuse.runtime.kernels import load_kernel_module
     from opfuse.tune import candidates
 
     n, c, hidden = 3, 40, 24
@@ -355,15 +369,8 @@ def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str, layo
     dev = torch.device(TEST_DEVICE)
     args = [p, t["w1"].reshape(hidden, c), t["w2"].reshape(c, hidden), t["b1"], t["b2"]]
     args = [a.contiguous().to(dev, dtype) for a in args]
-    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
-    tol = 1e-4 if precision == "fp32" else 2e-2
     assert len(candidates(k)) > 1
-    for cand in candidates(k):
-        config = {**k.config, **cand}
-        out = torch.full((n, c), float("nan"), device=dev, dtype=dtype)
-        module.launch(*args, out, config=config)
-        got = out.float().cpu()
-        assert torch.allclose(got, want, rtol=tol, atol=tol), (config, float((got - want).abs().max()))
+    launch_at_every_config(k, args, [want], precision, atol_scale=1.0)
 
 
 def test_squeeze_excite_mlp_with_a_large_first_weight_stays_two_kernels_and_says_why() -> None:
@@ -415,9 +422,6 @@ def test_depthwise_conv_runs_inside_the_pointwise_conv_that_reads_it(
 ) -> None:
     import torch
 
-    from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
-
     n, c, out, size = 2, 24, 40, 9
     m, w = separable(n, c, out, size, stride, act)
     cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
@@ -446,14 +450,7 @@ def test_depthwise_conv_runs_inside_the_pointwise_conv_that_reads_it(
         t["bp"],
     ]
     args = [a.contiguous().to(dev, dtype) for a in args]
-    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    configs = [{**k.config, **cand} for cand in candidates(k)] + [{**k.config, "BLOCK_K": 16}]
-    for config in configs:
-        y = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
-        module.launch(*args, y, config=config)
-        got = y.float().cpu()
-        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+    launch_at_every_config(k, args, [want], precision, [{"BLOCK_K": 16}])
 
 
 def test_depthwise_conv_stays_its_own_kernel_where_the_pointwise_conv_is_wide_or_others_read_it() -> None:
@@ -567,9 +564,6 @@ def test_max_pool_runs_inside_the_1x1_conv_that_reads_it(
     """SqueezeNet's pool before each squeeze conv: the window's maximum on the conv's input tiles."""
     import torch
 
-    from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
-
     c, co = shape[1], 12
     inits = {"wp": RNG.standard_normal((co, c, 1, 1)) * 0.3, "bp": RNG.standard_normal(co) * 0.1}
     nodes = [
@@ -598,13 +592,7 @@ def test_max_pool_runs_inside_the_1x1_conv_that_reads_it(
     dev = torch.device(TEST_DEVICE)
     args = [x.permute(0, 2, 3, 1).contiguous(), w.reshape(co, c), b]
     args = [a.contiguous().to(dev, dtype) for a in args]
-    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    for config in [{**k.config, **cand} for cand in candidates(k)] + [{**k.config, "BLOCK_K": 16}]:
-        y = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
-        module.launch(*args, y, config=config)
-        got = y.float().cpu()
-        assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
+    launch_at_every_config(k, args, [want], precision, [{"BLOCK_K": 16}])
 
 
 @pytest.mark.parametrize("head", ["depthwise", "pool"])
@@ -690,7 +678,6 @@ def test_depthwise_conv_runs_inside_the_squeeze_kernel(
     one row kernel, the two GEMVs chained, the excitation on the projection's input tiles."""
     import torch
 
-    from opfuse.runtime.kernels import load_kernel_module
     from opfuse.tune import candidates
 
     m, w = depthwise_squeeze_excite(n, c, size, stride, k)
@@ -714,20 +701,9 @@ def test_depthwise_conv_runs_inside_the_squeeze_kernel(
     dev = torch.device(TEST_DEVICE)
     args = [x.permute(0, 2, 3, 1).contiguous(), t["wd"].reshape(c, k * k), t["bd"]]
     args = [a.contiguous().to(dev, dtype) for a in args]
-    module = load_kernel_module(kern.source, interpret=TEST_DEVICE == "cpu")
-    tol = 1e-4 if precision == "fp32" else 2e-2
     configs = [{**kern.config, **cand} for cand in candidates(kern)]
     assert any(cfg["BLOCK_I"] < kern.config["BLOCK_I"] for cfg in configs) or kern.config["BLOCK_I"] < 8
-    for config in configs:
-        a_out = torch.full(act.shape, float("nan"), device=dev, dtype=dtype)
-        p_out = torch.full(pooled.shape, float("nan"), device=dev, dtype=dtype)
-        module.launch(*args, a_out, p_out, config=config)
-        for got, want in ((a_out, act), (p_out, pooled)):
-            got = got.float().cpu()
-            assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (
-                config,
-                float((got - want).abs().max()),
-            )
+    launch_at_every_config(kern, args, [act, pooled], precision)
 
 
 def test_depthwise_reduction_says_why_not() -> None:
