@@ -343,17 +343,30 @@ def _compile(
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
     elif compile_pool is not None and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
-        from opfuse.tune import config_key, kernel_signature, precompile
+        from opfuse.tune import config_key, first_configs_that_compile, kernel_signature, precompile
 
         report_progress("tuning", 0.55)
         failed = precompile([plan], None, compile_pool).failed  # the untuned plan's kernels, in parallel
+        errors = {
+            kid: timing.error
+            for kid, k in plan.kernels.items()
+            if (timing := failed.get((kernel_signature(k), config_key(k.config)))) is not None
+        }
+        # A starting config that does not compile on this device (shared memory) gives way to the
+        # first smaller one that does.
+        refit = first_configs_that_compile(plan, list(errors), compile_pool) if errors else {}
         compile_pool.close()
-        tuning = {"compile_failed": {}, "unsafe_groups": []}
-        for kid, k in plan.kernels.items():
-            timing = failed.get((kernel_signature(k), config_key(k.config)))
-            if timing is not None:  # never run in this process what failed or crashed in a worker
-                tuning["compile_failed"][kid] = timing.error
+        tuning = {"compile_failed": {}, "unsafe_groups": [], "refit": {}}
+        for kid, error in errors.items():
+            k = plan.kernels[kid]
+            if kid in refit:
+                configs[kernel_signature(k)] = refit[kid]
+                tuning["refit"][kid] = {"config": refit[kid], "start_failed": error}
+            else:  # never run in this process what failed or crashed in a worker
+                tuning["compile_failed"][kid] = error
                 unsafe.add(k.group)
+        if refit and not unsafe:
+            plan = make_plan()
         if unsafe:
             tuning["unsafe_groups"] = sorted(unsafe)
             plan = make_plan()

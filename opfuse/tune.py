@@ -312,6 +312,47 @@ def precompile(
     return Precompiled(failed, job, {item[2]: i for i, item in enumerate(may)}, deadline)
 
 
+def fallback_configs(k: KernelInfo) -> list[dict[str, Any]]:
+    """The configs a kernel tries, in order, where its starting config fails to compile (on the GPU,
+    a tile whose pipeline stages do not fit in the device's shared memory: a conv with a window
+    prologue buffers every tap's load): one pipeline stage, then also half the K tile, then its
+    tuning candidates."""
+    start = dict(k.config)
+    tries: list[dict[str, Any]] = []
+    if int(start.get("num_stages", 1)) > 1:
+        tries.append({**start, "num_stages": 1})
+    if int(start.get("BLOCK_K", 0)) > 16:
+        tries.append({**start, "num_stages": 1, "BLOCK_K": int(start["BLOCK_K"]) // 2})
+    tries += [{**start, **c} for c in candidates(k)]
+    out: list[dict[str, Any]] = []
+    seen = {config_key(start)}
+    for c in tries:
+        if config_key(c) not in seen:
+            seen.add(config_key(c))
+            out.append(c)
+    return out
+
+
+def first_configs_that_compile(
+    plan: Plan, kernel_ids: list[str], compiler: CompilePool
+) -> dict[str, dict[str, Any]]:
+    """For kernels whose starting config failed to compile: each one's first `fallback_configs`
+    entry that compiled and ran (all compiled at once, in parallel). A kernel none of whose
+    configs compiled is left out."""
+    requests: list[TimingRequest] = []
+    owners: list[tuple[str, dict[str, Any]]] = []
+    for kid in kernel_ids:
+        k = plan.kernels[kid]
+        for config in fallback_configs(k):
+            requests.append(_request(plan, k, config))
+            owners.append((kid, config))
+    found: dict[str, dict[str, Any]] = {}
+    for (kid, config), timing in zip(owners, compiler.run(requests), strict=True):
+        if kid not in found and timing is not None and timing.ok:
+            found[kid] = config
+    return found
+
+
 def tune_kernel_configs(
     plan: Plan,
     executor: Executor,

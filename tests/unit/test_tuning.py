@@ -717,3 +717,35 @@ def test_a_depthwise_reduction_is_timed_against_its_split_form(
     )
     mine = [(s.kind, s.op_type) for s in make_plan().steps if s.group == gid]
     assert mine == ([("op", "opfuse.ConvNHWC"), ("kernel", "")] if faster == "split" else [("kernel", "")])
+
+
+def test_a_start_config_that_fails_to_compile_gives_way_to_the_first_that_does(
+    tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Untuned on the GPU, a kernel whose starting config does not compile there (a conv tile
+    whose pipeline stages overflow shared memory) runs at the first of its fallback configs that
+    compiles and runs, rather than leaving its group unfused. Fallbacks: one stage, then half the
+    K tile, then the tuning candidates, without repeats."""
+    from opfuse.runtime.plan import KernelInfo
+
+    conv = KernelInfo("k1", "conv", "g1", [], [], {"BLOCK_M": 64, "BLOCK_K": 64, "num_stages": 3}, "")
+    monkeypatch.setitem(tuning.CANDIDATES, "conv", [{}, {"BLOCK_M": 32}, {"num_stages": 1}])
+    assert tuning.fallback_configs(conv) == [
+        {"BLOCK_M": 64, "BLOCK_K": 64, "num_stages": 1},
+        {"BLOCK_M": 64, "BLOCK_K": 32, "num_stages": 1},
+        {"BLOCK_M": 32, "BLOCK_K": 64, "num_stages": 3},
+    ]
+
+    plan = one_kernel_plan()
+    plan.kernels["k0_add"].config = {"BLOCK": 64, "fault": "raise"}
+    monkeypatch.setitem(
+        tuning.CANDIDATES,
+        "pointwise",
+        [{}, {"fault": "exit"}, {"fault": "none", "BLOCK": 128}, {"fault": "none", "BLOCK": 32}],
+    )
+    with CompilePool("cpu", workers=2) as compiler:
+        assert tuning.first_configs_that_compile(plan, ["k0_add"], compiler) == {
+            "k0_add": {"BLOCK": 128, "fault": "none"}
+        }
+        monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{"fault": "exit"}])
+        assert tuning.first_configs_that_compile(plan, ["k0_add"], compiler) == {}
