@@ -72,6 +72,19 @@ def conv_params(graph: Graph, node: Node) -> dict[str, int]:
     }
 
 
+def centre_tap(graph: Graph, conv: Node) -> int | None:
+    """The window position at which a conv's output pixel reads the input pixel at its own
+    coordinates, where the conv keeps the input's size at stride 1 (so its tiles at that position
+    cover the whole input); None otherwise."""
+    p = conv_params(graph, conv)
+    if (p["SH"], p["SW"], p["OH"], p["OW"]) != (1, 1, p["H"], p["W"]):
+        return None
+    if p["PH"] % p["DH"] or p["PW"] % p["DW"]:
+        return None
+    th, tw = p["PH"] // p["DH"], p["PW"] // p["DW"]
+    return th * p["KW"] + tw if th < p["KH"] and tw < p["KW"] else None
+
+
 def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
     """None if the Conv can run as the implicit-GEMM template, else why not."""
     x = graph.spec(node.inputs[0])
@@ -271,6 +284,13 @@ def _generate_conv_nhwc(
             dw_b = window.inputs[2] if len(window.inputs) > 2 else ""
     elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
+    # A max pool before a conv wider than 1x1, or whose output others read too (the conv then
+    # stores it, from its centre tap): the template's loops, each tile loaded as the pool's maximum.
+    pool_out = anchor.inputs[0] if window is not None and anchor.inputs[0] in outputs else ""
+    centre = centre_tap(graph, anchor) if pool_out else None
+    pooled = (
+        window is not None and window.op_type == MAX_POOL_NHWC and ((kh_, kw_) != (1, 1) or bool(pool_out))
+    )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     split_sizes = {split.inputs[1]} if split is not None else set()
     operands_only = {x_name, w_name, scale, dw_w, dw_b, *copied, *split_sizes} - {""} - epilogue_reads
@@ -365,6 +385,40 @@ def _generate_conv_nhwc(
         buf.line(f"sc_tile = tl.load(sc + {scale_index}, mask={mask}, other=0.0)")
         buf.line("a_tile = (a_tile.to(tl.float32) * sc_tile.to(tl.float32)).to(a_tile.dtype)")
 
+    def pooled_tile(ih: str, iw: str, ok: str) -> None:
+        """a_tile at conv-input pixels (ih, iw): the max pool's output there (its window's maximum
+        over x, -inf outside x), then its activation chain, rounded to the model's type as the
+        stored tensor would be; 0 where (ih, iw) is outside the pooled tensor (the conv's padding)."""
+        from opfuse.codegen.pool import pool_params  # pool.py builds on this module
+
+        d = pool_params(graph, window)  # type: ignore[arg-type]
+        buf.line('pv = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
+        buf.line(f"for pt in tl.static_range(0, {d['KH'] * d['KW']}):")
+        with buf.indent():
+            buf.line(f"ph = {ih} * {d['SH']} - {d['PH']} + (pt // {d['KW']}) * {d['DH']}")
+            buf.line(f"pw = {iw} * {d['SW']} - {d['PW']} + (pt % {d['KW']}) * {d['DW']}")
+            buf.line(f"p_ok = {ok} & (ph >= 0) & (ph < {d['H']}) & (pw >= 0) & (pw < {d['W']})")
+            buf.line(
+                f"pv = tl.maximum(pv, tl.load(x + ((img[:, None] * {d['H']} + ph) * {d['W']} + pw) * {c} + ci[None, :], "
+                'mask=p_ok, other=float("-inf")).to(tl.float32))'
+            )
+        chain_regs = {**literals, window.outputs[0]: "pv"}  # type: ignore[union-attr]
+        emit_nodes(buf, graph, prologue[1:], chain_regs, prefix="u")
+        buf.line(f"a_tile = tl.where({ok}, {chain_regs[anchor.inputs[0]]}, 0.0).to(x.dtype.element_ty)")
+
+    def store_pooled(ih: str, iw: str, ok: str) -> None:
+        """The pooled tile, for the pool's other readers: stored where this program loads it at
+        the centre tap, by the programs of the first column tile only."""
+        slot = outputs.index(pool_out)
+        buf.line(f"if t == {centre}:")
+        with buf.indent():
+            buf.line("if tl.program_id(1) == 0:")
+            with buf.indent():
+                buf.line(
+                    f"tl.store(out{slot} + ((img[:, None] * {p['H']} + {ih}) * {p['W']} + {iw}) * {c} + ci[None, :], "
+                    f"a_tile.to(out{slot}.dtype.element_ty), mask={ok})"
+                )
+
     with buf.indent():
         if depthwise and small_index:
             buf.line("rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
@@ -399,7 +453,7 @@ def _generate_conv_nhwc(
                     depthwise_taps(f"range(0, {taps})")
             else:
                 depthwise_taps(f"tl.static_range(0, {taps})")
-        elif window is not None:
+        elif window is not None and not pooled:
             _window_prologue(buf, graph, window, prologue[1:], {**literals}, c, n, dot)
         elif flat:
             buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
@@ -423,7 +477,9 @@ def _generate_conv_nhwc(
                 )
                 dot("a_tile", "b_tile")
         else:
-            segments = tap_segments(graph.constants[w_name]) if w_name in graph.constants else None
+            segments = (
+                tap_segments(graph.constants[w_name]) if w_name in graph.constants and not pool_out else None
+            )
 
             def window_body() -> None:
                 window_position()
@@ -431,7 +487,12 @@ def _generate_conv_nhwc(
                 with buf.indent():
                     buf.line("ci = c0 + rk")
                     buf.line(f"a_ok = ok[:, None] & (ci[None, :] < {c})")
-                    buf.line("a_tile = tl.load(x + base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+                    if pooled:
+                        pooled_tile("ih[:, None]", "iw[:, None]", "a_ok")
+                        if pool_out:
+                            store_pooled("ih[:, None]", "iw[:, None]", "a_ok")
+                    else:
+                        buf.line("a_tile = tl.load(x + base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
                     if scale:
                         scale_tile("a_ok")
                     buf.line(
@@ -493,7 +554,7 @@ def _generate_conv_nhwc(
                     f"{regs[name]}.to(out{i}.dtype.element_ty), mask=mask & (cols >= {first}) & (cols < {first + width}))"
                 )
         elif concat is None:
-            emit_stores(buf, outputs, regs, "dst")
+            emit_stores(buf, outputs, regs, "dst", skip={pool_out})
         else:
             _concat_stores(buf, graph, concat, copied, outputs, regs, views)
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')

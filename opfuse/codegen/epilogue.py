@@ -58,9 +58,17 @@ def emit_dot(buf: SourceBuffer, acc: str, a: str, b: str, prec: str) -> None:
 
 
 def emit_stores(
-    buf: SourceBuffer, outputs: list[str], regs: dict[str, str], dst: str, mask: str = "mask"
+    buf: SourceBuffer,
+    outputs: list[str],
+    regs: dict[str, str],
+    dst: str,
+    mask: str = "mask",
+    skip: set[str] | frozenset[str] = frozenset(),
 ) -> None:
+    """Each output `out{i}` stored at `dst`, but those in `skip` (stored elsewhere in the kernel)."""
     for i, name in enumerate(outputs):
+        if name in skip:
+            continue
         buf.line(f"tl.store(out{i} + {dst}, {regs[name]}.to(out{i}.dtype.element_ty), mask={mask})")
 
 

@@ -15,6 +15,7 @@ from opfuse.codegen.conv import (
     CONV_OPS,
     MAX_POOL_NHWC,
     NHWC_CONV,
+    centre_tap,
     conv_anchor_reason,
     conv_params,
     input_scale_reason,
@@ -363,7 +364,7 @@ def chain_gemv_groups(graph: Graph, groups: list[Group], not_fused: list[NotFire
 
 
 DEPTHWISE_RULE = "depthwise_prologue"
-POOL_PROLOGUE_RULE = "pool_prologue"  # the same, for a max pool read only by a 1x1 conv
+POOL_PROLOGUE_RULE = "pool_prologue"  # the same, for a max pool before a conv of any window
 # The prologue runs once per column tile of the pointwise conv: beyond two tiles of the default
 # width it would compute the depthwise conv too many times over.
 DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
@@ -378,6 +379,28 @@ def _pointwise_conv(graph: Graph, node: Node) -> bool:
     return w is not None and (p["KH"], p["KW"], p["SH"], p["SW"], p["PH"], p["PW"]) == (1, 1, 1, 1, 0, 0)
 
 
+def _dense_conv(graph: Graph, node: Node) -> bool:
+    """An NHWC convolution of group 1 with a constant weight (the implicit-GEMM template)."""
+    return (
+        node.op_type == NHWC_CONV
+        and int(node.attrs.get("group", 1)) == 1
+        and node.inputs[1] in graph.constants
+        and not is_depthwise(graph, node)
+    )
+
+
+def _stores_prologue_reason(graph: Graph, conv: Node, g: Group) -> str | None:
+    """None if the conv can store its max-pool prologue's output for that output's other readers
+    (at its centre tap, from the first column tile), else why not."""
+    if centre_tap(graph, conv) is None:
+        return "others read the pool's output, and the conv does not read every pooled pixel at one window position (stride 1, same size)"
+    if any(conv.inputs[0] in n.inputs for n in g.nodes[1:]):
+        return "the conv's epilogue reads the pool's output, which its kernel stores only as it goes"
+    if any(n.op_type in ("Split", "Concat") for n in g.nodes[1:]):
+        return "others read the pool's output, and the conv's kernel already stores a Split or Concat"
+    return None
+
+
 def window_prologues(
     graph: Graph,
     groups: list[Group],
@@ -390,8 +413,11 @@ def window_prologues(
     ShuffleNet's depthwise-separable pairs in one launch, and the depthwise output never written.
     The depthwise conv is memory-bound (KH*KW multiply-adds per element), so it may join an anchor
     as a prologue; the result is rounded to the model's type, as the unfused plan would store it.
-    A max pool read only by a 1x1 conv joins it the same way (SqueezeNet's pool before each
-    squeeze conv): the window's maximum computed on the input tiles."""
+    A max pool read by a conv joins it the same way (SqueezeNet's pool before each squeeze
+    conv, ResNet's stem pool before its first 3x3 conv): the window's maximum computed on the
+    input tiles, at each window position of a wider conv. Where others read the pool's output too
+    (ResNet's residual Add), the conv stores the tile it loads at its centre position
+    (`_stores_prologue_reason` says where it cannot)."""
     consumers = graph.consumers()
     outputs = {o.name for o in graph.outputs}
     by_output = {o: g for g in [*groups, *lone] for o in g.outputs}
@@ -402,7 +428,8 @@ def window_prologues(
         if g.kind != "conv" or g.variant != "template" or g.prologue or g.views:
             continue
         pw = g.nodes[0]
-        if not _pointwise_conv(graph, pw):
+        pointwise = _pointwise_conv(graph, pw)
+        if not pointwise and not _dense_conv(graph, pw):
             continue
         src = by_output.get(pw.inputs[0])
         if src is None or src.id in gone or src.variant != "template" or src.prologue:
@@ -411,12 +438,24 @@ def window_prologues(
         pool = src.kind == "pool" and dw.op_type == MAX_POOL_NHWC
         if not pool and not (src.kind == "conv" and dw.op_type == NHWC_CONV and is_depthwise(graph, dw)):
             continue
+        if not pool and not pointwise:
+            continue  # a depthwise conv joins 1x1 convs only
         rule = POOL_PROLOGUE_RULE if pool else DEPTHWISE_RULE
         if rule in disabled:
             continue
         x = pw.inputs[0]
-        if src.outputs != [x] or x in outputs or [c.id for c in consumers.get(x, [])] != [pw.id]:
+        if src.outputs != [x]:
             continue
+        if x in outputs or [c.id for c in consumers.get(x, [])] != [pw.id]:
+            # Read elsewhere too (a ResNet stem's pool, read by the first block's conv and by its
+            # residual Add): the conv stores the pooled tile it loads at its centre tap as well.
+            reason = (
+                _stores_prologue_reason(graph, pw, g) if pool else "others read the depthwise conv's output"
+            )
+            if reason is not None:
+                if pool:
+                    not_fused.append(NotFired(rule, [node_label(dw), node_label(pw)], reason))
+                continue
         # The depthwise epilogue: a chain of one-input ops (scalar constants aside).
         chain_ok = all(
             sum(1 for i in n.inputs if i and not (i in graph.constants and graph.constants[i].size == 1)) == 1

@@ -1057,3 +1057,98 @@ def test_added_convs_of_different_dilations_stay_apart_and_say_why() -> None:
     cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "sum_sibling_convs"]
     assert nf["nodes"] == ["near", "far", "add"] and nf["reason"] == "the convolutions' dilations differ"
+
+
+def stem_pool_block(c: int, size: int, conv: dict[str, Any], residual: bool) -> tuple[Any, list[int]]:
+    """A ResNet stem's end and first block: conv -> Relu -> MaxPool(3, 2, 1) -> conv (`conv`'s
+    attributes) -> Relu, and, `residual`, a second 3x3 conv plus the pool's output (the block's
+    residual Add)."""
+    co = c
+    k = conv.get("kernel_shape", [3, 3])
+    inits = {
+        "w0": RNG.standard_normal((c, 3, 3, 3)) * 0.3,
+        "wb": RNG.standard_normal((co, c, *k)) * 0.2,
+        "bb": RNG.standard_normal(co) * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["s"], name="stem", pads=[1] * 4),
+        helper.make_node("Relu", ["s"], ["sr"], name="stem_relu"),
+        helper.make_node(
+            "MaxPool", ["sr"], ["p"], name="pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4
+        ),
+        helper.make_node("Conv", ["p", "wb", "bb"], ["q"], name="conv", **conv),
+        helper.make_node("Relu", ["q"], ["r" if residual else "y"], name="relu"),
+    ]
+    pooled = (size + 1) // 2
+    stride = conv.get("strides", [1, 1])[0]
+    pad = conv.get("pads", [0] * 4)[0]
+    out = (pooled + 2 * pad - k[0]) // stride + 1
+    if residual:  # the block's second conv takes the Add in its epilogue
+        inits["wc"] = RNG.standard_normal((co, co, 3, 3)) * 0.2
+        nodes += [
+            helper.make_node("Conv", ["r", "wc"], ["t"], name="conv2", pads=[1] * 4),
+            helper.make_node("Add", ["t", "p"], ["y"], name="add"),
+        ]
+    m = make_model(nodes, {"x": [2, 3, size, size]}, {"y": [2, co, out, out]}, inits)
+    return m, [2, 3, size, size]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("channels", [8, 24])
+def test_a_stem_pool_runs_inside_the_3x3_conv_that_also_stores_it_for_the_residual_add(
+    precision: str, channels: int
+) -> None:
+    """ResNet's stem pool, read by the first block's 3x3 conv and by the block's residual Add:
+    the conv computes the pool on its input tiles at every window position and stores the tile
+    it loads at the centre one (first column tile only) for the Add. Three kernels, not four."""
+    m, shape = stem_pool_block(channels, 11, {"pads": [1] * 4}, residual=True)
+    cm = check_against_ort(m, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "pool_prologue" in g["rule"]]
+    assert g["nodes"] == ["pool", "conv", "relu"]
+    assert cm.report["kernels"] == {"before": 7, "after": 3}
+    (k,) = [k for k in cm.plan.kernels.values() if "prologue: max pool on the input tiles" in k.source]
+    assert "pv = tl.maximum(pv, tl.load(x + " in k.source and "if t == 4:" in k.source
+    assert len(k.outputs) == 2  # the conv's Relu and the pooled tensor
+    check_every_candidate(cm, k, m, {"x": RNG.standard_normal(shape).astype(np.float32)}, precision)
+    off = check_against_ort(m, {"x": shape}, precision, fusion_disable=(*NHWC_ALWAYS, "pool_prologue"))
+    assert off.report["kernels"]["after"] == 4
+
+
+@pytest.mark.parametrize("conv", [{"pads": [1] * 4}, {"kernel_shape": [3, 3], "strides": [2, 2]}])
+def test_a_max_pool_runs_inside_a_wider_conv_that_alone_reads_it(conv: dict[str, Any]) -> None:
+    """A pool read by one 3x3 conv (stride 1 padded, or stride 2 unpadded) is computed on its tiles
+    at every window position, and never stored."""
+    m, shape = stem_pool_block(16, 12, conv, residual=False)
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["kernels"] == {"before": 5, "after": 2}
+    (k,) = [k for k in cm.plan.kernels.values() if "prologue: max pool on the input tiles" in k.source]
+    assert len(k.outputs) == 1 and "if t ==" not in k.source
+
+
+def test_a_pool_others_read_stays_its_own_kernel_where_the_conv_cannot_store_it() -> None:
+    """Read by a stride-2 conv and by another op, the pool's output would have pixels the conv
+    never loads at one window position: the pool keeps its kernel, and says why."""
+    m, shape = stem_pool_block(8, 12, {"kernel_shape": [1, 1], "strides": [2, 2]}, residual=False)
+    m.graph.output.append(helper.make_tensor_value_info("p", 1, [2, 8, 6, 6]))
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "pool_prologue"]
+    assert nf["nodes"] == ["pool", "conv"] and "stride 1, same size" in nf["reason"]
+
+
+def test_the_split_form_of_a_stored_pool_prologue_computes_the_same() -> None:
+    """Tuning's alternative for a conv storing its pool prologue: the pool's own kernel (which
+    writes the pooled tensor for the Add), then the conv's template."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    m, shape = stem_pool_block(16, 11, {"pads": [1] * 4}, residual=True)
+    p = plan_model(m, {"x": shape}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.prologue]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [split.kernels[s.kernel].kind for s in split.steps if s.group == g.id] == ["pool", "conv"]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
