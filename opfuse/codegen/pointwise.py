@@ -1,7 +1,8 @@
 """Triton source for a pointwise group: one pass over the output, intermediates in registers.
 
 Every node computes in float32 registers; inputs are loaded once (with broadcasting by index
-arithmetic) and each group output is stored once in its own dtype.
+arithmetic) and each group output is stored once in its own dtype. A window op (LRN) also loads its
+input at neighbouring channel offsets, so that input is always one of the kernel's tensors.
 """
 
 from __future__ import annotations

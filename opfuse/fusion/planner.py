@@ -2,7 +2,9 @@
 
 Pointwise: a node joins the groups of its pointwise producers when their iteration shapes agree,
 the merge creates no cycle through a node outside the group, and the group stays under the size
-caps that keep its live values in registers. Every refusal is recorded with its reason.
+caps that keep its live values in registers. A window op (LRN) is a member like a pointwise op,
+except that the producer of the input it reads at neighbouring channels never joins its group.
+Every refusal is recorded with its reason.
 """
 
 from __future__ import annotations
