@@ -1,11 +1,13 @@
 """Triton source for a pointwise group: one pass over the output, intermediates in registers.
 
 Every node computes in float32 registers; inputs are loaded once (with broadcasting by index
-arithmetic) and each group output is stored once in its own dtype.
+arithmetic) and each group output is stored once in its own dtype. A window op (LRN) also loads its
+input at neighbouring channel offsets, so that input is always one of the kernel's tensors.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +181,33 @@ def pointwise_reason(graph: Graph, node: Node) -> str | None:
     return None
 
 
+# Window ops: pointwise but for one input read at neighbouring channel offsets as well (op -> the
+# channel axis). That input must be in memory: a tensor input of the kernel, never computed in it.
+WINDOW_OPS = {"LRN": 1, "opfuse.LRNNHWC": -1}
+
+
+def window_reason(graph: Graph, node: Node) -> str | None:
+    """None if a window op can be computed by a generated pointwise kernel, else why not."""
+    if node.op_type not in WINDOW_OPS:
+        return f"{node.op_type} is not a window op opfuse generates code for"
+    x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
+    if x.dtype not in FLOAT_TYPES or y.dtype not in FLOAT_TYPES:
+        return f"value of type {x.dtype}: window kernels take float32/float16/bfloat16"
+    if len(x.shape) < 3 or tuple(x.shape) != tuple(y.shape):
+        return "the input is not an [N, C, ...] tensor the size of the output"
+    if int(node.attrs.get("size", 0)) < 1:
+        return "the window size is not positive"
+    for key, default in (("alpha", 1e-4), ("beta", 0.75), ("bias", 1.0)):
+        if not np.isfinite(float(node.attrs.get(key, default))):
+            return f"the {key} is not finite"
+    return None
+
+
+def window_input(node: Node) -> str:
+    """The value a window op reads at neighbouring offsets."""
+    return node.inputs[0]
+
+
 def split_literals(
     graph: Graph,
     names: list[str],
@@ -211,11 +240,15 @@ class KernelSource:
 
 
 def _broadcast_index(
-    in_shape: tuple[int, ...], out_shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+    in_shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    strides: tuple[int, ...] | None = None,
+    offs: str = "offs",
 ) -> str | None:
     """Index expression into an input broadcast to out_shape; None for a scalar.
 
     `strides`: the input read through a folded Transpose/Reshape, as strides into its buffer.
+    `offs`: the expression of the output offsets it is read at (a window op's shifted offsets).
     """
     if int(np.prod(in_shape, dtype=np.int64)) == 1:
         return None
@@ -230,27 +263,27 @@ def _broadcast_index(
                 if padded[d] == 1 or given[d] == 0:
                     continue
                 coord = (
-                    f"((offs // {out_strides[d]}) % {out_shape[d]})"
+                    f"(({offs} // {out_strides[d]}) % {out_shape[d]})"
                     if out_strides[d] > 1
-                    else f"(offs % {out_shape[d]})"
+                    else f"({offs} % {out_shape[d]})"
                 )
                 terms.append(f"{coord} * {given[d]}" if given[d] != 1 else coord)
             return "(" + " + ".join(terms) + ")"
     if padded == tuple(out_shape):
-        return "offs"
+        return offs
     # Strides of the (contiguous) input, and of the output's iteration space.
     in_strides = contiguous
     out_strides = [int(np.prod(out_shape[d + 1 :], dtype=np.int64)) for d in range(len(out_shape))]
     live = [d for d in range(len(padded)) if padded[d] != 1]
     # A contiguous trailing block (e.g. a bias over the last dims): offs modulo its size.
     if live == list(range(live[0], len(padded))) and all(padded[d] == out_shape[d] for d in live):
-        return f"(offs % {int(np.prod(padded, dtype=np.int64))})"
+        return f"({offs} % {int(np.prod(padded, dtype=np.int64))})"
     terms = []
     for d in live:
         coord = (
-            f"((offs // {out_strides[d]}) % {out_shape[d]})"
+            f"(({offs} // {out_strides[d]}) % {out_shape[d]})"
             if out_strides[d] > 1
-            else f"(offs % {out_shape[d]})"
+            else f"({offs} % {out_shape[d]})"
         )
         terms.append(f"{coord} * {in_strides[d]}" if in_strides[d] != 1 else coord)
     return "(" + " + ".join(terms) + ")"
@@ -270,7 +303,8 @@ def generate_pointwise(
     shape = graph.spec(outputs[0]).shape
     numel = graph.spec(outputs[0]).numel
     fn = "fused_pointwise"
-    literals, tensor_inputs = split_literals(graph, inputs)
+    windowed = {window_input(n) for n in group_nodes if n.op_type in WINDOW_OPS}
+    literals, tensor_inputs = split_literals(graph, inputs, tensors=windowed)
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
     buf.line(f"# Generated by opfuse: pointwise kernel {kernel_id} for group {group_id}.")
@@ -294,22 +328,29 @@ def generate_pointwise(
         pid = "tl.program_id(0).to(tl.int64)" if numel >= 2**31 - 1 else "tl.program_id(0)"
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
+        reads: dict[str, tuple[int, tuple[int, ...], tuple[int, ...] | None, str]] = {}
         for i, name in enumerate(tensor_inputs):
             view = views.get(name)
-            idx = (
-                _broadcast_index(view.shape, shape, view.strides)
-                if view is not None
-                else _broadcast_index(graph.spec(name).shape, shape)
-            )
+            in_shape = tuple(view.shape if view is not None else graph.spec(name).shape)
+            strides = tuple(view.strides) if view is not None else None
+            idx = _broadcast_index(in_shape, shape, strides)
             offset = f" + {view.offset}" if view is not None and view.offset else ""  # a Split output
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}{offset}).to(tl.float32)")
             else:
                 buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other=0.0).to(tl.float32)")
             regs[name] = f"x{i}"
+            reads[name] = (i, in_shape, strides, offset)
         for name, lit in literals.items():
             regs[name] = lit
         for j, n in enumerate(group_nodes):
+            if n.op_type in WINDOW_OPS:
+                x = window_input(n)
+                address = functools.partial(_address, *reads[x], shape)
+                expr = _emit_window(buf, n, f"v{j}", regs[x], address, shape)
+                buf.line(f"v{j} = {expr}  # {n.op_type}")
+                regs[n.outputs[0]] = f"v{j}"
+                continue
             args_expr = [regs[x] if x else "" for x in n.inputs]
             consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
             expr = EMITTERS[n.op_type](args_expr, n, consts)
@@ -327,3 +368,53 @@ def generate_pointwise(
     return KernelSource(
         kernel_id, "pointwise", buf.getvalue(), passed, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )
+
+
+def _address(
+    i: int,
+    in_shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    offset: str,
+    shape: tuple[int, ...],
+    at: str,
+) -> str:
+    """The address of kernel input `in{i}` at output offsets `at`."""
+    return f"in{i} + {_broadcast_index(in_shape, shape, strides, at) or 0}{offset}"
+
+
+def _emit_window(
+    buf: SourceBuffer,
+    node: Node,
+    prefix: str,
+    centre: str,
+    address: Callable[[str], str],
+    shape: tuple[int, ...],
+) -> str:
+    """LRN: the sum of squares over the channel window [c - (size-1)//2, c + size-1 - (size-1)//2],
+    each neighbour loaded at the output offset shifted by whole channels (masked past either edge:
+    the zero padding, which still counts in the divisor `size`); returns the expression of
+    x / (bias + alpha / size * sum) ** beta. `address(at)` is the input's address at offsets `at`."""
+    rank = len(shape)
+    axis = WINDOW_OPS[node.op_type] % rank
+    channels = int(shape[axis])
+    stride = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    size = int(node.attrs["size"])
+    before = (size - 1) // 2
+    alpha = float(node.attrs.get("alpha", 1e-4))
+    beta = float(node.attrs.get("beta", 0.75))
+    bias = float(node.attrs.get("bias", 1.0))
+    chan = f"{prefix}_c"
+    buf.line(f"{chan} = (offs // {stride}) % {channels}" if stride > 1 else f"{chan} = offs % {channels}")
+    buf.line(f"{prefix}_sq = {centre} * {centre}")
+    for d in range(-before, size - before):
+        if d == 0:
+            continue
+        at = f"(offs + {d * stride})" if d > 0 else f"(offs - {-d * stride})"
+        inside = f"({chan} >= {-d})" if d < 0 else f"({chan} < {channels - d})"
+        buf.line(
+            f"{prefix}_w = tl.load({address(at)}, mask=mask & {inside}, other=0.0).to(tl.float32)"
+            f"  # channel {'+' if d > 0 else '-'}{abs(d)}"
+        )
+        buf.line(f"{prefix}_sq += {prefix}_w * {prefix}_w")
+    base = f"({float_literal(bias)} + {float_literal(alpha / size)} * {prefix}_sq)"
+    return f"({centre} / {_pow([base], node, [None, beta])})"

@@ -2,7 +2,9 @@
 
 Pointwise: a node joins the groups of its pointwise producers when their iteration shapes agree,
 the merge creates no cycle through a node outside the group, and the group stays under the size
-caps that keep its live values in registers. Every refusal is recorded with its reason.
+caps that keep its live values in registers. A window op (LRN) is a member like a pointwise op,
+except that the producer of the input it reads at neighbouring channels never joins its group.
+Every refusal is recorded with its reason.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opfuse.codegen.pointwise import pointwise_reason
+from opfuse.codegen.pointwise import WINDOW_OPS, pointwise_reason, window_input, window_reason
 from opfuse.codegen.rowwise import ROW_OPS, row_space
 from opfuse.fusion.anchors import (
     CHAIN_RULE,
@@ -35,10 +37,11 @@ from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
 from opfuse.fusion.views import VIEW_THROUGH, StridedView, contiguous_strides, input_view
-from opfuse.graph import Graph
+from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"
+WINDOW_RULE = "channel_window"
 LAYOUT_RULE = "layout_views"
 RULES = (
     ATTENTION_RULE,
@@ -52,6 +55,7 @@ RULES = (
     CONCAT_RULE,
     POOLED_GEMM_RULE,
     POINTWISE_RULE,
+    WINDOW_RULE,
     LAYOUT_RULE,
 )
 
@@ -69,6 +73,7 @@ __all__ = [
     "POOL_RULE",
     "ROW_RULE",
     "RULES",
+    "WINDOW_RULE",
     "FusionPlan",
     "Group",
     "plan_fusion",
@@ -125,6 +130,15 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         if n.id in in_rows:
             eligible[n.id] = False
             continue
+        if n.op_type in WINDOW_OPS:
+            if WINDOW_RULE in disabled:
+                eligible[n.id] = False
+                continue
+            reason = window_reason(graph, n)
+            eligible[n.id] = reason is None
+            if reason is not None:
+                not_fused.append(NotFired(WINDOW_RULE, [node_label(n)], reason))
+            continue
         reason = pointwise_reason(graph, n)
         eligible[n.id] = reason is None
         if reason is not None and not reason.endswith("generates code for"):
@@ -155,6 +169,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         for gi in candidates:
             merged = mine | members[gi]
             reason, _ = merge_refusal(graph, merged, order)
+            if reason is None:
+                reason = _window_refusal(graph, merged, producers)
             if reason is not None:
                 labels = [*[node_label(m) for m in graph.nodes if m.id in members[gi]][:3], node_label(n)]
                 not_fused.append(NotFired(POINTWISE_RULE, labels, reason))
@@ -172,7 +188,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         if not ids:
             continue
         nodes = [n for n in graph.nodes if n.id in ids]
-        if len(nodes) == 1:
+        if len(nodes) == 1 and nodes[0].op_type not in WINDOW_OPS:
             continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
         ins, outs = group_boundary(graph, nodes)
         group = Group(f"g{count}", "pointwise", POINTWISE_RULE, nodes, ins, outs)
@@ -183,6 +199,21 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     if LAYOUT_RULE not in disabled:
         _explain_concat_copies(graph, groups, not_fused)
     return FusionPlan(groups, not_fused, lone)
+
+
+def _window_refusal(graph: Graph, merged: set[str], producers: dict[str, Node]) -> str | None:
+    """Why a group cannot hold both a window op and the producer of the value it reads at
+    neighbouring channels (None if it does not): the neighbours are loaded from memory, so that
+    value must be written by another kernel before this one runs."""
+    for n in graph.nodes:
+        if n.id in merged and n.op_type in WINDOW_OPS:
+            p = producers.get(window_input(n))
+            if p is not None and p.id in merged:
+                return (
+                    f"{n.op_type} reads its input at neighbouring channels, so that input is loaded "
+                    "from memory, not computed in the same kernel"
+                )
+    return None
 
 
 def _explain_concat_copies(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:

@@ -11,6 +11,7 @@ ops around it, pooling and global pooling work on NHWC tensors:
   written-out ReduceMean/Sum/Max/Min with constant axes reduces the same axes in NHWC numbering;
 - pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
 - Concat along channels concatenates along the last axis;
+- LRN becomes `opfuse.LRNNHWC`, its window over the last axis (the channels, contiguous);
 - the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
   a Transpose to NHWC of a value already there is that value, and the operand of a Transpose back
   to NCHW is the NHWC form of its result.
@@ -39,7 +40,8 @@ POOLS = {"MaxPool": "opfuse.MaxPoolNHWC", "AveragePool": "opfuse.AveragePoolNHWC
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
 REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
 # Ops of the channels-last region that exist only inside opfuse (never accepted from a model).
-INTERNAL_OPS = ("opfuse.ConvNHWC", *POOLS.values())
+LRN_NHWC = "opfuse.LRNNHWC"
+INTERNAL_OPS = ("opfuse.ConvNHWC", *POOLS.values(), LRN_NHWC)
 
 
 def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -257,6 +259,11 @@ def to_channels_last(
             out = rw.new_output(node.outputs[0]) if keep else node.outputs[0]
             attrs = {k: v for k, v in node.attrs.items() if k != "axes"} | {"keepdims": keep}
             rw.out.append(Node(node.id, op, ins, [out], attrs, node.name))
+        elif op == "LRN" and node.inputs[0] in rw.twin and len(graph.spec(node.inputs[0]).shape) == 4:
+            # A window over the channels: in NHWC neighbouring channels are neighbouring elements.
+            ins = [rw.twin[node.inputs[0]]]
+            out = rw.new_output(node.outputs[0])
+            rw.out.append(Node(node.id, LRN_NHWC, ins, [out], dict(node.attrs), node.name))
         elif (
             op == "Concat"
             and len(graph.spec(node.outputs[0]).shape) == 4

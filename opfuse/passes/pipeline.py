@@ -21,6 +21,7 @@ from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
+from opfuse.passes.local_response_norm import local_response_norm
 from opfuse.passes.projections import MERGE_RULE, merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
@@ -35,6 +36,7 @@ RULES: list[Rule] = [
     gather_to_slice,
     rotate_half,
     group_norm,
+    local_response_norm,
     fold_batchnorm,
     sum_sibling_convs,
     merge_concat_convs,

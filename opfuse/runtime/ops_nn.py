@@ -257,6 +257,10 @@ def average_pool(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     if padding is not None and all(d == 1 for d in dilations):
         # torch divides like onnxruntime: the pads count when count_include_pad=1, the ceil_mode
         # overhang past the end pad never does.
+        if n == 3 and x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):
+            # torch's CPU avg_pool3d has no half kernels (a written-out LocalResponseNorm pools the
+            # channels as a third spatial dim): average in float32, round once to the input's type.
+            return [_AVG_POOL[n](x.float(), kernel, strides, padding, ceil, include_pad).to(x.dtype)]
         return [_AVG_POOL[n](x, kernel, strides, padding, ceil, include_pad)]
     # Otherwise sum with a depthwise all-ones conv and divide by a count made the same way from a
     # mask of the cells that count: real ones, plus the declared pads when they are included.

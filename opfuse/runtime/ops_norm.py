@@ -111,3 +111,10 @@ def lrn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     for i in range(1, size):
         square_sum = square_sum + sq[:, 0, i : i + channels]
     return [x / (bias + (alpha / size) * square_sum) ** beta]
+
+
+@register("opfuse.LRNNHWC")
+def lrn_nhwc(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    """LRN in the channels-last region (opfuse/passes/layout.py): the window over the last axis."""
+    x = required(inputs, 0, "LRNNHWC")
+    return [lrn([x.permute(0, 3, 1, 2)], attrs)[0].permute(0, 2, 3, 1)]

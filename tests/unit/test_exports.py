@@ -226,7 +226,11 @@ def test_cnn_export(name: str) -> None:
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
     onnx_model = export(model, (torch.from_numpy(image(*shape)),), ["x"])
-    check(onnx_model, {"x": image(*shape)})
+    cm = check(onnx_model, {"x": image(*shape)})
+    if name == "shuffle_dense_squeeze":
+        # The written-out LocalResponseNorm is one LRN kernel reading the conv's concatenated
+        # NHWC output: 6 launches for 21 compute nodes.
+        assert cm.report["kernels"]["after"] <= 0.4 * cm.report["compute_nodes"]
 
 
 def test_cnn_fp16() -> None:
