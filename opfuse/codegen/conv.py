@@ -20,7 +20,7 @@ import numpy as np
 from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
 from opfuse.codegen.pointwise import KernelSource, split_literals
 from opfuse.codegen.rowwise import matmul_tile_config, next_pow2
-from opfuse.codegen.source import SourceBuffer, comment_text
+from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
@@ -70,6 +70,47 @@ def conv_params(graph: Graph, node: Node) -> dict[str, int]:
         "OH": y[2],
         "OW": y[3],
     }
+
+
+PAD_MODES = ("constant", "reflect", "edge")
+
+
+def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
+    """A 4-D NCHW Pad of the spatial axes only, as a conv prologue reads it: the source's H and
+    W, the top and left pads, the mode, and a constant Pad's value as a literal."""
+    h, w = graph.spec(pad.inputs[0]).shape[2:]
+    per_dim = pad_per_dim(graph, pad)
+    assert per_dim is not None  # checked by the planner (fusion.anchors.pad_prologue_reason)
+    value = 0.0
+    if len(pad.inputs) > 2 and pad.inputs[2]:
+        value = float(np.asarray(graph.constants[pad.inputs[2]]).reshape(()))
+    return {
+        "H": h,
+        "W": w,
+        "top": per_dim[2][0],
+        "left": per_dim[3][0],
+        "mode": str(pad.attrs.get("mode", "constant")),
+        "value": float_literal(value),
+    }
+
+
+def pad_per_dim(graph: Graph, pad: Node) -> list[tuple[int, int]] | None:
+    """(begin, end) per axis of a Pad whose pads (and axes) are constants; None otherwise."""
+    rank = len(graph.spec(pad.inputs[0]).shape)
+    if pad.inputs[1] not in graph.constants:
+        return None
+    pads = [int(v) for v in np.asarray(graph.constants[pad.inputs[1]]).ravel()]
+    axes = list(range(rank))
+    if len(pad.inputs) > 3 and pad.inputs[3]:
+        if pad.inputs[3] not in graph.constants:
+            return None
+        axes = [int(a) % rank for a in np.asarray(graph.constants[pad.inputs[3]]).ravel()]
+    if len(pads) != 2 * len(axes):
+        return None
+    per_dim = [(0, 0)] * rank
+    for i, axis in enumerate(axes):
+        per_dim[axis] = (pads[i], pads[i + len(axes)])
+    return per_dim
 
 
 def centre_tap(graph: Graph, conv: Node) -> int | None:
@@ -273,6 +314,7 @@ def _generate_conv_nhwc(
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     scale = ""
+    pad: Node | None = None
     # A depthwise conv or a max pool computed as the input tiles are loaded.
     window: Node | None = None
     dw_w = dw_b = ""
@@ -282,6 +324,11 @@ def _generate_conv_nhwc(
         if window.op_type == NHWC_CONV:
             dw_w = window.inputs[1]
             dw_b = window.inputs[2] if len(window.inputs) > 2 else ""
+    elif prologue and prologue[0].op_type == "Pad":
+        # Pad (NCHW) -> Transpose to NHWC -> conv: the kernel reads the unpadded NCHW tensor, the
+        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
+        pad = prologue[0]
+        x_name = pad.inputs[0]
     elif prologue:  # x = act * scale: the kernel reads act and scales each loaded tile
         x_name, scale = input_scale_operands(graph, prologue[0], anchor)
     # A max pool before a conv wider than 1x1, or whose output others read too (the conv then
@@ -293,7 +340,10 @@ def _generate_conv_nhwc(
     )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     split_sizes = {split.inputs[1]} if split is not None else set()
-    operands_only = {x_name, w_name, scale, dw_w, dw_b, *copied, *split_sizes} - {""} - epilogue_reads
+    pad_operands = set(pad.inputs[1:]) if pad is not None else set()
+    operands_only = (
+        {x_name, w_name, scale, dw_w, dw_b, *copied, *split_sizes, *pad_operands} - {""} - epilogue_reads
+    )
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     extra = [e for e in extra if e not in (scale, dw_w, dw_b)]
     dw_args = (["dw"] if dw_w else []) + (["db"] if dw_b else [])
@@ -362,13 +412,50 @@ def _generate_conv_nhwc(
     def dot(a: str, b: str) -> None:
         emit_dot(buf, "acc", a, b, prec)
 
+    padding = pad_geometry(graph, pad) if pad is not None else None
+    # The stride between input channels in x: 1 (NHWC), or a plane (a padded NCHW source).
+    cs = padding["H"] * padding["W"] if padding is not None else 1
+
+    def source_pixel(ih: str, iw: str, img_: str) -> str:
+        """Emit what maps conv-input pixel (ih, iw) to x: for a Pad prologue, the source pixel
+        (sh, sw) and, constant mode, `inside` (not a filled pixel). Returns the pixel's offset."""
+        if padding is None:
+            return f"(({img_} * {p['H']} + {ih}) * {p['W']} + {iw}) * {c}"
+        h0, w0 = padding["H"], padding["W"]
+        buf.line(f"sh = {ih} - {padding['top']}")
+        buf.line(f"sw = {iw} - {padding['left']}")
+        if padding["mode"] == "reflect":
+            for v, size in (("sh", h0), ("sw", w0)):
+                buf.line(f"{v} = tl.where({v} < 0, -{v}, {v})")
+                buf.line(f"{v} = tl.where({v} >= {size}, {2 * size - 2} - {v}, {v})")
+        elif padding["mode"] == "edge":
+            for v, size in (("sh", h0), ("sw", w0)):
+                buf.line(f"{v} = tl.minimum(tl.maximum({v}, 0), {size - 1})")
+        else:
+            buf.line(f"inside = (sh >= 0) & (sh < {h0}) & (sw >= 0) & (sw < {w0})")
+        return f"{img_} * {c * h0 * w0} + sh * {w0} + sw"
+
+    def padded_load(offset: str, ok: str) -> None:
+        """a_tile from x at `offset` (+ the channels), where `ok`; a constant Pad's value where the
+        pixel is a filled one."""
+        chan = "ci[None, :]" if cs == 1 else f"ci[None, :] * {cs}"
+        if padding is None or padding["mode"] != "constant":
+            buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok}, other=0.0)")
+            return
+        fill = padding["value"]
+        buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok} & inside, other={fill})")
+        if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
+            buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
+
     def window_position() -> None:
         """Window position t: the input pixel each output row reads, whether it is inside the
         image, and the offset of its channels (NHWC)."""
         buf.line(f"ih = ih0 + (t // {kw_}) * {p['DH']}")
         buf.line(f"iw = iw0 + (t % {kw_}) * {p['DW']}")
         buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
-        buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+        buf.line(f"base = {source_pixel('ih', 'iw', 'img')}")
+        if padding is not None and padding["mode"] == "constant":
+            buf.line("inside = inside[:, None]")
 
     def depthwise_taps(loop: str) -> None:
         """Each output channel reads its own input channel: a [pixels, channels] tile of
@@ -467,9 +554,7 @@ def _generate_conv_nhwc(
                 buf.line(
                     f"ok = row_ok[:, None] & (kk[None, :] < {k}) & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})"
                 )
-                buf.line(
-                    f"a_tile = tl.load(x + ((img[:, None] * {p['H']} + ih) * {p['W']} + iw) * {c} + ci[None, :], mask=ok, other=0.0)"
-                )
+                padded_load(source_pixel("ih", "iw", "img[:, None]"), "ok")
                 if scale:
                     scale_tile("ok")
                 buf.line(
@@ -492,7 +577,7 @@ def _generate_conv_nhwc(
                         if pool_out:
                             store_pooled("ih[:, None]", "iw[:, None]", "a_ok")
                     else:
-                        buf.line("a_tile = tl.load(x + base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+                        padded_load("base[:, None]", "a_ok")
                     if scale:
                         scale_tile("a_ok")
                     buf.line(

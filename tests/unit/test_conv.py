@@ -1152,3 +1152,108 @@ def test_the_split_form_of_a_stored_pool_prologue_computes_the_same() -> None:
     for plan in (p.plan, split):
         got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def padded_conv(
+    c: int, mode: str, pads: list[int], conv: dict[str, Any] | None = None, value: float | None = None
+) -> tuple[Any, list[int], list[int]]:
+    """norm -> Relu -> Pad(`mode`, `pads` over H and W: top, left, bottom, right) -> 3x3 conv
+    (`conv`'s attributes). The InstanceNorm keeps the Pad outside the channels-last region, as in
+    a segmentation head or an image-to-image generator's blocks."""
+    n, size, co = 2, 7, 6
+    conv = conv or {}
+    inits: dict[str, Any] = {
+        "scale": RNG.uniform(0.5, 1.5, c),
+        "shift": RNG.standard_normal(c) * 0.1,
+        "w": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "b": RNG.standard_normal(co) * 0.1,
+        "pads": np.array([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]),
+    }
+    pad_inputs = ["r", "pads"]
+    if value is not None:
+        inits["value"] = np.array(value)
+        pad_inputs.append("value")
+    nodes = [
+        helper.make_node("InstanceNormalization", ["x", "scale", "shift"], ["h"], name="norm"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Pad", pad_inputs, ["p"], name="pad", mode=mode),
+        helper.make_node("Conv", ["p", "w", "b"], ["y"], name="conv", **conv),
+    ]
+    hp, wp = size + pads[0] + pads[2], size + pads[1] + pads[3]
+    s, cp = conv.get("strides", [1, 1])[0], conv.get("pads", [0] * 4)[0]
+    out = [n, co, (hp + 2 * cp - 3) // s + 1, (wp + 2 * cp - 3) // s + 1]
+    m = make_model(nodes, {"x": [n, c, size, size]}, {"y": out}, inits)
+    for init in m.graph.initializer:
+        if init.name == "pads":
+            init.CopyFrom(numpy_helper.from_array(inits["pads"].astype(np.int64), "pads"))
+    return m, [n, c, size, size], out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "mode, pads, conv, value",
+    [
+        ("reflect", [1, 1, 1, 1], {}, None),
+        ("reflect", [2, 1, 0, 3], {"strides": [2, 2], "pads": [1, 1, 1, 1]}, None),
+        ("edge", [1, 2, 2, 1], {}, None),
+        ("constant", [1, 1, 2, 2], {}, None),
+        ("constant", [2, 0, 1, 1], {"pads": [1, 1, 1, 1]}, 0.75),
+    ],
+)
+@pytest.mark.parametrize("channels", [8, 24])
+def test_a_conv_reads_its_input_through_the_pad_before_it(
+    precision: str, mode: str, pads: list[int], conv: dict[str, Any], value: float | None, channels: int
+) -> None:
+    """The Pad's copy is gone: the conv template reads the unpadded NCHW tensor, each padded pixel
+    mapped to the pixel it copies (reflect, edge) or filled with the Pad's value, inside the
+    conv's own zero padding. Few channels (one flat K loop) and more (a loop per window position)."""
+    m, shape, _ = padded_conv(channels, mode, pads, conv, value)
+    cm = check_against_ort(m, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "conv"]
+    assert g["rule"] == "conv_epilogue+pad_prologue" and g["nodes"][0] == "pad" and g["nodes"][-1] == "conv"
+    assert cm.report["kernels"] == {"before": 4, "after": 2}
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert "sh = " in k.source and ("tl.where(sh < 0, -sh, sh)" in k.source) == (mode == "reflect")
+    assert ("tl.maximum(sh, 0)" in k.source) == (mode == "edge")
+    check_every_candidate(cm, k, m, {"x": RNG.standard_normal(shape).astype(np.float32)}, precision)
+    off = check_against_ort(m, {"x": shape}, precision, fusion_disable=(*NHWC_ALWAYS, "pad_prologue"))
+    assert off.report["kernels"]["after"] == 3
+    # Without the rule: the Pad's copy, then the conv alone (the library's).
+    assert [s.op_type for s in off.plan.steps if s.kind == "op" and s.launches] == ["Pad", "opfuse.ConvNHWC"]
+
+
+@pytest.mark.parametrize(
+    "mode, pads, why",
+    [
+        ("wrap", [1, 1, 1, 1], "Pad mode 'wrap'"),
+        ("constant", [-1, 1, 1, 1], "negative pads (a crop)"),
+    ],
+)
+def test_a_pad_the_conv_cannot_read_through_stays_and_says_why(mode: str, pads: list[int], why: str) -> None:
+    m, shape, _ = padded_conv(8, mode, pads)
+    cm = check_against_ort(m, {"x": shape}, fusion_disable=NHWC_ALWAYS)
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "pad_prologue"]
+    assert nf["nodes"] == ["pad", "conv"] and nf["reason"].startswith(why)
+    assert "Pad" in [s.op_type for s in cm.plan.steps if s.kind == "op"]
+
+
+def test_the_library_form_of_a_padded_conv_runs_the_pad_then_the_library_conv() -> None:
+    """What tuning measures against the template reading through the Pad: the Pad's own copy,
+    then the library's conv with the epilogue after it."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    m, shape, _ = padded_conv(16, "reflect", [1, 1, 1, 1])
+    m.graph.node.append(helper.make_node("Relu", ["y"], ["z"], name="act"))
+    m.graph.output[0].name = "z"
+    p = plan_model(m, {"x": shape}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.prologue]
+    lib = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [s for s in lib.steps if s.group == g.id and s.launches]
+    assert [s.op_type or lib.kernels[s.kernel].kind for s in mine] == ["Pad", "opfuse.ConvNHWC", "pointwise"]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, lib):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["z"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
