@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.codegen.resize import ResizeGather, resize_load
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
@@ -265,7 +266,8 @@ def generate_pointwise(
     group_id: str,
     views: dict[str, Any] | None = None,
 ) -> KernelSource:
-    """`views`: external inputs read through folded layout ops ({value: StridedView})."""
+    """`views`: external inputs read through folded layout ops ({value: StridedView}), or computed
+    by gather loads from the input of a Resize ({value: ResizeGather})."""
     views = views or {}
     shape = graph.spec(outputs[0]).shape
     numel = graph.spec(outputs[0]).numel
@@ -277,6 +279,13 @@ def generate_pointwise(
     buf.line(f"# {len(group_nodes)} ONNX nodes, {numel} elements, shape {list(shape)}:")
     for n in group_nodes:
         buf.line(f"#   {n.id}: {n.op_type} {comment_text(n.name)}")
+    for i, name in enumerate(tensor_inputs):
+        g = views.get(name)
+        if isinstance(g, ResizeGather):
+            resized = [a.out_size for a in g.axes]
+            buf.line(
+                f"# in{i}: resized {resized} by gather loads from its input {[a.in_size for a in g.axes]}"
+            )
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line()
@@ -294,8 +303,17 @@ def generate_pointwise(
         pid = "tl.program_id(0).to(tl.int64)" if numel >= 2**31 - 1 else "tl.program_id(0)"
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
+        index_type = "tl.int64" if pid != "tl.program_id(0)" else "tl.int32"
         for i, name in enumerate(tensor_inputs):
             view = views.get(name)
+            if isinstance(view, ResizeGather):
+                lines: list[str] = []
+                value = resize_load(f"r{i}", f"in{i}", view, lines, index_type)
+                for text in lines:
+                    buf.line(text)
+                buf.line(f"x{i} = {value}")
+                regs[name] = f"x{i}"
+                continue
             idx = (
                 _broadcast_index(view.shape, shape, view.strides)
                 if view is not None
