@@ -226,7 +226,16 @@ def test_cnn_export(name: str) -> None:
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 2.0)
     onnx_model = export(model, (torch.from_numpy(image(*shape)),), ["x"])
-    check(onnx_model, {"x": image(*shape)})
+    cm = check(onnx_model, {"x": image(*shape)})
+    if name == "segmentation":
+        # The head's two Resizes (one through a Slice) are gathered by the Add's kernel
+        # (`resize_gather`); the Resize before the Concat runs as its own op.
+        launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+        assert launched.count("Resize") == 1
+        (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "pointwise+resize_gather"]
+        assert g["nodes"] == ["/Add"] and g["resize_gathered"] == ["/Resize_1", "/Resize_2"]
+        if TEST_DEVICE == "cpu":  # on the GPU the fp32 dense convs stay NCHW (fp32_dense_nchw)
+            assert cm.report["kernels"] == {"before": 15, "after": 9}
 
 
 def test_cnn_fp16() -> None:
