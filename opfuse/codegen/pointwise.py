@@ -303,7 +303,10 @@ def generate_pointwise(
         pid = "tl.program_id(0).to(tl.int64)" if numel >= 2**31 - 1 else "tl.program_id(0)"
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
-        index_type = "tl.int64" if pid != "tl.program_id(0)" else "tl.int32"
+        wide = pid != "tl.program_id(0)" or any(
+            isinstance(v, ResizeGather) and v.extent() >= 2**31 - 1 for v in views.values()
+        )
+        index_type = "tl.int64" if wide else "tl.int32"
         for i, name in enumerate(tensor_inputs):
             view = views.get(name)
             if isinstance(view, ResizeGather):

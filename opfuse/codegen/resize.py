@@ -50,6 +50,12 @@ class ResizeGather:
     coordinate_mode: str  # one of COORDINATE_MODES
     nearest_mode: str  # one of NEAREST_MODES
 
+    def extent(self) -> int:
+        """One past the farthest element of `base` the gather may read."""
+        return (
+            self.offset + sum((a.in_size - 1) * st for a, st in zip(self.axes, self.strides, strict=True)) + 1
+        )
+
 
 def _source_coordinate(x: str, axis: ResizeAxis, coordinate_mode: str) -> str:
     """The float32 input coordinate of output coordinate `x` (a float32 expression), as
@@ -80,7 +86,8 @@ def _nearest_index(src: str, nearest_mode: str) -> str:
 
 def resize_load(name: str, pointer: str, gather: ResizeGather, lines: list[str], index_type: str) -> str:
     """Append to `lines` the statements that load the resized value for every `offs` (registers
-    named after `name`) and return the expression of the value in float32."""
+    named after `name`) and return the expression of the value in float32. `index_type`: the
+    integer type of the addresses (tl.int64 where an input or the output has 2**31 elements)."""
     shape = gather.shape
     out_strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
     taps: list[list[tuple[str, str | None]]] = []  # per axis: (index, weight or None)
@@ -92,6 +99,7 @@ def resize_load(name: str, pointer: str, gather: ResizeGather, lines: list[str],
         stride = gather.strides[d]
         if d < 2 or axis.identity(gather.coordinate_mode):
             if axis.in_size > 1 and stride:
+                coord = coord if index_type == "tl.int32" else f"{coord}.to({index_type})"
                 fixed.append(f"{coord} * {stride}" if stride != 1 else coord)
             continue
         var = f"{name}_{'nchw'[d]}"
