@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.codegen.resize import ResizeGather, resize_load
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
 
@@ -298,7 +299,8 @@ def generate_pointwise(
     group_id: str,
     views: dict[str, Any] | None = None,
 ) -> KernelSource:
-    """`views`: external inputs read through folded layout ops ({value: StridedView})."""
+    """`views`: external inputs read through folded layout ops ({value: StridedView}), or computed
+    by gather loads from the input of a Resize ({value: ResizeGather})."""
     views = views or {}
     shape = graph.spec(outputs[0]).shape
     numel = graph.spec(outputs[0]).numel
@@ -311,6 +313,13 @@ def generate_pointwise(
     buf.line(f"# {len(group_nodes)} ONNX nodes, {numel} elements, shape {list(shape)}:")
     for n in group_nodes:
         buf.line(f"#   {n.id}: {n.op_type} {comment_text(n.name)}")
+    for i, name in enumerate(tensor_inputs):
+        g = views.get(name)
+        if isinstance(g, ResizeGather):
+            resized = [a.out_size for a in g.axes]
+            buf.line(
+                f"# in{i}: resized {resized} by gather loads from its input {[a.in_size for a in g.axes]}"
+            )
     buf.line("import triton")
     buf.line("import triton.language as tl")
     buf.line()
@@ -328,9 +337,21 @@ def generate_pointwise(
         pid = "tl.program_id(0).to(tl.int64)" if numel >= 2**31 - 1 else "tl.program_id(0)"
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
+        wide = pid != "tl.program_id(0)" or any(
+            isinstance(v, ResizeGather) and v.extent() >= 2**31 - 1 for v in views.values()
+        )
+        index_type = "tl.int64" if wide else "tl.int32"
         reads: dict[str, tuple[int, tuple[int, ...], tuple[int, ...] | None, str]] = {}
         for i, name in enumerate(tensor_inputs):
             view = views.get(name)
+            if isinstance(view, ResizeGather):
+                lines: list[str] = []
+                value = resize_load(f"r{i}", f"in{i}", view, lines, index_type)
+                for text in lines:
+                    buf.line(text)
+                buf.line(f"x{i} = {value}")
+                regs[name] = f"x{i}"
+                continue
             in_shape = tuple(view.shape if view is not None else graph.spec(name).shape)
             strides = tuple(view.strides) if view is not None else None
             idx = _broadcast_index(in_shape, shape, strides)

@@ -30,8 +30,9 @@ class Group:
     # attention: the matched pattern the kernel is generated from; chain: where the second anchor
     # stands in `nodes`
     match: Any = None
-    # Pointwise: external inputs read through folded Reshape/Transpose ({value: StridedView}), and
-    # the layout nodes that disappear with them.
+    # Pointwise: external inputs read through folded Reshape/Transpose ({value: StridedView}) or
+    # computed by gather loads from a Resize's input ({value: ResizeGather}), and the layout and
+    # Resize nodes that disappear with them.
     views: dict[str, Any] = field(default_factory=dict)
     absorbed: list[Node] = field(default_factory=list)
     # Conv groups: what computes the anchor's input tiles as they are loaded: a per-(image, input
@@ -46,8 +47,12 @@ class Group:
             "rule": self.rule,
             "nodes": [node_label(n) for n in [*self.prologue, *self.nodes]],
         }
-        if self.absorbed:
-            d["layout_folded"] = [node_label(n) for n in self.absorbed]
+        folded = [node_label(n) for n in self.absorbed if n.op_type != "Resize"]
+        if folded:
+            d["layout_folded"] = folded
+        gathered = [node_label(n) for n in self.absorbed if n.op_type == "Resize"]
+        if gathered:
+            d["resize_gathered"] = gathered
         if self.variant:
             d["variant"] = self.variant
         if self.note:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from opfuse.fusion.anchors import (
 )
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.resize import RESIZE_RULE, plan_resize_gathers, resize_reason
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
 from opfuse.fusion.views import VIEW_THROUGH, StridedView, contiguous_strides, input_view
 from opfuse.graph import Graph, Node
@@ -58,6 +60,7 @@ RULES = (
     POOLED_GEMM_RULE,
     POINTWISE_RULE,
     WINDOW_RULE,
+    RESIZE_RULE,
     LAYOUT_RULE,
 )
 
@@ -74,6 +77,7 @@ __all__ = [
     "POOLED_GEMM_RULE",
     "POOL_PROLOGUE_RULE",
     "POOL_RULE",
+    "RESIZE_RULE",
     "ROW_RULE",
     "RULES",
     "WINDOW_RULE",
@@ -191,16 +195,26 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         if not ids:
             continue
         nodes = [n for n in graph.nodes if n.id in ids]
-        if len(nodes) == 1 and nodes[0].op_type not in WINDOW_OPS:
-            continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
         ins, outs = group_boundary(graph, nodes)
-        group = Group(f"g{count}", "pointwise", POINTWISE_RULE, nodes, ins, outs)
+        gathers: dict[str, Any] = {}
+        gathered: list[Node] = []
+        if RESIZE_RULE not in disabled:
+            iteration = tuple(graph.spec(outs[0]).shape)
+            gathers, gathered = plan_resize_gathers(
+                graph, set(ids), ins, iteration, claimed, not_fused, LAYOUT_RULE not in disabled
+            )
+        if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS:
+            continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
+        rule = f"{POINTWISE_RULE}+{RESIZE_RULE}" if gathers else POINTWISE_RULE
+        group = Group(f"g{count}", "pointwise", rule, nodes, ins, outs, views=gathers, absorbed=gathered)
         if LAYOUT_RULE not in disabled:
             _fold_layout(graph, group, claimed)
         groups.append(group)
         count += 1
     if LAYOUT_RULE not in disabled:
         _explain_concat_copies(graph, groups, not_fused)
+    if RESIZE_RULE not in disabled:
+        _explain_resizes(graph, groups, not_fused)
     return FusionPlan(groups, not_fused, lone)
 
 
@@ -217,6 +231,26 @@ def _window_refusal(graph: Graph, merged: set[str], producers: dict[str, Node]) 
                     "from memory, not computed in the same kernel"
                 )
     return None
+
+
+def _explain_resizes(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:
+    """A Resize left in the plan runs as its own op: say why, where `resize_gather` has not."""
+    in_groups = {n.id for g in groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
+    said = {label for r in not_fused if r.rule == RESIZE_RULE for label in r.nodes}
+    graph_outputs = {o.name for o in graph.outputs}
+    consumers = graph.consumers()
+    for n in graph.nodes:
+        if n.op_type != "Resize" or n.id in in_groups or node_label(n) in said:
+            continue
+        reason = resize_reason(graph, n)
+        if reason is None:
+            readers = sorted({c.op_type for c in consumers.get(n.outputs[0], [])})
+            reason = (
+                "its output is a graph output"
+                if n.outputs[0] in graph_outputs
+                else f"its output is read by {', '.join(readers)}, not only by one generated pointwise kernel"
+            )
+        not_fused.append(NotFired(RESIZE_RULE, [node_label(n)], reason))
 
 
 def _explain_concat_copies(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:
@@ -275,7 +309,7 @@ def _fold_layout(
     the plan."""
     readers = frozenset(n.id for n in group.nodes)
     for x in list(group.inputs):
-        if x in graph.constants:
+        if x in graph.constants or x in group.views:
             continue
         view = input_view(graph, x, allow_scale=False, readers=readers)
         own = view.owned()

@@ -1,0 +1,180 @@
+"""`resize_gather`: a Resize read only by one pointwise kernel is computed by that kernel's loads.
+
+A Resize of a 4-D tensor over H and W (nearest or bilinear, constant scales or sizes) whose
+output, directly or through unit-step Slices, only one pointwise group reads joins that group:
+the kernel loads the Resize's input at the source coordinates of each element it computes
+(`codegen/resize.py`), so neither the resized tensor nor the Slice's window is written. The
+Resize's input itself may come through layout ops (the channels-last region's Transpose back to
+NCHW): it is then read from the buffer behind them with strides, as `layout_views` reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.codegen.resize import COORDINATE_MODES, MODES, NEAREST_MODES, ResizeAxis, ResizeGather
+from opfuse.fusion.views import VIEW_THROUGH, _slice_window, contiguous_strides, input_view
+from opfuse.graph import Graph, Node
+from opfuse.passes.rules import NotFired, node_label
+
+RESIZE_RULE = "resize_gather"
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def _attr(node: Node, key: str, default: object) -> object:
+    value = node.attrs.get(key, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _static(shape: tuple[int, ...]) -> bool:
+    return all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def resize_reason(graph: Graph, node: Node) -> str | None:
+    """None if a kernel can compute `node` (a Resize) by gather loads, else why not."""
+    x = graph.spec(node.inputs[0])
+    y = graph.spec(node.outputs[0])
+    if len(x.shape) != 4:
+        return f"a {len(x.shape)}-D Resize: the gather covers 4-D inputs resized over H and W"
+    if not _static(tuple(x.shape)) or not _static(tuple(y.shape)):
+        return "shapes not static"
+    if x.dtype not in FLOAT_TYPES:
+        return f"input of type {x.dtype}"
+    mode = _attr(node, "mode", "nearest")
+    if mode not in MODES:
+        return f"mode {mode if mode == 'cubic' else 'other'}: the gather computes nearest and linear"
+    ctm = _attr(node, "coordinate_transformation_mode", "half_pixel")
+    if ctm not in COORDINATE_MODES:
+        return "coordinate_transformation_mode not one of " + ", ".join(COORDINATE_MODES)
+    if mode == "nearest" and _attr(node, "nearest_mode", "round_prefer_floor") not in NEAREST_MODES:
+        return "nearest_mode not one of " + ", ".join(NEAREST_MODES)
+    if int(node.attrs.get("antialias", 0)):
+        return "antialias: a filter wider than the two taps"
+    if int(node.attrs.get("exclude_outside", 0)):
+        return "exclude_outside"
+    if "axes" in node.attrs:
+        return "an axes attribute"
+    if _attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+        return "keep_aspect_ratio_policy other than stretch"
+    ins = list(node.inputs) + [""] * (4 - len(node.inputs))
+    scales = graph.constants.get(ins[2]) if ins[2] else None
+    sizes = graph.constants.get(ins[3]) if ins[3] else None
+    if (ins[2] and scales is None) or (ins[3] and sizes is None):
+        return "scales or sizes not constant"
+    if (scales is None or scales.size == 0) and (sizes is None or sizes.size == 0):
+        return "neither scales nor sizes given as a constant"
+    if tuple(x.shape[:2]) != tuple(y.shape[:2]):
+        return "resizes N or C: the gather resizes H and W"
+    if scales is not None and scales.size and np.any(np.ravel(scales)[:2] != 1.0):
+        return "resizes N or C: the gather resizes H and W"
+    return None
+
+
+def _axes(graph: Graph, node: Node) -> list[ResizeAxis]:
+    x = graph.spec(node.inputs[0]).shape
+    y = graph.spec(node.outputs[0]).shape
+    ins = list(node.inputs) + [""] * (4 - len(node.inputs))
+    scales = graph.constants.get(ins[2]) if ins[2] else None
+    out: list[ResizeAxis] = []
+    for d in range(4):
+        if scales is not None and scales.size:
+            scale = np.float32(np.ravel(scales)[d])
+        else:  # sizes: onnxruntime's float32 out / in
+            scale = np.float32(y[d]) / np.float32(x[d])
+        out.append(ResizeAxis(int(x[d]), int(y[d]), float(scale)))
+    return out
+
+
+def plan_resize_gathers(
+    graph: Graph,
+    readers: set[str],
+    values: list[str],
+    iteration: tuple[int, ...],
+    claimed: set[str],
+    not_fused: list[NotFired],
+    fold_layout: bool,
+) -> tuple[dict[str, ResizeGather], list[Node]]:
+    """The group inputs among `values` that are Resizes (through unit-step Slices) read only by
+    the group's nodes (`readers`), as gathers, and the nodes that leave the plan with them.
+    `claimed`: nodes other groups hold (the ones taken here are added)."""
+    held = set(claimed)
+    producers = graph.producers()
+    consumers = graph.consumers()
+    graph_outputs = {o.name for o in graph.outputs}
+    found: dict[str, tuple[Node, list[Node]]] = {}
+    for x in values:
+        chain: list[Node] = []  # the Slices, nearest to the kernel first
+        cur = x
+        ok = True
+        while True:
+            p = producers.get(cur)
+            if p is None or cur in graph_outputs or p.id in held:
+                ok = False
+                break
+            users = consumers.get(cur, [])
+            inside = all(u.id in readers for u in users) if cur == x else len(users) == 1
+            if not inside:
+                ok = False
+                break
+            if p.op_type == "Slice" and _slice_window(graph, p) is not None:
+                chain.append(p)
+                cur = p.inputs[0]
+                continue
+            if p.op_type != "Resize":
+                ok = False
+            else:
+                chain.append(p)
+            break
+        if not ok or not chain or chain[-1].op_type != "Resize":
+            continue
+        resize = chain[-1]
+        reason = resize_reason(graph, resize)
+        if reason is not None:
+            not_fused.append(NotFired(RESIZE_RULE, [node_label(resize)], reason))
+            continue
+        if tuple(graph.spec(x).shape) != tuple(iteration):
+            not_fused.append(
+                NotFired(
+                    RESIZE_RULE,
+                    [node_label(resize)],
+                    "the kernel reading it broadcasts the resized value to a larger shape",
+                )
+            )
+            continue
+        found[x] = (resize, chain)
+    gathers: dict[str, ResizeGather] = {}
+    owned: list[Node] = []
+    # The Resizes' own inputs may be read through layout ops the group (with the Resizes) holds.
+    every_reader = frozenset(readers | {n.id for _, chain in found.values() for n in chain})
+    for x, (resize, chain) in found.items():
+        axes = _axes(graph, resize)
+        for s in chain[:-1]:
+            for a, start in _slice_window(graph, s) or []:
+                axes[a].start += start
+        source = resize.inputs[0]
+        shape = tuple(graph.spec(source).shape)
+        base, strides, offset = source, contiguous_strides(shape), 0
+        if fold_layout and source not in graph.constants:
+            view = input_view(graph, source, allow_scale=False, readers=every_reader)
+            if (
+                view.nodes
+                and not any(n.id in held for n in view.nodes)
+                and view.base not in graph.constants
+                and all(n.op_type in VIEW_THROUGH for n in view.nodes)
+                and len(view.strides) == 4
+            ):
+                base, strides, offset = view.base, tuple(view.strides), view.offset
+                owned += [n for n in view.owned() if n.id not in {m.id for m in owned}]
+        gathers[x] = ResizeGather(
+            base,
+            strides,
+            offset,
+            tuple(graph.spec(x).shape),
+            tuple(axes),
+            str(_attr(resize, "mode", "nearest")),
+            str(_attr(resize, "coordinate_transformation_mode", "half_pixel")),
+            str(_attr(resize, "nearest_mode", "round_prefer_floor")),
+        )
+        owned += chain
+    claimed |= {n.id for n in owned}
+    return gathers, owned

@@ -1,0 +1,199 @@
+"""`resize_gather`: a Resize read only by one pointwise kernel is computed by that kernel's loads
+(gathers at the source coordinates), and the resized tensor is never written."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model
+
+RNG = np.random.default_rng(21)
+COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
+NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
+# (how the output size is given, the values, the resized H and W of a 9x11 input)
+RESIZES = {
+    "up_2.5": ("scales", [1.0, 1.0, 2.5, 2.5], (22, 27)),
+    "sizes_20x24": ("sizes", [2, 3, 20, 24], (20, 24)),
+    "down_0.6": ("scales", [1.0, 1.0, 0.6, 0.6], (5, 6)),
+    "sizes_1x4": ("sizes", [2, 3, 1, 4], (1, 4)),
+}
+
+
+def resize_model(
+    how: str,
+    values: list[float],
+    out_hw: tuple[int, int],
+    window: tuple[int, int, int, int] | None = None,
+    **attrs: object,
+) -> tuple[onnx.ModelProto, tuple[int, int]]:
+    """x [2, 3, 9, 11] -> Resize -> (Slice to `window` = (h0, h1, w0, w1)) -> Add b -> Relu."""
+    if how == "scales":
+        resize = helper.make_node("Resize", ["x", "", "scales"], ["r"], **attrs)
+        const = numpy_helper.from_array(np.array(values, dtype=np.float32), "scales")
+    else:
+        resize = helper.make_node("Resize", ["x", "", "", "sizes"], ["r"], **attrs)
+        const = numpy_helper.from_array(np.array(values, dtype=np.int64), "sizes")
+    nodes = [resize]
+    hw = out_hw
+    inits = []
+    read = "r"
+    if window is not None:
+        h0, h1, w0, w1 = window
+        nodes.append(helper.make_node("Slice", ["r", "starts", "ends", "axes"], ["s"]))
+        inits = [
+            numpy_helper.from_array(np.array([h0, w0], dtype=np.int64), "starts"),
+            numpy_helper.from_array(np.array([h1, w1], dtype=np.int64), "ends"),
+            numpy_helper.from_array(np.array([2, 3], dtype=np.int64), "axes"),
+        ]
+        hw, read = (h1 - h0, w1 - w0), "s"
+    nodes += [helper.make_node("Add", [read, "b"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    model = make_model(nodes, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]}, {"y": [2, 3, *hw]})
+    model.graph.initializer.extend([const, *inits])
+    return model, hw
+
+
+def gather_kernel(cm):  # type: ignore[no-untyped-def]
+    (k,) = [k for k in cm.plan.kernels.values() if "resized" in k.source]
+    return k
+
+
+def check_resize(model: onnx.ModelProto, hw: tuple[int, int], precision: str = "fp32", loads: int = 2):  # type: ignore[no-untyped-def]
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]}, precision)
+    # Resize, Add and Relu (and a Slice, a view): one kernel, loading the resized input at computed
+    # coordinates.
+    assert cm.report["kernels"] == {"before": 3, "after": 1}  # a Slice launches nothing
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.launches]
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == "pointwise+resize_gather" and g["resize_gathered"] == ["Resize#n0"]
+    k = gather_kernel(cm)
+    assert k.inputs == ["x", "b"]
+    assert k.source.count("tl.load(") == loads + 1  # the gather's taps, and b
+    return cm
+
+
+@pytest.mark.parametrize("size", list(RESIZES))
+@pytest.mark.parametrize("coordinate_mode", COORDINATE_MODES)
+@pytest.mark.parametrize("nearest_mode", NEAREST_MODES)
+def test_nearest_resize_is_one_gather_load(size: str, coordinate_mode: str, nearest_mode: str) -> None:
+    how, values, out_hw = RESIZES[size]
+    model, hw = resize_model(
+        how,
+        values,
+        out_hw,
+        mode="nearest",
+        coordinate_transformation_mode=coordinate_mode,
+        nearest_mode=nearest_mode,
+    )
+    check_resize(model, hw, loads=1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("size", list(RESIZES))
+@pytest.mark.parametrize("coordinate_mode", COORDINATE_MODES)
+def test_bilinear_resize_is_four_gather_loads_and_a_blend(
+    size: str, coordinate_mode: str, precision: str
+) -> None:
+    how, values, out_hw = RESIZES[size]
+    model, hw = resize_model(
+        how, values, out_hw, mode="linear", coordinate_transformation_mode=coordinate_mode
+    )
+    cm = check_resize(model, hw, precision, loads=4)
+    assert "tl.div_rn(" in gather_kernel(cm).source or coordinate_mode != "asymmetric"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_a_slice_of_the_resized_value_offsets_the_coordinates(mode: str, precision: str) -> None:
+    """SegDecoder's `interpolate(y, scale_factor=2.5, align_corners=True)[..., :20, :24]`, with
+    windows that start inside the resized value."""
+    model, hw = resize_model(
+        "scales",
+        [1.0, 1.0, 2.5, 2.5],
+        (22, 27),
+        (1, 21, 2, 26),
+        mode=mode,
+        coordinate_transformation_mode="align_corners",
+    )
+    cm = check_resize(model, hw, precision, loads=4 if mode == "linear" else 1)
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["layout_folded"] == ["Slice#n1"]
+    source = gather_kernel(cm).source
+    assert "(((offs // 24) % 20) + 1)" in source and "((offs % 24) + 2)" in source
+
+
+def test_unsupported_resizes_stay_ops_and_say_why() -> None:
+    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="cubic")
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]})
+    assert cm.report["kernels"] == {"before": 3, "after": 2}  # the Resize, then Add and Relu
+    reasons = [r for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
+    assert reasons == [
+        {
+            "rule": "resize_gather",
+            "nodes": ["Resize#n0"],
+            "reason": "mode cubic: the gather computes nearest and linear",
+        }
+    ]
+    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="linear", antialias=1)
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]})
+    assert cm.report["kernels"]["after"] == 2
+    assert any(r["reason"].startswith("antialias") for r in cm.report["fusion"]["not_fused"])
+
+
+def test_a_resize_of_the_channels_is_not_gathered() -> None:
+    model, _ = resize_model("sizes", [2, 6, 9, 11], (9, 11), mode="nearest")
+    model.graph.input[1].CopyFrom(helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 6, 9, 11]))
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 9, 11]))
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 6, 9, 11]})
+    assert cm.report["kernels"]["after"] == 2
+    reasons = [r["reason"] for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
+    assert reasons == ["resizes N or C: the gather resizes H and W"]
+
+
+def test_disabling_the_rule_gives_the_plan_without_it() -> None:
+    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="linear")
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]}, fusion_disable=("resize_gather",))
+    assert cm.report["kernels"] == {"before": 3, "after": 2}
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op"] == ["Resize"]
+    assert not any("div_rn" in k.source for k in cm.plan.kernels.values())
+    assert not [r for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
+
+
+def test_a_resize_read_elsewhere_too_stays_an_op() -> None:
+    nodes = [
+        helper.make_node("Resize", ["x", "", "scales"], ["r"], mode="nearest"),
+        helper.make_node("Relu", ["r"], ["y"]),
+        helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2]),
+    ]
+    model = make_model(nodes, {"x": [1, 2, 4, 5]}, {"y": [1, 2, 8, 10], "p": [1, 2, 7, 9]})
+    model.graph.initializer.append(
+        numpy_helper.from_array(np.array([1, 1, 2, 2], dtype=np.float32), "scales")
+    )
+    cm = check_against_ort(model, {"x": [1, 2, 4, 5]})
+    reasons = [r["reason"] for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
+    assert reasons == ["its output is read by MaxPool, Relu, not only by one generated pointwise kernel"]
+    assert "Resize" in [s.op_type for s in cm.plan.steps if s.kind == "op"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_resize_of_a_channels_last_conv_reads_the_nhwc_buffer(precision: str) -> None:
+    """The conv runs channels-last; the Resize (NCHW) reads the conv's NHWC output through the
+    Transpose back, folded into the gather's strides: no copy and no Resize launch."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "Resize", ["c", "", "scales"], ["r"], mode="linear", coordinate_transformation_mode="half_pixel"
+        ),
+        helper.make_node("Add", ["r", "b"], ["y"]),
+    ]
+    inits = {"w": RNG.standard_normal((4, 3, 3, 3)) * 0.3, "scales": np.array([1, 1, 2.5, 2.5])}
+    model = make_model(nodes, {"x": [1, 3, 8, 6], "b": [1, 4, 20, 15]}, {"y": [1, 4, 20, 15]}, inits)
+    cm = check_against_ort(model, {"x": [1, 3, 8, 6], "b": [1, 4, 20, 15]}, precision, NHWC_ALWAYS)
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Resize" not in launched and "Transpose" not in launched
+    k = gather_kernel(cm)
+    assert "__nhwc" in k.inputs[0]
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "pointwise+resize_gather"]
+    assert g["resize_gathered"] == ["Resize#n1"] and g["layout_folded"] == ["Transpose#ncl2"]
