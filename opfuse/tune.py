@@ -97,13 +97,13 @@ def candidates(k: KernelInfo) -> list[dict[str, Any]]:
     template has its own (DEPTHWISE_CANDIDATES). A row kernel that may hold several rows per
     program (BLOCK_M in its config) tries one, and tiles of ROW_TILES elements, with 4 and 8 warps
     each (2 more for one row); a strided one (BLOCK_I) also half and a quarter of its columns per
-    program, never under MIN_TILED_COLUMNS. A GEMM that pools its A operand (BLOCK_P) also tries 4
-    and 16 pixels per step."""
+    program, never under MIN_TILED_COLUMNS. A GEMM that pools its A operand (BLOCK_P) also tries 16
+    and 32 pixels per step."""
     if k.kind == "conv" and "UNROLL" in k.config:  # only the depthwise template has the flag
         return DEPTHWISE_CANDIDATES
     if k.kind == "gemm" and "BLOCK_P" in k.config:
         # A GEMM that pools its A operand (pooled_gemm): also fewer or more pixels per step.
-        return CANDIDATES["gemm"] + [{"BLOCK_P": p} for p in (4, 16) if p != k.config["BLOCK_P"]]
+        return CANDIDATES["gemm"] + [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]]
     if k.kind == "rowwise" and "BLOCK_I" in k.config:
         # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
         # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).

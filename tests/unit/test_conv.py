@@ -752,11 +752,19 @@ def check_every_candidate(
     tol = 1e-4 if precision == "fp32" else 2e-2
     ex = Executor(cm.plan, TEST_DEVICE)
     name = cm.plan.outputs[0].name
+    ran = 0
     for cand in [*candidates(k), *extra]:
         ex.configs[k.id] = {**k.config, **cand}
-        got = np.asarray(ex.run(feeds)[name], dtype=np.float32)
+        try:
+            got = np.asarray(ex.run(feeds)[name], dtype=np.float32)
+        except Exception as exc:  # on the GPU, a tile over the shared memory: tuning drops it too
+            if type(exc).__name__ != "OutOfResources":
+                raise
+            continue
+        ran += 1
         err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         assert err < tol, (cand, err)
+    assert ran, "no candidate config compiled"
 
 
 def concat_block(n: int, c: int, size: int, two_convs: bool) -> Any:
