@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from opfuse.codegen.resize import COORDINATE_MODES, MODES, NEAREST_MODES, ResizeAxis, ResizeGather
-from opfuse.fusion.views import VIEW_THROUGH, _slice_window, contiguous_strides, input_view
+from opfuse.fusion.views import VIEW_THROUGH, contiguous_strides, input_view, slice_window
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
@@ -116,7 +116,7 @@ def plan_resize_gathers(
             if not inside:
                 ok = False
                 break
-            if p.op_type == "Slice" and _slice_window(graph, p) is not None:
+            if p.op_type == "Slice" and slice_window(graph, p) is not None:
                 chain.append(p)
                 cur = p.inputs[0]
                 continue
@@ -149,7 +149,7 @@ def plan_resize_gathers(
     for x, (resize, chain) in found.items():
         axes = _axes(graph, resize)
         for s in chain[:-1]:
-            for a, start in _slice_window(graph, s) or []:
+            for a, start in slice_window(graph, s) or []:
                 axes[a].start += start
         source = resize.inputs[0]
         shape = tuple(graph.spec(source).shape)

@@ -90,7 +90,7 @@ def _split_offset(graph: Graph, split: Node, output: str) -> tuple[int, int] | N
     return axis, sum(sizes[:k])
 
 
-def _slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
+def slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
     """[(axis, start)] of a Slice with constant starts/axes, unit steps and a static output shape
     (the output's shape gives each window's length), or None."""
     x = graph.spec(node.inputs[0]).shape
@@ -146,7 +146,7 @@ def input_view(
             cur = p.inputs[0]
             continue
         scaled = p.op_type in ("Mul", "Div") and scalar_constant(graph, p.inputs[1]) not in (None, 0.0)
-        sliced = p.op_type == "Slice" and _slice_window(graph, p) is not None
+        sliced = p.op_type == "Slice" and slice_window(graph, p) is not None
         if not (
             p.op_type in RESHAPES or p.op_type == "Transpose" or sliced or (allow_scale and scaled and owned)
         ):
@@ -207,7 +207,7 @@ def _replay_fine(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> St
             window = (
                 [_split_offset(graph, node, out) or (0, 0)]
                 if node.op_type == "Split"
-                else _slice_window(graph, node) or []
+                else slice_window(graph, node) or []
             )
             new_shape = graph.spec(out).shape
             for axis, start in window:
@@ -273,7 +273,7 @@ def _replay_coarse(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> 
             offset += where[1] * strides[where[0]]
             shape = graph.spec(out).shape
         elif node.op_type == "Slice":  # a window: same strides, a later start, a shorter extent
-            window = _slice_window(graph, node)
+            window = slice_window(graph, node)
             assert window is not None
             offset += sum(start * strides[axis] for axis, start in window)
             shape = graph.spec(out).shape
