@@ -200,8 +200,17 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         gathered: list[Node] = []
         if RESIZE_RULE not in disabled:
             iteration = tuple(graph.spec(outs[0]).shape)
+            # An LRN loads its input at neighbouring channels from memory: a resized value it
+            # reads that way is written by the Resize, not gathered.
+            windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
             gathers, gathered = plan_resize_gathers(
-                graph, set(ids), ins, iteration, claimed, not_fused, LAYOUT_RULE not in disabled
+                graph,
+                set(ids),
+                [x for x in ins if x not in windowed],
+                iteration,
+                claimed,
+                not_fused,
+                LAYOUT_RULE not in disabled,
             )
         if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS:
             continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
@@ -243,7 +252,14 @@ def _explain_resizes(graph: Graph, groups: list[Group], not_fused: list[NotFired
         if n.op_type != "Resize" or n.id in in_groups or node_label(n) in said:
             continue
         reason = resize_reason(graph, n)
-        if reason is None:
+        windowed = [
+            c
+            for c in consumers.get(n.outputs[0], [])
+            if c.op_type in WINDOW_OPS and window_input(c) == n.outputs[0]
+        ]
+        if reason is None and windowed:
+            reason = f"{windowed[0].op_type} reads its output at neighbouring channels, loaded from memory"
+        elif reason is None:
             readers = sorted({c.op_type for c in consumers.get(n.outputs[0], [])})
             reason = (
                 "its output is a graph output"

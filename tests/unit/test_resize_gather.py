@@ -197,3 +197,24 @@ def test_a_resize_of_a_channels_last_conv_reads_the_nhwc_buffer(precision: str) 
     assert "__nhwc" in k.inputs[0]
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "pointwise+resize_gather"]
     assert g["resize_gathered"] == ["Resize#n1"] and g["layout_folded"] == ["Transpose#ncl2"]
+
+
+def test_a_resize_an_lrn_reads_at_neighbouring_channels_is_written_not_gathered() -> None:
+    """Clip -> nearest 2x upsampling -> LRN (a small CNN of the opset tests): the LRN loads its
+    input at neighbouring channel offsets from memory, which a gather does not give, so the Resize
+    writes its output and the LRN's kernel reads it; the report says why."""
+    nodes = [
+        helper.make_node("Clip", ["x", "lo", "hi"], ["c"], name="clip"),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], name="up", mode="nearest"),
+        helper.make_node("LRN", ["r"], ["n"], name="lrn", size=3),
+        helper.make_node("Relu", ["n"], ["y"], name="relu"),
+    ]
+    inits = {"lo": np.array(-0.4), "hi": np.array(1.5), "scales": np.array([1.0, 1.0, 2.0, 2.0])}
+    model = make_model(nodes, {"x": [2, 4, 5, 6]}, {"y": [2, 4, 10, 12]}, inits)
+    cm = check_against_ort(model, {"x": [2, 4, 5, 6]}, fusion_disable=NHWC_ALWAYS)
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["Clip", "Resize"]
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "resize_gather"]
+    assert (
+        nf["nodes"] == ["up"]
+        and nf["reason"] == "LRN reads its output at neighbouring channels, loaded from memory"
+    )
