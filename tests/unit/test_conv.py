@@ -595,14 +595,31 @@ def test_max_pool_runs_inside_the_1x1_conv_that_reads_it(
     launch_at_every_config(k, args, [want], precision, [{"BLOCK_K": 16}])
 
 
-@pytest.mark.parametrize("head", ["depthwise", "pool"])
-def test_the_split_form_of_a_window_prologue_computes_the_same(head: str) -> None:
-    """What tuning measures against a depthwise or pool prologue: its own kernel, then the 1x1
-    conv's template (two kernels, no library op)."""
+def prologue_alternative(m: Any, shape: list[int]) -> tuple[Any, Any, list[str]]:
+    """The model's fused plan, the plan with its one prologue group in the form tuning measures
+    it against (variant "vendor"), each checked against onnxruntime on random input, and what
+    that group launches in the second: kernel kinds and op types, in order."""
     from bench.kernels import plan_model
     from opfuse.lowering import build_plan
     from opfuse.runtime.executor import Executor
 
+    p = plan_model(m, {"x": shape}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.prologue]
+    alt = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    name = m.graph.output[0].name
+    for plan in (p.plan, alt):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})[name]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    launched = [s.op_type or alt.kernels[s.kernel].kind for s in alt.steps if s.group == g.id and s.launches]
+    return p.plan, alt, launched
+
+
+@pytest.mark.parametrize("head", ["depthwise", "pool"])
+def test_the_split_form_of_a_window_prologue_computes_the_same(head: str) -> None:
+    """What tuning measures against a depthwise or pool prologue: its own kernel, then the 1x1
+    conv's template (two kernels, no library op)."""
     if head == "depthwise":
         m, _ = separable(2, 16, 24, 7, act="HardSwish")
         shape = [2, 16, 7, 7]
@@ -618,18 +635,8 @@ def test_the_split_form_of_a_window_prologue_computes_the_same(head: str) -> Non
         ]
         shape = [1, c, 8, 8]
         m = make_model(nodes, {"x": shape}, {"y": [1, 8, 4, 4]}, inits)
-    p = plan_model(m, {"x": shape}, "fp32")
-    (g,) = [g for g in p.fusion.groups if g.prologue]
-    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    mine = [s for s in split.steps if s.group == g.id]
-    assert [s.kind for s in mine] == ["kernel", "kernel"]
-    kinds = [split.kernels[s.kernel].kind for s in mine]
-    assert kinds == (["conv", "conv"] if head == "depthwise" else ["pool", "conv"])
-    x = RNG.standard_normal(shape).astype(np.float32)
-    want = ort_run(m, {"x": x})[0]
-    for plan in (p.plan, split):
-        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    _, _, launched = prologue_alternative(m, shape)
+    assert launched == (["conv", "conv"] if head == "depthwise" else ["pool", "conv"])
 
 
 def depthwise_squeeze_excite(
@@ -1146,20 +1153,8 @@ def test_a_pool_others_read_stays_its_own_kernel_where_the_conv_cannot_store_it(
 def test_the_split_form_of_a_stored_pool_prologue_computes_the_same() -> None:
     """Tuning's alternative for a conv storing its pool prologue: the pool's own kernel (which
     writes the pooled tensor for the Add), then the conv's template."""
-    from bench.kernels import plan_model
-    from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-
     m, shape = stem_pool_block(16, 11, {"pads": [1] * 4}, residual=True)
-    p = plan_model(m, {"x": shape}, "fp32")
-    (g,) = [g for g in p.fusion.groups if g.prologue]
-    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    assert [split.kernels[s.kernel].kind for s in split.steps if s.group == g.id] == ["pool", "conv"]
-    x = RNG.standard_normal(shape).astype(np.float32)
-    want = ort_run(m, {"x": x})[0]
-    for plan in (p.plan, split):
-        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    assert prologue_alternative(m, shape)[2] == ["pool", "conv"]
 
 
 def padded_conv(
@@ -1248,20 +1243,7 @@ def test_a_pad_the_conv_cannot_read_through_stays_and_says_why(mode: str, pads: 
 def test_the_library_form_of_a_padded_conv_runs_the_pad_then_the_library_conv() -> None:
     """What tuning measures against the template reading through the Pad: the Pad's own copy,
     then the library's conv with the epilogue after it."""
-    from bench.kernels import plan_model
-    from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-
     m, shape, _ = padded_conv(16, "reflect", [1, 1, 1, 1])
     m.graph.node.append(helper.make_node("Relu", ["y"], ["z"], name="act"))
     m.graph.output[0].name = "z"
-    p = plan_model(m, {"x": shape}, "fp32")
-    (g,) = [g for g in p.fusion.groups if g.prologue]
-    lib = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    mine = [s for s in lib.steps if s.group == g.id and s.launches]
-    assert [s.op_type or lib.kernels[s.kernel].kind for s in mine] == ["Pad", "opfuse.ConvNHWC", "pointwise"]
-    x = RNG.standard_normal(shape).astype(np.float32)
-    want = ort_run(m, {"x": x})[0]
-    for plan in (p.plan, lib):
-        got = Executor(plan, TEST_DEVICE).run({"x": x})["z"]
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    assert prologue_alternative(m, shape)[2] == ["Pad", "opfuse.ConvNHWC", "pointwise"]
