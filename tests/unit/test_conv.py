@@ -987,7 +987,9 @@ def test_sibling_convs_reading_one_input_run_as_one_conv(precision: str) -> None
 
     n, c, co, size = 2, 16, 16, 9  # 16 input channels: the window loop, whose zero taps are skipped
     m = basic_block(n, c, co, size)
-    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    # shortcut_conv, which runs first, would sum the shortcut into conv2 instead.
+    off = (*NHWC_ALWAYS, "shortcut_conv")
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=off)
     assert cm.report["fusion"]["passes"]["fired"]["merge_sibling_convs"] == 1
     assert cm.report["kernels"] == {"before": 6, "after": 2}
     (g,) = [g for g in cm.report["fusion"]["groups"] if "conv1+down" in g["nodes"]]
@@ -1015,11 +1017,13 @@ def test_sibling_convs_say_why_not() -> None:
         helper.make_node("Add", ["b", "d"], ["y"], name="add"),
     ]
     m = make_model(nodes, {"x": [1, c, 7, 7]}, {"y": [1, c, 4, 4]}, inits)
-    cm = check_against_ort(m, {"x": [1, c, 7, 7]}, fusion_disable=NHWC_ALWAYS)
+    # shortcut_conv, which runs first, would sum the shortcut into conv3x3 instead.
+    cm = check_against_ort(m, {"x": [1, c, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "shortcut_conv"))
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_sibling_convs"]
     assert nf["nodes"] == ["reduce", "down"] and "differ in strides" in nf["reason"]
     m = basic_block(1, 8, 8, 7)
-    cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "merge_sibling_convs"))
+    off = (*NHWC_ALWAYS, "merge_sibling_convs", "shortcut_conv")
+    cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=off)
     assert "merge_sibling_convs" not in cm.report["fusion"]["passes"]["fired"]
     assert cm.report["kernels"]["after"] == 3
 
