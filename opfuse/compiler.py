@@ -24,7 +24,7 @@ from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
-from opfuse.lowering import build_plan, split_form
+from opfuse.lowering import build_plan, split_form, template_only
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision
 from opfuse.passes.rules import node_label
@@ -659,16 +659,14 @@ def _tune(
         fusion.groups.extend(lone)
         plan = make_plan(None)
     # Groups timed against an alternative: their split form, or else the library's kernel (none
-    # for merged sibling convs, a Split in the epilogue: the template alone writes its parts).
+    # for a template-only group: merged sibling convs, whose template alone writes the Split's
+    # parts, and a conv summing a shortcut, which the library has not).
     split_groups = {g.id: form for g in fusion.groups if (form := split_form(g)) is not None}
     anchors = [
         g.id
         for g in fusion.groups
         if g.variant == "template"
-        and (
-            g.id in split_groups
-            or (g.kind in ("gemm", "conv", "pool") and not any(n.op_type == "Split" for n in g.nodes))
-        )
+        and (g.id in split_groups or (g.kind in ("gemm", "conv", "pool") and not template_only(g)))
     ]
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from opfuse.codegen.attention import generate_attention
 from opfuse.codegen.chain import generate_chain
-from opfuse.codegen.conv import MAX_POOL_NHWC, NHWC_CONV, generate_conv
+from opfuse.codegen.conv import MAX_POOL_NHWC, NHWC_CONV, generate_conv, has_shortcut
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import KernelSource, generate_pointwise
 from opfuse.codegen.pool import generate_pool
@@ -36,6 +36,13 @@ def has_pool_prologue(g: Group) -> bool:
     """A GEMM computing a global average pool on its A tiles (fusion.anchors.pooled_gemms): its
     alternative is the split form, the row kernel and then the GEMM's template."""
     return g.kind == "gemm" and bool(g.prologue)
+
+
+def template_only(g: Group) -> bool:
+    """A group only its template runs, with no library alternative for tuning to measure: merged
+    sibling convs (a Split in the epilogue: the template alone stores the parts) and a conv that
+    sums a shortcut (passes/shortcut_conv.py: the library has no conv with a second K loop)."""
+    return any(n.op_type == "Split" for n in g.nodes) or (g.kind == "conv" and has_shortcut(g.nodes[0]))
 
 
 def split_form(g: Group) -> str | None:
@@ -136,7 +143,9 @@ def build_plan(
 
     for g in on:
         kid = f"k{len(kernels)}"
-        vendor = variants.get(g.id, g.variant) == "vendor"
+        vendor = variants.get(g.id, g.variant) == "vendor" and not (
+            g.variant == "template" and template_only(g)
+        )
         if vendor and has_window_prologue(g):
             # A depthwise conv or max pool computed on the input tiles: the alternative measured
             # against the one kernel is the split form, the prologue's own kernel (with its

@@ -31,6 +31,12 @@ MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"
 CONV_OPS = ("Conv", NHWC_CONV)
 
 
+def has_shortcut(node: Node) -> bool:
+    """An `opfuse.ConvNHWC` that also sums a 1x1 conv of a second input, its inputs 3 and 4
+    (passes/shortcut_conv.py), at the strides of its `shortcut_strides` attribute."""
+    return node.op_type == NHWC_CONV and len(node.inputs) > 3 and bool(node.inputs[3])
+
+
 # Element offsets below this are computed in int32 by the depthwise template (a margin below 2**31
 # for the window's reach past the last pixel).
 INT32_INDEX_LIMIT = 2**31 - 2**24
@@ -313,6 +319,8 @@ def _generate_conv_nhwc(
     m, n, k = p["N"] * p["OH"] * p["OW"], p["CO"], (1 if depthwise else c) * kh_ * kw_
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
+    # A 1x1 shortcut conv summed in (passes/shortcut_conv.py): its input and weight [CO, 1, 1, C2].
+    sx_name, sw_name = (anchor.inputs[3], anchor.inputs[4]) if has_shortcut(anchor) else ("", "")
     scale = ""
     pad: Node | None = None
     # A depthwise conv or a max pool computed as the input tiles are loaded.
@@ -342,13 +350,16 @@ def _generate_conv_nhwc(
     split_sizes = {split.inputs[1]} if split is not None else set()
     pad_operands = set(pad.inputs[1:]) if pad is not None else set()
     operands_only = (
-        {x_name, w_name, scale, dw_w, dw_b, *copied, *split_sizes, *pad_operands} - {""} - epilogue_reads
+        {x_name, w_name, sx_name, sw_name, scale, dw_w, dw_b, *copied, *split_sizes, *pad_operands}
+        - {""}
+        - epilogue_reads
     )
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={b_name} - {""})
     extra = [e for e in extra if e not in (scale, dw_w, dw_b)]
     dw_args = (["dw"] if dw_w else []) + (["db"] if dw_b else [])
     args = (
         ["x", "w"]
+        + (["xs", "ws"] if sx_name else [])
         + (["sc"] if scale else [])
         + dw_args
         + [f"in{i}" for i in range(len(extra))]
@@ -387,6 +398,12 @@ def _generate_conv_nhwc(
         )
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (prologue: {role})")
     buf.line(f"#   {anchor.id}: Conv {comment_text(anchor.name)} (anchor)")
+    if sx_name:
+        sp = shortcut_params(graph, anchor)
+        buf.line(
+            f"#   + shortcut: 1x1 conv of xs [{p['N']}, {sp['H']}, {sp['W']}, {sp['C']}] at stride "
+            f"({sp['SH']}, {sp['SW']}), summed in a second K loop"
+        )
     for node in epilogue:
         buf.line(f"#   {node.id}: {node.op_type} {comment_text(node.name)} (epilogue)")
     if concat is not None:
@@ -610,6 +627,8 @@ def _generate_conv_nhwc(
                 buf.line(f"for t in range(0, {kh_ * kw_}):")
                 with buf.indent():
                     window_body()
+        if sx_name:
+            _shortcut_loop(buf, shortcut_params(graph, anchor), n, dot)
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = row_ok[:, None] & (cols < {n})")
         buf.line(f"dst = rm[:, None] * {n} + cols")
@@ -645,8 +664,42 @@ def _generate_conv_nhwc(
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     dw_inputs = [v for v in (dw_w, dw_b) if v]
     passed = [views[x].base if x in views else x for x in copied]
-    tensor_inputs = [x_name, w_name, *([scale] if scale else []), *dw_inputs, *extra, *passed]
+    shortcut_inputs = [sx_name, sw_name] if sx_name else []
+    tensor_inputs = [
+        x_name,
+        w_name,
+        *shortcut_inputs,
+        *([scale] if scale else []),
+        *dw_inputs,
+        *extra,
+        *passed,
+    ]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:
+    """The summed 1x1 shortcut of an `opfuse.ConvNHWC` (passes/shortcut_conv.py): its input's
+    H, W and channels, and its strides."""
+    _, h, w, c = graph.spec(conv.inputs[3]).shape
+    sh, sw = (int(v) for v in conv.attrs["shortcut_strides"])
+    return {"H": h, "W": w, "C": c, "SH": sh, "SW": sw}
+
+
+def _shortcut_loop(buf: SourceBuffer, s: dict[str, int], n: int, dot: Callable[[str, str], None]) -> None:
+    """The shortcut's K loop, after the conv's own: the channels of xs at the strided pixel
+    (oh * SH, ow * SW) of each output row, times the shortcut's weight as [CO, C2], into the same
+    accumulator. The pixel is inside xs for every output row (a 1x1 window without padding)."""
+    c2 = s["C"]
+    buf.line(f"s_base = ((img * {s['H']} + oh * {s['SH']}) * {s['W']} + ow * {s['SW']}) * {c2}")
+    buf.line(f"for c0 in range(0, {c2}, BLOCK_K):")
+    with buf.indent():
+        buf.line("ci = c0 + rk")
+        buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")
+        buf.line("a_tile = tl.load(xs + s_base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+        buf.line(
+            f"b_tile = tl.load(ws + rn[None, :] * {c2} + ci[:, None], mask=(ci[:, None] < {c2}) & (rn[None, :] < {n}), other=0.0)"
+        )
+        dot("a_tile", "b_tile")
 
 
 def _concat_stores(

@@ -21,6 +21,7 @@ from opfuse.codegen.conv import (
     centre_tap,
     conv_anchor_reason,
     conv_params,
+    has_shortcut,
     input_scale_reason,
     is_depthwise,
     pad_per_dim,
@@ -119,7 +120,10 @@ def plan_anchor_groups(
         else:
             continue
         prologue = []
-        if variant == "template":
+        # A conv summing a shortcut (passes/shortcut_conv.py) reads a second input in a second K
+        # loop: no prologue on its tiles, and always its template (the library has no such conv).
+        shortcut = kind == "conv" and has_shortcut(anchor)
+        if variant == "template" and not shortcut:
             prologue = _input_scale(graph, anchor, taken, consumers, not_fused)
             if not prologue and PAD_RULE not in disabled:
                 prologue = _input_pad(graph, anchor, taken, consumers, not_fused)
@@ -138,7 +142,12 @@ def plan_anchor_groups(
                         continue
                     merged = members | {c.id}
                     why, _ = merge_refusal(
-                        graph, merged, order, MAX_EPILOGUE_NODES + 1, MAX_EPILOGUE_TENSORS, fixed_tensors=2
+                        graph,
+                        merged,
+                        order,
+                        MAX_EPILOGUE_NODES + 1,
+                        MAX_EPILOGUE_TENSORS,
+                        fixed_tensors=4 if shortcut else 2,
                     )
                     if why is not None:
                         pending[c.id] = why
@@ -158,7 +167,7 @@ def plan_anchor_groups(
         views = {}
         if kind == "gemm" and variant == "template" and "layout_views" not in disabled:
             views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
-        if len(members) == 1 and not views and not prologue:
+        if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
             # is measured faster (a depthwise 7x7, a small GEMM).
             if variant == "template" and lone is not None:
@@ -350,7 +359,7 @@ CHAIN_MAX_ROWS = 256  # beyond this batch the products are no longer GEMVs
 def _gemv(graph: Graph, node: Node) -> bool:
     """A 1x1 convolution of a 1x1 map by a constant weight: a GEMV over channels. NCHW or NHWC
     alike: a [N, C, 1, 1] tensor lies in memory as [N, 1, 1, C] does, and so do the weights."""
-    if node.op_type not in CONV_OPS or int(node.attrs.get("group", 1)) != 1:
+    if node.op_type not in CONV_OPS or int(node.attrs.get("group", 1)) != 1 or has_shortcut(node):
         return False
     x, y = graph.spec(node.inputs[0]).shape, graph.spec(node.outputs[0]).shape
     w = graph.constants.get(node.inputs[1])
@@ -493,6 +502,8 @@ def window_prologues(
         if g.kind != "conv" or g.variant != "template" or g.prologue or g.views:
             continue
         pw = g.nodes[0]
+        if has_shortcut(pw):
+            continue  # its second K loop reads the shortcut's input, not the prologue's tiles
         pointwise = _pointwise_conv(graph, pw)
         if not pointwise and not _dense_conv(graph, pw):
             continue

@@ -25,6 +25,8 @@ from opfuse.passes.local_response_norm import local_response_norm
 from opfuse.passes.projections import MERGE_RULE, merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
+from opfuse.passes.shortcut_conv import RULE as SHORTCUT_RULE
+from opfuse.passes.shortcut_conv import shortcut_conv
 from opfuse.passes.sibling_convs import RULE as SIBLING_RULE
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
 
@@ -90,6 +92,11 @@ def run_passes(
         merge_projections(graph, rule_log)
     if LAYOUT_RULE not in disabled:
         to_channels_last(graph, rule_log, precision, device, disabled)
+        if SHORTCUT_RULE not in disabled and "conv_epilogue" not in disabled:
+            # Only the conv template runs the shortcut's K loop (the per-op form is three library
+            # launches). Before the sibling merge, which would take the shortcut into a conv of
+            # its input.
+            shortcut_conv(graph, rule_log)
         if SIBLING_RULE not in disabled and "conv_epilogue" not in disabled:
             # Only the conv template writes the merged conv's Split as separate buffers.
             merge_sibling_convs(graph, rule_log)

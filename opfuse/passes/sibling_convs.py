@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.codegen.conv import has_shortcut
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.concat_convs import merged_conv, merged_window
 from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
@@ -30,8 +31,8 @@ def _candidates(graph: Graph) -> list[list[Node]]:
     """Dense NHWC convolutions with constant weights, grouped by the value they read (two or more)."""
     readers: dict[str, list[Node]] = {}
     for n in graph.nodes:
-        if n.op_type != NHWC_CONV or int(n.attrs.get("group", 1)) != 1:
-            continue
+        if n.op_type != NHWC_CONV or int(n.attrs.get("group", 1)) != 1 or has_shortcut(n):
+            continue  # a conv summing a shortcut (shortcut_conv) reads a second input besides
         if n.inputs[1] not in graph.constants or (
             len(n.inputs) > 2 and n.inputs[2] and n.inputs[2] not in graph.constants
         ):

@@ -105,7 +105,9 @@ def _flops(plan: Plan, step: Step) -> int:
         return 2 * out_numel * k
     if step.kind == "op" and step.op_type in ("Conv", "opfuse.ConvNHWC"):
         w = shape(step.inputs[1])
-        return 2 * out_numel * int(np.prod(w[1:], dtype=np.int64)) if w else 0
+        # A summed 1x1 shortcut (inputs 3, 4) adds its input channels to K.
+        k = sum(int(np.prod(shape(x)[1:], dtype=np.int64)) for x in step.inputs[1::3] if x and shape(x))
+        return 2 * out_numel * k if w else 0
     if step.kind == "kernel":
         group_ops = len(plan.kernels[step.kernel].source.split("  # n")) - 1
         return out_numel * max(1, group_ops)

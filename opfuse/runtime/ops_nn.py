@@ -291,8 +291,16 @@ def _nhwc(x: torch.Tensor) -> torch.Tensor:
 # natively, so these permutations move no data.
 @register("opfuse.ConvNHWC")
 def conv_nhwc(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    """The NHWC conv; with inputs 3 and 4 (passes/shortcut_conv.py) plus the 1x1 conv of a second
+    input at `shortcut_strides`: two library convolutions and their sum (three launches)."""
     x, w = required(inputs, 0, "ConvNHWC"), required(inputs, 1, "ConvNHWC")
-    return [_nhwc(conv([_nchw(x), _nchw(w), optional(inputs, 2)], attrs)[0])]
+    y = conv([_nchw(x), _nchw(w), optional(inputs, 2)], attrs)[0]
+    sx = optional(inputs, 3)
+    if sx is not None:
+        sw = required(inputs, 4, "ConvNHWC")
+        strides = [int(v) for v in attrs["shortcut_strides"]]
+        y = y + conv([_nchw(sx), _nchw(sw), None], {"kernel_shape": [1, 1], "strides": strides})[0]
+    return [_nhwc(y)]
 
 
 @register("opfuse.MaxPoolNHWC")

@@ -31,9 +31,12 @@ class Step:
 
     @property
     def launches(self) -> int:
-        """Kernel launches this step costs: views and no-ops launch none."""
+        """Kernel launches this step costs: views and no-ops launch none, a conv that sums a
+        shortcut (passes/shortcut_conv.py) run by the library three."""
         if self.kind == "kernel":
             return 1
+        if self.op_type == "opfuse.ConvNHWC" and len(self.inputs) > 3 and self.inputs[3]:
+            return 3  # a conv summing a 1x1 shortcut: the library's two convolutions, then the add
         return 0 if self.op_type in VIEW_OPS else 1
 
     def to_json(self) -> dict[str, Any]:

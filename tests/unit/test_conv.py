@@ -994,7 +994,9 @@ def test_sibling_convs_reading_one_input_run_as_one_conv(precision: str) -> None
 
     n, c, co, size = 2, 16, 16, 9  # 16 input channels: the window loop, whose zero taps are skipped
     m = basic_block(n, c, co, size)
-    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    # shortcut_conv, which runs first, would sum the shortcut into conv2 instead.
+    off = (*NHWC_ALWAYS, "shortcut_conv")
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=off)
     assert cm.report["fusion"]["passes"]["fired"]["merge_sibling_convs"] == 1
     assert cm.report["kernels"] == {"before": 6, "after": 2}
     (g,) = [g for g in cm.report["fusion"]["groups"] if "conv1+down" in g["nodes"]]
@@ -1022,11 +1024,13 @@ def test_sibling_convs_say_why_not() -> None:
         helper.make_node("Add", ["b", "d"], ["y"], name="add"),
     ]
     m = make_model(nodes, {"x": [1, c, 7, 7]}, {"y": [1, c, 4, 4]}, inits)
-    cm = check_against_ort(m, {"x": [1, c, 7, 7]}, fusion_disable=NHWC_ALWAYS)
+    # shortcut_conv, which runs first, would sum the shortcut into conv3x3 instead.
+    cm = check_against_ort(m, {"x": [1, c, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "shortcut_conv"))
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "merge_sibling_convs"]
     assert nf["nodes"] == ["reduce", "down"] and "differ in strides" in nf["reason"]
     m = basic_block(1, 8, 8, 7)
-    cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=(*NHWC_ALWAYS, "merge_sibling_convs"))
+    off = (*NHWC_ALWAYS, "merge_sibling_convs", "shortcut_conv")
+    cm = check_against_ort(m, {"x": [1, 8, 7, 7]}, fusion_disable=off)
     assert "merge_sibling_convs" not in cm.report["fusion"]["passes"]["fired"]
     assert cm.report["kernels"]["after"] == 3
 
@@ -1072,6 +1076,158 @@ def test_added_convs_of_different_dilations_stay_apart_and_say_why() -> None:
     cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=NHWC_ALWAYS)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "sum_sibling_convs"]
     assert nf["nodes"] == ["near", "far", "add"] and nf["reason"] == "the convolutions' dilations differ"
+
+
+def bottleneck(n: int, c: int, mid: int, co: int, size: int, stride: int = 2) -> Any:
+    """ResNet-50's downsampling bottleneck: x -> 1x1 conv -> Relu -> 3x3 conv at `stride` -> Relu
+    -> 1x1 conv, plus the 1x1 shortcut of x at `stride`, then Relu."""
+    inits = {
+        "w1": RNG.standard_normal((mid, c, 1, 1)) * 0.3,
+        "b1": RNG.standard_normal(mid) * 0.1,
+        "w2": RNG.standard_normal((mid, mid, 3, 3)) * 0.2,
+        "b2": RNG.standard_normal(mid) * 0.1,
+        "w3": RNG.standard_normal((co, mid, 1, 1)) * 0.3,
+        "b3": RNG.standard_normal(co) * 0.1,
+        "wd": RNG.standard_normal((co, c, 1, 1)) * 0.3,
+        "bd": RNG.standard_normal(co) * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="reduce"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node(
+            "Conv", ["r1", "w2", "b2"], ["c2"], name="conv3x3", pads=[1] * 4, strides=[stride] * 2
+        ),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Conv", ["r2", "w3", "b3"], ["c3"], name="expand"),
+        helper.make_node("Conv", ["x", "wd", "bd"], ["d"], name="down", strides=[stride] * 2),
+        helper.make_node("Add", ["c3", "d"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu3"),
+    ]
+    o = (size - 1) // stride + 1
+    return make_model(nodes, {"x": [n, c, size, size]}, {"y": [n, co, o, o]}, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("c", [8, 16])
+def test_a_shortcut_summed_into_the_blocks_last_conv_is_one_gemm(precision: str, c: int) -> None:
+    """relu(expand(h) + down(x)): the 1x1 shortcut of the block input at stride 2 is a second K loop
+    of the expand conv's kernel (x at the strided pixel, its weight stacked below), so the block
+    is three launches, not four, and the shortcut's output is never written. Few channels (the
+    flat K loop) and more (the loop over window positions), at every tuning candidate."""
+    n, size = 2, 9
+    m = bottleneck(n, c, c, 2 * c, size)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["shortcut_conv"] == 1
+    assert cm.report["kernels"] == {"before": 8, "after": 3}
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "expand+down+add" in g["nodes"]]
+    assert g["nodes"] == ["expand+down+add", "relu3"]
+    (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
+    assert "summed in a second K loop" in k.source and "tl.load(xs + s_base[:, None]" in k.source
+    assert "oh * 2) * 9 + ow * 2)" in k.source  # the strided pixel of x
+    assert ("for k0 in range(" in k.source) == (c < 16) and ("for t in range(" in k.source) == (c >= 16)
+    assert not any(s.kind == "op" and s.op_type == "opfuse.ConvNHWC" for s in cm.plan.steps)
+    x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
+    check_every_candidate(cm, k, m, {"x": x}, precision, [{"BLOCK_N": 16}, {"BLOCK_K": 16}])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_3x3_conv_plus_a_stride_1_shortcut_of_another_input_is_one_kernel(precision: str) -> None:
+    n, c, cz, co, size = 2, 6, 20, 12, 7
+    inits = {
+        "wa": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "ba": RNG.standard_normal(co) * 0.1,
+        "wz": RNG.standard_normal((co, cz, 1, 1)) * 0.3,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="main", pads=[1] * 4),
+        helper.make_node("Conv", ["z", "wz"], ["b"], name="skip"),
+        helper.make_node("Add", ["b", "a"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    shapes = {"x": [n, c, size, size], "z": [n, cz, size, size]}
+    m = make_model(nodes, shapes, {"y": [n, co, size, size]}, inits)
+    cm = check_against_ort(m, shapes, precision, fusion_disable=NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["shortcut_conv"] == 1
+    assert cm.report["kernels"] == {"before": 4, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert "at stride (1, 1), summed in a second K loop" in k.source
+    feeds = {name: RNG.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    check_every_candidate(cm, k, m, feeds, precision, [{"BLOCK_K": 16}])
+
+
+def test_the_shortcut_rule_switched_off_gives_the_old_plan() -> None:
+    """Without it the shortcut is a conv of its own (the library's, nothing to fuse) and the Add
+    and Relu the expand conv's epilogue: four launches."""
+    n, c, size = 1, 8, 7
+    m = bottleneck(n, c, c, 16, size)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, fusion_disable=(*NHWC_ALWAYS, "shortcut_conv"))
+    assert "shortcut_conv" not in cm.report["fusion"]["passes"]["fired"]
+    assert cm.report["kernels"] == {"before": 8, "after": 4}
+    (g,) = [g for g in cm.report["fusion"]["groups"] if "expand" in g["nodes"]]
+    assert g["nodes"] == ["expand", "add", "relu3"]
+
+
+@pytest.mark.parametrize(
+    "skip, why",
+    [
+        ({"group": 2}, "a grouped (or depthwise) convolution"),
+        ({"kernel": 3, "pads": [1] * 4}, "neither convolution is a 1x1 shortcut"),
+        ({"input": "p"}, "the convolutions' outputs differ in shape"),
+    ],
+)
+def test_a_shortcut_that_cannot_be_summed_says_why(skip: dict[str, Any], why: str) -> None:
+    n, c, size = 1, 8, 6
+    k = int(skip.get("kernel", 1))
+    group = int(skip.get("group", 1))
+    inits = {
+        "wa": RNG.standard_normal((c, c, 3, 3)) * 0.2,
+        "wb": RNG.standard_normal((c, c // group, k, k)) * 0.3,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wa"], ["a"], name="main", pads=[1] * 4),
+        helper.make_node("GlobalAveragePool", ["z"], ["p"], name="pool"),
+        helper.make_node(
+            "Conv",
+            [str(skip.get("input", "z")), "wb"],
+            ["b"],
+            name="skip",
+            group=group,
+            pads=list(skip.get("pads", [0] * 4)),
+        ),
+        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    shapes = {"x": [n, c, size, size], "z": [n, c, size, size]}
+    m = make_model(nodes, shapes, {"y": [n, c, size, size]}, inits)
+    cm = check_against_ort(m, shapes, fusion_disable=NHWC_ALWAYS)
+    assert "shortcut_conv" not in cm.report["fusion"]["passes"]["fired"]
+    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "shortcut_conv"]
+    assert nf["nodes"] == ["main", "skip", "add"] and nf["reason"].startswith(why)
+
+
+def test_a_shortcut_conv_left_unfused_runs_both_library_convs_and_their_sum() -> None:
+    """Rolled back (its group not enabled), the merged conv is a per-op step: the library's two
+    convolutions and their sum, three launches; tuning's vendor variant does not apply (the
+    template alone runs it). Both compute what onnxruntime does."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    n, c, size = 2, 8, 9
+    m = bottleneck(n, c, c, 16, size)
+    p = plan_model(m, {"x": [n, c, size, size]}, "fp32", NHWC_ALWAYS)
+    (g,) = [g for g in p.fusion.groups if len(g.nodes[0].inputs) > 3]
+    others = [x.id for x in p.fusion.groups if x.id != g.id]
+    unfused = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, enabled=others)
+    (step,) = [s for s in unfused.steps if s.kind == "op" and s.op_type == "opfuse.ConvNHWC"]
+    assert step.launches == 3 and unfused.launches == p.plan.launches + 3
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [s.kind for s in vendor.steps if s.group == g.id] == ["kernel"]
+    x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    for plan in (p.plan, unfused, vendor):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
 def stem_pool_block(c: int, size: int, conv: dict[str, Any], residual: bool) -> tuple[Any, list[int]]:

@@ -719,6 +719,50 @@ def test_a_depthwise_reduction_is_timed_against_its_split_form(
     assert mine == ([("op", "opfuse.ConvNHWC"), ("kernel", "")] if faster == "split" else [("kernel", "")])
 
 
+def test_a_conv_summing_a_shortcut_is_not_timed_against_the_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The library has no conv with a second K loop (shortcut_conv): tuning times no variant of
+    that group and keeps its template, even where the library's kernels would be timed faster."""
+    import numpy as np
+
+    from opfuse import compiler, tune
+    from opfuse.codegen.conv import has_shortcut
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.lowering import build_plan
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
+    from tests.unit.test_conv import bottleneck
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    shape = [1, 8, 7, 7]
+    _, spec = load_and_specialize(bottleneck(1, 8, 8, 16, 7), {"x": shape}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    (gid,) = [g.id for g in fusion.groups if has_shortcut(g.nodes[0])]
+
+    def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
+        fused = {k.group for k in plan.kernels.values()}
+        return {g.id: 2.0 if g.id in fused else 1.0 for g in fusion.groups}
+
+    monkeypatch.setattr(tune, "variant_group_times", timed)
+    variants: dict[str, str] = {}
+
+    def make_plan(enabled: list[str] | None = None) -> Any:
+        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
+
+    plan = make_plan()
+    feeds = random_inputs(graph.inputs, np.random.default_rng(6))
+    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    assert gid not in record["variants"] and gid not in variants
+    assert [s.kind for s in make_plan().steps if s.group == gid] == ["kernel"]
+
+
 def test_a_start_config_that_fails_to_compile_gives_way_to_the_first_that_does(
     tuning: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
