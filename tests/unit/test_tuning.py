@@ -327,10 +327,12 @@ def test_kernels_are_tuned_where_the_time_is_first(tuning: Any, monkeypatch: pyt
 
     class SlowPool(ScriptedPool):
         def time(self, req: TimingRequest, timeout_s: float | None = None) -> Timing:
-            time.sleep(0.1)
+            time.sleep(0.6)
             return super().time(req, timeout_s)
 
-    deadline = time.perf_counter() + 0.05  # spent while the first kernel's candidates are timed
+    # Spent while the first kernel's candidates are timed, with room for a loaded machine (the
+    # GPU suite runs 14 workers) to get to the first one: at 0.05 s one run tuned nothing.
+    deadline = time.perf_counter() + 0.3
     record = tuning.tune_kernel_configs(
         plan, cpu_executor(), tuning.TuningCache(), deadline, SlowPool(), {"k0_add": 0.1, "k1_add": 2.0}
     )
