@@ -123,6 +123,8 @@ def plan_anchor_groups(
         # A conv summing a shortcut (passes/shortcut_conv.py) reads a second input in a second K
         # loop: no prologue on its tiles, and always its template (the library has no such conv).
         shortcut = kind == "conv" and has_shortcut(anchor)
+        if shortcut:
+            rule = f"{rule}+shortcut_conv"  # the pass that made this conv (passes/shortcut_conv.py)
         if variant == "template" and not shortcut:
             prologue = _input_scale(graph, anchor, taken, consumers, not_fused)
             if not prologue and PAD_RULE not in disabled:

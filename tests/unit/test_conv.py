@@ -1120,7 +1120,7 @@ def test_a_shortcut_summed_into_the_blocks_last_conv_is_one_gemm(precision: str,
     assert cm.report["fusion"]["passes"]["fired"]["shortcut_conv"] == 1
     assert cm.report["kernels"] == {"before": 8, "after": 3}
     (g,) = [g for g in cm.report["fusion"]["groups"] if "expand+down+add" in g["nodes"]]
-    assert g["nodes"] == ["expand+down+add", "relu3"]
+    assert g["nodes"] == ["expand+down+add", "relu3"] and g["rule"] == "conv_epilogue+shortcut_conv"
     (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
     assert "summed in a second K loop" in k.source and "tl.load(xs + s_base[:, None]" in k.source
     assert "oh * 2) * 9 + ow * 2)" in k.source  # the strided pixel of x
