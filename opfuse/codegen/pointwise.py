@@ -387,7 +387,7 @@ def generate_pointwise(
                 regs[n.outputs[0]] = f"v{j}"
                 continue
             if n.op_type == "Concat":
-                _emit_concat(buf, graph, n, f"v{j}", slot, views, index_type)
+                emit_concat(buf, graph, n, f"v{j}", slot, views, index_type)
                 regs[n.outputs[0]] = f"v{j}"
                 continue
             args_expr = [regs[x] if x else "" for x in n.inputs]
@@ -474,7 +474,7 @@ def concat_parts(graph: Graph, node: Node) -> tuple[int, list[tuple[str, int, in
     return axis, parts
 
 
-def _emit_concat(
+def emit_concat(
     buf: SourceBuffer,
     graph: Graph,
     node: Node,
@@ -482,20 +482,24 @@ def _emit_concat(
     slot: dict[str, int],
     views: dict[str, Any],
     index_type: str,
+    offs: str = "offs",
+    mask: str = "mask",
 ) -> None:
     """Concat: the output offset's position within its slab (the elements of one outer index,
     `length * inner` of them) picks the input whose range holds it; each input is loaded at its own
     offset (outer index * its slab + position - its start * inner), masked to the lanes it holds
-    (through its layout view or resize gather as any input is), and `prefix` is the selection."""
+    (through its layout view or resize gather as any input is), and `prefix` is the selection.
+    `offs` and `mask`: the flat offsets into the Concat's output the kernel computes, and the
+    lanes that load (a row kernel's rows: `row * R + cols` and its column mask)."""
     shape = tuple(graph.spec(node.outputs[0]).shape)
     axis, parts = concat_parts(graph, node)
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
     slab = int(shape[axis]) * inner
     outer = int(np.prod(shape[:axis], dtype=np.int64))
     pos = f"{prefix}_s"
-    buf.line(f"{pos} = offs % {slab}" if outer > 1 else f"{pos} = offs")
+    buf.line(f"{pos} = {offs} % {slab}" if outer > 1 else f"{pos} = {offs}")
     if outer > 1:
-        buf.line(f"{prefix}_o = offs // {slab}")
+        buf.line(f"{prefix}_o = {offs} // {slab}")
     loaded: list[str] = []
     for k, (name, start, length) in enumerate(parts):
         i = slot[name]
@@ -508,7 +512,7 @@ def _emit_concat(
         )
         held = [f"({pos} >= {lo})"] if lo else []
         held += [f"({pos} < {hi})"] if hi < slab else []
-        buf.line(f"{prefix}_m{k} = {' & '.join(['mask', *held])}")
+        buf.line(f"{prefix}_m{k} = {' & '.join([mask, *held])}")
         view = views.get(name)
         if isinstance(view, ResizeGather):
             lines: list[str] = []

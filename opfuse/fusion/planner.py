@@ -108,9 +108,21 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         for g in attention:
             g.match = matches[g.id]
     in_attention = {n.id for g in attention for n in g.nodes}
-    row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused, in_attention)
+    row_groups = (
+        []
+        if ROW_RULE in disabled
+        else plan_row_groups(
+            graph,
+            not_fused,
+            in_attention,
+            CONCAT_SELECT_RULE not in disabled and POINTWISE_RULE not in disabled,
+        )
+    )
+    claimed_by_rows: set[str] = set(in_attention) | {n.id for g in row_groups for n in g.nodes}
+    for g in row_groups:
+        if any(n.op_type == "Concat" for n in g.nodes):
+            _select_row_concat(graph, g, claimed_by_rows, not_fused, disabled)
     if LAYOUT_RULE not in disabled:
-        claimed_by_rows: set[str] = set(in_attention)
         for g in row_groups:
             _fold_row_layout(graph, g, claimed_by_rows)
     in_rows = {n.id for g in row_groups for n in [*g.nodes, *g.absorbed]} | in_attention
@@ -319,6 +331,34 @@ def _explain_concat_copies(
                 "into its slice of the concatenated one",
             )
         )
+
+
+def _select_row_concat(
+    graph: Graph,
+    group: Group,
+    claimed: set[str],
+    not_fused: list[NotFired],
+    disabled: set[str] | frozenset[str],
+) -> None:
+    """A row group holding a Concat (`concat_select`: a normalization's input) reads the Concat's
+    inputs as a pointwise kernel would: Resizes only it reads by gather loads (`resize_gather`),
+    values behind layout ops from the buffer behind them (`layout_views`)."""
+    ids = {n.id for n in group.nodes}
+    selected = {x for n in group.nodes if n.op_type == "Concat" for x in n.inputs if x} - {
+        x for n in group.nodes if n.op_type != "Concat" for x in n.inputs if x
+    }
+    parts = [group.rule, CONCAT_SELECT_RULE]
+    if RESIZE_RULE not in disabled:
+        values = [x for x in group.inputs if x in selected]
+        gathers, gathered = plan_resize_gathers(
+            graph, ids, values, (), claimed, not_fused, LAYOUT_RULE not in disabled, selected
+        )
+        group.views.update(gathers)
+        group.absorbed += gathered
+        parts += [RESIZE_RULE] if gathers else []
+    if LAYOUT_RULE not in disabled:
+        _fold_layout(graph, group, claimed, lambda x, view: x in selected)
+    group.rule = "+".join(parts)
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

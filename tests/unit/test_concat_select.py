@@ -153,3 +153,64 @@ def test_a_channels_last_concat_of_conv_outputs(precision: str) -> None:
     source = concat_kernel(cm).source
     assert "axis 3 [0, 4)" in source and "axis 3 [4, 9)" in source
     assert "mask=v0_m0" in source and "mask=v0_m1" in source
+
+
+def norm_of_concat(norm: str, axis: int, resized: bool):  # type: ignore[no-untyped-def]
+    """a [2, 4, 6, 8] and b (or x [2, 4, 3, 4] resized x2, nearest) -> Concat -> GroupNorm (4 groups of
+    the 8 channels, each group within one input) or InstanceNorm -> Relu."""
+    b_shape = [2, 4, 6, 8] if axis == 1 else [2, 8, 6, 8]
+    a_shape = [2, 4, 6, 8] if axis == 1 else [2, 8, 5, 8]
+    out = [2, 8, 6, 8] if axis == 1 else [2, 8, 11, 8]
+    nodes = []
+    if resized:
+        nodes.append(helper.make_node("Resize", ["x", "", "scales"], ["b"], name="up", mode="nearest"))
+    nodes.append(helper.make_node("Concat", ["a", "b"], ["c"], name="cat", axis=axis))
+    if norm == "group":
+        nodes.append(
+            helper.make_node("GroupNormalization", ["c", "s", "t"], ["n"], name="norm", num_groups=4)
+        )
+    else:
+        nodes.append(helper.make_node("InstanceNormalization", ["c", "s", "t"], ["n"], name="norm"))
+    nodes.append(helper.make_node("Relu", ["n"], ["y"], name="relu"))
+    inits = {"s": 1 + RNG.standard_normal(8) * 0.2, "t": RNG.standard_normal(8) * 0.2}
+    inputs = {"a": a_shape, **({"x": [2, 4, 3, 4]} if resized else {"b": b_shape})}
+    model = make_model(nodes, inputs, {"y": out}, inits)
+    if resized:
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.array([1, 1, 2, 2], dtype=np.float32), "scales")
+        )
+    if norm == "group":  # opset 21: scale and bias per channel
+        model.opset_import[0].version = 21
+        model.ir_version = 10
+    return model, inputs
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    ("norm", "axis", "resized"),
+    [("group", 1, True), ("group", 1, False), ("instance", 1, True), ("instance", 2, False)],
+)
+def test_a_normalization_reads_its_rows_through_the_concat(
+    norm: str, axis: int, resized: bool, precision: str
+) -> None:
+    """The row kernel loads each element of its rows from the Concat input that holds it (the
+    Resize gathered there too): SegDecoder's skip Concat and GroupNorm are one launch. Along H an
+    InstanceNorm row spans both inputs, each element selected on its own."""
+    model, inputs = norm_of_concat(norm, axis, resized)
+    cm = check_against_ort(model, inputs, precision)
+    assert cm.report["kernels"] == {"before": 3 + resized, "after": 1}
+    assert launched_ops(cm) == []
+    (g,) = cm.report["fusion"]["groups"]
+    rule = "row_reduction+concat_select" + ("+resize_gather" if resized else "")
+    assert g["kind"] == "rowwise" and g["rule"] == rule and g["nodes"] == ["cat", "norm", "relu"]
+    source = concat_kernel(cm).source
+    assert "v0_s = (row * " in source and "mask=v0_m0, other=0.0)" in source
+    assert source.count("mask=v0_m1, other=0.0)") == 1
+
+
+def test_without_concat_select_the_normalization_reads_the_copy() -> None:
+    model, inputs = norm_of_concat("group", 1, True)
+    cm = check_against_ort(model, inputs, fusion_disable=("concat_select",))
+    assert launched_ops(cm) == ["Resize", "Concat"]
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == "row_reduction" and g["nodes"] == ["norm", "relu"]
