@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.codegen.rowwise import ROW_OPS, RowSpace, row_input_reason, row_op_reason, row_space
-from opfuse.fusion.concat import concat_reason
+from opfuse.fusion.concat import CONCAT_SELECT_RULE, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
 ROW_RULE = "row_reduction"
-# Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each loaded whole.
+# Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
+# (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`.
 CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
 
 
@@ -29,13 +30,16 @@ def _join_reason(graph: Graph, node: Node, space: RowSpace, concats: bool = Fals
     refusal worth reporting; one inside it that still cannot join is. `concats`: whether a
     Concat of the full shape may join (`concat_select` on, a normalization's space)."""
     if node.op_type == "Concat":
-        if not concats or tuple(graph.spec(node.outputs[0]).shape) != space.full:
+        # A Concat no kernel can select is said so where it stays a copy (planner).
+        if (
+            not concats
+            or tuple(graph.spec(node.outputs[0]).shape) != space.full
+            or concat_reason(graph, node)
+        ):
             return False, None
-        if space.inner > 1 and not space.groups:
-            return True, "a Concat read by a row kernel over strided columns: its rows are not loaded whole"
         if any(tuple(graph.spec(x).shape) in space.shapes() for x in node.inputs if x):
             return True, "a Concat input has a shape of the row space: the group could compute it"
-        return True, concat_reason(graph, node)
+        return True, None
     if node.op_type in ROW_OPS:
         return row_op_reason(graph, node) is None and row_space(graph, node) == space, None
     if pointwise_reason(graph, node) is not None:
@@ -93,7 +97,8 @@ def plan_row_groups(
                     continue
                 if why is not None:
                     refused.add(cand.id)
-                    not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(cand)], why))
+                    rule = CONCAT_SELECT_RULE if cand.op_type == "Concat" else ROW_RULE
+                    not_fused.append(NotFired(rule, [node_label(anchor), node_label(cand)], why))
                     continue
                 merged = members | {cand.id}
                 why, is_cycle = merge_refusal(graph, merged, order)
