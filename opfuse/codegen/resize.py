@@ -84,16 +84,28 @@ def _nearest_index(src: str, nearest_mode: str) -> str:
     return f"tl.where({src} - tl.floor({src}) == 0.5, tl.floor({src}), tl.floor({src} + 0.5))"
 
 
-def resize_load(name: str, pointer: str, gather: ResizeGather, lines: list[str], index_type: str) -> str:
+def resize_load(
+    name: str,
+    pointer: str,
+    gather: ResizeGather,
+    lines: list[str],
+    index_type: str,
+    offs: str = "offs",
+    mask: str = "mask",
+) -> str:
     """Append to `lines` the statements that load the resized value for every `offs` (registers
     named after `name`) and return the expression of the value in float32. `index_type`: the
-    integer type of the addresses (tl.int64 where an input or the output has 2**31 elements)."""
+    integer type of the addresses (tl.int64 where an input or the output has 2**31 elements).
+    `offs` and `mask`: the offsets into the resized value and the lanes that load (a Concat's
+    input: its own offsets, and the lanes its range holds)."""
     shape = gather.shape
     out_strides = [int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape))]
     taps: list[list[tuple[str, str | None]]] = []  # per axis: (index, weight or None)
     fixed: list[str] = []
     for d, axis in enumerate(gather.axes):
-        coord = f"((offs // {out_strides[d]}) % {shape[d]})" if out_strides[d] > 1 else f"(offs % {shape[d]})"
+        coord = (
+            f"(({offs} // {out_strides[d]}) % {shape[d]})" if out_strides[d] > 1 else f"({offs} % {shape[d]})"
+        )
         if axis.start:
             coord = f"({coord} + {axis.start})"
         stride = gather.strides[d]
@@ -131,7 +143,7 @@ def resize_load(name: str, pointer: str, gather: ResizeGather, lines: list[str],
         grid = [[*g, t] for g in grid for t in axis_taps]
     for k, combo in enumerate(grid):
         address = "".join(f" + {i}" for i, _ in combo)
-        lines.append(f"{name}_{k} = tl.load({name}_p{address}, mask=mask, other=0.0).to(tl.float32)")
+        lines.append(f"{name}_{k} = tl.load({name}_p{address}, mask={mask}, other=0.0).to(tl.float32)")
         weights = [w for _, w in combo if w is not None]
         terms.append(" * ".join([*weights, f"{name}_{k}"]))
     return terms[0] if len(terms) == 1 else "(" + " + ".join(terms) + ")"

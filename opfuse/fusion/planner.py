@@ -3,7 +3,8 @@
 Pointwise: a node joins the groups of its pointwise producers when their iteration shapes agree,
 the merge creates no cycle through a node outside the group, and the group stays under the size
 caps that keep its live values in registers. A window op (LRN) is a member like a pointwise op,
-except that the producer of the input it reads at neighbouring channels never joins its group.
+except that the producer of the input it reads at neighbouring channels never joins its group. A
+Concat is a member that joins no producer's group (`concat_select`: its inputs are loaded).
 Every refusal is recorded with its reason.
 """
 
@@ -36,6 +37,7 @@ from opfuse.fusion.anchors import (
     window_prologues,
 )
 from opfuse.fusion.attention import ATTENTION_RULE, plan_attention_groups
+from opfuse.fusion.concat import CONCAT_SELECT_RULE, LONE_COPY_REASON, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.resize import RESIZE_RULE, plan_resize_gathers, resize_reason
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
@@ -60,6 +62,7 @@ RULES = (
     POOLED_GEMM_RULE,
     POINTWISE_RULE,
     WINDOW_RULE,
+    CONCAT_SELECT_RULE,
     RESIZE_RULE,
     LAYOUT_RULE,
 )
@@ -68,6 +71,7 @@ __all__ = [
     "ATTENTION_RULE",
     "CHAIN_RULE",
     "CONCAT_RULE",
+    "CONCAT_SELECT_RULE",
     "CONV_RULE",
     "DEPTHWISE_REDUCTION_RULE",
     "DEPTHWISE_RULE",
@@ -104,9 +108,21 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         for g in attention:
             g.match = matches[g.id]
     in_attention = {n.id for g in attention for n in g.nodes}
-    row_groups = [] if ROW_RULE in disabled else plan_row_groups(graph, not_fused, in_attention)
+    row_groups = (
+        []
+        if ROW_RULE in disabled
+        else plan_row_groups(
+            graph,
+            not_fused,
+            in_attention,
+            CONCAT_SELECT_RULE not in disabled and POINTWISE_RULE not in disabled,
+        )
+    )
+    claimed_by_rows: set[str] = set(in_attention) | {n.id for g in row_groups for n in g.nodes}
+    for g in row_groups:
+        if any(n.op_type == "Concat" for n in g.nodes):
+            _select_row_concat(graph, g, claimed_by_rows, not_fused, disabled)
     if LAYOUT_RULE not in disabled:
-        claimed_by_rows: set[str] = set(in_attention)
         for g in row_groups:
             _fold_row_layout(graph, g, claimed_by_rows)
     in_rows = {n.id for g in row_groups for n in [*g.nodes, *g.absorbed]} | in_attention
@@ -128,14 +144,22 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     in_rows |= {n.id for g in row_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     if POINTWISE_RULE in disabled:
         if LAYOUT_RULE not in disabled:
-            _explain_concat_copies(graph, row_groups, not_fused)
+            _explain_concat_copies(graph, row_groups, not_fused, {})
         return FusionPlan(row_groups, not_fused, lone)
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     eligible: dict[str, bool] = {}
+    # Concats `concat_select` matched but did not take (id -> why), said where they stay copies.
+    concat_reasons: dict[str, str] = {}
     for n in graph.nodes:
         if n.id in in_rows:
             eligible[n.id] = False
+            continue
+        if n.op_type == "Concat":
+            reason = None if CONCAT_SELECT_RULE in disabled else concat_reason(graph, n)
+            eligible[n.id] = CONCAT_SELECT_RULE not in disabled and reason is None
+            if reason is not None:
+                concat_reasons[n.id] = reason
             continue
         if n.op_type in WINDOW_OPS:
             if WINDOW_RULE in disabled:
@@ -158,7 +182,8 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         mine = {n.id}
         shape = graph.spec(n.outputs[0]).shape
         candidates: list[int] = []
-        for x in n.inputs:
+        # A Concat loads its inputs (at offsets of their own): no producer joins its group.
+        for x in [] if n.op_type == "Concat" else n.inputs:
             p = producers.get(x) if x else None
             if p is None or not eligible.get(p.id) or p.id not in group_of:
                 continue
@@ -198,11 +223,16 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         ins, outs = group_boundary(graph, nodes)
         gathers: dict[str, Any] = {}
         gathered: list[Node] = []
+        lone_concat = len(nodes) == 1 and nodes[0].op_type == "Concat"
         if RESIZE_RULE not in disabled:
             iteration = tuple(graph.spec(outs[0]).shape)
             # An LRN loads its input at neighbouring channels from memory: a resized value it
             # reads that way is written by the Resize, not gathered.
             windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
+            # What only Concats read is loaded at its own offsets, so gathered at its own shape.
+            selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x} - {
+                x for n in nodes if n.op_type != "Concat" for x in n.inputs if x
+            }
             gathers, gathered = plan_resize_gathers(
                 graph,
                 set(ids),
@@ -211,17 +241,27 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
                 claimed,
                 not_fused,
                 LAYOUT_RULE not in disabled,
+                selected,
             )
-        if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS:
+        if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS and not lone_concat:
             continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
-        rule = f"{POINTWISE_RULE}+{RESIZE_RULE}" if gathers else POINTWISE_RULE
-        group = Group(f"g{count}", "pointwise", rule, nodes, ins, outs, views=gathers, absorbed=gathered)
+        parts = [POINTWISE_RULE] if any(n.op_type != "Concat" for n in nodes) else []
+        parts += [CONCAT_SELECT_RULE] if any(n.op_type == "Concat" for n in nodes) else []
+        parts += [RESIZE_RULE] if gathers else []
+        group = Group(
+            f"g{count}", "pointwise", "+".join(parts), nodes, ins, outs, views=gathers, absorbed=gathered
+        )
+        taken = set(claimed)
         if LAYOUT_RULE not in disabled:
-            _fold_layout(graph, group, claimed)
+            _fold_layout(graph, group, taken)
+        if lone_concat and not group.views:
+            concat_reasons[nodes[0].id] = LONE_COPY_REASON
+            continue  # a copy of plain tensors is one launch either way: it stays the copy
+        claimed |= taken
         groups.append(group)
         count += 1
     if LAYOUT_RULE not in disabled:
-        _explain_concat_copies(graph, groups, not_fused)
+        _explain_concat_copies(graph, groups, not_fused, concat_reasons)
     if RESIZE_RULE not in disabled:
         _explain_resizes(graph, groups, not_fused)
     return FusionPlan(groups, not_fused, lone)
@@ -269,13 +309,18 @@ def _explain_resizes(graph: Graph, groups: list[Group], not_fused: list[NotFired
         not_fused.append(NotFired(RESIZE_RULE, [node_label(n)], reason))
 
 
-def _explain_concat_copies(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:
+def _explain_concat_copies(
+    graph: Graph, groups: list[Group], not_fused: list[NotFired], selection: dict[str, str]
+) -> None:
     """A Concat left in the plan is a copy of its inputs (one kernel): say so, and why no view
-    replaces it, as for the other layout ops."""
+    replaces it, as for the other layout ops, and why no kernel selects it (`selection`: id ->
+    why `concat_select` did not fire)."""
     in_groups = {n.id for g in groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     for n in graph.nodes:
         if n.op_type != "Concat" or n.id in in_groups:
             continue
+        if n.id in selection:
+            not_fused.append(NotFired(CONCAT_SELECT_RULE, [node_label(n)], selection[n.id]))
         axis = int(n.attrs.get("axis", 0))
         not_fused.append(
             NotFired(
@@ -286,6 +331,34 @@ def _explain_concat_copies(graph: Graph, groups: list[Group], not_fused: list[No
                 "into its slice of the concatenated one",
             )
         )
+
+
+def _select_row_concat(
+    graph: Graph,
+    group: Group,
+    claimed: set[str],
+    not_fused: list[NotFired],
+    disabled: set[str] | frozenset[str],
+) -> None:
+    """A row group holding a Concat (`concat_select`: a normalization's input) reads the Concat's
+    inputs as a pointwise kernel would: Resizes only it reads by gather loads (`resize_gather`),
+    values behind layout ops from the buffer behind them (`layout_views`)."""
+    ids = {n.id for n in group.nodes}
+    selected = {x for n in group.nodes if n.op_type == "Concat" for x in n.inputs if x} - {
+        x for n in group.nodes if n.op_type != "Concat" for x in n.inputs if x
+    }
+    parts = [group.rule, CONCAT_SELECT_RULE]
+    if RESIZE_RULE not in disabled:
+        values = [x for x in group.inputs if x in selected]
+        gathers, gathered = plan_resize_gathers(
+            graph, ids, values, (), claimed, not_fused, LAYOUT_RULE not in disabled, selected
+        )
+        group.views.update(gathers)
+        group.absorbed += gathered
+        parts += [RESIZE_RULE] if gathers else []
+    if LAYOUT_RULE not in disabled:
+        _fold_layout(graph, group, claimed, lambda x, view: x in selected)
+    group.rule = "+".join(parts)
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

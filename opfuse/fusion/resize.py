@@ -93,10 +93,12 @@ def plan_resize_gathers(
     claimed: set[str],
     not_fused: list[NotFired],
     fold_layout: bool,
+    selected: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[dict[str, ResizeGather], list[Node]]:
     """The group inputs among `values` that are Resizes (through unit-step Slices) read only by
     the group's nodes (`readers`), as gathers, and the nodes that leave the plan with them.
-    `claimed`: nodes other groups hold (the ones taken here are added)."""
+    `claimed`: nodes other groups hold (the ones taken here are added). `selected`: values only
+    Concats of the group read, each loaded at offsets of its own shape, not `iteration`'s."""
     held = set(claimed)
     producers = graph.producers()
     consumers = graph.consumers()
@@ -132,7 +134,7 @@ def plan_resize_gathers(
         if reason is not None:
             not_fused.append(NotFired(RESIZE_RULE, [node_label(resize)], reason))
             continue
-        if tuple(graph.spec(x).shape) != tuple(iteration):
+        if x not in selected and tuple(graph.spec(x).shape) != tuple(iteration):
             not_fused.append(
                 NotFired(
                     RESIZE_RULE,

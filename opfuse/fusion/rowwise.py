@@ -5,23 +5,41 @@ the same row space (codegen.rowwise.RowSpace: the reduced input's shape with the
 reduced axes, or the same channel groups for GroupNormalization): pointwise ops whose output is the
 full shape or the reduced shape, and further reductions over the same space (LayerNorm written out
 has two). A join is refused, with its reason, if it would form a cycle through a node outside the
-group or exceed the group's caps.
+group or exceed the group's caps. A normalization's full-shaped input may be a Concat
+(`concat_select`): the row kernel loads each element of its rows from the Concat input that holds
+it, so the Concat joins too (its inputs, of other shapes, are kernel inputs).
 """
 
 from __future__ import annotations
 
 from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.codegen.rowwise import ROW_OPS, RowSpace, row_input_reason, row_op_reason, row_space
+from opfuse.fusion.concat import CONCAT_SELECT_RULE, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import NotFired, node_label
 
 ROW_RULE = "row_reduction"
+# Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
+# (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`.
+CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
 
 
-def _join_reason(graph: Graph, node: Node, space: RowSpace) -> tuple[bool, str | None]:
+def _join_reason(graph: Graph, node: Node, space: RowSpace, concats: bool = False) -> tuple[bool, str | None]:
     """(lives in the row space, why it cannot join anyway): a node outside the space is no
-    refusal worth reporting; one inside it that still cannot join is."""
+    refusal worth reporting; one inside it that still cannot join is. `concats`: whether a
+    Concat of the full shape may join (`concat_select` on, a normalization's space)."""
+    if node.op_type == "Concat":
+        # A Concat no kernel can select is said so where it stays a copy (planner).
+        if (
+            not concats
+            or tuple(graph.spec(node.outputs[0]).shape) != space.full
+            or concat_reason(graph, node)
+        ):
+            return False, None
+        if any(tuple(graph.spec(x).shape) in space.shapes() for x in node.inputs if x):
+            return True, "a Concat input has a shape of the row space: the group could compute it"
+        return True, None
     if node.op_type in ROW_OPS:
         return row_op_reason(graph, node) is None and row_space(graph, node) == space, None
     if pointwise_reason(graph, node) is not None:
@@ -37,7 +55,11 @@ def _join_reason(graph: Graph, node: Node, space: RowSpace) -> tuple[bool, str |
     return True, None
 
 
-def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None) -> list[Group]:
+def plan_row_groups(
+    graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None, concats: bool = False
+) -> list[Group]:
+    """Row groups around each reduction. `concats`: a normalization's full-shaped input may be a
+    Concat the kernel selects from its inputs (`concat_select`)."""
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     consumers = graph.consumers()
@@ -70,12 +92,13 @@ def plan_row_groups(graph: Graph, not_fused: list[NotFired], taken: set[str] | N
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
-                in_space, why = _join_reason(graph, cand, space)
+                in_space, why = _join_reason(graph, cand, space, concats and anchor.op_type in CONCAT_ANCHORS)
                 if not in_space:
                     continue
                 if why is not None:
                     refused.add(cand.id)
-                    not_fused.append(NotFired(ROW_RULE, [node_label(anchor), node_label(cand)], why))
+                    rule = CONCAT_SELECT_RULE if cand.op_type == "Concat" else ROW_RULE
+                    not_fused.append(NotFired(rule, [node_label(anchor), node_label(cand)], why))
                     continue
                 merged = members | {cand.id}
                 why, is_cycle = merge_refusal(graph, merged, order)

@@ -836,7 +836,9 @@ def test_a_conv_writes_the_concat_it_feeds(precision: str, two_convs: bool) -> N
 
 
 def test_concat_epilogue_says_why_not() -> None:
-    """A Concat with a constant input stays the library's copy, and the rule can be switched off."""
+    """A Concat with a constant input is no conv's epilogue, and the rule can be switched off (the
+    Concat then joins the kernel of the pointwise op after it, `concat_select`, or with that rule
+    off too is the library's copy)."""
     n, c, size = 1, 8, 5
     inits = {"w": RNG.standard_normal((c, c, 1, 1)) * 0.3, "k": RNG.standard_normal((n, 4, size, size))}
     nodes = [
@@ -851,6 +853,10 @@ def test_concat_epilogue_says_why_not() -> None:
     assert nf["nodes"] == ["conv", "cat"] and "constant input" in nf["reason"]
     m = concat_block(1, 8, 5, two_convs=False)
     cm = check_against_ort(m, {"x": [1, 8, 5, 5]}, fusion_disable=(*NHWC_ALWAYS, "concat_epilogue"))
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["opfuse.ConvNHWC"]
+    assert any("concat_select" in g["rule"] for g in cm.report["fusion"]["groups"])
+    off = (*NHWC_ALWAYS, "concat_epilogue", "concat_select")
+    cm = check_against_ort(m, {"x": [1, 8, 5, 5]}, fusion_disable=off)
     assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == [
         "Concat",
         "opfuse.ConvNHWC",

@@ -233,14 +233,19 @@ def test_cnn_export(name: str) -> None:
         assert cm.report["kernels"]["after"] <= 0.4 * cm.report["compute_nodes"]
     if name == "segmentation":
         # The head's two Resizes (one through a Slice) are gathered by the Add's kernel
-        # (`resize_gather`); the Resize before the Concat runs as its own op. The head conv reads
-        # through the reflection Pad (`pad_prologue`).
+        # (`resize_gather`); the GroupNorm's row kernel loads its rows through the skip Concat
+        # (`concat_select`), the Resize before it gathered there, so neither runs as its own op.
+        # The head conv reads through the reflection Pad (`pad_prologue`).
         launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
-        assert launched.count("Resize") == 1
+        assert "Resize" not in launched and "Concat" not in launched
         (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "pointwise+resize_gather"]
         assert g["nodes"] == ["/Add"] and g["resize_gathered"] == ["/Resize_1", "/Resize_2"]
+        (g,) = [g for g in cm.report["fusion"]["groups"] if "concat_select" in g["rule"]]
+        assert g["rule"] == "row_reduction+concat_select+resize_gather"
+        assert g["nodes"] == ["/Concat", "/gnorm/InstanceNormalization", "/Relu_1"]
+        assert g["resize_gathered"] == ["/Resize"]
         if TEST_DEVICE == "cpu":  # on the GPU the fp32 dense convs stay NCHW (fp32_dense_nchw)
-            assert cm.report["kernels"] == {"before": 15, "after": 8}
+            assert cm.report["kernels"] == {"before": 15, "after": 6}
 
 
 def test_cnn_fp16() -> None:

@@ -437,7 +437,8 @@ def test_dense_fp32_convolutions_stay_nchw_on_the_gpu(
 
 
 def test_a_concat_left_as_a_copy_is_explained() -> None:
-    """Two branches concatenated: the Concat is one copy kernel, and fusion.not_fused says why."""
+    """Two branches concatenated, `concat_select` off: the Concat is one copy kernel, and
+    fusion.not_fused says why. With the rule on, the Tanh's kernel selects the Concat."""
     from tests.unit.test_fusion import check_against_ort
 
     nodes = [
@@ -447,8 +448,11 @@ def test_a_concat_left_as_a_copy_is_explained() -> None:
         helper.make_node("Tanh", ["c"], ["y"]),
     ]
     model = make_model(nodes, {"x": [2, 3, 4]}, {"y": [2, 6, 4]})
-    cm = check_against_ort(model, {"x": [2, 3, 4]})
+    cm = check_against_ort(model, {"x": [2, 3, 4]}, fusion_disable=("concat_select",))
     (entry,) = [n for n in cm.report["fusion"]["not_fused"] if any("branches" in x for x in n["nodes"])]
     assert entry["rule"] == "layout_views"
     assert "Concat of 2 inputs along axis 1 runs as a copy" in entry["reason"]
     assert cm.report["kernels"]["after"] == 4  # Relu, Sigmoid, the copy, Tanh
+    cm = check_against_ort(model, {"x": [2, 3, 4]})
+    assert cm.report["kernels"]["after"] == 3  # Relu, Sigmoid, the Concat and Tanh
+    assert [n for n in cm.report["fusion"]["not_fused"] if any("branches" in x for x in n["nodes"])] == []
