@@ -227,10 +227,12 @@ def test_cnn_export(name: str) -> None:
             m.running_var.uniform_(0.5, 2.0)
     onnx_model = export(model, (torch.from_numpy(image(*shape)),), ["x"])
     cm = check(onnx_model, {"x": image(*shape)})
-    if name == "shuffle_dense_squeeze":
-        # The written-out LocalResponseNorm is one LRN kernel reading the conv's concatenated
-        # NHWC output: 6 launches for 21 compute nodes.
-        assert cm.report["kernels"]["after"] <= 0.4 * cm.report["compute_nodes"]
+    if TEST_DEVICE == "cpu":
+        # At most 40% as many launches as compute nodes, the plan as the interpreter runs it
+        # (channels-last; on the GPU in fp32 a dense CNN stays NCHW, fp32_dense_nchw). ShuffleDense:
+        # the written-out LocalResponseNorm is one LRN kernel reading the conv's concatenated NHWC
+        # output. ResNetish: the stem pool runs on the first block's conv tiles (pool_prologue).
+        assert cm.report["kernels"]["after"] <= 0.4 * cm.report["compute_nodes"], cm.report["kernels"]
     if name == "segmentation":
         # The head's two Resizes (one through a Slice) are gathered by the Add's kernel
         # (`resize_gather`); the GroupNorm's row kernel loads its rows through the skip Concat
