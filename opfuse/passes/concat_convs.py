@@ -69,6 +69,18 @@ def _pads(graph: Graph, conv: Node) -> tuple[int, int, int, int] | None:
     return p[0], p[1], p[2], p[3]
 
 
+def constant_weights_reason(graph: Graph, convs: list[Node]) -> str | None:
+    """Why the convolutions' weights cannot be merged into one constant (None if they can): every
+    weight and bias a constant, the weights of one type."""
+    if any(c.inputs[1] not in graph.constants for c in convs) or any(
+        len(c.inputs) > 2 and c.inputs[2] and c.inputs[2] not in graph.constants for c in convs
+    ):
+        return "a weight or bias is not a constant"
+    if len({graph.constants[c.inputs[1]].dtype for c in convs}) != 1:
+        return "the weights differ in type"
+    return None
+
+
 def merged_window(
     graph: Graph, branches: list[tuple[Node, Node | None]], nhwc: bool = False
 ) -> dict[str, Any] | str:
@@ -84,12 +96,9 @@ def merged_window(
             return f"the convolutions' {key} differ"
     if any(int(c.attrs.get("group", 1)) != 1 for c in convs):
         return "a grouped convolution"
-    if any(c.inputs[1] not in graph.constants for c in convs) or any(
-        len(c.inputs) > 2 and c.inputs[2] and c.inputs[2] not in graph.constants for c in convs
-    ):
-        return "a weight or bias is not a constant"
-    if len({graph.constants[c.inputs[1]].dtype for c in convs}) != 1:
-        return "the weights differ in type"
+    why = constant_weights_reason(graph, convs)
+    if why is not None:
+        return why
     pads = [_pads(graph, c) for c in convs]
     if any(p is None for p in pads):
         return "auto_pad SAME: the pads depend on the kernel"

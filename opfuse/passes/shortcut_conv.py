@@ -28,6 +28,7 @@ import numpy as np
 
 from opfuse.codegen.conv import NHWC_CONV, has_shortcut
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.passes.concat_convs import constant_weights_reason
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
 RULE = "shortcut_conv"
@@ -68,12 +69,9 @@ def _check(graph: Graph, convs: list[Node], add: Node) -> tuple[Node, Node] | st
         return "a convolution already sums a shortcut"
     if any(int(c.attrs.get("group", 1)) != 1 for c in convs):
         return "a grouped (or depthwise) convolution: the template sums a shortcut into group=1 only"
-    if any(c.inputs[1] not in graph.constants for c in convs) or any(
-        len(c.inputs) > 2 and c.inputs[2] and c.inputs[2] not in graph.constants for c in convs
-    ):
-        return "a weight or bias is not a constant"
-    if len({graph.constants[c.inputs[1]].dtype for c in convs}) != 1:
-        return "the weights differ in type"
+    why = constant_weights_reason(graph, convs)
+    if why is not None:
+        return why
     shapes = {graph.spec(c.outputs[0]).shape for c in convs}
     if len(shapes) != 1 or graph.spec(add.outputs[0]).shape not in shapes:
         return "the convolutions' outputs differ in shape (the Add broadcasts)"

@@ -636,6 +636,26 @@ def _tune_with_fake_times(
 ) -> tuple[dict[str, Any], str, Callable[[], Any]]:
     """compiler._tune on the one group `select` picks, with the split form (`is_split` of a plan)
     or the fused kernel timed faster: (the tuning record, the group's id, the plan as tuned)."""
+
+    def group_ms(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
+        return {gid: 1.0 if is_split(plan, gid) == (faster == "split") else 2.0}
+
+    record, gid, make_plan, _ = _tune_with(monkeypatch, tmp_path, model, shape, select, group_ms)
+    assert record["variants"][gid]["choice"] == ("vendor" if faster == "split" else "template")
+    return record, gid, make_plan
+
+
+def _tune_with(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Any,
+    model: Any,
+    shape: list[int],
+    select: Callable[[Any], bool],
+    group_ms: Callable[[Any, str, list[Any]], dict[str, float]],
+) -> tuple[dict[str, Any], str, Callable[[], Any], dict[str, str]]:
+    """compiler._tune on `model`, every candidate plan's groups timed by `group_ms(plan, id of the
+    group `select` picks, the fusion's groups)`: (the tuning record, that id, the plan as tuned,
+    the variants chosen)."""
     import numpy as np
 
     from opfuse import compiler, tune
@@ -656,7 +676,7 @@ def _tune_with_fake_times(
     (gid,) = [g.id for g in fusion.groups if select(g)]
 
     def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
-        return {gid: 1.0 if is_split(plan, gid) == (faster == "split") else 2.0}
+        return group_ms(plan, gid, fusion.groups)
 
     monkeypatch.setattr(tune, "variant_group_times", timed)
     variants: dict[str, str] = {}
@@ -667,8 +687,7 @@ def _tune_with_fake_times(
     plan = make_plan()
     feeds = random_inputs(graph.inputs, np.random.default_rng(6))
     record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
-    assert record["variants"][gid]["choice"] == ("vendor" if faster == "split" else "template")
-    return record, gid, make_plan
+    return record, gid, make_plan, variants
 
 
 @pytest.mark.parametrize("faster", ["fused", "split"])
@@ -726,41 +745,21 @@ def test_a_conv_summing_a_shortcut_is_not_timed_against_the_library(
 ) -> None:
     """The library has no conv with a second K loop (shortcut_conv): tuning times no variant of
     that group and keeps its template, even where the library's kernels would be timed faster."""
-    import numpy as np
-
-    from opfuse import compiler, tune
     from opfuse.codegen.conv import has_shortcut
-    from opfuse.frontend.load import load_and_specialize
-    from opfuse.fusion.planner import plan_fusion
-    from opfuse.graph import graph_from_onnx
-    from opfuse.lowering import build_plan
-    from opfuse.passes.pipeline import run_passes
-    from opfuse.runtime.ops import SUPPORTED_OPS
-    from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
     from tests.unit.test_conv import bottleneck
 
-    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    shape = [1, 8, 7, 7]
-    _, spec = load_and_specialize(bottleneck(1, 8, 8, 16, 7), {"x": shape}, SUPPORTED_OPS)
-    graph = graph_from_onnx(spec)
-    run_passes(graph)
-    fusion = plan_fusion(graph)
-    (gid,) = [g.id for g in fusion.groups if has_shortcut(g.nodes[0])]
-
-    def timed(plan: Any, executor: Any, feeds: Any, tuned: Any) -> dict[str, float]:
+    def library_faster(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
         fused = {k.group for k in plan.kernels.values()}
-        return {g.id: 2.0 if g.id in fused else 1.0 for g in fusion.groups}
+        return {g.id: 2.0 if g.id in fused else 1.0 for g in groups}
 
-    monkeypatch.setattr(tune, "variant_group_times", timed)
-    variants: dict[str, str] = {}
-
-    def make_plan(enabled: list[str] | None = None) -> Any:
-        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
-    plan = make_plan()
-    feeds = random_inputs(graph.inputs, np.random.default_rng(6))
-    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    record, gid, make_plan, variants = _tune_with(
+        monkeypatch,
+        tmp_path,
+        bottleneck(1, 8, 8, 16, 7),
+        [1, 8, 7, 7],
+        lambda g: has_shortcut(g.nodes[0]),
+        library_faster,
+    )
     assert gid not in record["variants"] and gid not in variants
     assert [s.kind for s in make_plan().steps if s.group == gid] == ["kernel"]
 
