@@ -343,32 +343,24 @@ def _compile(
         unsafe.update(tuning.get("unsafe_groups", []))
         plan = make_plan()
     elif compile_pool is not None and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
-        from opfuse.tune import config_key, first_configs_that_compile, kernel_signature, precompile
+        from opfuse.tune import config_key, kernel_signature, precompile
 
         report_progress("tuning", 0.55)
-        failed = precompile([plan], None, compile_pool).failed  # the untuned plan's kernels, in parallel
-        errors = {
-            kid: timing.error
-            for kid, k in plan.kernels.items()
-            if (timing := failed.get((kernel_signature(k), config_key(k.config)))) is not None
-        }
-        # A starting config that does not compile on this device (shared memory) gives way to the
-        # first smaller one that does.
-        refit = first_configs_that_compile(plan, list(errors), compile_pool) if errors else {}
+        pre = precompile([plan], None, compile_pool)  # the untuned plan's kernels, in parallel
         compile_pool.close()
         tuning = {"compile_failed": {}, "unsafe_groups": [], "refit": {}}
-        for kid, error in errors.items():
-            k = plan.kernels[kid]
-            if kid in refit:
-                configs[kernel_signature(k)] = refit[kid]
-                tuning["refit"][kid] = {"config": refit[kid], "start_failed": error}
-            else:  # never run in this process what failed or crashed in a worker
-                tuning["compile_failed"][kid] = error
+        for kid, k in plan.kernels.items():
+            sig = kernel_signature(k)
+            if sig in pre.refit:  # its start config failed; it runs at the first that compiled
+                configs[sig] = dict(k.config)
+                tuning["refit"][kid] = {"config": k.config, "start_failed": pre.refit[sig][1]}
+            timing = pre.failed.get((sig, config_key(k.config)))
+            if timing is not None:  # never run in this process what failed or crashed in a worker
+                tuning["compile_failed"][kid] = timing.error
                 unsafe.add(k.group)
-        if refit and not unsafe:
-            plan = make_plan()
         if unsafe:
             tuning["unsafe_groups"] = sorted(unsafe)
+        if unsafe or pre.refit:
             plan = make_plan()
     timings["tune"] = time.perf_counter() - t
 
@@ -641,6 +633,7 @@ def _tune(
     from opfuse.tune import (
         Precompiled,
         TuningCache,
+        config_key,
         kernel_signature,
         precompile,
         tune_kernel_configs,
@@ -700,7 +693,12 @@ def _tune(
         for k in p.kernels.values():
             configs[kernel_signature(k)] = dict(k.config)
         ran[name] = (executor, tuned)
-        crashed[name] = unsafe_groups(p, tuned)
+        # A kernel still at a start config that failed to compile (none of its fallbacks did, and
+        # tuning did not reach it): never run in this process either.
+        failing = {
+            k.group for k in p.kernels.values() if (kernel_signature(k), config_key(k.config)) in pre.failed
+        }
+        crashed[name] = unsafe_groups(p, tuned) | failing
 
     # The kernels are compiled in parallel first (CompilePool), each at the config it runs with;
     # then the candidate configs compile in the background, most profiled time first, while one
@@ -722,6 +720,12 @@ def _tune(
             compiler = compiler or CompilePool(device)  # the caller's pool may have started already
             try:
                 pre = precompile(list(candidates.values()), cache, compiler, budget_s, group_ms)
+                record["refit"] = {
+                    kid: {"config": k.config, "start_failed": pre.refit[kernel_signature(k)][1]}
+                    for p in candidates.values()
+                    for kid, k in p.kernels.items()
+                    if kernel_signature(k) in pre.refit
+                }
                 record["compile_s"] = round(time.perf_counter() - t0, 2)
                 record["compile_workers"] = compiler.workers
                 deadline = pre.deadline or deadline

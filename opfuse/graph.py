@@ -74,6 +74,12 @@ class Graph:
                 f"value {name!r} has no inferred shape and type; opfuse needs every shape static"
             ) from None
 
+    def splice(self, at: int, new: list[Node], removed: set[str]) -> None:
+        """A rewrite's nodes: `new` inserted before position `at` (so every consumer of their
+        outputs still comes after), then the nodes whose ids are in `removed` dropped."""
+        self.nodes[at:at] = new
+        self.nodes[:] = [n for n in self.nodes if n.id not in removed]
+
     def iter_nodes(self) -> Iterator[Node]:
         return iter(self.nodes)
 

@@ -230,11 +230,14 @@ class Precompiled:
         job: CompileJob | None = None,
         index: dict[tuple[str, str], int] | None = None,
         deadline: float | None = None,
+        refit: dict[str, tuple[dict[str, Any], str]] | None = None,
     ) -> None:
         self.failed = dict(failed or {})
         self.job = job
         self.index = dict(index or {})
         self.deadline = deadline
+        # kernel signature -> (the config it runs at instead, why its start config failed)
+        self.refit = dict(refit or {})
 
     def outcome(self, key: tuple[str, str]) -> Timing | None:
         """None: time this candidate (compiled, or left to whoever times it to compile); a Timing:
@@ -306,10 +309,27 @@ def precompile(
         for key, timing in zip(keys, compiler.run([must[k] for k in keys]), strict=True)
         if timing is not None and not timing.ok
     }
+    # A start config that does not compile on this device (a float32 conv whose pipeline stages
+    # overflow the shared memory) gives way to the first smaller one that does, before the budget
+    # starts: tuned or not, the kernel then runs at a config that compiled.
+    starts: dict[str, tuple[Plan, KernelInfo]] = {}
+    for plan in plans:
+        for k in plan.kernels.values():
+            sig = kernel_signature(k)
+            if (sig, config_key(k.config)) in failed:
+                starts.setdefault(sig, (plan, k))
+    refit = {
+        sig: (config, failed[(sig, config_key(starts[sig][1].config))].error or "")
+        for sig, config in first_configs_that_compile(list(starts.values()), compiler).items()
+    }
+    for plan in plans:
+        for k in plan.kernels.values():
+            if kernel_signature(k) in refit:
+                k.config = dict(refit[kernel_signature(k)][0])
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     may.sort(key=lambda item: item[:2])
     job = compiler.submit([item[3] for item in may], deadline, launch=False)
-    return Precompiled(failed, job, {item[2]: i for i, item in enumerate(may)}, deadline)
+    return Precompiled(failed, job, {item[2]: i for i, item in enumerate(may)}, deadline, refit)
 
 
 def fallback_configs(k: KernelInfo) -> list[dict[str, Any]]:
@@ -334,22 +354,21 @@ def fallback_configs(k: KernelInfo) -> list[dict[str, Any]]:
 
 
 def first_configs_that_compile(
-    plan: Plan, kernel_ids: list[str], compiler: CompilePool
+    kernels: list[tuple[Plan, KernelInfo]], compiler: CompilePool
 ) -> dict[str, dict[str, Any]]:
-    """For kernels whose starting config failed to compile: each one's first `fallback_configs`
-    entry that compiled and ran (all compiled at once, in parallel). A kernel none of whose
-    configs compiled is left out."""
+    """For kernels whose starting config failed to compile (each with the plan it is in): by
+    kernel signature, each one's first `fallback_configs` entry that compiled and ran (all
+    compiled at once, in parallel). A kernel none of whose configs compiled is left out."""
     requests: list[TimingRequest] = []
     owners: list[tuple[str, dict[str, Any]]] = []
-    for kid in kernel_ids:
-        k = plan.kernels[kid]
+    for plan, k in kernels:
         for config in fallback_configs(k):
             requests.append(_request(plan, k, config))
-            owners.append((kid, config))
+            owners.append((kernel_signature(k), config))
     found: dict[str, dict[str, Any]] = {}
-    for (kid, config), timing in zip(owners, compiler.run(requests), strict=True):
-        if kid not in found and timing is not None and timing.ok:
-            found[kid] = config
+    for (sig, config), timing in zip(owners, compiler.run(requests) if requests else [], strict=True):
+        if sig not in found and timing is not None and timing.ok:
+            found[sig] = config
     return found
 
 

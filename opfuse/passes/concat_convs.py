@@ -190,10 +190,7 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     if act is not None:
         act_names = "+".join(a.name for _, a in branches if a is not None and a.name)
         new.append(Node(f"{first.id}a", act.op_type, [mid], [out], dict(act.attrs), act_names))
-    removed = {n.id for n in m["nodes"]}
-    at = graph.nodes.index(node)
-    graph.nodes[at + 1 : at + 1] = new
-    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+    graph.splice(graph.nodes.index(node) + 1, new, {n.id for n in m["nodes"]})
 
 
 merge_concat_convs = Rule(

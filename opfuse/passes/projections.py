@@ -103,5 +103,4 @@ def _merge(graph: Graph, x: str, mms: list[Node], infos: list[tuple[Node | None,
     removed = {m.id for m in mms} | {a.id for a in adds if a is not None}
     # The merged nodes go where the last projection was, so every consumer still comes after.
     last = max(i for i, n in enumerate(graph.nodes) if n.id in removed)
-    graph.nodes[last + 1 : last + 1] = new
-    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+    graph.splice(last + 1, new, removed)

@@ -117,7 +117,4 @@ def _rewrite(graph: Graph, main: Node, shortcut: Node, add: Node) -> None:
     operands = [main.inputs[0], main.inputs[1], b_name, shortcut.inputs[0], shortcut.inputs[1]]
     names = "+".join(n.name for n in (main, shortcut, add) if n.name)
     new = Node(f"{main.id}sc", NHWC_CONV, operands, [add.outputs[0]], attrs, names)
-    removed = {main.id, shortcut.id, add.id}
-    at = graph.nodes.index(add)
-    graph.nodes[at:at] = [new]
-    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+    graph.splice(graph.nodes.index(add), [new], {main.id, shortcut.id, add.id})

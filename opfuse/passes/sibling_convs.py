@@ -95,10 +95,7 @@ def _rewrite(graph: Graph, convs: list[Node], layout: dict[str, Any]) -> None:
         Node(f"{first.id}m", NHWC_CONV, operands, [merged], attrs, names),
         Node(f"{first.id}s", "Split", [merged, sizes], [c.outputs[0] for c in convs], {"axis": 3}, names),
     ]
-    removed = {c.id for c in convs}
-    at = graph.nodes.index(first)
-    graph.nodes[at:at] = new
-    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+    graph.splice(graph.nodes.index(first), new, {c.id for c in convs})
 
 
 SUM_RULE = "sum_sibling_convs"
@@ -150,10 +147,7 @@ def _sum_rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     operands, attrs = merged_conv(graph, first, layout, w, b, "sum")
     names = "+".join(n.name for n in m["nodes"] if n.name)
     new = Node(f"{first.id}+", "Conv", operands, [node.outputs[0]], attrs, names)
-    removed = {n.id for n in m["nodes"]}
-    at = graph.nodes.index(node)
-    graph.nodes[at:at] = [new]
-    graph.nodes[:] = [n for n in graph.nodes if n.id not in removed]
+    graph.splice(graph.nodes.index(node), [new], {n.id for n in m["nodes"]})
 
 
 sum_sibling_convs = Rule(

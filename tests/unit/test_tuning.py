@@ -788,9 +788,21 @@ def test_a_start_config_that_fails_to_compile_gives_way_to_the_first_that_does(
         "pointwise",
         [{}, {"fault": "exit"}, {"fault": "none", "BLOCK": 128}, {"fault": "none", "BLOCK": 32}],
     )
+    k = plan.kernels["k0_add"]
+    sig = tuning.kernel_signature(k)
     with CompilePool("cpu", workers=2) as compiler:
-        assert tuning.first_configs_that_compile(plan, ["k0_add"], compiler) == {
-            "k0_add": {"BLOCK": 128, "fault": "none"}
+        assert tuning.first_configs_that_compile([(plan, k)], compiler) == {
+            sig: {"BLOCK": 128, "fault": "none"}
         }
+        # precompile does it for every plan it compiles, tuned or not: the kernel's config is the
+        # first that compiled, and why its start failed is kept.
+        pre = tuning.precompile([plan], None, compiler)
+        assert k.config == {"BLOCK": 128, "fault": "none"}
+        assert pre.refit[sig][0] == k.config and "ValueError" in pre.refit[sig][1]
+        assert (sig, tuning.config_key({"BLOCK": 64, "fault": "raise"})) in pre.failed
         monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{"fault": "exit"}])
-        assert tuning.first_configs_that_compile(plan, ["k0_add"], compiler) == {}
+        k.config = {"BLOCK": 64, "fault": "raise"}
+        assert tuning.first_configs_that_compile([(plan, k)], compiler) == {}
+        pre = tuning.precompile([plan], None, compiler)
+        # None compiled: the kernel keeps its failing start, which the compiler never runs.
+        assert pre.refit == {} and (sig, tuning.config_key(k.config)) in pre.failed
