@@ -168,6 +168,10 @@ def bench_one(
                 verified=r["verification"]["passed"],
                 groups=len(r["fusion"]["groups"]),
                 rel_l2=max((o["rel_l2_err"] for o in r["verification"]["outputs"].values()), default=None),
+                baseline_rel_l2=max(
+                    (o.get("baseline_rel_l2_err", 0.0) for o in r["verification"]["outputs"].values()),
+                    default=0.0,
+                ),
                 vacuous=any(
                     "atol alone" in o.get("reason", "") for o in r["verification"]["outputs"].values()
                 ),
@@ -229,6 +233,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if r.get("verified") is False:
             print(
                 f"    UNVERIFIED: opfuse's output differs from onnxruntime (rel L2 {r.get('rel_l2')}); not a result"
+            )
+        if r.get("baseline_rel_l2"):
+            print(
+                f"    verified against the unfused plan's own {r['precision']} error: rel L2 {r.get('rel_l2'):.4f}, "
+                f"unfused {r['baseline_rel_l2']:.4f} (both against onnxruntime in fp32)"
             )
         if r.get("vacuous"):
             print("    VACUOUS: verified only because the reference output is ~0; not a result")

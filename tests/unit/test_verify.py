@@ -69,6 +69,114 @@ def test_fp32_compile_rolls_back_a_wrong_kernel_whose_reference_vanishes(
     assert cm.report["kernels"]["after"] == cm.report["kernels"]["before"]
 
 
+def _noisy_steps(
+    monkeypatch: pytest.MonkeyPatch, op_noise: float, kernel_noise: float, skew: str = ""
+) -> None:
+    """Every step's outputs come out with relative noise, as rounding to a narrow precision leaves
+    them (a library op's `op_noise`, a generated kernel's `kernel_noise`); the kernels of group
+    `skew` also come out 30% high, as a wrong kernel would."""
+    import torch
+
+    from opfuse.runtime import executor as ex
+
+    run_step = ex.Executor._run_step
+    gen = torch.Generator().manual_seed(3)
+
+    def noisy(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
+        run_step(self, i, step, env, arena)
+        noise = kernel_noise if step.kind == "kernel" else op_noise
+        for o in step.outputs:
+            t = env[o]
+            if not t.is_floating_point():
+                continue
+            jitter = torch.randn(t.shape, generator=gen).to(t.dtype)
+            t.add_(noise * t.abs() * jitter)
+            if skew and step.group == skew:
+                t.mul_(1.3)
+
+    monkeypatch.setattr(ex.Executor, "_run_step", noisy)
+
+
+def _two_group_model() -> Any:
+    """A pointwise group, then a GEMM with its epilogue: two fused groups, eight nodes unfused."""
+    from onnx import helper
+
+    from tests.unit.test_fusion import make_model
+
+    rng = np.random.default_rng(5)
+    nodes = [
+        helper.make_node("Mul", ["x", "s"], ["m"]),
+        helper.make_node("Add", ["m", "t"], ["a"]),
+        helper.make_node("Tanh", ["a"], ["h"]),
+        helper.make_node("Mul", ["h", "u"], ["hu"]),
+        helper.make_node("MatMul", ["hu", "w"], ["mm"]),
+        helper.make_node("Add", ["mm", "c"], ["mc"]),
+        helper.make_node("Sigmoid", ["mc"], ["g"]),
+        helper.make_node("Mul", ["mc", "g"], ["y"]),
+    ]
+    consts = {
+        "s": rng.standard_normal(32) + 2,
+        "t": rng.standard_normal(32),
+        "u": rng.standard_normal(32) + 2,
+        "w": rng.standard_normal((32, 16)) / 4,
+        "c": rng.standard_normal(16),
+    }
+    return make_model(nodes, {"x": [8, 32]}, {"y": [8, 16]}, consts)
+
+
+def test_fp16_fusion_is_held_to_the_unfused_plans_own_error_where_that_misses_rtol(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unfused plan misses fp16's rtol by itself (every step's rounding, here noise of 2.5%):
+    the fused plan, with as much noise per kernel, passes on twice the unfused plan's error, and
+    the report says on what basis."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025)
+    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["rolled_back"] == [], v
+    assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
+    out = v["outputs"]["y"]
+    assert 2e-2 < out["rel_l2_err"] <= out["rtol"] == pytest.approx(2 * out["baseline_rel_l2_err"]), out
+    assert cm.report["kernels"]["after"] < cm.report["kernels"]["before"]
+
+
+def test_a_wrong_kernel_is_rolled_back_under_the_unfused_plans_error_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held to the unfused plan's error, a kernel 30% off still fails, is found by bisection and
+    runs unfused; the other group stays fused."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    model = _two_group_model()
+    probe = opfuse.compile(model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    groups = [g["id"] for g in probe.report["fusion"]["groups"]]
+    assert len(groups) == 2, probe.report["fusion"]["groups"]
+    gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
+    _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025, skew=gemm)
+    cm = opfuse.compile(model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["rolled_back"] == [gemm] and v["basis"] == "unfused_precision", v
+    assert [g["id"] for g in cm.report["fusion"]["groups"] if g["id"] not in v["rolled_back"]] != []
+
+
+def test_an_unfused_plan_far_off_the_reference_is_not_a_precision_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An unfused plan 30% off is not rounding: no bound, the compile is reported unverified and why."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
+    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is False and "basis" not in v and "no fusion is to blame" in v["note"], v
+    assert "relative L2 error" in v["note"] and "baseline_rel_l2_err" not in v["outputs"]["y"]
+
+
 def test_nan_where_the_reference_has_none_fails() -> None:
     ref = RNG.standard_normal(8).astype(np.float32)
     out = ref.copy()
