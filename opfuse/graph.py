@@ -54,6 +54,8 @@ class Graph:
     outputs: list[TensorSpec]
     constants: dict[str, np.ndarray]
     values: dict[str, TensorSpec]
+    # Rules the job switched off (fusion.disable) that codegen reads: "split_k".
+    disabled: set[str] = field(default_factory=set)
 
     def producers(self) -> dict[str, Node]:
         return {out: n for n in self.nodes for out in n.outputs if out}

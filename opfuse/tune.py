@@ -92,13 +92,35 @@ DEPTHWISE_CANDIDATES: list[dict[str, Any]] = [
 ROW_TILES = (1024, 2048)
 
 
+# Split-K (codegen/conv.py), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the
+# H200's 132 SMs): its K loop shared among 2, 4 or 8 programs per tile, at most SPLIT_K_PROGRAMS
+# programs in all and at least SPLIT_K_MIN_K of K each.
+SPLIT_K_TILES = 128
+SPLIT_K_PROGRAMS = 512
+SPLIT_K_MIN_K = 256
+
+
+def split_k_candidates(k: KernelInfo) -> list[dict[str, Any]]:
+    found = re.search(r"; M=(\d+) N=(\d+) K=(\d+)$", k.source, re.MULTILINE)  # the template's header
+    if k.kind != "conv" or "SPLIT_K" not in k.config or found is None:
+        return []
+    m, n, kk = (int(v) for v in found.groups())
+    out: list[dict[str, Any]] = []
+    for bm, bn in ((64, 64), (32, 64)):
+        tiles = -(-m // bm) * -(-n // bn)
+        for split in (2, 4, 8):
+            if tiles < SPLIT_K_TILES and tiles * split <= SPLIT_K_PROGRAMS and kk // split >= SPLIT_K_MIN_K:
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
+    return out
+
+
 def candidates(k: KernelInfo) -> list[dict[str, Any]]:
     """The configs tried for kernel `k`, each an override of its default config. The depthwise
     template has its own (DEPTHWISE_CANDIDATES). A row kernel that may hold several rows per
     program (BLOCK_M in its config) tries one, and tiles of ROW_TILES elements, with 4 and 8 warps
     each (2 more for one row); a strided one (BLOCK_I) also half and a quarter of its columns per
     program, never under MIN_TILED_COLUMNS. A GEMM that pools its A operand (BLOCK_P) also tries 16
-    and 32 pixels per step."""
+    and 32 pixels per step. A conv whose tiles are too few for the GPU also tries split-K."""
     if k.kind == "conv" and "UNROLL" in k.config:  # only the depthwise template has the flag
         return DEPTHWISE_CANDIDATES
     if k.kind == "gemm" and "BLOCK_P" in k.config:
@@ -110,6 +132,8 @@ def candidates(k: KernelInfo) -> list[dict[str, Any]]:
         bi = int(k.config["BLOCK_I"])
         narrower = [b for b in (bi // 2, bi // 4) if b >= MIN_TILED_COLUMNS]
         return CANDIDATES["rowwise"] + [{"BLOCK_I": b, "num_warps": w} for b in narrower for w in (4, 8)]
+    if k.kind == "conv" and "SPLIT_K" in k.config:
+        return CANDIDATES["conv"] + split_k_candidates(k)
     if k.kind != "rowwise" or "BLOCK_M" not in k.config:
         return CANDIDATES.get(k.kind, [])
     block = int(k.config["BLOCK_R"])

@@ -12,6 +12,7 @@ with cin innermost, so an A row is a contiguous run of input channels, the weigh
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -420,9 +421,29 @@ def _generate_conv_nhwc(
         flat = False  # the depthwise prologue has its own loop over channel blocks
     if not flat and not depthwise:
         config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
-    unroll = {"UNROLL": False} if depthwise else {}
-    config.update(unroll)
-    _kernel_head(buf, fn, args, config, m, n, k if flat else c, dtype, unroll)
+    segments = (
+        tap_segments(graph.constants[w_name])
+        if not (depthwise or flat or (window is not None and not pooled))
+        and w_name in graph.constants
+        and not pool_out
+        else None
+    )
+    # Split-K (a tuning choice): the window positions × channel blocks shared among SPLIT_K
+    # programs per output tile, for the convolutions whose tiles are too few to fill the GPU (batch
+    # 1, late layers: 8 tiles of 64×64 for 49 pixels and 512 channels). Each program stores its
+    # float32 partial tile; the last to arrive at its tile's counter sums them in order and runs
+    # the epilogue, so the conv stays one launch. The plain window loop only, none of the forms
+    # with their own loops (prologues, a shortcut's second loop, zero weight segments).
+    splittable = (
+        not (depthwise or flat or segments or sx_name or pooled)
+        and window is None
+        and "split_k" not in graph.disabled
+    )
+    flags: dict[str, Any] = {"UNROLL": False} if depthwise else {"SPLIT_K": 1} if splittable else {}
+    config.update(flags)
+    _kernel_head(
+        buf, fn, args + (["ws", "lock"] if splittable else []), config, m, n, k if flat else c, dtype, flags
+    )
     regs: dict[str, str] = {}
     ohw = p["OH"] * p["OW"]
 
@@ -579,28 +600,28 @@ def _generate_conv_nhwc(
                 )
                 dot("a_tile", "b_tile")
         else:
-            segments = (
-                tap_segments(graph.constants[w_name]) if w_name in graph.constants and not pool_out else None
-            )
+
+            def channel_block() -> None:
+                buf.line("ci = c0 + rk")
+                buf.line(f"a_ok = ok[:, None] & (ci[None, :] < {c})")
+                if pooled:
+                    pooled_tile("ih[:, None]", "iw[:, None]", "a_ok")
+                    if pool_out:
+                        store_pooled("ih[:, None]", "iw[:, None]", "a_ok")
+                else:
+                    padded_load("base[:, None]", "a_ok")
+                if scale:
+                    scale_tile("a_ok")
+                buf.line(
+                    f"b_tile = tl.load(w + rn[None, :] * {k} + t * {c} + ci[:, None], mask=(ci[:, None] < {c}) & (rn[None, :] < {n}), other=0.0)"
+                )
+                dot("a_tile", "b_tile")
 
             def window_body() -> None:
                 window_position()
                 buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
                 with buf.indent():
-                    buf.line("ci = c0 + rk")
-                    buf.line(f"a_ok = ok[:, None] & (ci[None, :] < {c})")
-                    if pooled:
-                        pooled_tile("ih[:, None]", "iw[:, None]", "a_ok")
-                        if pool_out:
-                            store_pooled("ih[:, None]", "iw[:, None]", "a_ok")
-                    else:
-                        padded_load("base[:, None]", "a_ok")
-                    if scale:
-                        scale_tile("a_ok")
-                    buf.line(
-                        f"b_tile = tl.load(w + rn[None, :] * {k} + t * {c} + ci[:, None], mask=(ci[:, None] < {c}) & (rn[None, :] < {n}), other=0.0)"
-                    )
-                    dot("a_tile", "b_tile")
+                    channel_block()
 
             if segments:
                 # Output channels whose weights are zero outside a sub-window (a conv merged from
@@ -623,12 +644,35 @@ def _generate_conv_nhwc(
                     with buf.indent():
                         buf.line(f"t = th * {kw_} + tw")
                         window_body()
+            elif splittable:
+                buf.line("if SPLIT_K == 1:")
+                with buf.indent():
+                    buf.line(f"for t in range(0, {kh_ * kw_}):")
+                    with buf.indent():
+                        window_body()
+                buf.line("else:")
+                with buf.indent():
+                    # Step it of the (window position, channel block) loop, every SPLIT_K-th.
+                    buf.line(f"blocks = tl.cdiv({c}, BLOCK_K)")
+                    buf.line(f"for it in range(tl.program_id(2), {kh_ * kw_} * blocks, SPLIT_K):")
+                    with buf.indent():
+                        buf.line("t = it // blocks")
+                        window_position()
+                        buf.line("c0 = (it % blocks) * BLOCK_K")
+                        channel_block()
             else:
                 buf.line(f"for t in range(0, {kh_ * kw_}):")
                 with buf.indent():
                     window_body()
         if sx_name:
             _shortcut_loop(buf, shortcut_params(graph, anchor), n, dot)
+        if splittable:
+            _split_k_reduction(buf)
+    epilogue_indent = buf.indent() if splittable else contextlib.nullcontext()
+    if splittable:
+        with buf.indent():
+            buf.line("if last:")
+    with buf.indent(), epilogue_indent:
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = row_ok[:, None] & (cols < {n})")
         buf.line(f"dst = rm[:, None] * {n} + cols")
@@ -661,7 +705,10 @@ def _generate_conv_nhwc(
             emit_stores(buf, outputs, regs, "dst", skip={pool_out})
         else:
             _concat_stores(buf, graph, concat, copied, outputs, regs, views)
-    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
+    if splittable:
+        _split_k_launch(buf, fn, args, m, n)
+    else:
+        emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     dw_inputs = [v for v in (dw_w, dw_b) if v]
     passed = [views[x].base if x in views else x for x in copied]
     shortcut_inputs = [sx_name, sw_name] if sx_name else []
@@ -675,6 +722,62 @@ def _generate_conv_nhwc(
         *passed,
     ]
     return KernelSource(kernel_id, "conv", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def _split_k_reduction(buf: SourceBuffer) -> None:
+    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `ws`, count it in at
+    the tile's `lock`; the program that arrives last sums the SPLIT_K slots in order (the same sum
+    whichever program is last), sets the counter back to 0 for the next launch and runs the
+    epilogue (`last`). The barriers order every thread's store before the count, and the count
+    before any thread's loads."""
+    buf.line("if SPLIT_K > 1:")
+    with buf.indent():
+        buf.line("tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)")
+        buf.line("part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+        buf.line("slots = ws + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
+        buf.line('tl.store(slots + tl.program_id(2) * BLOCK_M * BLOCK_N + part, acc, cache_modifier=".cg")')
+        buf.line("tl.debug_barrier()")
+        buf.line('arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")')
+        buf.line("tl.debug_barrier()")
+        buf.line("last = arrived == SPLIT_K - 1")
+        buf.line("if last:")
+        with buf.indent():
+            buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            buf.line("for s in range(0, SPLIT_K):")
+            with buf.indent():
+                buf.line('acc += tl.load(slots + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")')
+            buf.line('tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line("last = True")
+
+
+def _split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) -> None:
+    """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
+    (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
+    launch; the last program of a tile leaves its counter at 0 again."""
+    buf.line()
+    buf.line()
+    buf.line("SCRATCH = {}")
+    buf.line()
+    buf.line()
+    buf.line(f"def launch({', '.join(args)}, config=None):")
+    with buf.indent():
+        buf.line("c = CONFIG if config is None else config")
+        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]), c["SPLIT_K"])')
+        buf.line('key = (str(x.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
+        buf.line("if key not in SCRATCH:")
+        with buf.indent():
+            buf.line("import torch")
+            buf.line("")
+            buf.line("tiles = grid[0] * grid[1]")
+            buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
+            buf.line(
+                "SCRATCH[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
+                "torch.zeros(tiles, dtype=torch.int32, device=x.device))"
+            )
+        buf.line("ws, lock = SCRATCH[key]")
+        buf.line(f"{fn}[grid]({', '.join(args)}, ws, lock, **c)")
 
 
 def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:
@@ -846,7 +949,7 @@ def _kernel_head(
     n: int,
     k: int,
     dtype: str,
-    flags: dict[str, bool] | None = None,
+    flags: dict[str, Any] | None = None,
 ) -> None:
     """CONFIG (the GPU's starting tile), INTERPRETER_CONFIG (large blocks: one numpy pass each on
     the CPU, sized by the M×N×K the kernel sweeps) and the kernel's signature. `flags` are more

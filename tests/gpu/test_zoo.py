@@ -1,6 +1,8 @@
 """The benchmark zoo on the GPU: each model compiled in fp16 and checked against onnxruntime (fp32,
-CPU) on inputs opfuse never saw, relative L2 <= 2e-2 on every output. A model that PyTorch itself
-cannot run in fp16 within 2e-2 (ResNet-50 with random weights) is held to PyTorch's own fp16 error.
+CPU) on inputs opfuse never saw, relative L2 <= 2e-2 on every output. Every model verifies; one
+that PyTorch itself cannot run in fp16 within 2e-2 (ResNet-50 with random weights: 3.0%) verifies
+against the unfused plan's own fp16 error (verification.basis), and is held here to 1.25 times
+PyTorch's fp16 error.
 
     OPFUSE_ZOO=resnet50,bert-base python -m pytest tests/gpu/test_zoo.py   # a subset
 """
@@ -51,9 +53,11 @@ def test_zoo_model_fp16_matches_onnxruntime(name: str, tmp_path: Path) -> None:
     }
     want = sess.run(None, feeds)
     limit = 2e-2
-    if verification["passed"] is not True:
-        # Only a model too sensitive for fp16 may fail: the unfused plan failed as well, and the
-        # source module in fp16 (PyTorch eager) misses the bar too. opfuse is then held to that.
+    assert verification["passed"] is True, verification
+    if verification.get("basis") == "unfused_precision":
+        # Only for a model too sensitive for fp16: the unfused plan missed 2e-2 as well (the compile
+        # held fusion to its error), and the source module in fp16 (PyTorch eager) misses the bar
+        # too. opfuse is then held to that.
         assert "unfused plan" in verification.get("note", ""), verification
         torch_err = _torch_fp16_error(zm, feeds, want[0])
         assert torch_err > 2e-2, f"{name}: PyTorch fp16 is within 2e-2 ({torch_err:.2e}); opfuse is not"

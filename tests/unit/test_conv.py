@@ -1409,3 +1409,89 @@ def test_the_library_form_of_a_padded_conv_runs_the_pad_then_the_library_conv() 
     m.graph.node.append(helper.make_node("Relu", ["y"], ["z"], name="act"))
     m.graph.output[0].name = "z"
     assert prologue_alternative(m, shape)[2] == ["Pad", "opfuse.ConvNHWC", "pointwise"]
+
+
+def residual_conv(cin: int, cout: int, size: int, kernel: int = 3, groups: int = 1) -> Any:
+    """Relu(conv(x) + bias + r): a bottleneck's last conv with its residual Add, at one image."""
+    rng = np.random.default_rng(17)
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[kernel // 2] * 4, group=groups),
+        helper.make_node("Add", ["c", "r"], ["a"]),
+        helper.make_node("Relu", ["a"], ["y"]),
+    ]
+    shapes = {"x": [1, cin, size, size], "r": [1, cout, size, size]}
+    weights = rng.standard_normal((cout, cin // groups, kernel, kernel)) / (cin * kernel) ** 0.5
+    return make_model(
+        nodes, shapes, {"y": [1, cout, size, size]}, {"w": weights, "b": rng.standard_normal(cout)}
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(precision: str) -> None:
+    """A conv whose tiles are too few for the GPU (batch 1, 7×7) tries split-K. At every candidate,
+    and at a split of 3 over 16×16 tiles (uneven: 36 steps of K over 12 tiles), every output
+    element matches onnxruntime, the grid has SPLIT_K programs per tile, and every tile's counter
+    is back at 0 after each run (the next launch, or a CUDA graph's replay, starts clean)."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tune import candidates, split_k_candidates
+
+    model = residual_conv(64, 48, 7)
+    shapes = {"x": [1, 64, 7, 7], "r": [1, 48, 7, 7]}
+    cm = opfuse.compile(
+        model, shapes, precision, device=TEST_DEVICE, tune_budget_s=0, fusion_disable=NHWC_ALWAYS
+    )
+    assert cm.report["kernels"] == {"before": 3, "after": 1}
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert k.config["SPLIT_K"] == 1 and "tl.atomic_add(lock" in k.source and "if last:" in k.source
+    splits = split_k_candidates(k)
+    assert splits and {c["SPLIT_K"] for c in splits} == {2} and all(c in candidates(k) for c in splits)
+    feeds = {n: RNG.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    odd = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}
+    check_every_candidate(cm, k, model, feeds, precision, extra=[odd])
+    ex = Executor(cm.plan, TEST_DEVICE)
+    want = ort_run(model, feeds)[0]
+    for config in [*splits, odd]:
+        ex.configs[k.id] = {**k.config, **config}
+        for _ in range(2):
+            got = np.asarray(ex.run(feeds)[cm.plan.outputs[0].name], dtype=np.float32)
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)
+        scratch = ex.modules[k.id].SCRATCH
+        (ws, lock) = next(
+            v
+            for key, v in scratch.items()
+            if key[1][2] == config["SPLIT_K"]
+            and key[2] == config.get("BLOCK_M", 64) * config.get("BLOCK_N", 64)
+        )
+        bm, bn = config.get("BLOCK_M", 64), config.get("BLOCK_N", 64)
+        tiles = -(-49 // bm) * -(-48 // bn)
+        assert lock.numel() == tiles and int(lock.abs().sum()) == 0, lock
+        assert ws.numel() == tiles * config["SPLIT_K"] * bm * bn
+
+
+def test_split_k_is_offered_only_where_the_tiles_are_few_and_can_be_switched_off() -> None:
+    """Batch 1 at 7×7 tries split-K; at 56×56 (147 tiles of 64×64) it does not; a
+    depthwise conv has no K to split; fusion.disable ["split_k"] leaves the template without it."""
+    from opfuse.tune import split_k_candidates
+
+    def conv_kernel(model: Any, shapes: dict[str, list[int]], disable: tuple[str, ...] = ()) -> Any:
+        cm = opfuse.compile(
+            model,
+            shapes,
+            "fp16",
+            device=TEST_DEVICE,
+            tune_budget_s=0,
+            verify=False,
+            fusion_disable=(*NHWC_ALWAYS, *disable),
+        )
+        return next(k for k in cm.plan.kernels.values() if k.kind == "conv")
+
+    small = {"x": [1, 256, 7, 7], "r": [1, 256, 7, 7]}
+    assert split_k_candidates(conv_kernel(residual_conv(256, 256, 7), small))
+    big = {"x": [1, 64, 56, 56], "r": [1, 192, 56, 56]}
+    k = conv_kernel(residual_conv(64, 192, 56), big)
+    assert k.config["SPLIT_K"] == 1 and split_k_candidates(k) == []
+    dw = {"x": [1, 256, 7, 7], "r": [1, 256, 7, 7]}
+    k = conv_kernel(residual_conv(256, 256, 7, groups=256), dw)
+    assert "SPLIT_K" not in k.config and "atomic_add" not in k.source
+    k = conv_kernel(residual_conv(256, 256, 7), small, ("split_k",))
+    assert "SPLIT_K" not in k.config and "atomic_add" not in k.source and split_k_candidates(k) == []

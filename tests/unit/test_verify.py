@@ -89,7 +89,7 @@ def _noisy_steps(
             t = env[o]
             if not t.is_floating_point():
                 continue
-            jitter = torch.randn(t.shape, generator=gen).to(t.dtype)
+            jitter = torch.randn(t.shape, generator=gen).to(t.device, t.dtype)
             t.add_(noise * t.abs() * jitter)
             if skew and step.group == skew:
                 t.mul_(1.3)
