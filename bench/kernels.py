@@ -115,6 +115,7 @@ def plan_model(
     declared_inputs, declared_outputs = list(graph.inputs), list(graph.outputs)
     original_graph = copy.deepcopy(graph)
     passes = run_passes(graph, off)
+    graph.disabled = off  # codegen's own switches, as compile sets them
     cast: dict[int, Any] = {}
     apply_precision(graph, precision, cast)
     apply_precision(original_graph, precision, cast)

@@ -374,6 +374,8 @@ def _compile(
         )
     timings["verify"] = time.perf_counter() - t
 
+    if tuned:
+        tuned_kernels(plan, tuning)
     executor = Executor(plan, device)
     executor.run(profile_feeds)
     after_times = executor.time_steps(profile_feeds)
@@ -714,14 +716,20 @@ def _tune(
     # The budget starts once every kernel the candidate plans need is compiled (precompile).
     deadline = time.perf_counter() + budget_s
     pre = Precompiled()
+    by_signature: dict[str, Any] = {}
 
     def tune(name: str, p: Plan, pool: Any) -> None:
         executor = Executor(p, device)
         priority = {kid: (group_ms or {}).get(k.group, 0.0) for kid, k in p.kernels.items()}
         tuned = tune_kernel_configs(p, executor, cache, deadline, pool, priority, pre)
-        record["kernels"].update(tuned)
-        for k in p.kernels.values():
+        # Kernel ids are per plan (the template and vendor plans both have a "k0"): the record is
+        # keyed by signature here, and by the final plan's kernel ids once the compile has it.
+        for kid, k in p.kernels.items():
             configs[kernel_signature(k)] = dict(k.config)
+            sig = kernel_signature(k)
+            # Layers repeated: the first of a signature is timed, the rest are cache hits of it.
+            if kid in tuned and not (sig in by_signature and tuned[kid].get("cached")):
+                by_signature[sig] = tuned[kid]
         ran[name] = (executor, tuned)
         # A kernel still at a start config that failed to compile (none of its fallbacks did, and
         # tuning did not reach it): never run in this process either.
@@ -824,8 +832,25 @@ def _tune(
     record["unsafe_groups"] = sorted(unsafe)
     cache.save()
     record["cache_hits"] = cache.hits
-    record["summary"] = tuning_summary(record["kernels"], budget_s)
+    # By kernel signature, every distinct kernel of the plans tuned; tuned_kernels() keys them by
+    # the final plan's kernel ids. The summary counts distinct kernels.
+    record["kernels"] = by_signature
+    record["summary"] = tuning_summary(by_signature, budget_s)
     return record
+
+
+def tuned_kernels(plan: Plan, tuning: dict[str, Any]) -> None:
+    """tuning.kernels for the plan that runs: each kernel's tuning record under its id there (a
+    repeated layer shares its signature's record)."""
+    from opfuse.tune import kernel_signature
+
+    by_signature = tuning.get("kernels")
+    if by_signature:
+        tuning["kernels"] = {
+            kid: by_signature[sig]
+            for kid, k in plan.kernels.items()
+            if (sig := kernel_signature(k)) in by_signature
+        }
 
 
 def tuning_summary(kernels: dict[str, Any], budget_s: float) -> dict[str, Any]:

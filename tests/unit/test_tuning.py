@@ -806,3 +806,33 @@ def test_a_start_config_that_fails_to_compile_gives_way_to_the_first_that_does(
         pre = tuning.precompile([plan], None, compiler)
         # None compiled: the kernel keeps its failing start, which the compiler never runs.
         assert pre.refit == {} and (sig, tuning.config_key(k.config)) in pre.failed
+
+
+def test_the_tuning_record_names_the_kernels_of_the_plan_that_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The template and vendor plans number their kernels alike (both have a "k0": the conv
+    template in one, the library conv's epilogue in the other). The record is kept by kernel
+    signature while tuning, then keyed by the ids of the plan that runs, each with that kernel's
+    config: here the vendor variant's epilogue, not the template it was timed against."""
+    from opfuse import compiler
+    from opfuse.tune import kernel_signature
+    from tests.builders import conv_bn_relu
+
+    def library_faster(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
+        fused = {k.group for k in plan.kernels.values() if k.kind == "conv"}
+        return {g.id: 2.0 if g.id in fused else 1.0 for g in groups}
+
+    record, gid, make_plan, variants = _tune_with(
+        monkeypatch, tmp_path, conv_bn_relu(4, 8, 8), [1, 4, 8, 8], lambda g: g.kind == "conv", library_faster
+    )
+    assert variants[gid] == "vendor"
+    plan = make_plan()
+    by_signature = dict(record["kernels"])
+    signatures = {kid: kernel_signature(k) for kid, k in plan.kernels.items()}
+    assert len(by_signature) == 2 and set(signatures.values()) < set(by_signature)  # the template's too
+    compiler.tuned_kernels(plan, record)
+    assert set(record["kernels"]) == set(plan.kernels)
+    assert [k.kind for k in plan.kernels.values()] == ["pointwise"]
+    for kid, sig in signatures.items():
+        assert record["kernels"][kid] is by_signature[sig] and "config" in by_signature[sig]
