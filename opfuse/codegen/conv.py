@@ -755,28 +755,33 @@ def _split_k_reduction(buf: SourceBuffer) -> None:
 def _split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) -> None:
     """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
     (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
-    launch; the last program of a tile leaves its counter at 0 again."""
+    launch; the last program of a tile leaves its counter at 0 again. The scratch is the caller's
+    (`scratch`: a dict the Executor keeps per kernel step, so two plans running at once, or two
+    CUDA graphs replayed on two streams, never share counters), else the module's (SCRATCH: a
+    tuning worker, one launch at a time)."""
     buf.line()
     buf.line()
     buf.line("SCRATCH = {}")
+    buf.line("USES_SCRATCH = True  # launch() takes `scratch`: the Executor passes its own")
     buf.line()
     buf.line()
-    buf.line(f"def launch({', '.join(args)}, config=None):")
+    buf.line(f"def launch({', '.join(args)}, config=None, scratch=None):")
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
+        buf.line("store = SCRATCH if scratch is None else scratch")
         buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]), c["SPLIT_K"])')
         buf.line('key = (str(x.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
-        buf.line("if key not in SCRATCH:")
+        buf.line("if key not in store:")
         with buf.indent():
             buf.line("import torch")
             buf.line("")
             buf.line("tiles = grid[0] * grid[1]")
             buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
             buf.line(
-                "SCRATCH[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
+                "store[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
                 "torch.zeros(tiles, dtype=torch.int32, device=x.device))"
             )
-        buf.line("ws, lock = SCRATCH[key]")
+        buf.line("ws, lock = store[key]")
         buf.line(f"{fn}[grid]({', '.join(args)}, ws, lock, **c)")
 
 

@@ -66,6 +66,9 @@ class Executor:
             kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
         }
         self.configs = {kid: self._config(kid) for kid in plan.kernels}
+        # Kernel id -> that step's scratch (a split-K conv's; codegen/conv.py), made at its first
+        # launch and kept: a CUDA graph captured from this executor replays with it.
+        self.scratch: dict[str, dict[Any, Any]] = {}
         # Shape-like arguments (axes, shapes, pads) are read on the host: a host copy keeps that
         # free of device-to-host syncs, which also lets the whole plan be captured as a CUDA graph.
         host = {
@@ -156,7 +159,12 @@ class Executor:
             return
         ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
         kouts = [self._buffer(name, arena) for name in step.outputs]
-        self.modules[step.kernel].launch(*ins, *kouts, config=self.configs[step.kernel])
+        module = self.modules[step.kernel]
+        if getattr(module, "USES_SCRATCH", False):  # split-K's partial tiles and counters: this plan's own
+            scratch = self.scratch.setdefault(step.kernel, {})
+            module.launch(*ins, *kouts, config=self.configs[step.kernel], scratch=scratch)
+        else:
+            module.launch(*ins, *kouts, config=self.configs[step.kernel])
         env.update(zip(step.outputs, kouts, strict=True))
 
     def run_tensors(self, env: dict[str, torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:

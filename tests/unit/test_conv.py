@@ -1455,7 +1455,8 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
         for _ in range(2):
             got = np.asarray(ex.run(feeds)[cm.plan.outputs[0].name], dtype=np.float32)
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)
-        scratch = ex.modules[k.id].SCRATCH
+        assert ex.modules[k.id].SCRATCH == {}  # the executor's own, never the module's
+        scratch = ex.scratch[k.id]
         (ws, lock) = next(
             v
             for key, v in scratch.items()
@@ -1474,16 +1475,10 @@ def test_split_k_is_offered_only_where_the_tiles_are_few_and_can_be_switched_off
     from opfuse.tune import split_k_candidates
 
     def conv_kernel(model: Any, shapes: dict[str, list[int]], disable: tuple[str, ...] = ()) -> Any:
-        cm = opfuse.compile(
-            model,
-            shapes,
-            "fp16",
-            device=TEST_DEVICE,
-            tune_budget_s=0,
-            verify=False,
-            fusion_disable=(*NHWC_ALWAYS, *disable),
-        )
-        return next(k for k in cm.plan.kernels.values() if k.kind == "conv")
+        from bench.kernels import plan_model  # the compile's plans, without running them
+
+        planned = plan_model(model, shapes, "fp16", (*NHWC_ALWAYS, *disable))
+        return next(k for k in planned.plan.kernels.values() if k.kind == "conv")
 
     small = {"x": [1, 256, 7, 7], "r": [1, 256, 7, 7]}
     assert split_k_candidates(conv_kernel(residual_conv(256, 256, 7), small))
