@@ -756,9 +756,9 @@ def _split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int)
     """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
     (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
     launch; the last program of a tile leaves its counter at 0 again. The scratch is the caller's
-    (`scratch`: a dict the Executor keeps per kernel step, so two plans running at once, or two
-    CUDA graphs replayed on two streams, never share counters), else the module's (SCRATCH: a
-    tuning worker, one launch at a time)."""
+    (`scratch`: the Executor's dict, shared by its steps, which run one after another, so two plans
+    running at once, or two CUDA graphs replayed on two streams, never share counters), else the
+    module's (SCRATCH: a tuning worker, one launch at a time)."""
     buf.line()
     buf.line()
     buf.line("SCRATCH = {}")

@@ -1456,7 +1456,7 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
             got = np.asarray(ex.run(feeds)[cm.plan.outputs[0].name], dtype=np.float32)
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)
         assert ex.modules[k.id].SCRATCH == {}  # the executor's own, never the module's
-        scratch = ex.scratch[k.id]
+        scratch = ex.scratch
         (ws, lock) = next(
             v
             for key, v in scratch.items()
