@@ -447,7 +447,7 @@ def _compile(
             else "cpu wall time per step (interpreter: not a speed claim)",
         },
         "tuning": tuning,
-        "memory": executor.memory.to_json(),
+        "memory": {**executor.memory.to_json(), "scratch_bytes": executor.scratch_bytes()},
         "timings_s": {k: round(v, 4) for k, v in timings.items()},
     }
     manifest = _manifest(original, precision, info, declared_inputs, declared_outputs)

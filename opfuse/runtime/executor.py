@@ -113,6 +113,10 @@ class Executor:
             return dict(self.modules[kernel_id].INTERPRETER_CONFIG)
         return dict(self.plan.kernels[kernel_id].config) or None
 
+    def scratch_bytes(self) -> int:
+        """Bytes held by the kernels' scratch (split-K's partial tiles and counters), beside the arena."""
+        return sum(t.numel() * t.element_size() for pair in self.scratch.values() for t in pair)
+
     def prepare_inputs(self, feeds: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         missing = [s.name for s in self.plan.inputs if s.name not in feeds]
         if missing:

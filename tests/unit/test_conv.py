@@ -1443,6 +1443,7 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
     assert cm.report["kernels"] == {"before": 3, "after": 1}
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
     assert k.config["SPLIT_K"] == 1 and "tl.atomic_add(lock" in k.source and "if last:" in k.source
+    assert cm.report["memory"]["scratch_bytes"] > 0  # its counters, made by the compile's own run
     splits = split_k_candidates(k)
     assert splits and {c["SPLIT_K"] for c in splits} == {2} and all(c in candidates(k) for c in splits)
     feeds = {n: RNG.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
@@ -1467,6 +1468,7 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
         tiles = -(-49 // bm) * -(-48 // bn)
         assert lock.numel() == tiles and int(lock.abs().sum()) == 0, lock
         assert ws.numel() == tiles * config["SPLIT_K"] * bm * bn
+        assert ex.scratch_bytes() >= ws.numel() * 4 + lock.numel() * 4
 
 
 def test_split_k_is_offered_only_where_the_tiles_are_few_and_can_be_switched_off() -> None:
