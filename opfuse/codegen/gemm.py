@@ -91,6 +91,11 @@ def generate_gemm(
     if a_view is not None:
         operands_only.add(a_name)
     operands_only |= pool_axes | made
+    if pool is not None:
+        # The layout ops between the pool and A (Flatten, or the Reshape and its shape operand the
+        # default exporter writes) are folded away: what only they read is never loaded.
+        read = {x for node in [*prologue, anchor, *epilogue] for x in node.inputs if x}
+        operands_only |= {x for x in inputs if x not in read}
     literals, extra = split_literals(graph, inputs, skip=operands_only, tensors={c_name} - {""})
     if a_view is not None:
         extra = [x for x in extra if x not in (a_view.base, a_name)]
