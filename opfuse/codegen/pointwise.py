@@ -11,6 +11,7 @@ off (`concat_select`), so its inputs are always kernel tensors too.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,25 @@ def _clip(a: list[str], n: Node, c: list[float | None]) -> str:
     return expr
 
 
+# Gelu (opset 20, the default exporter's spelling of F.gelu): the same arithmetic as the older
+# spellings written out with Erf or Tanh. tanh form: 0.5 * (1 + tanh(u)) = sigmoid(2u).
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def _gelu_approximate(n: Node) -> str:
+    value = n.attrs.get("approximate", "none")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@emitter("Gelu")
+def _gelu(a: list[str], n: Node, c: list[float | None]) -> str:
+    x = a[0]
+    if _gelu_approximate(n) == "tanh":
+        two_k = float_literal(2.0 * math.sqrt(2.0 / math.pi))
+        return f"({x} * tl.sigmoid({two_k} * ({x} + 0.044715 * {x} * {x} * {x})))"
+    return f"(0.5 * {x} * (1.0 + tl.erf({x} * {float_literal(1.0 / math.sqrt(2.0))})))"
+
+
 @emitter("Pow")
 def _pow(a: list[str], n: Node, c: list[float | None]) -> str:
     e = c[1]
@@ -180,6 +200,8 @@ def pointwise_reason(graph: Graph, node: Node) -> str | None:
         for bound in node.inputs[1:3]:
             if bound and scalar_constant(graph, bound) is None:
                 return "Clip with a non-constant bound"
+    if node.op_type == "Gelu" and _gelu_approximate(node) not in GELU_APPROXIMATIONS:
+        return f"Gelu with approximate={_gelu_approximate(node)!r}: only 'none' and 'tanh' are defined"
     if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in ONNX_FLOAT_CASTS:
         return "Cast to a non-float type"
     return None
