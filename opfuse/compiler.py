@@ -22,6 +22,7 @@ from opfuse.codegen.conv import CONV_OPS
 from opfuse.errors import BundleError, ModelError
 from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
+from opfuse.fusion.coverage import explain_unfused
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
 from opfuse.lowering import build_plan, split_form, template_only
@@ -450,6 +451,7 @@ def _compile(
         "memory": {**executor.memory.to_json(), "scratch_bytes": executor.scratch_bytes()},
         "timings_s": {k: round(v, 4) for k, v in timings.items()},
     }
+    report["fusion"]["coverage"] = explain_unfused(graph, plan, report["fusion"]["not_fused"], disabled)
     manifest = _manifest(original, precision, info, declared_inputs, declared_outputs)
     report_progress("packaging", 0.95)
     return CompiledModel(plan, device, report, manifest, base_plan=base_plan)
