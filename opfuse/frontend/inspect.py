@@ -10,6 +10,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from opfuse.errors import ModelError
+from opfuse.frontend.external_data import has_external_data, inline_external_data
 from opfuse.frontend.validate import SUPPORTED_ELEM_TYPES, sort_and_check_graph
 
 # ONNX element types opfuse names in its API and reports: the ones it computes in.
@@ -73,14 +74,8 @@ def parse_model(data: bytes) -> onnx.ModelProto:
 
 
 def uses_external_data(model: onnx.ModelProto) -> bool:
-    for init in model.graph.initializer:
-        if init.data_location == onnx.TensorProto.EXTERNAL:
-            return True
-    for node in model.graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_location == onnx.TensorProto.EXTERNAL:
-                return True
-    return False
+    """Whether any tensor (in the graph, its subgraphs or the model's functions) is external."""
+    return has_external_data(model)
 
 
 # Float initializers whose bytes shape inference need not see (it reads their dims and type).
@@ -125,14 +120,19 @@ def default_opset(model: onnx.ModelProto) -> int:
 
 
 def inspect_model(source: bytes | str | os.PathLike[str]) -> ModelInfo:
-    """Validate an untrusted model and describe its graph inputs and outputs."""
+    """Validate an untrusted model and describe its graph inputs and outputs. A model read from a
+    path may keep its weights in external data files beside it (read safely, external_data.py)."""
     if isinstance(source, bytes):
         data = source
     else:
         with open(source, "rb") as f:
             data = f.read()
     model = parse_model(data)
-    check_model(model, data)
+    if isinstance(source, bytes) or not has_external_data(model):
+        check_model(model, data)
+    else:
+        inline_external_data(model, os.path.dirname(os.path.abspath(source)), model_bytes=len(data))
+        check_model(model)
     opset = default_opset(model)
     initializer_names = {init.name for init in model.graph.initializer}
     return ModelInfo(

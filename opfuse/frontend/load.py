@@ -10,6 +10,7 @@ from onnx import shape_inference
 
 from opfuse.errors import ModelError
 from opfuse.frontend.control_flow import fold_compile_time_values
+from opfuse.frontend.external_data import has_external_data, inline_external_data
 from opfuse.frontend.inspect import WEIGHT_BYTES, WEIGHT_TYPES, check_model, parse_model
 from opfuse.frontend.opsets import CANONICAL_OPSET, check_node_versions, convert_opset
 from opfuse.frontend.static_values import check_static_shape_inputs
@@ -19,12 +20,26 @@ from opfuse.frontend.validate import check_value_types
 # Retired ops the version converter replaces (Upsample -> Resize, Scatter -> ScatterElements).
 RENAMED_BY_CONVERSION = frozenset({"Upsample", "Scatter"})
 
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with entries / an empty zip
+
 __all__ = ["CANONICAL_OPSET", "check_supported", "infer_shapes", "load_and_specialize", "read_model"]
 
 
 def read_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
-    """Parse and check a model from a path, bytes or proto. Raises ModelError."""
+    """Parse and check a model from a path, bytes or proto. Raises ModelError.
+
+    A model read from a path may keep its weights in external data files (what torch.onnx.export
+    writes by default, `m.onnx.data`): they are read, safely, from the model's folder only
+    (external_data.py). Bytes or a proto with external references have no folder: refused.
+    """
+    folder: str | None = None
     if isinstance(source, onnx.ModelProto):
+        if has_external_data(source):
+            raise ModelError(
+                "the ModelProto refers to external data files but has no folder to read them from; "
+                "pass the path of the .onnx file instead (opfuse.compile('m.onnx')): opfuse reads its "
+                "data files from beside it"
+            )
         data = source.SerializeToString()
     elif isinstance(source, bytes):
         data = source
@@ -34,8 +49,26 @@ def read_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
                 data = f.read()
         except OSError as exc:
             raise ModelError(f"cannot read the model file: {exc}") from None
+        folder = os.path.dirname(os.path.abspath(source))
+    if data.startswith(ZIP_MAGIC):
+        raise ModelError(
+            "this is a zip file, not an ONNX model; unpack it and pass the path of the .onnx file "
+            "(its data files are read from beside it)"
+        )
     model = parse_model(data)
-    check_model(model, data)
+    if not has_external_data(model):
+        check_model(model, data)
+        return model
+    if folder is None:
+        raise ModelError(
+            "the model bytes refer to external data files, which bytes cannot carry; pass the path of "
+            "the .onnx file instead (opfuse reads its data files from beside it), or save the model "
+            "self-contained (onnx.save_model(model, path, save_as_external_data=False))"
+        )
+    size = len(data)
+    del data
+    inline_external_data(model, folder, model_bytes=size)
+    check_model(model)
     return model
 
 
