@@ -26,8 +26,10 @@ from service.errors import ServiceError
 from service.logging import get_logger
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
+from service.queue import ClaimHealth
 from service.rate_limit import RateLimiter
 from service.settings import Settings
+from service.storable import scrub, storable_json
 
 log = get_logger("app")
 
@@ -46,7 +48,15 @@ def _location(loc: tuple[Any, ...] | list[Any]) -> str:
 
 async def _service_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServiceError)
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse({"detail": scrub(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+
+def _shallow(error: Any) -> Any:
+    if isinstance(error, dict) and isinstance(error.get("input"), dict | list):
+        error = {k: v for k, v in error.items() if k != "input"}
+    if isinstance(error, dict) and "ctx" in error:
+        error = {**error, "ctx": {k: str(v)[:200] for k, v in dict(error["ctx"]).items()}}
+    return error
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -54,9 +64,10 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     detail = "; ".join(f"{_location(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
-    return JSONResponse(
-        {"detail": f"invalid request: {detail}", "errors": jsonable_encoder(errors)}, status_code=422
-    )
+    # The errors echo the input: only scalars are echoed (a report nested hundreds deep would be
+    # echoed whole), and scrubbed (a lone surrogate cannot be encoded as UTF-8).
+    echoed = storable_json(jsonable_encoder([_shallow(e) for e in errors]))
+    return JSONResponse({"detail": scrub(f"invalid request: {detail}"), "errors": echoed}, status_code=422)
 
 
 def create_app(settings: Settings | None = None, *, run_migrations: bool = True) -> FastAPI:
@@ -110,6 +121,7 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     app.state.metrics = metrics
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min)
     app.state.check_budget = CheckBudget(settings.check_budget_bytes)
+    app.state.claim_health = ClaimHealth()
     for router in (models.router, jobs.router, admin.router, worker.router, health.router):
         app.include_router(router)
     app.add_exception_handler(ServiceError, _service_error)

@@ -19,6 +19,7 @@ from service.pagination import Ordering, paginate, parse_ordering
 from service.queue import finish_job
 from service.schemas import JobCreate
 from service.settings import Settings
+from service.storable import check_storable
 
 # What `GET /v1/jobs?order_by=` accepts (each also with a leading "-": largest first).
 ORDER_BY_TIME = ("created_at", "finished_at")
@@ -151,6 +152,7 @@ def create_job(
     if webhook_url is not None:
         webhooks.check_url(webhook_url, settings)  # first: DNS can be slow, and no lock is held yet
     if idempotency_key is not None:
+        check_storable(idempotency_key, "the Idempotency-Key header")
         earlier = session.scalar(
             select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)
         )
@@ -166,6 +168,7 @@ def create_job(
         tenant_id=tenant_id,
         model_id=model.id,
         options=body.options(),
+        target=body.target.value,
         status=JobStatus.QUEUED.value,
         max_attempts=settings.max_attempts,
         idempotency_key=idempotency_key,

@@ -25,6 +25,7 @@ from opfuse.frontend.inspect import (
 )
 from service.errors import UnprocessableError
 from service.settings import Settings
+from service.storable import check_storable
 
 EXTERNAL_DATA_HINT = (
     "the model keeps its weights in external data files, which a raw .onnx upload cannot carry; "
@@ -160,13 +161,26 @@ def check_and_describe(model: onnx.ModelProto, limits: ModelLimits) -> ModelInfo
         opset = default_opset(model)
     except ModelError as exc:
         raise UnprocessableError(str(exc)) from None
-    return ModelInfo(
+    info = ModelInfo(
         opset=opset,
         ir_version=int(model.ir_version),
         inputs=[_tensor_info(vi) for vi in _graph_inputs(model.graph)],
         outputs=[_tensor_info(vi) for vi in model.graph.output],
         node_count=len(model.graph.node),
     )
+    _check_names_storable(info)
+    return info
+
+
+def _check_names_storable(info: ModelInfo) -> None:
+    """The names a job refers to (inputs, outputs, their dim symbols) are stored and queried: 422
+    for one the database cannot hold, naming it by position."""
+    for kind, tensors in (("input", info.inputs), ("output", info.outputs)):
+        for i, tensor in enumerate(tensors):
+            check_storable(tensor.name, f"the name of graph {kind} {i}")
+            for j, dim in enumerate(tensor.shape):
+                if isinstance(dim, str):
+                    check_storable(dim, f"the symbol of dim {j} of graph {kind} {i}")
 
 
 def parse_upload(data: bytes) -> onnx.ModelProto:

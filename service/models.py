@@ -202,6 +202,7 @@ class Job(Base):
         Index(None, "tenant_id", "created_at"),
         Index(None, "status", "created_at"),
         Index(None, "tenant_id", "status"),
+        Index(None, "status", "target", "created_at"),
         CheckConstraint(f"status IN ({_in(JobStatus)})", name="status"),
         CheckConstraint(f"stage IS NULL OR stage IN ({_in(Stage)})", name="stage"),
     )
@@ -210,6 +211,8 @@ class Job(Base):
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
     options: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The device kind it runs on (`any`, `cpu`, a GPU kind): a column, so a claim reads no JSON.
+    target: Mapped[str] = mapped_column(String(32), default="any", server_default="any")
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     stage: Mapped[str | None] = mapped_column(String(16))
     progress: Mapped[float] = mapped_column(Float, default=0.0)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from service import webhooks
@@ -24,6 +25,7 @@ from service.errors import ConflictError, LeaseLostError, NotFoundError
 from service.logging import get_logger
 from service.metrics import record_job, record_stage
 from service.models import Job, JobStatus, Stage, is_id
+from service.storable import scrub
 from service.targets import Target, device_kind
 
 log = get_logger("queue")
@@ -101,11 +103,9 @@ def requeue_expired(session: Session, now: datetime) -> list[Job]:
 
 
 def _runs_on(kind: str) -> ColumnElement[bool]:
-    """Jobs a worker of this device kind may take: target `any` (or none, from before targets
-    existed) or exactly its kind. Reads the target out of the options JSON, on SQLite
-    (json_extract) and PostgreSQL (->>) alike."""
-    target = Job.options["target"].as_string()
-    return or_(target.is_(None), target.in_((Target.ANY.value, kind)))
+    """Jobs a worker of this device kind may take: target `any` or exactly its kind (a column of
+    its own: reading it out of the options JSON made one job's stored text every claim's problem)."""
+    return Job.target.in_((Target.ANY.value, kind))
 
 
 def claim_job(
@@ -273,3 +273,44 @@ def fail_job(session: Session, job: Job, error: str, retryable: bool, now: datet
     else:
         finish_job(session, job, JobStatus.FAILED, now, error)
     log.info("job failed", extra={"job_id": job.id, "status": job.status, "retryable": retryable})
+
+
+def fail_undispatchable(session: Session, job: Job, exc: Exception, now: datetime) -> None:
+    """A claimed job that cannot be handed to a worker (its stored rows do not describe a job)
+    fails with the reason, so the queue moves on instead of offering it to every claim."""
+    finish_job(
+        session,
+        job,
+        JobStatus.FAILED,
+        now,
+        f"the job could not be handed to a worker ({type(exc).__name__}: {scrub(str(exc))[:500]}); "
+        "upload the model again and submit a new job",
+    )
+    log.error("job could not be dispatched", extra={"job_id": job.id, "error": repr(exc)[:500]})
+
+
+class ClaimHealth:
+    """Whether claims are working, for /readyz: unready while the latest claim failed (within
+    `window_seconds`; an old failure with no claim since says nothing about now)."""
+
+    def __init__(self, window_seconds: float = 300.0) -> None:
+        self.window_seconds = window_seconds
+        self._failed_at: datetime | None = None
+        self._error = ""
+        self._lock = threading.Lock()
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self._failed_at = None
+
+    def failed(self, exc: BaseException, now: datetime) -> None:
+        with self._lock:
+            self._failed_at = now
+            self._error = f"{type(exc).__name__}: {scrub(str(exc))[:200]}"
+
+    def problem(self, now: datetime) -> str | None:
+        """Why claims are failing, or None."""
+        with self._lock:
+            if self._failed_at is None or (now - self._failed_at).total_seconds() > self.window_seconds:
+                return None
+            return f"worker claims are failing ({self._error})"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from service.models import Job, JobStatus, Model, Scope, Stage
+from service.storable import StorableStr, scrub, storable_json
 from service.targets import Target
 
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
@@ -74,7 +74,7 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_id: str
-    input_shapes: dict[str, list[Annotated[StrictInt, Field(gt=0)]]] = Field(
+    input_shapes: dict[StorableStr, list[Annotated[StrictInt, Field(gt=0)]]] = Field(
         default_factory=dict, description="a value for every dim of every input that is not fully static"
     )
     precision: Precision = "fp32"
@@ -179,20 +179,9 @@ class WebhookSecretOut(BaseModel):
 # -- worker protocol ----------------------------------------------------------------------------
 
 
-def _finite(value: Any) -> Any:
-    """The report with NaN/±inf replaced by null: JSON (and PostgreSQL) cannot hold them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 class ClaimRequest(BaseModel):
-    worker_id: str = Field(min_length=1, max_length=255)
-    device: str = Field(min_length=1, max_length=255)
+    worker_id: StorableStr = Field(min_length=1, max_length=255)
+    device: StorableStr = Field(min_length=1, max_length=255)
 
 
 class ClaimOut(BaseModel):
@@ -221,7 +210,9 @@ class CompleteRequest(BaseModel):
     @field_validator("report")
     @classmethod
     def _report_is_json(cls, report: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = _finite(report)
+        """What the database can hold: NaN/±inf as null, NUL and lone surrogates replaced (node
+        names of a model end up in its report), at most 64 levels deep."""
+        result: dict[str, Any] = storable_json(report)
         return result
 
 
@@ -229,6 +220,13 @@ class FailRequest(BaseModel):
     lease_token: str
     error: str = Field(min_length=1)
     retryable: bool = False
+
+    @field_validator("error", mode="before")
+    @classmethod
+    def _error_is_text(cls, error: Any) -> Any:
+        """Scrubbed, never refused: a job whose failure could not be recorded would stay running
+        until its lease expired."""
+        return scrub(error) if isinstance(error, str) else error
 
 
 class ArtifactOut(BaseModel):

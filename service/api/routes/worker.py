@@ -48,20 +48,54 @@ def _seen(metrics: Metrics, job: Job) -> None:
         metrics.workers.seen(job.worker_id)
 
 
+# Claimed jobs that fail to dispatch, one after another, before a claim answers 204.
+MAX_UNDISPATCHABLE_PER_CLAIM = 10
+
+
 @router.post("/claim", response_model=ClaimOut, responses={204: {"description": "nothing queued"}})
 def claim(
-    body: ClaimRequest, _worker: WorkerDep, session: SessionDep, settings: SettingsDep, metrics: MetricsDep
+    body: ClaimRequest,
+    request: Request,
+    _worker: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
 ) -> Response | ClaimOut:
     """Take the oldest queued job this worker's device serves (target `any` or the device's kind,
-    service.targets.device_kind) under a lease, requeueing expired leases first; 204 if none."""
+    service.targets.device_kind) under a lease, requeueing expired leases first; 204 if none.
+
+    A job that cannot be handed out fails with the reason and the next one is taken; a claim that
+    fails altogether makes /readyz unready until one succeeds."""
     bind_log_fields(worker_id=body.worker_id)
     metrics.workers.seen(body.worker_id)
-    job = queue.claim_job(session, body.worker_id, body.device, settings.lease_seconds, utcnow())
-    if job is None:
-        return Response(status_code=204)
+    health: queue.ClaimHealth = request.app.state.claim_health
+    try:
+        out = _claim_next(session, body, settings.lease_seconds)
+    except Exception as exc:
+        health.failed(exc, utcnow())
+        raise
+    health.succeeded()
+    return Response(status_code=204) if out is None else out
+
+
+def _claim_next(session: Session, body: ClaimRequest, lease_seconds: float) -> ClaimOut | None:
+    for _ in range(MAX_UNDISPATCHABLE_PER_CLAIM):
+        job = queue.claim_job(session, body.worker_id, body.device, lease_seconds, utcnow())
+        if job is None:
+            return None
+        try:
+            with session.begin_nested():
+                return _claim_out(session, job)
+        except Exception as exc:
+            queue.fail_undispatchable(session, job, exc, utcnow())
+    return None
+
+
+def _claim_out(session: Session, job: Job) -> ClaimOut:
     bind_log_fields(job_id=job.id)
     model = session.get(Model, job.model_id)
-    assert model is not None and job.lease_token is not None and job.lease_expires_at is not None
+    if model is None or job.lease_token is None or job.lease_expires_at is None:
+        raise RuntimeError("the job's model or lease is missing")
     return ClaimOut(
         job=JobOut.from_row(job),
         lease_token=job.lease_token,
