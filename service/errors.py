@@ -64,3 +64,9 @@ class TooManyRequestsError(ServiceError):
 
     def __init__(self, detail: str, retry_after_seconds: float) -> None:
         super().__init__(detail, headers={"Retry-After": str(max(1, math.ceil(retry_after_seconds)))})
+
+
+class QuotaExceededError(ServiceError):
+    """A count the tenant may not exceed (no waiting helps: something must be deleted first)."""
+
+    status_code = 429

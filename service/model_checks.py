@@ -40,10 +40,19 @@ class ModelLimits:
     max_nodes: int
     max_depth: int
     max_input_elements: int
+    # A zip upload is held to these once unpacked, before any of it is decompressed.
+    max_unpacked_bytes: int = 2**31
+    max_zip_ratio: float = 100.0
 
     @classmethod
     def of(cls, settings: Settings) -> ModelLimits:
-        return cls(settings.max_graph_nodes, settings.max_graph_depth, settings.max_input_elements)
+        return cls(
+            settings.max_graph_nodes,
+            settings.max_graph_depth,
+            settings.max_input_elements,
+            settings.max_upload_bytes,
+            settings.max_zip_ratio,
+        )
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:

@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from opfuse.frontend.inspect import ModelInfo
 from service.blobs import delete_unreferenced, store_blob
 from service.check_budget import CheckBudget
-from service.errors import ConflictError, NotFoundError
+from service.errors import ConflictError, NotFoundError, PayloadTooLargeError, QuotaExceededError
 from service.model_checks import ModelLimits, check_and_describe, parse_upload
-from service.model_zip import model_from_zip
+from service.model_zip import model_from_zip, unpacked_size
 from service.models import ACTIVE_STATUSES, Job, Model, is_id
 from service.pagination import CREATED_DESC, paginate
 from service.spool import UploadSpool
@@ -55,6 +55,45 @@ def describe_model_file(path: Path, limits: ModelLimits) -> ModelInfo:
     return check_and_describe(parse_upload(path.read_bytes()), limits)
 
 
+@dataclass(frozen=True)
+class StorageQuota:
+    """What one tenant may keep (0: no limit)."""
+
+    max_bytes: int
+    max_models: int
+
+
+def stored_bytes(session: Session, tenant_id: int) -> int:
+    """Bytes the tenant keeps: its models and its jobs' bundles (shared blobs count for each)."""
+    models = session.scalar(
+        select(func.coalesce(func.sum(Model.size_bytes), 0)).where(Model.tenant_id == tenant_id)
+    )
+    bundles = session.scalar(
+        select(func.coalesce(func.sum(Job.artifact_size_bytes), 0)).where(Job.tenant_id == tenant_id)
+    )
+    return int(models or 0) + int(bundles or 0)
+
+
+def check_quota(session: Session, tenant_id: int, new_bytes: int, quota: StorageQuota) -> None:
+    """413 when `new_bytes` more would take the tenant over its storage quota, 429 when it has as
+    many models as it may; the message says what is used and what to do."""
+    hint = "delete models you no longer need (DELETE /v1/models/{id}, `opfuse models delete ID`)"
+    if quota.max_models:
+        count = session.scalar(select(func.count()).select_from(Model).where(Model.tenant_id == tenant_id))
+        if (count or 0) >= quota.max_models:
+            raise QuotaExceededError(
+                f"your tenant has {count} models, the most it may keep (OPFUSE_TENANT_MAX_MODELS); {hint}"
+            )
+    if quota.max_bytes:
+        used = stored_bytes(session, tenant_id)
+        if used + new_bytes > quota.max_bytes:
+            raise PayloadTooLargeError(
+                f"this model ({new_bytes} bytes) would take your tenant's storage to {used + new_bytes} "
+                f"bytes, over its quota of {quota.max_bytes} (OPFUSE_TENANT_STORAGE_BYTES; models and "
+                f"bundles count); {hint}"
+            )
+
+
 @dataclass
 class PreparedUpload:
     """What to store for an upload: the model's bytes, and its description (None: the tenant has
@@ -72,6 +111,7 @@ def prepare_upload(
     limits: ModelLimits,
     budget: CheckBudget,
     stack: ExitStack,
+    quota: StorageQuota,
 ) -> PreparedUpload:
     """Check an upload (a raw .onnx, or a zip with external data made self-contained here).
 
@@ -80,7 +120,11 @@ def prepare_upload(
     discarded when `stack` closes.
     """
     if content_type == ZIP_CONTENT_TYPE:
-        with budget.hold(upload.size):
+        # The check holds the model unpacked: the budget counts that, not the zip's size.
+        unpacked = unpacked_size(upload.path, limits)
+        with session_factory() as session:
+            check_quota(session, tenant_id, unpacked, quota)  # refused before any work
+        with budget.hold(unpacked):
             model = model_from_zip(upload.path, limits)
             info = check_and_describe(model, limits)
             data = model.SerializeToString()
@@ -90,6 +134,7 @@ def prepare_upload(
     with session_factory() as session:
         if find_by_sha256(session, tenant_id, upload.sha256) is not None:
             return PreparedUpload(upload, None)
+        check_quota(session, tenant_id, upload.size, quota)
     with budget.hold(upload.size):
         return PreparedUpload(upload, describe_model_file(upload.path, limits))
 
@@ -101,12 +146,14 @@ def save_model(
     name: str,
     limits: ModelLimits,
     chunk_bytes: int,
+    quota: StorageQuota,
 ) -> tuple[Model, bool]:
     """The tenant's model with these bytes, and whether it is new (storing the blob if so)."""
     spool = upload.spool
     existing = find_by_sha256(session, tenant_id, spool.sha256)
     if existing is not None:
         return existing, False
+    check_quota(session, tenant_id, spool.size, quota)
     info = upload.info or describe_model_file(spool.path, limits)  # the copy seen before was deleted
     model = Model(
         tenant_id=tenant_id,

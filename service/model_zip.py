@@ -52,8 +52,14 @@ def _is_link_or_special(info: zipfile.ZipInfo) -> bool:
     return kind not in (0, stat.S_IFREG, stat.S_IFDIR)
 
 
-def zip_entries(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
-    """The archive's files by normalized name; 422 for anything unsafe, 413 when they are too big."""
+# Entries smaller than this are not held to the compression ratio: they cannot hurt.
+_RATIO_FLOOR_BYTES = 1024**2
+
+
+def zip_entries(archive: zipfile.ZipFile, limits: ModelLimits) -> dict[str, zipfile.ZipInfo]:
+    """The archive's files by normalized name; 422 for anything unsafe, 413 when they are too big
+    unpacked. Sizes are the ones the zip declares: reading an entry never yields more (zipfile
+    stops at the declared size and checks the CRC), so they bound what is decompressed."""
     files: dict[str, zipfile.ZipInfo] = {}
     total = 0
     for info in archive.infolist():
@@ -72,7 +78,19 @@ def zip_entries(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
         if name in files:
             raise _refuse(f"entry '{name}' is in the zip twice")
         files[name] = info
+        ratio = info.file_size / max(info.compress_size, 1)
+        if info.file_size > _RATIO_FLOOR_BYTES and ratio > limits.max_zip_ratio:
+            raise _refuse(
+                f"entry '{name}' unpacks to {info.file_size} bytes from {info.compress_size} "
+                f"({ratio:.0f}:1), over this server's limit of {limits.max_zip_ratio:.0f}:1 "
+                "(OPFUSE_MAX_ZIP_RATIO); model weights do not compress that well"
+            )
         total += info.file_size
+        if total > limits.max_unpacked_bytes:
+            raise PayloadTooLargeError(
+                f"the zip holds more than {limits.max_unpacked_bytes} bytes once unpacked, over this "
+                "server's upload limit (OPFUSE_MAX_UPLOAD_BYTES, which counts unpacked bytes)"
+            )
         if total > MAX_MODEL_BYTES:
             raise PayloadTooLargeError(
                 f"the zip holds more than {_LIMIT_WORDS} once unpacked; opfuse cannot take a model that big"
@@ -189,6 +207,16 @@ def _inline(archive: zipfile.ZipFile, files: dict[str, zipfile.ZipInfo], refs: l
                 ref.tensor.data_location = onnx.TensorProto.DEFAULT
 
 
+def unpacked_size(path: Path, limits: ModelLimits) -> int:
+    """The bytes the zip's files hold once unpacked; 422/413 as `zip_entries`. Reads only the
+    zip's directory."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return sum(info.file_size for info in zip_entries(archive, limits).values())
+    except (zipfile.BadZipFile, OSError):
+        raise _refuse("it is not a valid zip file") from None
+
+
 def model_from_zip(path: Path, limits: ModelLimits) -> onnx.ModelProto:
     """The self-contained model of an uploaded zip; 422/413 with the reason when it cannot be.
 
@@ -200,7 +228,7 @@ def model_from_zip(path: Path, limits: ModelLimits) -> onnx.ModelProto:
         raise _refuse("it is not a valid zip file") from None
     try:
         with archive:
-            files = zip_entries(archive)
+            files = zip_entries(archive, limits)
             onnx_name = _the_onnx_file(files)
             model = parse_upload(archive.read(files[onnx_name]))
             problems = limit_problems(model, limits)

@@ -41,12 +41,18 @@ class Settings(BaseSettings):
     requeue_interval_seconds: float = Field(default=5.0, gt=0)
 
     # Limits on requests.
+    # A model upload, counted unpacked: a zip's entries as they will be once decompressed.
     max_upload_bytes: int = Field(default=GiB, gt=0)
+    # How much smaller than its content a zip entry may be (weights barely compress; a bomb does).
+    max_zip_ratio: float = Field(default=100.0, ge=1.0)
     max_artifact_bytes: int = Field(default=4 * GiB, gt=0)
     max_json_bytes: int = Field(default=16 * MiB, gt=0)
     request_timeout_seconds: float = Field(default=600.0, gt=0)
     rate_limit_per_min: int = Field(default=1200, ge=0)  # per API key (not worker keys); 0: no limit
     max_queued_jobs_per_tenant: int = Field(default=1000, ge=0)  # 0: no limit
+    # What one tenant may keep: bytes of models and bundles, and models. 0: no limit.
+    tenant_storage_bytes: int = Field(default=100 * GiB, ge=0)
+    tenant_max_models: int = Field(default=1000, ge=0)
 
     # Limits on uploaded models.
     max_graph_nodes: int = Field(default=50_000, ge=1)

@@ -53,6 +53,7 @@ async def upload_model(
     201 for a new model, 200 if the tenant has these bytes."""
     kind = require_content_type(request, ONNX_CONTENT_TYPE, ZIP_CONTENT_TYPE)
     limits = ModelLimits.of(settings)
+    quota = model_registry.StorageQuota(settings.tenant_storage_bytes, settings.tenant_max_models)
     with ExitStack() as stack:
         upload = stack.enter_context(UploadSpool(settings.tmp_dir))
         await receive_body(request, upload, settings.max_upload_bytes, "model", "OPFUSE_MAX_UPLOAD_BYTES")
@@ -65,6 +66,7 @@ async def upload_model(
             limits,
             request.app.state.check_budget,
             stack,
+            quota,
         )
         model, created = await run_in_threadpool(
             model_registry.save_model,
@@ -74,6 +76,7 @@ async def upload_model(
             name,
             limits,
             settings.blob_chunk_bytes,
+            quota,
         )
     bind_log_fields(model_id=model.id)
     if not created:
