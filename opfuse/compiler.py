@@ -258,7 +258,23 @@ def _compile(
 
     t = time.perf_counter()
     report_progress("fusing", 0.3)
-    fusion = plan_fusion(graph, disabled)
+    # Groups that must run unfused, each with why: its codegen, kernel compile, tuning or first run
+    # raised, or its kernel failed in a worker. The compile goes on without them.
+    unsafe: dict[str, str] = {}
+    fault_notes: list[dict[str, Any]] = []  # faults no group owns (the planner's): for not_fused
+    try:
+        fusion = plan_fusion(graph, disabled)
+    except ModelError:
+        raise
+    except Exception as exc:  # a planner fault: the model runs unfused rather than not at all
+        fusion = FusionPlan([], [])
+        fault_notes.append(
+            {
+                "rule": "fusion_planner",
+                "nodes": [],
+                "reason": f"planning fusion raised {_describe(exc)}, so every node runs unfused; {BUG_NOTE}",
+            }
+        )
     timings["fuse"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -267,17 +283,28 @@ def _compile(
     variants: dict[str, str] = {}
     configs: dict[str, dict[str, Any]] = {}  # kernel signature -> tuned launch config
 
-    unsafe: set[str] = set()  # groups whose kernels crashed the tuning worker: never fused
-
-    def make_plan(enabled: list[str] | None = None) -> Plan:
-        """The fused plan with the tuned variants and configs (all groups fused when None)."""
-        if unsafe:
-            enabled = [
-                g.id for g in fusion.groups if (enabled is None or g.id in enabled) and g.id not in unsafe
-            ]
-        p = build_plan(
+    def build(enabled: list[str]) -> Plan:
+        return build_plan(
             graph, fusion, precision, declared_inputs, declared_outputs, enabled=enabled, variants=variants
         )
+
+    def make_plan(enabled: list[str] | None = None) -> Plan:
+        """The fused plan with the tuned variants and configs (all groups fused when None), less
+        the unsafe groups. A group whose codegen raises becomes one (found by halving the groups)."""
+        ids = [g.id for g in fusion.groups if (enabled is None or g.id in enabled) and g.id not in unsafe]
+        try:
+            p = build(ids)
+        except ModelError:
+            raise
+        except Exception as exc:
+            faults = _faulty_groups(ids, build)
+            if not faults:  # no group fails alone: together, then
+                faults = {
+                    gid: f"generating the kernels of the groups together raised {_describe(exc)}"
+                    for gid in ids
+                }
+            unsafe.update({gid: f"codegen: {why}" for gid, why in faults.items()})
+            p = build([i for i in ids if i not in unsafe])
         if configs:
             from opfuse.tune import kernel_signature
 
@@ -288,9 +315,12 @@ def _compile(
     plan = make_plan()
     timings["codegen"] = time.perf_counter() - t
 
+    explicit_budget = tune_budget_s is not None
     if tune_budget_s is None:
         tune_budget_s = float(os.environ.get("OPFUSE_TUNE_BUDGET_S", DEFAULT_TUNE_BUDGET_S))
-    tuned = device.startswith("cuda") and bool(plan.kernels) and tune_budget_s > 0
+    # On the CPU (the interpreter: its times are no speed claim) tuning runs only when asked for
+    # with an explicit budget, to exercise it where there is no GPU (tests).
+    tuned = (device.startswith("cuda") or explicit_budget) and bool(plan.kernels) and tune_budget_s > 0
     cache = None
     if tuned:
         from opfuse.tune import TuningCache
@@ -328,21 +358,35 @@ def _compile(
     tuning: dict[str, Any] = {}
     if tuned:
         report_progress("tuning", 0.55)
-        tuning = _tune(
-            graph,
-            fusion,
-            plan,
-            make_plan,
-            variants,
-            configs,
-            device,
-            profile_feeds,
-            tune_budget_s,
-            _group_times(base_plan, before_times, fusion),
-            compile_pool,
-            cache,
-        )
-        unsafe.update(tuning.get("unsafe_groups", []))
+        groups, lone = list(fusion.groups), list(fusion.lone)
+        try:
+            tuning = _tune(
+                graph,
+                fusion,
+                plan,
+                make_plan,
+                variants,
+                configs,
+                device,
+                profile_feeds,
+                tune_budget_s,
+                _group_times(base_plan, before_times, fusion),
+                compile_pool,
+                cache,
+            )
+        except ModelError:
+            raise
+        except Exception as exc:  # a fault of tuning as a whole: every kernel untuned, as with it off
+            fusion.groups[:], fusion.lone = groups, lone
+            variants.clear()
+            configs.clear()
+            tuning = {
+                "error": f"tuning raised {_describe(exc)}; every kernel runs at its default launch "
+                f"config, untuned (verified as usual); {BUG_NOTE}"
+            }
+            if compile_pool is not None:
+                compile_pool.close()
+        unsafe.update(tuning.get("unsafe", {}))
         plan = make_plan()
     elif compile_pool is not None and len(plan.kernels) >= PARALLEL_COMPILE_MIN_KERNELS:
         from opfuse.tune import config_key, kernel_signature, precompile
@@ -359,15 +403,24 @@ def _compile(
             timing = pre.failed.get((sig, config_key(k.config)))
             if timing is not None:  # never run in this process what failed or crashed in a worker
                 tuning["compile_failed"][kid] = timing.error
-                unsafe.add(k.group)
+                unsafe.setdefault(k.group, f"its generated kernel failed in a compile worker: {timing.error}")
         if unsafe:
             tuning["unsafe_groups"] = sorted(unsafe)
+        if pre.start_error:
+            tuning["error"] = (
+                f"{pre.start_error}; the kernels were not compiled ahead (each compiles at its first run "
+                "here). Check that `python -m opfuse.tuning_pool` starts on this host: it must import "
+                "opfuse, torch and triton"
+            )
         if unsafe or pre.refit:
             plan = make_plan()
     timings["tune"] = time.perf_counter() - t
 
     t = time.perf_counter()
     report_progress("verifying", 0.6)
+    # The first run of the fused plan here: a group whose kernel fails to compile or to run is
+    # left unfused, and the plan runs again without it.
+    plan, first = _first_run(plan, device, profile_feeds, make_plan, unsafe)
     verification: dict[str, Any] = {"passed": None, "reference": None, "outputs": {}, "rolled_back": []}
     if verifier is not None:
         plan, verification = verifier.verify_with_rollback(
@@ -377,8 +430,11 @@ def _compile(
 
     if tuned:
         tuned_kernels(plan, tuning)
-    executor = Executor(plan, device)
-    executor.run(profile_feeds)
+    if first.plan is plan:  # it ran once already: warm
+        executor = first
+    else:
+        executor = Executor(plan, device)
+        executor.run(profile_feeds)
     after_times = executor.time_steps(profile_feeds)
     before_profile = profile_steps(base_plan, before_times, device=device)
     after_profile = profile_steps(plan, after_times, device=device)
@@ -403,23 +459,27 @@ def _compile(
         if g.id in variants:
             d["variant"] = variants[g.id]
         groups_json.append(d)
-    not_fused = [nf.to_json() for nf in passes.not_fired + fusion.not_fused]
+    not_fused = [nf.to_json() for nf in passes.not_fired + fusion.not_fused] + fault_notes
+    by_id = {g.id: g for g in fusion.groups}
     for gid in sorted(unsafe):
-        g = next(x for x in fusion.groups if x.id == gid)
+        grp = by_id.get(gid)
+        if grp is None:  # a group of a candidate plan that is not in this one (nothing of it runs)
+            continue
         not_fused.append(
             {
-                "rule": g.rule,
-                "nodes": [node_label(n) for n in g.nodes],
-                "reason": "its generated kernel failed, crashed or hung in a tuning or compile worker "
-                "(see tuning.kernels, tuning.compile_failed)",
+                "rule": grp.rule,
+                "nodes": [node_label(n) for n in [*grp.prologue, *grp.nodes]],
+                "reason": f"{unsafe[gid]}; its nodes run unfused",
             }
         )
     for gid in sorted(rolled):
-        g = next(x for x in fusion.groups if x.id == gid)
+        grp = by_id.get(gid)
+        if grp is None:
+            continue
         not_fused.append(
             {
-                "rule": g.rule,
-                "nodes": next(n.get("nodes") for n in [g.to_json()]),
+                "rule": grp.rule,
+                "nodes": next(n.get("nodes") for n in [grp.to_json()]),
                 "reason": "rolled back: the fused kernel failed verification",
             }
         )
@@ -614,7 +674,12 @@ class _Verifier:
             ids = [g.id for g in fusion.groups]
 
             def fails(subset: list[str]) -> bool:
-                return not self.check(make_plan(subset))[0]
+                try:
+                    return not self.check(make_plan(subset))[0]
+                except ModelError:
+                    raise
+                except Exception:  # a fused kernel that raises fails verification too
+                    return True
 
             rolled = _bisect_bad(ids, fails)
             plan = make_plan([i for i in ids if i not in rolled])
@@ -665,13 +730,14 @@ def _tune(
     Kernels are tuned where the time is first: in order of their group's time in the unfused
     profile (`group_ms`), so a spent budget leaves only the cheap kernels at their defaults."""
     from opfuse.tune import (
+        NO_WORKER,
         Precompiled,
         TuningCache,
         config_key,
         kernel_signature,
         precompile,
         tune_kernel_configs,
-        unsafe_groups,
+        unsafe_reasons,
         variant_group_times,
     )
     from opfuse.tuning_pool import CompilePool, TuningPool
@@ -713,7 +779,7 @@ def _tune(
         candidates["vendor"] = make_plan(None)
         variants.clear()
     times: dict[str, dict[str, float]] = {}
-    crashed: dict[str, set[str]] = {}
+    crashed: dict[str, dict[str, str]] = {}  # candidate plan -> group -> why it must not run here
     ran: dict[str, tuple[Executor, dict[str, Any]]] = {}
     # The budget starts once every kernel the candidate plans need is compiled (precompile).
     deadline = time.perf_counter() + budget_s
@@ -736,9 +802,11 @@ def _tune(
         # A kernel still at a start config that failed to compile (none of its fallbacks did, and
         # tuning did not reach it): never run in this process either.
         failing = {
-            k.group for k in p.kernels.values() if (kernel_signature(k), config_key(k.config)) in pre.failed
+            k.group: f"its generated kernel failed to compile in a compile worker: {timing.error}"
+            for k in p.kernels.values()
+            if (timing := pre.failed.get((kernel_signature(k), config_key(k.config)))) is not None
         }
-        crashed[name] = unsafe_groups(p, tuned) | failing
+        crashed[name] = {**failing, **unsafe_reasons(p, tuned)}
 
     # The kernels are compiled in parallel first (CompilePool), each at the config it runs with;
     # then the candidate configs compile in the background, most profiled time first, while one
@@ -821,17 +889,34 @@ def _tune(
             else:
                 tune("vendor", vendor_plan, pool)
     library = {g.id for g in lone if variants.get(g.id) == "vendor"}
+    # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
+    # compiler's own process must never run it (verification, benchmarks). Decided before the
+    # lone anchors that run as library ops leave: they are no groups any more, and their template
+    # never runs.
+    unsafe = {
+        gid: why
+        for gid, why in crashed.get("template", {}).items()
+        if gid not in anchors or variants.get(gid) != "vendor"
+    }
+    unsafe.update(
+        {gid: why for gid, why in crashed.get("vendor", {}).items() if variants.get(gid) == "vendor"}
+    )
     if library:
         fusion.groups[:] = [g for g in fusion.groups if g.id not in library]
         for gid in library:
             del variants[gid]
+            unsafe.pop(gid, None)
     record["lone_anchors"] = {"template": sorted({g.id for g in lone} - library), "library": sorted(library)}
-    # A group whose kernel crashed the tuning worker in the variant it would run is not fused: the
-    # compiler's own process must never run it (verification, benchmarks).
-    unsafe = {
-        gid for gid in crashed.get("template", set()) if gid not in anchors or variants.get(gid) != "vendor"
-    } | {gid for gid in crashed.get("vendor", set()) if variants.get(gid) == "vendor"}
     record["unsafe_groups"] = sorted(unsafe)
+    record["unsafe"] = unsafe
+    no_worker = [r for r in by_signature.values() if r.get("skipped") == NO_WORKER]
+    if no_worker:
+        why = pool.start_error or pre.start_error or "no worker answered"
+        record["error"] = (
+            f"{why}; {len(no_worker)} kernels run untuned at their default launch configs (verified as "
+            "usual). Check that `python -m opfuse.tuning_pool` starts on this host: it must import "
+            "opfuse, torch and triton"
+        )
     cache.save()
     record["cache_hits"] = cache.hits
     # By kernel signature, every distinct kernel of the plans tuned; tuned_kernels() keys them by
@@ -839,6 +924,79 @@ def _tune(
     record["kernels"] = by_signature
     record["summary"] = tuning_summary(by_signature, budget_s)
     return record
+
+
+BUG_NOTE = "this is a bug in opfuse: please report it with the model"
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _faulty_groups(ids: list[str], build: Callable[[list[str]], Any]) -> dict[str, str]:
+    """The groups among `ids` whose code cannot be generated on their own, each with its error,
+    found by halving (`build` of a set of groups raises where one of them cannot be generated)."""
+    errors: dict[str, str] = {}
+
+    def fails(subset: list[str]) -> bool:
+        try:
+            build(subset)
+        except ModelError:
+            raise
+        except Exception as exc:
+            if len(subset) == 1:
+                errors[subset[0]] = f"generating its kernel raised {_describe(exc)}"
+            return True
+        return False
+
+    return {gid: errors.get(gid, "generating its kernel raised") for gid in _bisect_bad(ids, fails)}
+
+
+def _first_run(
+    plan: Plan,
+    device: str,
+    feeds: dict[str, Any],
+    make_plan: Callable[[], Plan],
+    unsafe: dict[str, str],
+) -> tuple[Plan, Executor]:
+    """Compile the plan's kernels here and run it once on `feeds`; (the plan that ran, its warm
+    executor). A group whose kernel fails to compile (load its generated module) or raises when
+    it first runs joins `unsafe`, with why, and the plan is made again without it. A failure in a
+    step no group owns is not fusion's: it is raised."""
+    from opfuse.runtime import executor as executor_module
+
+    interpret = not device.startswith("cuda")
+    while True:
+        bad: dict[str, str] = {}
+        for k in plan.kernels.values():
+            if k.group in bad:
+                continue
+            try:
+                executor_module.load_kernel_module(k.source, interpret)
+            except ModelError:
+                raise
+            except Exception as exc:
+                bad[k.group] = f"compiling its generated kernel raised {_describe(exc)}"
+        if not bad:
+            runner = Executor(plan, device)
+            at = [-1]
+            runner.step_hook = lambda i, step, at=at: at.__setitem__(0, i)
+            try:
+                runner.run(feeds)
+                runner.step_hook = None
+                return plan, runner
+            except ModelError:
+                raise
+            except Exception as exc:
+                step = plan.steps[at[0]] if at[0] >= 0 else None
+                if step is None or not step.group or step.group in unsafe:
+                    raise
+                what = f"kernel {step.kernel}" if step.kind == "kernel" else f"library op {step.op_type}"
+                bad[step.group] = f"the first run of its {what} raised {_describe(exc)}"
+        unsafe.update(bad)
+        plan = make_plan()
 
 
 def tuned_kernels(plan: Plan, tuning: dict[str, Any]) -> None:

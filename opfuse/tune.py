@@ -165,14 +165,34 @@ def kernel_signature(k: KernelInfo) -> str:
     return hashlib.sha256(f"{stack}\n{body}".encode()).hexdigest()
 
 
+def measured(entry: Any) -> bool:
+    """Whether a cache entry holds only measurements that ran: every time in it finite. A failure
+    (infinity: a config that did not compile, crashed, or a worker that could not start) belongs to
+    the compile that met it, never to the cache, where it would mark the kernel bad for every later
+    compile on the host."""
+    if not isinstance(entry, dict):
+        return False
+    times = [entry[k] for k in ("ms", "template_ms", "vendor_ms") if k in entry]
+    return all(isinstance(t, int | float) and math.isfinite(t) for t in times)
+
+
+def _read_entries(path: str) -> dict[str, Any]:
+    """The file's entries that hold measurements (`measured`); non-finite ones, written by an
+    older opfuse, are ignored."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if measured(v)}
+
+
 class TuningCache:
     def __init__(self) -> None:
         self.path = _cache_path()
-        try:
-            with open(self.path) as f:
-                self.data: dict[str, Any] = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            self.data = {}
+        self.data: dict[str, Any] = _read_entries(self.path)
         self.hits = 0
 
     def get(self, key: str) -> Any:
@@ -181,7 +201,9 @@ class TuningCache:
         return self.data.get(key)
 
     def put(self, key: str, value: Any) -> None:
-        self.data[key] = value
+        """Keep `value` for later compiles, unless it holds a failure (see `measured`)."""
+        if measured(value):
+            self.data[key] = value
 
     def covers(self, plans: Iterable[Plan]) -> bool:
         """Every kernel of `plans` has its config here: each compiled and ran cleanly on this GPU
@@ -194,12 +216,7 @@ class TuningCache:
         with open(f"{self.path}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                try:
-                    with open(self.path) as f:
-                        on_disk: dict[str, Any] = json.load(f)
-                except (OSError, json.JSONDecodeError):
-                    on_disk = {}
-                merged = {**on_disk, **self.data}
+                merged = {**_read_entries(self.path), **self.data}
                 tmp = f"{self.path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as f:
                     json.dump(merged, f)
@@ -240,6 +257,7 @@ def _request(plan: Plan, k: KernelInfo, config: dict[str, Any]) -> TimingRequest
 
 LEFT_OUT = "not compiled within the tuning budget"
 BUDGET_SPENT = "tuning budget spent"  # a kernel's record: left at its default config
+NO_WORKER = "the tuning worker could not start (see tuning.error): default config, untuned"
 
 
 class Precompiled:
@@ -255,8 +273,12 @@ class Precompiled:
         index: dict[tuple[str, str], int] | None = None,
         deadline: float | None = None,
         refit: dict[str, tuple[dict[str, Any], str]] | None = None,
+        start_error: str | None = None,
     ) -> None:
         self.failed = dict(failed or {})
+        # Why compile workers could not start: what they would have compiled is left to the
+        # tuner's own worker (it compiles what it times).
+        self.start_error = start_error
         self.job = job
         self.index = dict(index or {})
         self.deadline = deadline
@@ -272,6 +294,8 @@ class Precompiled:
         if i is None or self.job is None:
             return None
         timing = self.job.wait(i)
+        if timing is None and self.job.start_error is not None:
+            return None  # no compile worker took it: the tuner's worker compiles it as it times it
         if timing is None:
             return Timing(math.inf, LEFT_OUT)
         if not timing.ok:
@@ -328,10 +352,11 @@ def precompile(
                     weight = (group_ms or {}).get(k.group, 0.0)
                     may.append((-weight, len(may), key, _request(plan, k, config)))
     keys = list(must)
+    checked = compiler.submit([must[k] for k in keys])
     failed = {
         key: timing
-        for key, timing in zip(keys, compiler.run([must[k] for k in keys]), strict=True)
-        if timing is not None and not timing.ok
+        for key, timing in zip(keys, checked.results(), strict=True)
+        if timing is not None and not timing.ok and not timing.no_worker
     }
     # A start config that does not compile on this device (a float32 conv whose pipeline stages
     # overflow the shared memory) gives way to the first smaller one that does, before the budget
@@ -353,7 +378,8 @@ def precompile(
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     may.sort(key=lambda item: item[:2])
     job = compiler.submit([item[3] for item in may], deadline, launch=False)
-    return Precompiled(failed, job, {item[2]: i for i, item in enumerate(may)}, deadline, refit)
+    index = {item[2]: i for i, item in enumerate(may)}
+    return Precompiled(failed, job, index, deadline, refit, checked.start_error)
 
 
 def fallback_configs(k: KernelInfo) -> list[dict[str, Any]]:
@@ -441,71 +467,101 @@ def _tune_each(
     order = sorted(plan.kernels, key=lambda kid: -priority.get(kid, 0.0))  # stable: plan order on ties
     for kid in order:
         k = plan.kernels[kid]
-        key = kernel_signature(k)
-        cached = cache.get(key)
-        if cached is not None:
-            k.config = dict(cached["config"])
-            executor.configs[kid] = dict(k.config)
-            record[kid] = {"config": k.config, "ms": cached["ms"], "cached": True}
-            if "crashed" in cached:
-                record[kid]["crashed"] = cached["crashed"]
-            continue
-        if time.perf_counter() > deadline:
-            record[kid] = {"config": k.config, "skipped": BUDGET_SPENT}
-            continue
-        time_candidate = _candidate_timer(plan, executor, kid, pool)
         default = dict(k.config)
-        best, best_ms, default_ms = dict(default), math.inf, math.inf
-        crashed: str | None = None
-        tried: list[dict[str, Any]] = []
-        ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
-        seen: set[str] = set()
-        left_out = 0
-        for cand in candidates(k):
-            config = {**default, **cand}
-            if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
-                continue
-            seen.add(config_key(config))
-            timing = precompiled.outcome((key, config_key(config))) or time_candidate(config)
-            if timing.error == LEFT_OUT:
-                left_out += 1
-                continue
-            if not timing.ok:
-                tried.append({"config": cand, "error": timing.error})
-                if timing.killed:  # a bug the default config may share: no more of this kernel
-                    crashed = timing.error
-                    break
-                continue
-            tried.append({"config": cand, "ms": round(timing.ms, 5)})
-            ran.append((config, timing.ms, timing.fingerprint))
-        outvoted: list[dict[str, Any]] = []
-        if crashed is None:
-            ran, outvoted, crashed = agreeing_configs(ran, _fingerprint_rtol(plan, k))
-        for config, ms, _ in ran:
-            if config == default:
-                default_ms = min(default_ms, ms)
-            if ms < best_ms:
-                best, best_ms = config, ms
-        if pool is not None and pool.start_error is not None:  # says nothing about the kernel
+        try:
+            record[kid] = _tune_one(plan, executor, cache, deadline, pool, precompiled, kid)
+        except Exception as exc:  # a fault of tuning this kernel: it is not fused, the compile goes on
             k.config = default
-            record[kid] = {"config": default, "skipped": pool.start_error}
-            continue
-        if left_out and not ran and crashed is None:  # the deadline came before its candidates
-            k.config = default
-            record[kid] = {"config": default, "skipped": BUDGET_SPENT}
-            continue
-        entry: dict[str, Any] = {"config": best, "ms": best_ms}
-        if left_out:  # chosen among those compiled in time; cached so, a warm compile keeps it
-            entry["left_out"] = left_out
-        if outvoted:  # computed something else than the other configs: never chosen
-            entry["outvoted"] = outvoted
-        if crashed is not None:
-            entry = {"config": default, "ms": default_ms, "crashed": crashed}
-        k.config = dict(entry["config"])
-        executor.configs[kid] = dict(k.config)
-        cache.put(key, entry)
-        record[kid] = {**entry, "ms": round(entry["ms"], 5), "candidates": len(tried)}
+            executor.configs[kid] = dict(default)
+            record[kid] = {"config": default, "error": f"{type(exc).__name__}: {_first_line(exc)}"}
     return record
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _tune_one(
+    plan: Plan,
+    executor: Executor,
+    cache: TuningCache,
+    deadline: float,
+    pool: TuningPool | None,
+    precompiled: Precompiled,
+    kid: str,
+) -> dict[str, Any]:
+    """One kernel's tuning record; its chosen config is written into the plan and the executor.
+    Only a config that ran, with its finite time, is cached (TuningCache.put)."""
+    k = plan.kernels[kid]
+    key = kernel_signature(k)
+    cached = cache.get(key)
+    if cached is not None:
+        k.config = dict(cached["config"])
+        executor.configs[kid] = dict(k.config)
+        out = {"config": k.config, "ms": cached["ms"], "cached": True}
+        if "crashed" in cached:
+            out["crashed"] = cached["crashed"]
+        return out
+    if time.perf_counter() > deadline:
+        return {"config": k.config, "skipped": BUDGET_SPENT}
+    time_candidate = _candidate_timer(plan, executor, kid, pool)
+    default = dict(k.config)
+    best, best_ms, default_ms = dict(default), math.inf, math.inf
+    crashed: str | None = None
+    no_worker: str | None = None
+    tried: list[dict[str, Any]] = []
+    ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
+    seen: set[str] = set()
+    left_out = 0
+    for cand in candidates(k):
+        config = {**default, **cand}
+        if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
+            continue
+        seen.add(config_key(config))
+        timing = precompiled.outcome((key, config_key(config))) or time_candidate(config)
+        if timing.no_worker:  # says nothing about the kernel: no worker could try it
+            no_worker = timing.error or "no worker"
+            break
+        if timing.error == LEFT_OUT:
+            left_out += 1
+            continue
+        if not timing.ok:
+            tried.append({"config": cand, "error": timing.error})
+            if timing.killed:  # a bug the default config may share: no more of this kernel
+                crashed = timing.error
+                break
+            continue
+        tried.append({"config": cand, "ms": round(timing.ms, 5)})
+        ran.append((config, timing.ms, timing.fingerprint))
+    outvoted: list[dict[str, Any]] = []
+    if crashed is None:
+        ran, outvoted, crashed = agreeing_configs(ran, _fingerprint_rtol(plan, k))
+    for config, ms, _ in ran:
+        if config == default:
+            default_ms = min(default_ms, ms)
+        if ms < best_ms:
+            best, best_ms = config, ms
+    if no_worker is not None or (pool is not None and pool.start_error is not None):
+        k.config = default  # untuned, as with tuning off: verification checks it as usual
+        return {"config": default, "skipped": NO_WORKER}
+    if left_out and not ran and crashed is None:  # the deadline came before its candidates
+        k.config = default
+        return {"config": default, "skipped": BUDGET_SPENT}
+    entry: dict[str, Any] = {"config": best, "ms": best_ms}
+    if left_out:  # chosen among those compiled in time; cached so, a warm compile keeps it
+        entry["left_out"] = left_out
+    if outvoted:  # computed something else than the other configs: never chosen
+        entry["outvoted"] = outvoted
+    if crashed is not None:
+        entry = {"config": default, "ms": default_ms, "crashed": crashed}
+    k.config = dict(entry["config"])
+    executor.configs[kid] = dict(k.config)
+    cache.put(key, entry)  # a failure (no config ran, or the default crashed) is not kept
+    out = {**entry, "ms": round(entry["ms"], 5), "candidates": len(tried)}
+    if not math.isfinite(entry["ms"]) and crashed is None:
+        errors = [t["error"] for t in tried if "error" in t]
+        out["failed"] = f"no launch config ran ({len(errors)} tried; first: {errors[0] if errors else '?'})"
+    return out
 
 
 def _fingerprint_rtol(plan: Plan, k: KernelInfo) -> float:
@@ -580,13 +636,23 @@ def _candidate_timer(
 
 def unsafe_groups(plan: Plan, tuned: dict[str, Any]) -> set[str]:
     """Groups with a kernel that no config ran cleanly in the tuning worker (its default crashed it,
-    or every candidate failed to compile or run): not to run in-process."""
-    return {
-        k.group
-        for kid, k in plan.kernels.items()
-        if ("crashed" in tuned.get(kid, {}) or "ms" in tuned.get(kid, {}))
-        and not math.isfinite(tuned[kid].get("ms", math.inf))
-    }
+    or every candidate failed to compile or run), or whose tuning raised: not to run in-process."""
+    return set(unsafe_reasons(plan, tuned))
+
+
+def unsafe_reasons(plan: Plan, tuned: dict[str, Any]) -> dict[str, str]:
+    """unsafe_groups, each with why (the first of its kernels that made it so)."""
+    out: dict[str, str] = {}
+    for kid, k in plan.kernels.items():
+        rec = tuned.get(kid, {})
+        if k.group in out:
+            continue
+        if "error" in rec:
+            out[k.group] = f"tuning its kernel raised {rec['error']}"
+        elif ("crashed" in rec or "ms" in rec) and not math.isfinite(rec.get("ms", math.inf)):
+            why = rec.get("crashed") or rec.get("failed") or "no launch config ran"
+            out[k.group] = f"its generated kernel failed in the tuning worker: {why}"
+    return out
 
 
 def variant_group_times(

@@ -51,12 +51,14 @@ class Timing:
     """Milliseconds per launch; infinity with `error` when the candidate failed. `killed`: it took
     its worker down (crash, hang, broken CUDA context), which the caller should not try again.
     `fingerprint`: what the candidate computed (see `fingerprint`), from the same inputs for every
-    config of one kernel, so configs that disagree can be told apart."""
+    config of one kernel, so configs that disagree can be told apart. `no_worker`: no worker could
+    start to try it, which says nothing about the candidate (never cached, never held against it)."""
 
     ms: float
     error: str | None = None
     killed: bool = False
     fingerprint: tuple[float, ...] | None = None
+    no_worker: bool = False
 
     @property
     def ok(self) -> bool:
@@ -130,6 +132,20 @@ def wall_clock_ms(fn: Callable[[], Any], reps: int = 10) -> float:
     return (time.perf_counter() - start) * 1000.0 / reps
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a worker process: this one's, with this process's import path first on
+    PYTHONPATH (the folder holding this opfuse, then sys.path), so a worker imports the same opfuse
+    and the same modules, also where opfuse is used from a source tree rather than installed."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths: list[str] = []
+    for entry in [here, *sys.path, *env.get("PYTHONPATH", "").split(os.pathsep)]:
+        if entry and os.path.abspath(entry) not in paths:  # "" (the working folder): the child's own
+            paths.append(os.path.abspath(entry))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
 def _resolve(path: str) -> Callable[..., float]:
     module, _, name = path.partition(":")
     fn: Callable[..., float] = getattr(importlib.import_module(module), name)
@@ -179,7 +195,9 @@ class TuningPool:
     def start(self, wait: bool = True) -> None:
         """Start the worker now rather than on the first request; raises RuntimeError if it cannot.
         With `wait=False` it starts in the background (its imports overlap the caller's work)."""
-        if self._proc is None or self._proc.poll() is not None:
+        # A worker that died before it said it was ready is not started again: waiting for it
+        # reads why it died (the start error).
+        if self._proc is None or (self._proc.poll() is not None and self._ready):
             self._spawn()
         if wait and not self._ready:
             self._await_ready()
@@ -190,7 +208,7 @@ class TuningPool:
         self._discard()
         parent_end, child_end = multiprocessing.Pipe(duplex=True)
         self._stderr = tempfile.TemporaryFile(prefix="opfuse-tune-")  # noqa: SIM115 (lives with the worker)
-        env = dict(os.environ)
+        env = child_env()
         # Triton fixes interpreter or compiler when it is imported: decide before the worker starts.
         env["TRITON_INTERPRET"] = "1" if self.interpret else "0"
         self.spawns += 1
@@ -226,7 +244,7 @@ class TuningPool:
         try:
             self.start()
         except RuntimeError as exc:
-            return Timing(math.inf, str(exc))
+            return Timing(math.inf, str(exc), no_worker=True)
         assert self._conn is not None
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
@@ -368,7 +386,13 @@ class CompilePool:
                     compile_only = TimingRequest(
                         request.source, request.config, request.inputs, request.outputs, 0, launch
                     )
-                    job.set(i, pool.time(compile_only))
+                    timing = pool.time(compile_only)
+                    if timing.no_worker:  # this worker cannot start: the request goes back to the others
+                        with lock:
+                            todo.append((i, request))
+                        job.start_error = job.start_error or timing.error
+                        return
+                    job.set(i, timing)
             finally:
                 job.worker_done()
 
@@ -393,6 +417,9 @@ class CompileJob:
         self._cond = threading.Condition()
         self.workers = 0
         self.cancelled = False  # no worker takes another request (those compiling finish)
+        # Why a worker could not start (it took no request: those it would have taken went to the
+        # others, or are left out, None, when no worker could start).
+        self.start_error: str | None = None
         self._finished = n == 0
 
     def cancel(self) -> None:

@@ -836,3 +836,237 @@ def test_the_tuning_record_names_the_kernels_of_the_plan_that_runs(
     assert [k.kind for k in plan.kernels.values()] == ["pointwise"]
     for kid, sig in signatures.items():
         assert record["kernels"][kid] is by_signature[sig] and "config" in by_signature[sig]
+
+
+# --- a cache that holds only what ran; workers that cannot start --------------------------------
+
+
+SHADOWED = "opfuse cannot be imported here (simulated)"
+
+
+def _shadowing_env(tmp_path: Any, real: Callable[[], dict[str, str]]) -> Callable[[], dict[str, str]]:
+    """child_env with a shadowing `opfuse` package first on the worker's path, whose import fails
+    (as where the library was used from a source tree the worker did not see)."""
+    shadow = tmp_path / "shadow"
+    (shadow / "opfuse").mkdir(parents=True, exist_ok=True)
+    (shadow / "opfuse" / "__init__.py").write_text(f"raise ImportError({SHADOWED!r})\n")
+
+    def broken() -> dict[str, str]:
+        env = real()
+        env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
+        env["PYTHONSAFEPATH"] = "1"  # and not the working folder (this checkout) before it
+        return env
+
+    return broken
+
+
+def test_a_worker_imports_what_the_parent_imports(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module found only on this process's sys.path (not installed, not on PYTHONPATH) is found
+    by the worker too: here its timer."""
+    (tmp_path / "opfuse_probe_timer.py").write_text("def timer(fn, reps):\n    fn()\n    return 1.25\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with TuningPool("cpu", timer="opfuse_probe_timer:timer", start_timeout_s=60) as p:
+        timing = p.time(request())
+    assert timing.error is None and timing.ms == 1.25
+
+
+def test_cache_entries_that_are_not_finite_are_ignored_and_never_written(tuning: Any, tmp_path: Any) -> None:
+    import json
+
+    plan = one_kernel_plan()
+    sig = tuning.kernel_signature(plan.kernels["k0_add"])
+    poisoned = {
+        sig: {"config": {"BLOCK": 64}, "ms": math.inf},
+        "nan": {"config": {}, "ms": math.nan},
+        "crash": {"config": {}, "ms": math.inf, "crashed": "died"},
+        "variant:x": {"choice": "vendor", "template_ms": math.inf, "vendor_ms": 0.2},
+        "good": {"config": {"BLOCK": 32}, "ms": 0.5},
+    }
+    (tmp_path / "tuning.json").write_text(json.dumps(poisoned))  # Infinity, NaN: as an old opfuse wrote
+    cache = tuning.TuningCache()
+    assert cache.data == {"good": {"config": {"BLOCK": 32}, "ms": 0.5}}
+    assert cache.get(sig) is None
+    cache.put("bad", {"config": {}, "ms": math.inf})
+    cache.put("worse", {"config": {}, "ms": math.nan, "crashed": "segfault"})
+    assert "bad" not in cache.data and "worse" not in cache.data
+    cache.save()
+    on_disk = json.loads((tmp_path / "tuning.json").read_text())
+    assert on_disk == {"good": {"config": {"BLOCK": 32}, "ms": 0.5}}
+
+    # The kernel the poisoned file held as failed is timed again, and not marked unsafe.
+    record = tuning.tune_kernel_configs(plan, cpu_executor(), cache, time.perf_counter() + 60, ScriptedPool())
+    assert "cached" not in record["k0_add"] and math.isfinite(record["k0_add"]["ms"])
+    assert tuning.unsafe_groups(plan, record) == set()
+    assert cache.data[sig]["ms"] == record["k0_add"]["ms"]
+
+
+def test_a_kernel_no_config_ran_is_unsafe_for_this_compile_only(
+    tuning: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{"fault": "raise"}])
+    plan, cache = one_kernel_plan(), tuning.TuningCache()
+
+    class Failing(ScriptedPool):
+        def time(self, req: TimingRequest, timeout_s: float | None = None) -> Timing:
+            self.requests.append(req)
+            return Timing(math.inf, "ValueError: no such config")
+
+    record = tuning.tune_kernel_configs(plan, cpu_executor(), cache, time.perf_counter() + 60, Failing())
+    assert record["k0_add"]["ms"] == math.inf and "no such config" in record["k0_add"]["failed"]
+    assert tuning.unsafe_reasons(plan, record) == {
+        "g0": "its generated kernel failed in the tuning worker: " + record["k0_add"]["failed"]
+    }
+    assert cache.data == {}  # the next compile tries it again
+
+
+def test_compile_workers_that_cannot_start_fail_no_kernel(
+    tuning: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compile workers that cannot import opfuse: nothing counts as failed to compile, the
+    candidates go to the tuner's worker; one worker of two broken: the other compiles everything."""
+    from opfuse import tuning_pool
+
+    monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"BLOCK": 128}])
+    real = tuning_pool.child_env
+    monkeypatch.setattr(tuning_pool, "child_env", _shadowing_env(tmp_path, real))
+    plan = one_kernel_plan()
+    with CompilePool("cpu", workers=2) as compiler:
+        pre = tuning.precompile([plan], tuning.TuningCache(), compiler, budget_s=60)
+        pool = ScriptedPool()
+        record = tuning.tune_kernel_configs(
+            plan, cpu_executor(), tuning.TuningCache(), time.perf_counter() + 60, pool, precompiled=pre
+        )
+        pre.close()
+    assert pre.failed == {} and SHADOWED in (pre.start_error or "")
+    assert len(pool.requests) == 2 and math.isfinite(record["k0_add"]["ms"])  # timed by the tuner's
+
+    calls = iter([_shadowing_env(tmp_path, real), real])
+    monkeypatch.setattr(tuning_pool, "child_env", lambda: next(calls, real)())
+    requests = [request(BLOCK=b) for b in (16, 32, 64, 128)]
+    with CompilePool("cpu", workers=2) as compiler:
+        job = compiler.submit(requests)
+        results = job.results()
+    assert all(r is not None and r.ok for r in results) and "could not start" in (job.start_error or "")
+
+
+def _two_group_model() -> Any:
+    import numpy as np
+    from onnx import helper
+
+    from tests.unit.test_fusion import make_model
+
+    rng = np.random.default_rng(11)
+    nodes = [  # a row group (softmax, scale), then a GEMM group (bias, relu)
+        helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+        helper.make_node("Mul", ["s", "c"], ["m"]),
+        helper.make_node("MatMul", ["m", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["a"]),
+        helper.make_node("Relu", ["a"], ["y"]),
+    ]
+    inits = {
+        "w": rng.standard_normal((16, 16)),
+        "b": rng.standard_normal((16,)),
+        "c": rng.standard_normal((16,)) + 2.0,
+    }
+    return make_model(nodes, {"x": [8, 16]}, {"y": [8, 16]}, inits)
+
+
+def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_cache(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on a GPU host: tuning workers that could not import opfuse failed every kernel, the
+    failures went into the shared cache, and every later compile there lost those groups (and
+    crashed). Now the broken compile says so in one line, runs every group untuned and verifies;
+    the cache keeps no failure; the next compile on the same cache tunes normally."""
+    import json
+
+    import opfuse
+    from opfuse import tune, tuning_pool
+    from tests.builders import TEST_DEVICE
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+    real = tuning_pool.child_env
+    monkeypatch.setattr(tuning_pool, "child_env", _shadowing_env(tmp_path, real))
+    broken = opfuse.compile(_two_group_model(), device=TEST_DEVICE, tune_budget_s=60)
+    t = broken.report["tuning"]
+    assert "could not start" in t["error"] and SHADOWED in t["error"]
+    assert t["unsafe_groups"] == [] and t["kernels"] and t["summary"]["timed"] == 0
+    assert all(k.get("skipped") == tune.NO_WORKER for k in t["kernels"].values())
+    assert broken.report["verification"]["passed"] is True
+    assert sorted(g["kind"] for g in broken.report["fusion"]["groups"]) == ["gemm", "rowwise"]
+    path = tmp_path / "cache" / "tuning.json"
+    on_disk = json.loads(path.read_text()) if path.exists() else {}
+    assert all(tune.measured(v) for v in on_disk.values())
+    assert not any("config" in v for v in on_disk.values())  # no kernel config: nothing was timed
+
+    monkeypatch.setattr(tuning_pool, "child_env", real)
+    healthy = opfuse.compile(_two_group_model(), device=TEST_DEVICE, tune_budget_s=60)
+    t = healthy.report["tuning"]
+    assert "error" not in t and t["unsafe_groups"] == []
+    assert t["summary"]["timed"] == t["summary"]["kernels"] > 0
+    assert all(math.isfinite(k["ms"]) for k in t["kernels"].values())
+    assert healthy.report["verification"]["passed"] is True
+    assert sorted(g["kind"] for g in healthy.report["fusion"]["groups"]) == ["gemm", "rowwise"]
+    on_disk = json.loads(path.read_text())
+    assert sum("config" in v for v in on_disk.values()) == t["summary"]["kernels"]
+    assert all(tune.measured(v) for v in on_disk.values())
+
+
+def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone GEMM whose template crashed and that runs as the library's op is no group any more:
+    it is not among the unsafe groups (the compiler once looked it up among the groups and raised
+    StopIteration)."""
+    import numpy as np
+    from onnx import helper
+
+    from opfuse import tune
+    from tests.unit.test_fusion import make_model
+
+    real = tune.unsafe_reasons
+
+    def crashed(plan: Any, tuned: Any) -> dict[str, str]:
+        return {**real(plan, tuned), **{k.group: "died" for k in plan.kernels.values() if k.kind == "gemm"}}
+
+    monkeypatch.setattr(tune, "unsafe_reasons", crashed)
+    rng = np.random.default_rng(5)
+    model = make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        {"x": [8, 16]},
+        {"y": [8, 12]},
+        {"w": rng.standard_normal((16, 12))},
+    )
+
+    def group_ms(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
+        template = any(k.group == gid for k in plan.kernels.values())
+        return {gid: 2.0 if template else 1.0}
+
+    monkeypatch.setattr(tune, "variant_group_times", lambda plan, ex, feeds, tuned: group_ms(plan, gid, []))
+    from opfuse import compiler
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.lowering import build_plan
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    _, spec = load_and_specialize(model, {"x": [8, 16]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    (gid,) = [g.id for g in fusion.lone]
+    variants: dict[str, str] = {}
+
+    def make_plan(enabled: list[str] | None = None) -> Any:
+        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
+
+    feeds = random_inputs(graph.inputs, rng)
+    record = compiler._tune(graph, fusion, make_plan(), make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    assert record["lone_anchors"]["library"] == [gid]
+    assert record["unsafe_groups"] == [] and record["unsafe"] == {}
