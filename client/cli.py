@@ -300,7 +300,14 @@ def _wait_for(client: OpfuseClient, job: Job, opts: Options, timeout_s: float | 
 @app.command()
 def submit(
     ctx: typer.Context,
-    model: Annotated[Path, typer.Argument(help="The ONNX file to fuse.", show_default=False)],
+    model: Annotated[
+        Path,
+        typer.Argument(
+            help="The ONNX file to fuse; external data files beside it (m.onnx.data) are packed and sent "
+            "with it. A .zip of the model and its data files is sent as it is.",
+            show_default=False,
+        ),
+    ],
     name: Annotated[str | None, typer.Option(help="A name for the model (default: the file name).")] = None,
     shape: ShapeOpt = None,
     precision: Annotated[Precision, typer.Option(help="Compute precision.")] = Precision.fp32,
@@ -497,7 +504,13 @@ def _progress_bar(enabled: bool) -> tuple[Progress | None, Callable[[str, float]
 @app.command("compile")
 def compile_command(
     ctx: typer.Context,
-    model: Annotated[Path, typer.Argument(help="The ONNX file.", show_default=False)],
+    model: Annotated[
+        Path,
+        typer.Argument(
+            help="The ONNX file; external data files beside it (m.onnx.data) are read from its folder.",
+            show_default=False,
+        ),
+    ],
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Where to write the bundle (.zip).", show_default=False)
     ],

@@ -1,5 +1,6 @@
 """Python SDK for the opfuse REST API v1 (DESIGN.md §3): models, jobs, reports, artifacts, and the
-worker protocol. Depends on httpx only.
+worker protocol. Depends on httpx only (and onnx, imported to pack a model that keeps its weights in
+external data files into the zip upload).
 
     client = OpfuseClient("http://127.0.0.1:8000", api_key)
     model = client.upload_model("model.onnx")
@@ -20,6 +21,8 @@ from typing import Any, TypedDict, cast
 
 import httpx
 
+from client.model_pack import ModelPackError, upload_file
+
 __all__ = [
     "TERMINAL_STATUSES",
     "ArtifactIntegrityError",
@@ -28,6 +31,7 @@ __all__ = [
     "Job",
     "LeaseLostError",
     "Model",
+    "ModelFileError",
     "OpfuseAPIError",
     "OpfuseClient",
     "OpfuseClientError",
@@ -112,6 +116,10 @@ class OpfuseConnectionError(OpfuseClientError):
 
 class OpfuseTimeoutError(OpfuseClientError):
     """`wait_job` gave up before the job reached a final status."""
+
+
+class ModelFileError(OpfuseClientError):
+    """A model file cannot be uploaded as it is on disk (e.g. its external data files are unsafe)."""
 
 
 class ArtifactIntegrityError(OpfuseClientError):
@@ -265,21 +273,30 @@ class OpfuseClient:
     # -- models -----------------------------------------------------------------------------
 
     def upload_model(self, path: str | os.PathLike[str], name: str | None = None) -> Model:
-        """Upload an ONNX file (streamed). The same bytes again give back the same model."""
+        """Upload a model file (streamed). The same model again gives back the same model.
+
+        A self-contained .onnx is sent as it is. A model that keeps its weights in external data
+        files (what `torch.onnx.export(m, args, "m.onnx")` writes by default: `m.onnx.data`) is
+        packed with them into a zip and sent as `application/zip`; so is a .zip given here. The
+        data files must be real files inside the model's folder (ModelFileError otherwise).
+        """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no such model file: {path}")
-        with path.open("rb") as f:
-            return cast(
-                Model,
-                self._json(
-                    "POST",
-                    "/v1/models",
-                    params={"name": name or path.name},
-                    content=f,
-                    headers={"Content-Type": "application/octet-stream"},
-                ),
-            )
+        try:
+            with upload_file(path) as upload, upload.path.open("rb") as f:
+                return cast(
+                    Model,
+                    self._json(
+                        "POST",
+                        "/v1/models",
+                        params={"name": name or path.name},
+                        content=f,
+                        headers={"Content-Type": upload.content_type},
+                    ),
+                )
+        except ModelPackError as exc:
+            raise ModelFileError(str(exc)) from None
 
     def list_models(self) -> list[Model]:
         return cast(list[Model], self._paginate("/v1/models", {}))
