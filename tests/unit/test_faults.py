@@ -1,0 +1,159 @@
+"""No internal error reaches a user: a fault injected into one stage (codegen, kernel compile,
+tuning, the first run) for one group leaves that group unfused, says why in fusion.not_fused, and
+the compile still succeeds and verifies against onnxruntime; a planner fault leaves the model
+unfused. Only the model's own faults (ModelError) fail a compile."""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import helper
+
+import opfuse
+from opfuse.errors import ModelError
+from opfuse.verify.reference import OnnxRuntimeReference
+from tests.builders import TEST_DEVICE
+from tests.unit.test_fusion import make_model
+
+ROW_NODES = ["Softmax#n0", "Mul#n1"]  # the row group; the GEMM group is MatMul, Add, Relu
+FAULT = "injected fault for this test"
+
+
+def two_groups() -> Any:
+    rng = np.random.default_rng(3)
+    nodes = [
+        helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+        helper.make_node("Mul", ["s", "c"], ["m"]),
+        helper.make_node("MatMul", ["m", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["a"]),
+        helper.make_node("Relu", ["a"], ["y"]),
+    ]
+    inits = {
+        "w": rng.standard_normal((16, 16)),
+        "b": rng.standard_normal((16,)),
+        "c": rng.standard_normal((16,)) + 2.0,
+    }
+    return make_model(nodes, {"x": [8, 16]}, {"y": [8, 16]}, inits)
+
+
+def row_kernel_source() -> str:
+    probe = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    (source,) = [k.source for k in probe.plan.kernels.values() if k.kind == "rowwise"]
+    return source
+
+
+def assert_row_group_unfused(cm: Any, *words: str) -> None:
+    """Verified, the GEMM group fused, the row group not, with the injected fault as its reason;
+    and every output element matches onnxruntime on fresh random inputs."""
+    report = cm.report
+    assert report["verification"]["passed"] is True
+    assert [g["kind"] for g in report["fusion"]["groups"]] == ["gemm"]
+    assert [k.kind for k in cm.plan.kernels.values()] == ["gemm"]
+    (entry,) = [nf for nf in report["fusion"]["not_fused"] if nf["nodes"] == ROW_NODES]
+    assert entry["rule"] and FAULT in entry["reason"] and "unfused" in entry["reason"]
+    for word in words:
+        assert word in entry["reason"], entry["reason"]
+    x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
+    ref = OnnxRuntimeReference(two_groups()).run({"x": x})["y"]
+    np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_whose_codegen_raises_runs_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse import lowering
+
+    def generate_rowwise(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(FAULT)
+
+    monkeypatch.setattr(lowering, "generate_rowwise", generate_rowwise)
+    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    assert_row_group_unfused(cm, "codegen", "ValueError")
+
+
+def test_a_group_whose_kernel_fails_to_compile_runs_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse.runtime import executor
+
+    bad, real = row_kernel_source(), executor.load_kernel_module
+
+    def load_kernel_module(source: str, interpret: bool) -> Any:
+        if source == bad:
+            raise SyntaxError(FAULT)
+        return real(source, interpret)
+
+    monkeypatch.setattr(executor, "load_kernel_module", load_kernel_module)
+    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    assert_row_group_unfused(cm, "compiling its generated kernel", "SyntaxError")
+
+
+def test_a_group_whose_kernel_raises_at_its_first_run_runs_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse.runtime import executor
+
+    bad, real = row_kernel_source(), executor.load_kernel_module
+    launches: list[str] = []
+
+    def load_kernel_module(source: str, interpret: bool) -> Any:
+        module = real(source, interpret)
+        if source != bad:
+            return module
+        faulty = types.ModuleType("faulty_kernel")
+        faulty.__dict__.update(module.__dict__)
+
+        def launch(*args: Any, **kwargs: Any) -> None:
+            launches.append("row")
+            raise RuntimeError(FAULT)
+
+        faulty.launch = launch  # type: ignore[attr-defined]
+        return faulty
+
+    monkeypatch.setattr(executor, "load_kernel_module", load_kernel_module)
+    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    assert launches == ["row"]  # it ran once, failed, and never again
+    assert_row_group_unfused(cm, "first run", "RuntimeError")
+
+
+def test_a_group_whose_tuning_raises_runs_unfused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse import tune
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+    real = tune.candidates
+
+    def candidates(k: Any) -> list[dict[str, Any]]:
+        if k.kind == "rowwise":
+            raise KeyError(FAULT)
+        return real(k)
+
+    monkeypatch.setattr(tune, "candidates", candidates)
+    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=60)
+    assert_row_group_unfused(cm, "tuning", "KeyError")
+    (why,) = cm.report["tuning"]["unsafe"].values()
+    assert why.startswith("tuning its kernel raised KeyError")
+    cached = json.loads((tmp_path / "tuning.json").read_text())
+    assert all("error" not in v for v in cached.values())  # the failure stays out of the cache
+
+
+def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse import compiler
+
+    def plan_fusion(*args: Any, **kwargs: Any) -> Any:
+        raise IndexError(FAULT)
+
+    monkeypatch.setattr(compiler, "plan_fusion", plan_fusion)
+    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True and cm.report["fusion"]["groups"] == []
+    (entry,) = [nf for nf in cm.report["fusion"]["not_fused"] if nf["rule"] == "fusion_planner"]
+    assert FAULT in entry["reason"] and "IndexError" in entry["reason"] and "bug in opfuse" in entry["reason"]
+
+
+def test_a_model_error_still_fails_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opfuse import lowering
+
+    def generate_rowwise(*args: Any, **kwargs: Any) -> Any:
+        raise ModelError("the model's own fault: say what to change")
+
+    monkeypatch.setattr(lowering, "generate_rowwise", generate_rowwise)
+    with pytest.raises(ModelError, match="the model's own fault"):
+        opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
