@@ -8,7 +8,7 @@ The model is untrusted: before anything else the process caps its own memory (an
 reads and checks the model under a time limit and against node-count, depth and tensor-size
 limits (workers.limits), and only then compiles. stdout carries only progress, one JSON object per
 line: {"stage": ..., "progress": ...}. At the end DIR holds bundle.zip and report.json (written
-last), or error.json {error, kind: "model"|"memory"|"internal"}. The worker kills this process
+last), or error.json {error, kind: "model"|"memory"|"bug"|"internal"}. The worker kills this process
 (its whole process group) on cancel, lease loss or timeout.
 """
 
@@ -297,12 +297,34 @@ def main(argv: list[str] | None = None, progress_stream: Any = None) -> int:
     return 0
 
 
+# Words of an error that the host, not the model or opfuse, caused: another attempt (on another
+# worker) may succeed.
+_HOST_FAULT_WORDS = ("cuda error", "cuda driver", "no cuda-capable device", "cudaerror", "nccl error")
+
+
+def is_host_fault(exc: BaseException) -> bool:
+    """An infrastructure fault (the file system, the GPU's driver or context), worth a retry;
+    anything else an internal exception raises is deterministic: the same job fails the same way."""
+    return isinstance(exc, OSError) or any(w in str(exc).lower() for w in _HOST_FAULT_WORDS)
+
+
 def _internal_error(out: Path, exc: BaseException) -> int:
+    """error.json for an exception opfuse did not raise on purpose: kind "internal" (retried) for
+    a host fault, else kind "bug" (not retried), which says it is a bug in opfuse."""
     traceback.print_exception(exc)
-    _write_json(
-        out / "error.json",
-        {"error": f"internal error: {type(exc).__name__}: {exc}", "kind": "internal"},
-    )
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    if is_host_fault(exc):
+        error = {
+            "error": f"internal error on this worker's host: {type(exc).__name__}: {first}",
+            "kind": "internal",
+        }
+    else:
+        error = {
+            "error": f"internal error: a bug in opfuse ({type(exc).__name__}: {first}); retrying will not "
+            "help: please report it with the model",
+            "kind": "bug",
+        }
+    _write_json(out / "error.json", error)
     return 1
 
 

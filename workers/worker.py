@@ -7,9 +7,10 @@ jobs whose target is that device's kind or `any`. Each job runs in a child proce
 wall-time limit (--job-timeout) and a memory limit (--job-memory-gb), and checks the untrusted
 model against node-count, depth and tensor-size limits before compiling it (workers.limits).
 
-A job never takes the worker down: a model error, running out of memory or time fails the job for
-good; a crash (a signal, a native error) or an internal error fails the attempt as retryable, and
-the worker goes on to the next job. Calls to the API are retried with backoff through outages
+A job never takes the worker down: a model error, running out of memory or time, or a
+deterministic internal error (a bug in opfuse) fails the job for good; a crash (a signal, a native
+error) or a fault of the host (file system, GPU driver) fails the attempt as retryable, and the
+worker goes on to the next job. Calls to the API are retried with backoff through outages
 (a restarting server) for up to --api-retry seconds. SIGTERM/SIGINT stop it cleanly: the running
 child is killed and its job handed back (retryable) for another worker.
 """
@@ -424,7 +425,9 @@ class Worker:
                 message, kind = str(error["error"]), str(error.get("kind", "internal"))
             except (ValueError, KeyError, TypeError):
                 message, kind = "internal error: the pipeline wrote an unreadable error.json", "internal"
-            retryable = kind not in ("model", "memory")  # the same model fails the same way again
+            # The same model fails the same way again: a model error, memory, a bug in opfuse
+            # (kind "bug"); only a host fault ("internal") is worth another attempt.
+            retryable = kind not in ("model", "memory", "bug")
             log.info("job failed", extra={"kind": kind, "error": message, "retryable": retryable})
             self._fail(job_id, token, message, retryable, log)
             return "failed"

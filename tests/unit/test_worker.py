@@ -326,6 +326,35 @@ def test_crashing_child_fails_attempt_with_readable_reason(
     assert rw.thread.is_alive()
 
 
+@pytest.mark.parametrize("stage", ["fusing", "codegen"])
+def test_a_bug_in_opfuse_fails_the_job_once_and_says_so(
+    stage: str, server: Server, start_worker: StartWorker, tmp_path: Path
+) -> None:
+    """A deterministic internal error fails the same way on every attempt: it is not retried,
+    and the error says it is a bug in opfuse, with the exception's type and message."""
+    job = submit(server, mlp_model(tmp_path / "mlp.onnx"), {"x": [2, HIDDEN]})
+    action = f'raise TypeError("simulated bug in {stage}")'
+    rw = start_worker(faulty_pipeline(tmp_path, stage, action))
+    done = wait(server, job)
+    assert done["status"] == "failed"
+    assert done["attempts"] == 1, "a bug fails every attempt alike: no retry"
+    error = done["error"] or ""
+    assert "a bug in opfuse" in error and f"TypeError: simulated bug in {stage}" in error
+    assert "Traceback" not in error
+    wait_until(lambda: len(rw.outcomes) == 1, 10)
+    assert rw.outcomes == ["failed"] and rw.thread.is_alive()
+
+
+def test_only_host_faults_count_as_retryable() -> None:
+    from workers.pipeline import is_host_fault
+
+    assert is_host_fault(OSError(28, "No space left on device"))
+    assert is_host_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_host_fault(ValueError("input of shape (2,) varies along only part of the row"))
+    assert not is_host_fault(StopIteration())
+    assert not is_host_fault(KeyError("k3"))
+
+
 def test_cancel_kills_the_running_child(server: Server, start_worker: StartWorker, tmp_path: Path) -> None:
     job = submit(server, mlp_model(tmp_path / "mlp.onnx"), {"x": [2, HIDDEN]})
     rw = start_worker(faulty_pipeline(tmp_path, "verifying", HANG))
