@@ -12,6 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from opfuse.errors import BundleError
+from opfuse.frontend.opsets import CANONICAL_OPSET
 from opfuse.graph import TensorSpec
 from opfuse.runtime.plan import PLAN_VERSION, KernelInfo, Plan, Step
 
@@ -38,8 +39,31 @@ def _value_info(spec: TensorSpec, name: str | None = None) -> onnx.ValueInfoProt
     return helper.make_tensor_value_info(name or spec.name, _ELEM[spec.dtype], list(spec.shape))
 
 
-def fused_model(plan: Plan) -> onnx.ModelProto:
-    """The fused graph: each kernel is one ai.opfuse::FusedKernel node, so it opens in Netron."""
+def default_domain_opset(op_types: set[str], source_opset: int | None = None) -> int:
+    """The default-domain opset the fused graph imports: the canonical one (18), or the source
+    model's newer opset (its nodes keep their version's meaning), or higher still where a node left
+    unfused exists only in a later opset (Gelu is new at 20, RMSNormalization and Attention at 23),
+    so that onnx.checker accepts every bundle's model.onnx."""
+    newest = onnx.defs.onnx_opset_version()
+    opset = min(max(CANONICAL_OPSET, source_opset or CANONICAL_OPSET), newest)
+    for op_type in sorted(op_types):
+        if _exists(op_type, opset):
+            continue
+        opset = next((v for v in range(opset + 1, newest + 1) if _exists(op_type, v)), opset)
+    return opset
+
+
+def _exists(op_type: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
+
+
+def fused_model(plan: Plan, source_opset: int | None = None) -> onnx.ModelProto:
+    """The fused graph: each kernel is one ai.opfuse::FusedKernel node, so it opens in Netron.
+    `source_opset`: the uploaded model's opset (see default_domain_opset)."""
     nodes = []
     for i, s in enumerate(plan.steps):
         if s.kind == "kernel":
@@ -86,12 +110,13 @@ def fused_model(plan: Plan) -> onnx.ModelProto:
         initializer=inits,
         value_info=[_value_info(s) for name, s in plan.values.items() if name not in io_names],
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(FUSED_DOMAIN, 1)],
-        producer_name="opfuse",
-    )
-    model.ir_version = 8
+    ops = {n.op_type for n in nodes if n.domain == ""}
+    opset_imports = [
+        helper.make_opsetid("", default_domain_opset(ops, source_opset)),
+        helper.make_opsetid(FUSED_DOMAIN, 1),
+    ]
+    model = helper.make_model(graph, opset_imports=opset_imports, producer_name="opfuse")
+    model.ir_version = max(8, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
     return model
 
 
@@ -101,7 +126,9 @@ def write_bundle(
     tmp = f"{os.fspath(path)}.tmp"
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
         z.writestr("manifest.json", json.dumps(manifest, indent=2))
-        z.writestr("model.onnx", fused_model(plan).SerializeToString())
+        source_opset = (manifest.get("source") or {}).get("opset")
+        model = fused_model(plan, int(source_opset) if source_opset else None)
+        z.writestr("model.onnx", model.SerializeToString())
         for k in plan.kernels.values():
             z.writestr(f"kernels/{k.id}.py", k.source)
         z.writestr("plan.json", json.dumps(plan.to_json(), indent=1))
