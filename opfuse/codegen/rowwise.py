@@ -10,7 +10,7 @@ product of the reduced axes, inner of the axes after them. Three layouts:
   per-channel parameters indexed by channel = g·C/G + col // S.
 
 The program runs the pointwise prologue, any number of reductions (Softmax, LogSoftmax,
-LayerNormalization, InstanceNormalization, GroupNormalization, ReduceMean/Sum/Max/Min,
+LayerNormalization, RMSNormalization, InstanceNormalization, GroupNormalization, ReduceMean/Sum/Max/Min,
 GlobalAverage/MaxPool), and the pointwise epilogue, with one load of each input and one store of
 each output. Values are either full (the row space's shape) or reduced (one per row or column).
 """
@@ -42,6 +42,7 @@ ROW_OPS = (
         "Softmax",
         "LogSoftmax",
         "LayerNormalization",
+        "RMSNormalization",  # opset 23: the mean of squares over the trailing axes, no centring
         "InstanceNormalization",
         "GroupNormalization",
     }
@@ -136,7 +137,7 @@ def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
         if not axes:
             return [] if node.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
         return sorted({a % rank for a in axes})
-    if node.op_type == "LayerNormalization":
+    if node.op_type in ("LayerNormalization", "RMSNormalization"):
         axis = int(node.attrs.get("axis", -1)) % rank
         return list(range(axis, rank))
     if node.op_type in GLOBAL_POOLS or node.op_type in ("InstanceNormalization", "GroupNormalization"):
@@ -198,7 +199,7 @@ def row_op_reason(graph: Graph, node: Node) -> str | None:
         len([o for o in node.outputs if o]) > 1
     ):
         return f"the extra outputs of {node.op_type} are used"
-    if node.op_type == "LayerNormalization":
+    if node.op_type in ("LayerNormalization", "RMSNormalization"):
         for p in node.inputs[1:3]:
             if p and graph.spec(p).shape not in (tuple(x.shape[axes[0] :]), ()):
                 return "scale or bias does not cover the normalized axes"
@@ -543,6 +544,10 @@ def generate_rowwise(
                     buf.line(f"{v} = {v}_exp / {v}_sum")
                 else:
                     buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
+            elif n.op_type == "RMSNormalization":  # x / sqrt(mean(x²) + eps) * scale, in float32
+                eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
+                buf.line(f"{v}_ms = {reduce('tl.sum', f'{a[0]} * {a[0]}', '0.0')} / {r}.0  # {n.op_type}")
+                buf.line(f"{v} = ({a[0]} * (1.0 / tl.sqrt({v}_ms + {eps}))) * {a[1]}")
             elif n.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
                 eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
                 buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.op_type}")
