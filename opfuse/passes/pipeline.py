@@ -10,6 +10,7 @@ import onnx
 
 from opfuse.frontend.load import infer_shapes
 from opfuse.graph import Graph
+from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import RULE as SHUFFLE_RULE
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
@@ -19,6 +20,7 @@ from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
+from opfuse.passes.indices import check_constant_indices
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 # Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
 RULES: list[Rule] = [
     eliminate_noops,
+    attention_op,
     gather_to_slice,
     rotate_half,
     group_norm,
@@ -84,6 +87,7 @@ def run_passes(
 ) -> PassResult:
     disabled = frozenset(disabled)
     rule_log = RuleLog()
+    check_constant_indices(graph)  # before folding or gather_to_slice could hide one out of range
     fold_constant_nodes(graph)
     apply_rules(graph, RULES, set(disabled), rule_log)
     if SHUFFLE_RULE not in disabled:
