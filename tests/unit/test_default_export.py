@@ -1,0 +1,246 @@
+"""Models as `torch.onnx.export` writes them with its defaults (the dynamo exporter: opset 20,
+external data beside the model, Reshape for flatten, Gelu-20, ReduceMean with an axes input), and
+with the TorchScript exporter (dynamo=False) where its spelling differs: each compiles, matches
+onnxruntime on every output element, fuses like the older spelling, and its bundle's model.onnx
+passes onnx.checker."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import opfuse
+from opfuse.runtime.bundle import default_domain_opset
+from tests.builders import TEST_DEVICE
+
+
+def export(
+    model: nn.Module, args: tuple[torch.Tensor, ...], path: Path, dynamo: bool = True, **kwargs: Any
+) -> onnx.ModelProto:
+    """torch.onnx.export with its defaults (dynamo=True: external data in `path.data`), loaded the
+    way a user loads it: onnx.load(path) reads the data file beside it."""
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            torch.onnx.export(model, args, str(path), verbose=False, **kwargs)
+        else:
+            torch.onnx.export(model, args, str(path), dynamo=False, **kwargs)
+    return onnx.load(str(path))
+
+
+def check(
+    model: onnx.ModelProto, args: tuple[torch.Tensor, ...], tmp_path: Path, **kwargs: Any
+) -> opfuse.CompiledModel:
+    """Compile, compare every output element with onnxruntime, and check the saved bundle's
+    fused graph with onnx.checker (full_check: shape inference as well)."""
+    feeds = {vi.name: a.numpy() for vi, a in zip(model.graph.input, args, strict=True)}
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)
+    cm = opfuse.compile(model, device=TEST_DEVICE, verify=False, **kwargs)
+    got = cm.run(feeds)
+    for vi, w in zip(model.graph.output, want, strict=True):
+        np.testing.assert_allclose(np.asarray(got[vi.name]), w, rtol=1e-4, atol=1e-5, err_msg=vi.name)
+    bundle = tmp_path / "bundle.zip"
+    cm.save(bundle)
+    fused = onnx.load_from_string(zipfile.ZipFile(bundle).read("model.onnx"))
+    onnx.checker.check_model(fused, full_check=True)
+    return cm
+
+
+def ops(cm: opfuse.CompiledModel, tmp_path: Path) -> tuple[int, list[str]]:
+    """The saved fused graph's default-domain opset and its nodes' op types."""
+    fused = onnx.load_from_string(zipfile.ZipFile(tmp_path / "bundle.zip").read("model.onnx"))
+    opset = next(o.version for o in fused.opset_import if o.domain in ("", "ai.onnx"))
+    return opset, [n.op_type for n in fused.graph.node]
+
+
+def rules(cm: opfuse.CompiledModel) -> list[str]:
+    return [g["rule"] for g in cm.report["fusion"]["groups"]]
+
+
+class SmallCNN(nn.Module):
+    """The simplest classifier: Conv -> Relu -> AdaptiveAvgPool2d(1) -> flatten -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1), 1))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_cnn_classifier_of_the_default_exporter_compiles_and_matches(batch: int, tmp_path: Path) -> None:
+    """The default exporter writes the flatten as a Reshape with a shape operand and the pool as
+    ReduceMean with an axes input: neither is taken for data by the pooled GEMM (it crashed the
+    compiler); at batch up to 4 the pool runs in the GEMM's A tiles (pooled_gemm)."""
+    torch.manual_seed(batch)
+    x = torch.randn(batch, 3, 8, 8)
+    path = tmp_path / "cnn.onnx"
+    model = export(SmallCNN(), (x,), path)
+    assert os.path.exists(f"{path}.data")  # the default: weights beside the model
+    assert "ReduceMean" in [n.op_type for n in model.graph.node]
+    cm = check(model, (x,), tmp_path)
+    pooled = batch <= 4  # conv + ReLU, then pool + GEMM; over 4 images the pool is its own kernel
+    assert cm.report["kernels"]["after"] == (2 if pooled else 3), cm.report["fusion"]
+    assert any(r.endswith("pooled_gemm") for r in rules(cm)) == pooled
+
+
+def test_cnn_classifier_of_the_torchscript_exporter(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 8, 8)
+    model = export(SmallCNN(), (x,), tmp_path / "cnn.onnx", dynamo=False)
+    cm = check(model, (x,), tmp_path)
+    assert cm.report["kernels"]["after"] == 2, cm.report["fusion"]
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_resnet18_of_both_exporters(dynamo: bool, tmp_path: Path) -> None:
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed")
+    from bench.zoo import import_torchvision
+
+    import_torchvision()
+    import torchvision.models
+
+    torch.manual_seed(6)
+    net = torchvision.models.resnet18(weights=None, num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    model = export(net, (x,), tmp_path / "resnet18.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path)
+    kernels, compute = cm.report["kernels"]["after"], cm.report["compute_nodes"]
+    assert kernels <= 0.4 * compute, (kernels, compute)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(16, 32), nn.Linear(32, 16), nn.LayerNorm(16)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(F.gelu(self.fc1(x), approximate=self.approximate)))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_gelu_fuses_into_the_gemm_epilogue_in_every_spelling(
+    approximate: str, dynamo: bool, tmp_path: Path
+) -> None:
+    """Gelu-20 (the default exporter) and Gelu written out with Erf or Tanh (TorchScript, opset 18):
+    the same three kernels (fc1 + bias + GELU, fc2, bias + residual + LayerNorm)."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 16) * 2.0
+    # TorchScript at its own default opset (20) writes Gelu too; at 18 it writes it out.
+    kwargs: dict[str, Any] = {} if dynamo else {"opset_version": 18}
+    model = export(GeluMLP(approximate), (x,), tmp_path / "mlp.onnx", dynamo=dynamo, **kwargs)
+    assert ("Gelu" in [n.op_type for n in model.graph.node]) == dynamo
+    cm = check(model, (x,), tmp_path)
+    assert cm.report["kernels"]["after"] == 3, cm.report["fusion"]
+    gemm_groups = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "gemm_epilogue"]
+    assert any(len(g["nodes"]) >= 3 for g in gemm_groups), gemm_groups  # MatMul, bias, GELU
+    assert "Gelu" not in ops(cm, tmp_path)[1]
+
+
+def test_an_unfused_gelu_20_gives_a_bundle_of_opset_20(tmp_path: Path) -> None:
+    """With its fusion rules off Gelu runs as its own op: the fused graph imports opset 20, where
+    Gelu exists (it declared opset 18 and onnx.checker refused it)."""
+    torch.manual_seed(2)
+    x = torch.randn(2, 5, 16)
+    model = export(GeluMLP("none"), (x,), tmp_path / "mlp.onnx", opset_version=18)
+    assert next(o.version for o in model.opset_import if o.domain == "") == 18
+    assert "Gelu" not in [n.op_type for n in model.graph.node]  # below 20 it is written out
+    model = export(GeluMLP("none"), (x,), tmp_path / "mlp.onnx")
+    cm = check(model, (x,), tmp_path, fusion_disable=("gemm_epilogue", "pointwise"))
+    opset, op_types = ops(cm, tmp_path)
+    assert "Gelu" in op_types and opset == 20
+
+
+def test_bundle_opset_is_the_lowest_that_holds_every_op() -> None:
+    assert default_domain_opset({"MatMul", "Relu"}) == 18
+    assert default_domain_opset({"MatMul"}, source_opset=13) == 18  # converted up to 18
+    assert default_domain_opset({"MatMul"}, source_opset=21) == 21  # kept at its own opset
+    assert default_domain_opset({"Gelu", "MatMul"}) == 20
+    assert default_domain_opset({"RMSNormalization"}, source_opset=20) == 23
+
+
+class RMSNormLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.RMSNorm(16, eps=1e-6), nn.Linear(16, 16)
+        nn.init.normal_(self.norm.weight, 1.0, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class LayerNormLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+        nn.init.normal_(self.norm.weight, 1.0, 0.2)
+        nn.init.normal_(self.norm.bias, 0.0, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class SDPA(nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+
+
+@pytest.mark.parametrize("opset", [None, 23])
+def test_layer_norm_as_exported_is_one_row_kernel(opset: int | None, tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 16)
+    kwargs: dict[str, Any] = {} if opset is None else {"opset_version": opset}
+    model = export(LayerNormLinear(), (x,), tmp_path / "ln.onnx", **kwargs)
+    assert "LayerNormalization" in [n.op_type for n in model.graph.node]
+    cm = check(model, (x,), tmp_path)
+    assert "row_reduction" in rules(cm) and cm.report["kernels"]["after"] == 2
+
+
+@pytest.mark.parametrize("opset", [None, 23])
+def test_rms_norm_as_exported(opset: int | None, tmp_path: Path) -> None:
+    """The default opset (20) writes RMSNorm out (one row kernel); opset 23 writes
+    RMSNormalization-23, which fuses the same way."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, 16)
+    kwargs: dict[str, Any] = {} if opset is None else {"opset_version": opset}
+    model = export(RMSNormLinear(), (x,), tmp_path / "rms.onnx", **kwargs)
+    assert ("RMSNormalization" in [n.op_type for n in model.graph.node]) == (opset == 23)
+    cm = check(model, (x,), tmp_path)
+    assert "row_reduction" in rules(cm) and cm.report["kernels"]["after"] == 2, cm.report["fusion"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("opset", [None, 23])
+def test_scaled_dot_product_attention_as_exported(causal: bool, opset: int | None, tmp_path: Path) -> None:
+    """The default opset writes SDPA out as MatMul/Softmax/MatMul (one attention kernel); opset 23
+    writes Attention-23, which fuses the same way."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    kwargs: dict[str, Any] = {} if opset is None else {"opset_version": opset}
+    model = export(SDPA(causal), (q, k, v), tmp_path / "sdpa.onnx", **kwargs)
+    assert ("Attention" in [n.op_type for n in model.graph.node]) == (opset == 23)
+    cm = check(model, (q, k, v), tmp_path)
+    assert rules(cm) == ["attention"] and cm.report["kernels"]["after"] == 1, cm.report["fusion"]
