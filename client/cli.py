@@ -546,6 +546,14 @@ def compile_command(
             progress=progress,
         )
         cm.save(output)
+    except (OpfuseError, OSError):
+        raise  # the model's own fault or a file's: one line that says what to do (OpfuseGroup)
+    except Exception as exc:  # never a traceback: one paragraph, and whose fault it is
+        first = (str(exc).strip().splitlines() or [""])[0][:500]
+        raise CLIError(
+            f"internal error: compiling {model} hit a bug in opfuse ({type(exc).__name__}: {first}). "
+            "The model may be fine: please report this with the model and the command line"
+        ) from None
     finally:
         if bar is not None:
             bar.stop()

@@ -361,6 +361,27 @@ def test_compile_reports_model_errors_in_one_line(tmp_path: Path, monkeypatch: p
     assert_one_line_error(result, 1, "not an ONNX model")
 
 
+def test_compile_reports_a_bug_in_opfuse_in_one_paragraph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception opfuse did not raise on purpose: no traceback, one line that says it is a bug
+    in opfuse, with the exception's type and message."""
+    from opfuse import compiler
+
+    def optimize_onnx(model: Any) -> Any:
+        raise ValueError("simulated internal fault\nsecond line of detail")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compiler, "optimize_onnx", optimize_onnx)
+    model = tmp_path / "mlp.onnx"
+    small_mlp(model)
+    result = invoke(
+        "compile", str(model), "-o", str(tmp_path / "b.zip"), "--shape", "x=2x16", "--device", "cpu"
+    )
+    assert_one_line_error(result, 1, "bug in opfuse", "ValueError: simulated internal fault", "report")
+    assert "second line" not in result.stderr and not (tmp_path / "b.zip").exists()
+
+
 def test_run_rejects_unreadable_inputs(tmp_path: Path) -> None:
     bundle = tmp_path / "b.zip"
     bundle.write_bytes(b"PK")
