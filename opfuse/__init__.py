@@ -15,10 +15,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from opfuse.errors import BundleError, ModelError, OpfuseError
+from opfuse.errors import BundleError, InputError, ModelError, OpfuseError
 
 __version__ = "0.1.0"
-__all__ = ["BundleError", "CompiledModel", "ModelError", "OpfuseError", "__version__", "compile", "load"]
+__all__ = [
+    "BundleError",
+    "CompiledModel",
+    "InputError",
+    "ModelError",
+    "OpfuseError",
+    "__version__",
+    "compile",
+    "load",
+]
 
 if TYPE_CHECKING:
     from opfuse.compiler import CompiledModel, compile, load

@@ -16,3 +16,11 @@ class ModelError(OpfuseError):
 
 class BundleError(OpfuseError):
     """A bundle cannot be loaded here (format version, target mismatch, damaged file)."""
+
+
+class InputError(OpfuseError):
+    """The inputs given to a compiled model are invalid for it: an index out of its data's range.
+
+    Raised by `CompiledModel.run` where the check costs nothing (the CPU): the message names the
+    node, the value and the valid range. Map it to a client error (the caller's data is wrong).
+    """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,9 @@ class TensorSpec:
     name: str
     dtype: str  # "float32", "float16", "int64", "bool", ...
     shape: tuple[int, ...]
+    # An integer graph input that indexes a tensor (Gather's indices, ...): its values must stay
+    # below this for the model to be valid; the random inputs of compile-time runs do.
+    high: int | None = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -154,6 +157,7 @@ def graph_from_onnx(model: onnx.ModelProto) -> Graph:
         if spec is None:
             raise ModelError(f"graph input {vi.name!r} has no static shape after specialization")
         inputs.append(spec)
+    inputs = _bound_index_inputs(nodes, inputs, values)
     if any(o and o not in values for n in nodes for o in n.outputs):
         _complete_by_dry_run(nodes, inputs, constants, values)
     outputs = []
@@ -173,6 +177,44 @@ def graph_from_onnx(model: onnx.ModelProto) -> Graph:
             "opfuse needs every shape static after input_shapes are applied"
         )
     return Graph(nodes=nodes, inputs=inputs, outputs=outputs, constants=constants, values=values)
+
+
+# Indexing ops: how their indices (input 1) address the data (input 0): along the `axis` attribute,
+# or as coordinates into the axes after `batch_dims` ("nd").
+_INDEXING = {
+    "Gather": "axis",
+    "GatherElements": "axis",
+    "ScatterElements": "axis",
+    "GatherND": "nd",
+    "ScatterND": "nd",
+}
+
+
+def _bound_index_inputs(
+    nodes: list[Node], inputs: list[TensorSpec], values: dict[str, TensorSpec]
+) -> list[TensorSpec]:
+    """The inputs, each integer input that an indexing op reads as indices bounded (`high`) by the
+    smallest axis it indexes, so that random inputs are valid indices."""
+    highs: dict[str, int] = {}
+    names = {s.name for s in inputs}
+    for n in nodes:
+        how = _INDEXING.get(n.op_type)
+        if how is None or len(n.inputs) < 2 or n.inputs[1] not in names or n.inputs[0] not in values:
+            continue
+        shape, ind = values[n.inputs[0]].shape, values.get(n.inputs[1])
+        if how == "axis":
+            axis = int(n.attrs.get("axis", 0))
+            axes = [axis + len(shape) if axis < 0 else axis]
+        else:
+            first = int(n.attrs.get("batch_dims", 0))
+            k = ind.shape[-1] if ind is not None and ind.shape else 0
+            axes = list(range(first, first + k))
+        sizes = [shape[a] for a in axes if 0 <= a < len(shape)]
+        if sizes:
+            highs[n.inputs[1]] = min(highs.get(n.inputs[1], min(sizes)), min(sizes))
+    bounded = [replace(s, high=highs[s.name]) if s.name in highs else s for s in inputs]
+    values.update({s.name: s for s in bounded if s.name in highs})
+    return bounded
 
 
 # Ops whose output shape depends on input values, not only on input shapes.
@@ -210,7 +252,8 @@ def _complete_by_dry_run(
         elif dtype == torch.bool:
             env[spec.name] = torch.rand(spec.shape, generator=gen) < 0.5
         else:
-            env[spec.name] = torch.randint(0, 4, spec.shape, generator=gen).to(dtype)
+            high = max(1, min(4, spec.high)) if spec.high is not None else 4
+            env[spec.name] = torch.randint(0, high, spec.shape, generator=gen).to(dtype)
     with torch.no_grad():
         for n in nodes:
             args = [env[x] if x else None for x in n.inputs]

@@ -20,6 +20,7 @@ from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
+from opfuse.passes.indices import check_constant_indices
 from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
@@ -86,6 +87,7 @@ def run_passes(
 ) -> PassResult:
     disabled = frozenset(disabled)
     rule_log = RuleLog()
+    check_constant_indices(graph)  # before folding or gather_to_slice could hide one out of range
     fold_constant_nodes(graph)
     apply_rules(graph, RULES, set(disabled), rule_log)
     if SHUFFLE_RULE not in disabled:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from opfuse.errors import ModelError
+from opfuse.errors import InputError, ModelError
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.memory import plan_memory
 from opfuse.runtime.ops import run_op
@@ -158,7 +158,10 @@ class Executor:
             args = [
                 host_args[j] if j in host_args else (env[x] if x else None) for j, x in enumerate(step.inputs)
             ]
-            outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
+            try:
+                outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
+            except InputError as exc:  # the inputs' fault: say which node, and what to fix
+                raise InputError(f"node {step.label!r}: {exc}; fix that input's values") from None
             for name, value in zip(step.outputs, outs, strict=False):
                 if name:
                     env[name] = value

@@ -1,8 +1,12 @@
 """Per-op torch kernels of the ONNX indexing ops: scatters, GatherND, TopK, NonZero, OneHot, running
 sums and products, EyeLike, ReverseSequence and Compress.
 
-Indices may be negative (counting from the end) wherever ONNX allows it; they are mapped into range
-with a remainder on the device, never with a host sync.
+Indices may be negative (counting from the end) wherever ONNX allows it: [-n, n-1] on an axis of
+size n. Anything outside is an error, as in onnxruntime: on the CPU `checked_index` raises
+`InputError`; on a GPU, where the check would cost a host sync on every run (and break CUDA graph
+capture), an out-of-range index is clamped to the nearest valid one, so that no kernel ever reads
+or writes outside a tensor (the result is then unspecified: check such inputs on the CPU).
+Constant indices are checked once, at compile time (`passes/indices.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opfuse.errors import ModelError
+from opfuse.errors import InputError, ModelError
 from opfuse.runtime.ops_registry import (
     int_list,
     normalize_axis,
@@ -37,11 +41,30 @@ def _reduction(attrs: Attrs, op_type: str) -> str:
     return str(reduction)
 
 
-def _linear_index(indices: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Row-major linear index of (..., k) coordinates into a block of the given k sizes."""
+def checked_index(indices: torch.Tensor, size: int, op_type: str, axis: int) -> torch.Tensor:
+    """`indices` (any integer type) as int64 in [0, size): ONNX's negative indices count from the
+    end. Outside [-size, size-1]: `InputError` on the CPU; clamped into range on a GPU (no sync)."""
+    idx = indices.to(torch.int64)
+    if size == 0 and idx.numel():  # shapes are static: no sync to know this
+        raise InputError(f"{op_type}: indices into axis {axis} of size 0, which has no element to take")
+    if idx.device.type == "cpu":
+        bad = (idx < -size) | (idx >= size)
+        if bool(bad.any()):
+            value = int(idx[bad].reshape(-1)[0])
+            raise InputError(
+                f"{op_type}: index {value} is out of range for axis {axis} of size {size} "
+                f"(valid: {-size} to {size - 1}; negative indices count from the end)"
+            )
+        return torch.where(idx < 0, idx + size, idx)
+    return torch.where(idx < 0, idx + size, idx).clamp(0, size - 1)
+
+
+def _linear_index(indices: torch.Tensor, sizes: list[int], op_type: str, first_axis: int = 0) -> torch.Tensor:
+    """Row-major linear index of (..., k) coordinates into a block of the given k sizes (the
+    data's axes `first_axis`.. `first_axis + k - 1`), each coordinate checked."""
     lin = torch.zeros(indices.shape[:-1], dtype=torch.int64, device=indices.device)
     for i, size in enumerate(sizes):
-        lin = lin * size + torch.remainder(indices[..., i].to(torch.int64), size)
+        lin = lin * size + checked_index(indices[..., i], size, op_type, first_axis + i)
     return lin
 
 
@@ -51,7 +74,7 @@ def scatter_nd(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     reduction = _reduction(attrs, "ScatterND")
     k = indices.shape[-1]
     sizes = list(data.shape[:k])
-    lin = _linear_index(indices, sizes).reshape(-1)
+    lin = _linear_index(indices, sizes, "ScatterND").reshape(-1)
     out = data.clone().reshape(math.prod(sizes), *data.shape[k:])
     upd = updates.reshape(-1, *data.shape[k:]).to(data.dtype)
     if reduction == "none":
@@ -68,7 +91,7 @@ def scatter_elements(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     data, indices, updates = (required(inputs, i, "ScatterElements") for i in range(3))
     axis = normalize_axis(int(attrs.get("axis", 0)), data.dim(), "ScatterElements")
     reduction = _reduction(attrs, "ScatterElements")
-    index = torch.remainder(indices.to(torch.int64), data.shape[axis])
+    index = checked_index(indices, data.shape[axis], "ScatterElements", axis)
     if reduction == "none":
         return [torch.scatter(data, axis, index, updates)]
     return [torch.scatter_reduce(data, axis, index, updates, _REDUCE[reduction], include_self=True)]
@@ -83,7 +106,7 @@ def gather_nd(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     sizes = list(data.shape[b : b + k])
     rest = list(data.shape[b + k :])
     flat_data = data.reshape(batch, math.prod(sizes), *rest)
-    lin = _linear_index(indices, sizes).reshape(batch, -1)
+    lin = _linear_index(indices, sizes, "GatherND", b).reshape(batch, -1)
     rows = torch.arange(batch, device=data.device).unsqueeze(1)
     gathered = flat_data[rows, lin]  # (batch, M, *rest)
     return [gathered.reshape(*indices.shape[:-1], *rest)]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from opfuse.errors import ModelError
+from opfuse.runtime.ops_index import checked_index
 from opfuse.runtime.ops_registry import (
     NUM_OUTPUTS_KEY,
     int_list,
@@ -117,9 +118,10 @@ def gather(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     data, indices = required(inputs, 0, "Gather"), required(inputs, 1, "Gather")
     axis = normalize_axis(int(attrs.get("axis", 0)), data.dim(), "Gather")
     out_shape = [*data.shape[:axis], *indices.shape, *data.shape[axis + 1 :]]
-    # remainder maps ONNX's negative indices (-1 = last) into range without a host sync. (Constant
-    # consecutive indices never get here: passes/gather_slice.py makes them a Slice.)
-    flat = torch.remainder(indices.reshape(-1), data.shape[axis])
+    # Negative indices (-1 = last) count from the end; out of range: an error on the CPU, clamped on
+    # a GPU (ops_index.checked_index). (Constant consecutive indices never get here:
+    # passes/gather_slice.py makes them a Slice.)
+    flat = checked_index(indices.reshape(-1), data.shape[axis], "Gather", axis)
     return [torch.index_select(data, axis, flat).reshape(out_shape)]
 
 
@@ -127,7 +129,7 @@ def gather(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
 def gather_elements(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     data, indices = required(inputs, 0, "GatherElements"), required(inputs, 1, "GatherElements")
     axis = normalize_axis(int(attrs.get("axis", 0)), data.dim(), "GatherElements")
-    return [torch.gather(data, axis, torch.remainder(indices, data.shape[axis]))]
+    return [torch.gather(data, axis, checked_index(indices, data.shape[axis], "GatherElements", axis))]
 
 
 @register("Concat")

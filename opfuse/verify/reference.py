@@ -40,7 +40,9 @@ def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str
         elif s.dtype == "bfloat16":  # numpy has no bfloat16: ml_dtypes' (what onnx uses) does
             feeds[s.name] = rng.standard_normal(s.shape).astype(ml_dtypes.bfloat16)
         elif s.dtype in ("int64", "int32", "int16", "int8", "uint8"):
-            feeds[s.name] = rng.integers(0, 4, size=s.shape).astype(s.dtype)
+            # Below 4, and below the smallest axis the input indexes (TensorSpec.high).
+            high = max(1, min(4, s.high)) if s.high is not None else 4
+            feeds[s.name] = rng.integers(0, high, size=s.shape).astype(s.dtype)
         elif s.dtype == "bool":
             feeds[s.name] = rng.random(s.shape) < 0.5
         else:
