@@ -437,6 +437,8 @@ def test_candidates_left_out_at_the_deadline_are_not_timed(
 class FinishedJob:
     """A compile job whose workers have stopped, with these outcomes (None: never compiled)."""
 
+    start_error = None  # every worker started
+
     def __init__(self, results: list[Timing | None]) -> None:
         self._results = results
 
