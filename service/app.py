@@ -27,7 +27,7 @@ from service.logging import get_logger
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
 from service.queue import ClaimHealth
-from service.rate_limit import RateLimiter
+from service.rate_limit import FailedAuthLimiter, RateLimiter
 from service.settings import Settings
 from service.storable import scrub, storable_json
 
@@ -120,6 +120,7 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     app.state.session_factory = session_factory
     app.state.metrics = metrics
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min)
+    app.state.auth_failures = FailedAuthLimiter(settings.auth_failures_per_min)
     app.state.check_budget = CheckBudget(settings.check_budget_bytes)
     app.state.claim_health = ClaimHealth()
     for router in (models.router, jobs.router, admin.router, worker.router, health.router):

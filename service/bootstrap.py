@@ -1,5 +1,5 @@
-"""First start of a local server: tenant `default`, its admin and worker keys in files under
-$OPFUSE_HOME (mode 0600), and `server.json` so the CLI finds the server.
+"""First start of a local server: tenant `default`, its platform (operator) and worker keys in files
+under $OPFUSE_HOME (mode 0600), and `server.json` so the CLI finds the server.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from service.auth import create_key, find_key, get_or_create_tenant
+from service.auth import create_key, find_key, get_or_create_tenant, revoke
 from service.db import make_engine, upgrade_to_head
 from service.models import Scope
 from service.settings import Settings
@@ -45,26 +45,30 @@ def _read_key(path: Path) -> str | None:
 
 
 def _ensure_key(session: Session, path: Path, scope: Scope) -> str:
-    """The key in `path` if the database knows it (live, same scope, tenant default); else a new one."""
+    """The key in `path` if the database knows it (live, same scope, tenant default); else a new one
+    (a live key of another scope in the file, e.g. the `admin` key of an older version, is revoked)."""
     key = _read_key(path)
     if key is not None:
         found = find_key(session, key)
         if found is not None and found[0].scope == scope.value and found[1].name == DEFAULT_TENANT:
             return key
+        if found is not None:
+            revoke(session, found[0])
     key = create_key(session, get_or_create_tenant(session, DEFAULT_TENANT), scope)
     write_private_file(path, key + "\n")
     return key
 
 
 def ensure_local_keys(settings: Settings) -> tuple[str, str]:
-    """Migrate the database, then return (admin key, worker key) of tenant `default`, creating
-    them and their files ($OPFUSE_HOME/api_key, $OPFUSE_HOME/worker_key) when needed."""
+    """Migrate the database, then return (platform key, worker key) of tenant `default`, creating
+    them and their files ($OPFUSE_HOME/api_key, $OPFUSE_HOME/worker_key) when needed. The local
+    server's key is the platform admin: its owner runs the server and makes keys for any tenant."""
     settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
     upgrade_to_head(settings.database_url, settings.legacy_blob_dir)
     engine = make_engine(settings.database_url)
     try:
         with Session(engine) as session, session.begin():
-            admin_key = _ensure_key(session, settings.home / ADMIN_KEY_FILE, Scope.ADMIN)
+            admin_key = _ensure_key(session, settings.home / ADMIN_KEY_FILE, Scope.PLATFORM)
             worker_key = _ensure_key(session, settings.home / WORKER_KEY_FILE, Scope.WORKER)
     finally:
         engine.dispose()

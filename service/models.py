@@ -48,7 +48,8 @@ NAMING_CONVENTION = {
 class Scope(StrEnum):
     USER = "user"
     WORKER = "worker"
-    ADMIN = "admin"
+    ADMIN = "admin"  # manages its own tenant's keys and webhook secret
+    PLATFORM = "platform"  # the operator: keys of any tenant (and worker keys), new tenants
 
 
 class JobStatus(StrEnum):
@@ -132,7 +133,11 @@ class Tenant(Base):
 
 
 class ApiKey(Base):
-    """An API key; only the sha256 of the key is stored, so a leaked database leaks no keys."""
+    """An API key; only the sha256 of the key is stored, so a leaked database leaks no keys.
+
+    `prefix` is the key's first characters (not enough to use it), so people can tell keys apart;
+    `last_used_at` is updated at most once a minute per key; past `expires_at` the key is refused.
+    """
 
     __tablename__ = "api_keys"
     __table_args__ = (CheckConstraint(f"scope IN ({_in(Scope)})", name="scope"),)
@@ -143,6 +148,10 @@ class ApiKey(Base):
     scope: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    prefix: Mapped[str | None] = mapped_column(String(16))
+    expires_at: Mapped[datetime | None] = mapped_column()
+    last_used_at: Mapped[datetime | None] = mapped_column()
+    revoked_at: Mapped[datetime | None] = mapped_column()
 
 
 class Blob(Base):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import AnyHttpUrl, AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from service.models import Job, JobStatus, Model, Scope, Stage
 from service.storable import StorableStr, scrub, storable_json
@@ -161,14 +161,39 @@ class JobOut(BaseModel):
 
 class ApiKeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tenant: str = Field(pattern=TENANT_PATTERN, description="created if new")
+    tenant: str | None = Field(
+        default=None,
+        pattern=TENANT_PATTERN,
+        description="default: the caller's tenant; another tenant (created if new) needs a platform key",
+    )
     scope: Scope = Scope.USER
+    expires_at: AwareDatetime | None = Field(default=None, description="refused from then on; null: never")
 
 
 class ApiKeyOut(BaseModel):
+    """A key just made: the key itself is in this response only."""
+
+    id: int
     key: str = Field(description="shown once; only its hash is stored")
+    prefix: str = Field(description="the key's first characters, shown in lists to recognise it")
     tenant: str
     scope: Scope
+    created_at: datetime
+    expires_at: datetime | None
+
+
+class ApiKeyInfo(BaseModel):
+    """A key as listed: never the key itself."""
+
+    id: int
+    prefix: str | None = Field(description="the key's first characters; null for keys made before prefixes")
+    tenant: str
+    scope: Scope
+    created_at: datetime
+    last_used_at: datetime | None = Field(description="to the minute: written at most once a minute")
+    expires_at: datetime | None
+    revoked: bool
+    revoked_at: datetime | None
 
 
 class WebhookSecretOut(BaseModel):

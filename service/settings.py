@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(default=16 * MiB, gt=0)
     request_timeout_seconds: float = Field(default=600.0, gt=0)
     rate_limit_per_min: int = Field(default=1200, ge=0)  # per API key (not worker keys); 0: no limit
+    auth_failures_per_min: int = Field(default=20, ge=0)  # wrong keys per client address; 0: no limit
     max_queued_jobs_per_tenant: int = Field(default=1000, ge=0)  # 0: no limit
     # What one tenant may keep: bytes of models and bundles, and models. 0: no limit.
     tenant_storage_bytes: int = Field(default=100 * GiB, ge=0)

@@ -15,11 +15,11 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.auth import Principal, authenticate
+from service.auth import InvalidKeyError, Principal, authenticate
 from service.errors import ForbiddenError
 from service.metrics import Metrics
 from service.models import Scope
-from service.rate_limit import RateLimiter
+from service.rate_limit import FailedAuthLimiter, RateLimiter
 from service.settings import Settings
 
 # Declared for the OpenAPI docs ("Authorize" button); the key itself is checked in get_principal.
@@ -68,8 +68,15 @@ def get_principal(
 ) -> Principal:
     # Its own short transaction: the request's transaction starts only when the route needs it
     # (an upload streams for a long time before that).
+    failures: FailedAuthLimiter = request.app.state.auth_failures
+    address = request.client.host if request.client is not None else ""
+    failures.check(address)
     with factory() as session:
-        principal = authenticate(session, request.headers.get("authorization"))
+        try:
+            principal = authenticate(session, request.headers.get("authorization"))
+        except InvalidKeyError:
+            failures.failed(address)
+            raise
     if principal.scope != Scope.WORKER:  # workers poll by design; their pace is the fleet's
         limiter: RateLimiter = request.app.state.rate_limiter
         limiter.take(principal.key_id)
@@ -91,6 +98,7 @@ def _require(*scopes: Scope) -> Callable[[Principal], Principal]:
     return check
 
 
-UserDep = Annotated[Principal, Depends(_require(Scope.USER, Scope.ADMIN))]
-AdminDep = Annotated[Principal, Depends(_require(Scope.ADMIN))]
+# A tenant's admin and the platform admin may also do what a user of their tenant does.
+UserDep = Annotated[Principal, Depends(_require(Scope.USER, Scope.ADMIN, Scope.PLATFORM))]
+AdminDep = Annotated[Principal, Depends(_require(Scope.ADMIN, Scope.PLATFORM))]
 WorkerDep = Annotated[Principal, Depends(_require(Scope.WORKER))]

@@ -123,10 +123,11 @@ def client(settings: Settings) -> Iterator[TestClient]:
 
 @dataclass(frozen=True)
 class Keys:
-    admin: str  # tenant "default"
+    admin: str  # tenant "default" (its tenant admin)
     user: str  # tenant "default"
     other: str  # tenant "other"
     worker: str
+    platform: str  # the operator's key (tenant "default")
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -145,6 +146,7 @@ def keys(client: TestClient, settings: Settings) -> Keys:
                 user=create_key(session, default, Scope.USER),
                 other=create_key(session, other, Scope.USER),
                 worker=create_key(session, default, Scope.WORKER),
+                platform=create_key(session, default, Scope.PLATFORM),
             )
     finally:
         engine.dispose()

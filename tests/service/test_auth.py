@@ -50,9 +50,11 @@ def test_wrong_scope_is_403(client: TestClient, keys: Keys) -> None:
     assert user_on_admin.status_code == 403
 
 
-def test_admin_creates_keys_for_new_tenants(client: TestClient, keys: Keys, settings: Settings) -> None:
+def test_platform_admin_creates_keys_for_new_tenants(
+    client: TestClient, keys: Keys, settings: Settings
+) -> None:
     response = client.post(
-        "/v1/admin/api-keys", json={"tenant": "team-b", "scope": "user"}, headers=bearer(keys.admin)
+        "/v1/admin/api-keys", json={"tenant": "team-b", "scope": "user"}, headers=bearer(keys.platform)
     )
     assert response.status_code == 201
     body = response.json()
@@ -64,7 +66,7 @@ def test_admin_creates_keys_for_new_tenants(client: TestClient, keys: Keys, sett
     engine.dispose()
     assert hash_key(body["key"]) in hashes and body["key"] not in hashes  # stored hashed only
     for bad in ({"tenant": "Bad Name!", "scope": "user"}, {"tenant": "ok", "scope": "root"}):
-        assert client.post("/v1/admin/api-keys", json=bad, headers=bearer(keys.admin)).status_code == 422
+        assert client.post("/v1/admin/api-keys", json=bad, headers=bearer(keys.platform)).status_code == 422
 
 
 def test_local_keys_are_made_once_and_reused(client: TestClient, settings: Settings) -> None:
