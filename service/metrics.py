@@ -21,13 +21,32 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.logging import get_logger
-from service.models import Job, JobStatus
+from service.models import Job, JobStatus, Stage
 
 log = get_logger("metrics")
 
 # Stages run from milliseconds (loading a small model) to tens of minutes (tuning a big one).
 DURATION_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, float("inf"))
 WORKER_FORGET_SECONDS = 24 * 3600
+# Every label value comes from a fixed set, whatever a client sends: a method outside the standard
+# ones is "other", a path is its route template ("unmatched" when none), a status is its code when
+# it is a real HTTP code (100-599), else "other"; stages and job statuses are the enums' values.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+STAGES = frozenset(stage.value for stage in Stage)
+JOB_STATUSES = frozenset(status.value for status in JobStatus)
+# Workers are named by their hosts; a worker key could name thousands. The most recently seen ones
+# are kept, each name cut to its schema's length.
+MAX_WORKERS_SHOWN = 256
+MAX_WORKER_ID_CHARS = 255
+
+
+def method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else "other"
+
+
+def status_label(status: int) -> str:
+    return str(status) if 100 <= status <= 599 else "other"
+
 
 # (kind, label, seconds) observations waiting for their transaction to commit.
 _pending: ContextVar[list[tuple[str, str, float]] | None] = ContextVar("opfuse_pending_metrics", default=None)
@@ -89,7 +108,10 @@ class WorkersCollector(Collector):
 
     def seen(self, worker_id: str) -> None:
         with self._lock:
-            self._seen[worker_id] = time.time()
+            self._seen.pop(worker_id[:MAX_WORKER_ID_CHARS], None)  # re-insert: the dict stays in seen order
+            self._seen[worker_id[:MAX_WORKER_ID_CHARS]] = time.time()
+            while len(self._seen) > MAX_WORKERS_SHOWN:
+                del self._seen[next(iter(self._seen))]  # the least recently seen
 
     def describe(self) -> Iterable[Metric]:
         return [GaugeMetricFamily(self.NAME, self.HELP, labels=["worker_id"])]
@@ -148,7 +170,8 @@ class Metrics:
         self.registry.register(self.workers)
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
-        self.http_requests.labels(method, route, str(status)).inc()
+        method = method_label(method)
+        self.http_requests.labels(method, route, status_label(status)).inc()
         self.http_duration.labels(method, route).observe(seconds)
 
     @contextmanager
@@ -165,7 +188,8 @@ class Metrics:
     def apply(self, pending: list[tuple[str, str, float]]) -> None:
         for kind, label, seconds in pending:
             histogram = self.stage_duration if kind == "stage" else self.job_duration
-            histogram.labels(label).observe(seconds)
+            known = STAGES if kind == "stage" else JOB_STATUSES
+            histogram.labels(label if label in known else "other").observe(seconds)
         pending.clear()
 
     def render(self) -> bytes:

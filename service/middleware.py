@@ -19,6 +19,7 @@ from service.metrics import Metrics
 log = get_logger("http")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+MAX_LOGGED_METHOD_CHARS = 32  # a made-up method can be as long as a request line
 
 
 def _request_id(scope: Scope) -> str:
@@ -80,7 +81,7 @@ class RequestContextMiddleware:
     @staticmethod
     def _fields(scope: Scope, status: int, started: float) -> dict[str, Any]:
         fields: dict[str, Any] = {
-            "method": scope["method"],
+            "method": scope["method"][:MAX_LOGGED_METHOD_CHARS],
             "path": scope["path"],
             "route": _route(scope),
             "status": status,
