@@ -50,6 +50,12 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
         return "both an attention mask and is_causal"
     if mask and graph.spec(mask).dtype not in (*FLOAT_TYPES, "bool"):
         return f"an attention mask of type {graph.spec(mask).dtype}"
+    if mask and graph.spec(mask).dtype == "bool":
+        known = graph.constants.get(mask)
+        if known is None or not bool(np.all(np.any(known, axis=-1))):
+            # Attention-23 gives 0 for a query whose keys are all masked; the written-out softmax
+            # over -inf alone gives NaN.
+            return "a boolean mask that may mask every key of a query (only a constant one that never does is written out)"
     return None
 
 
