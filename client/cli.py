@@ -14,7 +14,6 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -27,6 +26,7 @@ from typer.core import TyperGroup
 
 from client import render
 from client.config import ConfigError, discover
+from client.render import escape, strip_controls
 from client.sdk import TERMINAL_STATUSES, Job, OpfuseAPIError, OpfuseClient, OpfuseClientError
 from client.shapes import ShapeSpecError, check_shapes_fit, parse_shapes
 from opfuse.errors import OpfuseError
@@ -44,7 +44,8 @@ class CLIError(Exception):
 
 
 def _die(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"opfuse: error: {message}", err=True)
+    # The message may quote a model or the server: no control character reaches the terminal.
+    typer.echo(f"opfuse: error: {strip_controls(message)}", err=True)
     raise typer.Exit(code)
 
 

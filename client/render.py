@@ -1,12 +1,18 @@
-"""How the CLI shows models, jobs and reports to people: rich tables. (`--json` bypasses all of this.)"""
+"""How the CLI shows models, jobs and reports to people: rich tables. (`--json` bypasses all of this.)
+
+Every string that comes from a model, a report or the server goes through `escape`: rich markup is
+escaped and control characters (C0, DEL, C1, so terminal escape sequences; bidirectional overrides)
+are shown as `\\x1b`-style text, so a node name cannot retitle or recolour the user's terminal.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 from rich.table import Table
 
 from client.shapes import format_shape
@@ -18,6 +24,26 @@ STATUS_STYLE = {
     "failed": "red",
     "canceled": "magenta",
 }
+
+
+# C0 controls (tab and newline too: they would break a table row), DEL, C1 controls, and the
+# bidirectional embeddings, overrides and isolates that reorder what a terminal shows.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def strip_controls(text: str) -> str:
+    """`text` with every control character written out as `\\xNN` / `\\uNNNN` text."""
+    return _UNSAFE.sub(_visible, text)
+
+
+def escape(text: str) -> str:
+    """`text` safe to print with rich: control characters written out, markup escaped."""
+    return escape_markup(strip_controls(str(text)))
 
 
 def _num(value: Any, fmt: str = "{:.3g}", missing: str = "-") -> str:
@@ -54,7 +80,8 @@ def _status(status: Any) -> str:
 
 def _tensors(specs: Sequence[Mapping[str, Any]] | None) -> str:
     return ", ".join(
-        f"{escape(str(s.get('name')))} {escape(str(s.get('dtype', '')))}[{', '.join(str(d) for d in s.get('shape') or [])}]"
+        f"{escape(str(s.get('name')))} {escape(str(s.get('dtype', '')))}"
+        + escape(f"[{', '.join(str(d) for d in s.get('shape') or [])}]")
         for s in specs or []
     )
 
@@ -84,7 +111,9 @@ def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> Table:
         summary = j.get("summary") or {}
         kernels = "-"
         if summary.get("kernels_before") is not None:
-            kernels = f"{summary.get('kernels_before')} → {summary.get('kernels_after')}"
+            kernels = (
+                f"{_num(summary.get('kernels_before'), '{}')} → {_num(summary.get('kernels_after'), '{}')}"
+            )
         table.add_row(
             escape(str(j.get("id"))),
             escape(str(j.get("model_id"))[:8]) + "…",
@@ -111,7 +140,10 @@ def job_table(job: Mapping[str, Any]) -> Table:
         table.add_row(key.replace("_at", ""), _when(job.get(key)))
     summary = job.get("summary") or {}
     if summary.get("kernels_before") is not None:
-        table.add_row("kernels", f"{summary.get('kernels_before')} → {summary.get('kernels_after')}")
+        table.add_row(
+            "kernels",
+            f"{_num(summary.get('kernels_before'), '{}')} → {_num(summary.get('kernels_after'), '{}')}",
+        )
     if summary.get("latency_ms_after") is not None:
         table.add_row(
             "latency p50",
@@ -138,7 +170,7 @@ def report_summary_table(report: Mapping[str, Any]) -> Table:
     table.add_column("value", overflow="fold")
     table.add_row("device", escape(f"{device.get('kind', '-')} {device.get('name') or ''}".strip()))
     table.add_row("precision", escape(str(report.get("precision", "-"))))
-    table.add_row("kernels", f"{kernels.get('before', '-')} → {kernels.get('after', '-')}")
+    table.add_row("kernels", f"{_num(kernels.get('before'), '{}')} → {_num(kernels.get('after'), '{}')}")
     if before.get("latency_ms") or after.get("latency_ms"):
         p50b = (before.get("latency_ms") or {}).get("p50")
         p50a = (after.get("latency_ms") or {}).get("p50")
