@@ -1,0 +1,421 @@
+"""The corpus's CPU leg: export every row both ways, compile it with opfuse, verify it in the interpreter.
+
+    PYTHONPATH=. python -m bench.corpus.run                          # every row not in the file yet
+    PYTHONPATH=. python -m bench.corpus.run --rows 'timm/*' --force  # rerun some rows
+    PYTHONPATH=. python -m bench.corpus.run --shard 0/2 &  PYTHONPATH=. python -m bench.corpus.run --shard 1/2
+
+For each row and exporter (`dynamo`: `torch.onnx.export(m, args, path)` with its defaults, which
+writes the weights beside the model as external data; `torchscript`: the same with dynamo=False):
+export into a temporary folder, `onnx.load` it (with its data), `opfuse.compile(..., device="cpu")`
+(Triton's interpreter), and keep what opfuse's report says: verified against onnxruntime, launches
+per compute node, fused coverage; and what the compile raised, as one line. Each model runs in a
+subprocess of its own with a time limit, so a crash or a hang of one row never stops the run. The
+results file (bench/corpus/expected.csv) is rewritten after every row, sorted, under a lock: shards
+can share it, and a run cut short keeps what it measured. Rows already in it are skipped (--force
+reruns them); rows of the registry not run yet are listed with status "not_run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import fcntl
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXPECTED = os.path.join(HERE, "expected.csv")
+EXPORTERS = ("dynamo", "torchscript")
+# The file's columns, in order. The GPU leg (bench/corpus/gpu.py) fills the last six.
+COLUMNS = [
+    "model",
+    "family",
+    "exporter",
+    "status",
+    "exported",
+    "compiled",
+    "verified",
+    "gpu_only_verify",
+    "compute_nodes",
+    "launches",
+    "launches_per_node",
+    "fused_coverage",
+    "unsupported_ops",
+    "rel_l2",
+    "export_s",
+    "compile_s",
+    "error",
+    "cpu_commit",
+    "ms_b1",
+    "ms_b32",
+    "ratio_torch_compile",
+    "ratio_per_op",
+    "gpu_date",
+    "gpu_commit",
+]
+GPU_COLUMNS = COLUMNS[-6:]
+# status: ok (compiled and verified), compiled (gpu_only_verify: compiled, verified on the GPU),
+# not_verified (compiled, verification failed), export_failed, unsupported (opfuse refused an op it
+# lacks), model_error (opfuse refused the model for another reason), crash (the compile raised
+# something else: an internal error), timeout, not_run.
+STATUSES = (
+    "ok",
+    "compiled",
+    "not_verified",
+    "export_failed",
+    "unsupported",
+    "model_error",
+    "crash",
+    "timeout",
+    "not_run",
+)
+ROW_TIMEOUT_S = 900.0
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """`Type: message` on one line, cut to `limit` characters (the file keeps reasons short)."""
+    text = " ".join(str(exc).split())
+    out = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def export(module: Any, example: dict[str, Any], path: str, exporter: str) -> None:
+    """The way users export: torch.onnx.export with its defaults (dynamo), or with dynamo=False."""
+    import warnings
+
+    import torch
+
+    args = tuple(example.values())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            torch.onnx.export(module, args, path)
+        elif exporter == "torchscript":
+            torch.onnx.export(module, args, path, dynamo=False)
+        else:
+            raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+
+
+def coverage(report: dict[str, Any]) -> float | None:
+    """The share of compute nodes inside fused groups: the report's own figure where it gives one,
+    else counted from its groups."""
+    fusion = report.get("fusion") or {}
+    cov = fusion.get("coverage")
+    if isinstance(cov, dict) and cov.get("share") is not None:
+        return float(cov["share"])
+    compute = report.get("compute_nodes")
+    if not compute:
+        return None
+    fused = sum(len(g.get("nodes", [])) + len(g.get("prologue", [])) for g in fusion.get("groups", []))
+    return round(min(1.0, fused / compute), 4)
+
+
+def run_one(
+    module: Any, example: dict[str, Any], exporter: str, workdir: str, verify: bool = True
+) -> dict[str, Any]:
+    """Export, load, compile and verify one model with one exporter; a dict of the file's columns
+    (those the CPU leg fills). Never raises for the model's sake: what failed is in status/error."""
+    import onnx
+
+    import opfuse
+    from opfuse.errors import ModelError
+    from opfuse.frontend.unsupported import unsupported_ops
+    from opfuse.runtime.ops import SUPPORTED_OPS
+
+    out: dict[str, Any] = {"exporter": exporter, "exported": False, "compiled": False, "verified": False}
+    path = os.path.join(workdir, f"{exporter}.onnx")
+    t0 = time.perf_counter()
+    try:
+        export(module, example, path, exporter)
+        proto = onnx.load(path)  # reads the external data beside it
+    except Exception as exc:
+        out.update(status="export_failed", error=one_line(exc), export_s=round(time.perf_counter() - t0, 1))
+        return out
+    out.update(exported=True, export_s=round(time.perf_counter() - t0, 1))
+    missing = unsupported_ops(proto, SUPPORTED_OPS)
+    out["unsupported_ops"] = " ".join(sorted(missing))
+    inits = {i.name for i in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    shapes = {n: list(t.shape) for n, t in zip(names, example.values(), strict=False)}
+    t0 = time.perf_counter()
+    try:
+        cm = opfuse.compile(proto, input_shapes=shapes, device="cpu", verify=verify)
+    except ModelError as exc:
+        status = "unsupported" if "does not support" in str(exc) else "model_error"
+        out.update(status=status, error=one_line(exc), compile_s=round(time.perf_counter() - t0, 1))
+        return out
+    except Exception as exc:
+        traceback.print_exc()
+        out.update(status="crash", error=one_line(exc), compile_s=round(time.perf_counter() - t0, 1))
+        return out
+    out["compile_s"] = round(time.perf_counter() - t0, 1)
+    r = cm.report
+    ver = r.get("verification") or {}
+    errs = [o.get("rel_l2_err") for o in (ver.get("outputs") or {}).values()]
+    errs = [float(e) for e in errs if isinstance(e, (int, float))]
+    compute = r.get("compute_nodes") or 0
+    launches = (r.get("kernels") or {}).get("after")
+    out.update(
+        compiled=True,
+        verified=bool(ver.get("passed")) if verify else False,
+        compute_nodes=compute,
+        launches=launches,
+        launches_per_node=round(launches / compute, 4) if compute and launches is not None else None,
+        fused_coverage=coverage(r),
+        rel_l2=f"{max(errs):.2e}" if errs else None,
+    )
+    if not verify:
+        out["status"] = "compiled"
+    elif out["verified"]:
+        out["status"] = "ok"
+    else:
+        bad = [k for k, o in (ver.get("outputs") or {}).items() if not o.get("passed", True)]
+        out.update(status="not_verified", error=f"verification failed on {bad or 'its outputs'}")
+    return out
+
+
+# --- the results file -----------------------------------------------------------------------------
+
+
+def read_rows(path: str) -> dict[tuple[str, str], dict[str, str]]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, newline="") as f:
+        return {(r["model"], r["exporter"]): r for r in csv.DictReader(f)}
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and math.isnan(v):
+        return ""
+    return str(v)
+
+
+def write_rows(path: str, rows: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Sorted by model then exporter, stable columns; written whole, then renamed into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
+        w.writeheader()
+        for key in sorted(rows):
+            w.writerow({c: _cell(rows[key].get(c)) for c in COLUMNS})
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def placeholder(row: Any, exporter: str) -> dict[str, Any]:
+    return {
+        "model": row.name,
+        "family": row.family,
+        "exporter": exporter,
+        "status": "not_run",
+        "gpu_only_verify": row.gpu_only_verify,
+    }
+
+
+def update(path: str, results: Iterable[dict[str, Any]], registry: Iterable[Any] = ()) -> None:
+    """Merge `results` (each a row of the file) into the file; the GPU columns of a row are kept;
+    every (row, exporter) of `registry` missing from the file is added as not_run."""
+    with locked(path):
+        rows: dict[tuple[str, str], dict[str, Any]] = dict(read_rows(path))
+        for row in registry:
+            for e in EXPORTERS:
+                rows.setdefault((row.name, e), placeholder(row, e))
+        for res in results:
+            key = (res["model"], res["exporter"])
+            old = rows.get(key, {})
+            rows[key] = {**res, **{c: old.get(c) for c in GPU_COLUMNS if old.get(c)}}
+        write_rows(path, rows)
+
+
+def shard(items: list[Any], spec: str) -> list[Any]:
+    """`i/n`: every n-th item from the i-th (0-based); '' keeps all."""
+    if not spec:
+        return items
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise SystemExit(
+            f"--shard must look like 0/4 (shard index / number of shards), got {spec!r}"
+        ) from None
+    if not (n > 0 and 0 <= i < n):
+        raise SystemExit(f"--shard {spec}: the index must be 0..{n - 1}")
+    return items[i::n]
+
+
+def interleave(rows: list[Any]) -> list[Any]:
+    """CI rows first, then the families in turns (a run cut short has covered each of them)."""
+    rank: dict[str, int] = {}
+    keyed = []
+    for r in rows:
+        rank[r.family] = rank.get(r.family, -1) + 1
+        keyed.append((not r.ci, rank[r.family], r.family, r.name, r))
+    return [k[-1] for k in sorted(keyed, key=lambda k: k[:4])]
+
+
+def todo(
+    rows: list[Any], exporters: list[str], done: dict[tuple[str, str], dict[str, str]], force: bool
+) -> list[tuple[Any, list[str]]]:
+    """(row, exporters still to run) for each row that has any: a row is done once the file has it
+    with any status but not_run."""
+    out = []
+    for row in rows:
+        left = [
+            e
+            for e in exporters
+            if force or done.get((row.name, e), {}).get("status", "not_run") in ("", "not_run")
+        ]
+        if left:
+            out.append((row, left))
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, cwd=HERE
+        ).stdout.strip()
+    except OSError:
+        return ""
+
+
+# --- one model in a subprocess --------------------------------------------------------------------
+
+
+def worker(name: str, exporters: list[str], result_path: str) -> None:
+    """Build one row and run it with each exporter; one JSON line per exporter, as each ends."""
+    import torch
+
+    from bench.corpus.models import BY_NAME
+
+    torch.set_num_threads(max(1, int(os.environ.get("OPFUSE_CORPUS_THREADS", "1"))))
+    row = BY_NAME[name]
+    base = {"model": row.name, "family": row.family, "gpu_only_verify": row.gpu_only_verify}
+    try:
+        module, example = row.build()
+    except Exception as exc:
+        traceback.print_exc()
+        with open(result_path, "a") as f:
+            for e in exporters:
+                res = {
+                    **base,
+                    "exporter": e,
+                    "status": "export_failed",
+                    "error": "building: " + one_line(exc),
+                }
+                f.write(json.dumps(res) + "\n")
+        return
+    for e in exporters:
+        with tempfile.TemporaryDirectory(prefix="opfuse-corpus-") as d:
+            res = {**base, **run_one(module, example, e, d, verify=not row.gpu_only_verify)}
+        with open(result_path, "a") as f:
+            f.write(json.dumps(res) + "\n")
+        print(json.dumps(res), flush=True)
+
+
+def run_row(row: Any, exporters: list[str], timeout_s: float, log: Any) -> list[dict[str, Any]]:
+    """The row in a subprocess; exporters it did not finish (a timeout, a crash of the process)
+    get status timeout or crash."""
+    with tempfile.TemporaryDirectory(prefix="opfuse-corpus-row-") as d:
+        result = os.path.join(d, "result.jsonl")
+        cmd = [sys.executable, "-m", "bench.corpus.run", "--worker", row.name]
+        cmd += ["--exporter", ",".join(exporters), "--result", result]
+        env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+        root = os.path.dirname(os.path.dirname(HERE))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+        status, why = "", ""
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            if rc != 0:
+                status, why = "crash", f"the row's process exited with status {rc} (see the run's log)"
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            status, why = "timeout", f"not finished in {timeout_s:.0f} s (--timeout)"
+        results = []
+        if os.path.exists(result):
+            with open(result) as f:
+                results = [json.loads(line) for line in f if line.strip()]
+        got = {r["exporter"] for r in results}
+        for e in exporters:
+            if e not in got:
+                res = placeholder(row, e)
+                res.update(status=status or "crash", error=why or "the row's process wrote no result")
+                res["compile_s"] = round(time.perf_counter() - t0, 1)
+                results.append(res)
+        return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--rows", default="", help="comma-separated names or globs, e.g. 'timm/*,torchvision/resnet18'"
+    )
+    ap.add_argument("--family", default=None, help="timm, transformers or torchvision")
+    ap.add_argument("--exporter", default=",".join(EXPORTERS), help="dynamo, torchscript or both (default)")
+    ap.add_argument("--shard", default="", help="i/n: run every n-th row from the i-th")
+    ap.add_argument("--out", default=EXPECTED, help="the results file (default bench/corpus/expected.csv)")
+    ap.add_argument("--force", action="store_true", help="rerun rows already in the file")
+    ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row and exporter")
+    ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one row, in its own process
+    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    exporters = [e for e in args.exporter.split(",") if e]
+    bad = [e for e in exporters if e not in EXPORTERS]
+    if bad:
+        raise SystemExit(f"--exporter: unknown {', '.join(bad)}; choose from {', '.join(EXPORTERS)}")
+    if args.worker:
+        worker(args.worker, exporters, args.result)
+        return
+
+    from bench.corpus.models import ROWS, select
+
+    try:
+        rows = select(args.rows.split(","), family=args.family)
+    except KeyError as exc:
+        raise SystemExit(str(exc.args[0])) from None
+    if args.list:
+        for r in rows:
+            print(r.name)
+        return
+    update(args.out, [], ROWS)
+    plan = shard(todo(interleave(rows), exporters, read_rows(args.out), args.force), args.shard)
+    print(f"{len(plan)} rows to run ({sum(len(e) for _, e in plan)} row-exporters) -> {args.out}", flush=True)
+    commit = _commit()
+    for i, (row, left) in enumerate(plan):
+        t0 = time.perf_counter()
+        print(f"--- [{i + 1}/{len(plan)}] {row.name} {','.join(left)}", flush=True)
+        results = run_row(row, left, args.timeout * len(left), sys.stdout)
+        for res in results:
+            res["cpu_commit"] = commit
+        update(args.out, results)
+        summary = ", ".join(f"{r['exporter']}: {r['status']}" for r in results)
+        print(f"    {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
