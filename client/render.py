@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
@@ -123,6 +124,34 @@ def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> Table:
             _num(summary.get("speedup"), "{:.2f}x"),
             kernels,
             _when(j.get("created_at")),
+        )
+    return table
+
+
+def _past(value: Any) -> bool:
+    try:
+        return bool(value) and datetime.fromisoformat(str(value)) <= datetime.now(UTC)
+    except ValueError:
+        return False
+
+
+def keys_table(keys: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="API keys", title_justify="left")
+    for col in ("id", "prefix", "tenant", "scope", "created", "last used", "expires", "state"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("id", "prefix"))
+    for k in keys:
+        state = "[red]revoked[/]" if k.get("revoked") else "[green]live[/]"
+        if not k.get("revoked") and _past(k.get("expires_at")):
+            state = "[yellow]expired[/]"
+        table.add_row(
+            _num(k.get("id"), "{}"),
+            escape(str(k.get("prefix") or "-")) + "…",
+            escape(str(k.get("tenant"))),
+            escape(str(k.get("scope"))),
+            _when(k.get("created_at")),
+            _when(k.get("last_used_at")),
+            _when(k.get("expires_at")) if k.get("expires_at") else "never",
+            state,
         )
     return table
 

@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
@@ -25,6 +26,7 @@ from client.model_pack import ModelPackError, upload_file
 
 __all__ = [
     "TERMINAL_STATUSES",
+    "ApiKeyInfo",
     "ArtifactIntegrityError",
     "Claim",
     "Download",
@@ -73,6 +75,21 @@ class Job(TypedDict, total=False):
     started_at: str | None
     finished_at: str | None
     summary: dict[str, Any] | None
+
+
+class ApiKeyInfo(TypedDict, total=False):
+    """A key as the admin API lists it (`key`: only in the answer that made it)."""
+
+    id: int
+    key: str
+    prefix: str | None
+    tenant: str
+    scope: str
+    created_at: str
+    last_used_at: str | None
+    expires_at: str | None
+    revoked: bool
+    revoked_at: str | None
 
 
 class Claim(TypedDict, total=False):
@@ -450,6 +467,30 @@ class OpfuseClient:
                 lease=True,
             ),
         )
+
+    # -- admin: API keys (an `admin` key: its own tenant; a `platform` key: any tenant) ---------
+
+    def create_key(
+        self, scope: str = "user", tenant: str | None = None, expires_at: datetime | None = None
+    ) -> ApiKeyInfo:
+        """A new key (its `key` is in this answer only); `tenant` defaults to the caller's."""
+        body: dict[str, Any] = {"scope": scope}
+        if tenant is not None:
+            body["tenant"] = tenant
+        if expires_at is not None:
+            if expires_at.tzinfo is None:
+                raise ValueError("expires_at needs a time zone, e.g. datetime.now(UTC) + timedelta(days=30)")
+            body["expires_at"] = expires_at.isoformat()
+        return cast(ApiKeyInfo, self._json("POST", "/v1/admin/api-keys", json=body))
+
+    def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
+        """Keys, newest first (never the keys themselves): the caller's tenant, or with a platform
+        key every tenant's (or `tenant`'s)."""
+        return cast(list[ApiKeyInfo], self._paginate("/v1/admin/api-keys", {"tenant": tenant, "limit": 200}))
+
+    def revoke_key(self, key_id: int) -> ApiKeyInfo:
+        """Revoke a key: refused (401) from its next request on."""
+        return cast(ApiKeyInfo, self._json("POST", f"/v1/admin/api-keys/{int(key_id)}/revoke"))
 
     # -- health -----------------------------------------------------------------------------
 

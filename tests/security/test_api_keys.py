@@ -5,8 +5,10 @@ at most once a minute; wrong keys are rate-limited per client address."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
+import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
@@ -257,3 +259,46 @@ def test_the_failed_auth_limit_refills_and_is_per_address() -> None:
     limiter.check("10.0.0.2")  # another address is not affected
     now[0] = 10.0  # one attempt refilled
     limiter.check("10.0.0.1")
+
+
+def _cli(api_url: str, key: str, *args: str) -> str:
+    from typer.testing import CliRunner
+
+    from client.cli import app as cli_app
+
+    result = CliRunner().invoke(cli_app, [*args, "--api", api_url, "--key", key], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_opfuse_keys_create_list_revoke(api_url: str, keys: Keys) -> None:
+    made = json.loads(
+        _cli(api_url, keys.admin, "keys", "create", "--scope", "user", "--expires-in", "30d", "--json")
+    )
+    assert made["key"].startswith(made["prefix"]) and made["tenant"] == "default" and made["expires_at"]
+    with httpx.Client(base_url=api_url) as http:
+        assert http.get("/v1/models", headers=bearer(made["key"])).status_code == 200
+
+        listed = json.loads(_cli(api_url, keys.admin, "keys", "list", "--json"))
+        assert {k["tenant"] for k in listed} == {"default"} and made["id"] in {k["id"] for k in listed}
+        table = _cli(api_url, keys.admin, "keys", "list")
+        assert made["prefix"] in table and made["key"] not in table and "live" in table
+
+        revoked = json.loads(_cli(api_url, keys.admin, "keys", "revoke", str(made["id"]), "--json"))
+        assert revoked["revoked"] is True
+        assert http.get("/v1/models", headers=bearer(made["key"])).status_code == 401
+        assert "revoked" in _cli(api_url, keys.admin, "keys", "list")
+
+    # A tenant admin asking for another tenant: one line naming the platform key, exit 1.
+    from typer.testing import CliRunner
+
+    from client.cli import app as cli_app
+
+    refused = CliRunner().invoke(
+        cli_app, ["keys", "create", "--tenant", "other", "--api", api_url, "--key", keys.admin]
+    )
+    assert refused.exit_code == 1 and "platform" in refused.output and "HTTP 403" in refused.output
+    bad = CliRunner().invoke(
+        cli_app, ["keys", "create", "--expires-in", "soon", "--api", api_url, "--key", keys.admin]
+    )
+    assert bad.exit_code == 2 and "30d" in bad.output

@@ -6,19 +6,12 @@ The report is stored through the real worker API and fetched by the real CLI ove
 from __future__ import annotations
 
 import copy
-import socket
-import threading
-import time
-from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from client.cli import app as cli_app
-from service.app import create_app
-from service.settings import Settings
 from tests.service.conftest import Keys, create_job
 from tests.service.test_worker import REPORT, Worker, bundle
 
@@ -34,26 +27,6 @@ FORBIDDEN = ("\x1b", "\x07", "\x9b", "\u202e", "\x00")
 @pytest.fixture
 def database_url(sqlite_database_url: str) -> str:
     return sqlite_database_url  # what is printed does not depend on the database
-
-
-@pytest.fixture
-def api_url(settings: Settings, keys: Keys) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, run_migrations=False), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 def _hostile_report() -> dict:
