@@ -20,6 +20,7 @@ import torch
 
 from opfuse.codegen.conv import CONV_OPS
 from opfuse.errors import BundleError, ModelError
+from opfuse.frontend import rule_registry
 from opfuse.frontend.inspect import default_opset
 from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.coverage import explain_unfused
@@ -196,6 +197,7 @@ def compile(
     """
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision must be one of {sorted(COMPUTE_DTYPES)}, got {precision!r}")
+    rule_registry.check_disable(fusion_disable)  # a misspelt rule name is an error, not ignored
     device = _resolve_device(device)
     compile_pool = None
     if device.startswith("cuda"):

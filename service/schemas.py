@@ -7,6 +7,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AnyHttpUrl, AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from opfuse.frontend.rule_registry import check_disable
 from service.models import Job, JobStatus, Model, Scope, Stage
 from service.storable import StorableStr, scrub, storable_json
 from service.targets import Target
@@ -62,6 +63,12 @@ class FusionOptions(BaseModel):
     disable: list[Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")]] = Field(
         default_factory=list, description="names of fusion rules not to apply"
     )
+
+    @field_validator("disable")
+    @classmethod
+    def _known_rules(cls, names: list[str]) -> list[str]:
+        check_disable(names)  # the compiler's own list: a misspelt name is a 422, not a failed job
+        return names
 
 
 class VerifyOptions(BaseModel):

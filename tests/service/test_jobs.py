@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
+from opfuse.frontend.rule_registry import SWITCHES
+
 from .conftest import Keys, bearer, create_job, upload
 from .onnx_models import mlp, to_bytes, two_inputs
 
@@ -13,14 +15,14 @@ def post_job(client: TestClient, key: str, body: dict, **headers: str):
 
 
 def test_create_job_queues_it_with_defaults(client: TestClient, keys: Keys, model: dict) -> None:
-    job = create_job(client, keys.user, model["id"], fusion={"disable": ["gelu"]}, verify={"rtol": 1e-3})
+    job = create_job(client, keys.user, model["id"], fusion={"disable": ["pointwise"]}, verify={"rtol": 1e-3})
     assert job["status"] == "queued" and job["stage"] is None and job["progress"] == 0
     assert job["attempts"] == 0 and job["max_attempts"] == 3
     assert job["summary"] is None and job["error"] is None
     assert job["options"] == {
         "input_shapes": {"x": [8, 4]},
         "precision": "fp32",
-        "fusion": {"disable": ["gelu"]},
+        "fusion": {"disable": ["pointwise"]},
         "verify": {"rtol": 1e-3, "atol": None},
         "target": "any",
     }
@@ -245,3 +247,20 @@ def test_ids_with_bytes_a_database_refuses_are_404_not_500(
     # A rule name is an identifier: anything else is refused before it is stored.
     response = post_job(client, keys.user, {"model_id": model["id"], "fusion": {"disable": ["gelu\x00"]}})
     assert response.status_code == 422
+
+
+def test_a_rule_name_opfuse_does_not_have_is_422_with_the_valid_names(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    body = {
+        "model_id": model["id"],
+        "input_shapes": {"x": [8, 4]},
+        "fusion": {"disable": ["pointwise", "gelu"]},
+    }
+    response = post_job(client, keys.user, body)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert "'gelu'" in detail and "'pointwise'" not in detail
+    # Every name the compiler accepts is listed, and nothing was queued.
+    assert all(name in detail for name in SWITCHES)
+    assert client.get("/v1/jobs", headers=bearer(keys.user)).json()["items"] == []

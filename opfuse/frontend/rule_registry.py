@@ -1,0 +1,438 @@
+"""Every rewrite pass and fusion rule of opfuse, as data: name, stage, doc line, prerequisites, switch.
+
+This module is the one place a rule's name is spelt. The passes (`opfuse/passes/`), the planner
+(`opfuse/fusion/`) and codegen import their names from here; `fusion.disable` (the library's
+`fusion_disable`, JobCreate's `fusion.disable`) is checked against it; docs/design.md's rule table
+and docs/library.md's list of names are generated from it:
+
+    .venv/bin/python -m opfuse.frontend.rule_registry --write-docs
+
+It imports nothing but the standard library (and opfuse.errors), so the API server (which never imports torch) checks
+a job's `fusion.disable` with the same list the compiler applies. Entries are in the order the
+compiler applies them.
+
+Adding a rule: a constant and an entry here, the rule in a file of its own (opfuse/passes/ for a
+graph rewrite, opfuse/fusion/ for a fusion rule) added to the stage's list (`passes/pipeline.py`
+`PASSES`, `fusion/planner.py` `FUSION_RULES`), and its test beside the others in tests/unit/rules/.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from opfuse.errors import OpfuseError
+
+# Stages, in the order the compiler runs them.
+ONNX_REWRITE = "onnx-rewrite"  # on the ONNX model, with onnxscript's optimizer
+GRAPH_PASS = "graph-pass"  # rewrites of opfuse's graph (opfuse/passes/)
+FUSION = "fusion"  # the planner's rules: which nodes share a kernel (opfuse/fusion/)
+CODEGEN = "codegen"  # switches a template reads (opfuse/codegen/)
+STAGES = (ONNX_REWRITE, GRAPH_PASS, FUSION, CODEGEN)
+
+# -- names (one constant per rule; nothing else spells them) -------------------------------------
+ONNX_FOLD_CONSTANTS = "onnx_fold_constants"
+CHECK_INDICES = "check_constant_indices"
+FOLD_CONSTANTS = "fold_constants"
+ELIMINATE_NOOPS = "eliminate_noops"
+ATTENTION_OP = "attention_op"
+GATHER_TO_SLICE = "gather_to_slice"
+ROTATE_HALF = "rotate_half"
+GROUP_NORM = "group_norm"
+LOCAL_RESPONSE_NORM = "local_response_norm"
+FOLD_BATCHNORM = "fold_batchnorm"
+SUM_SIBLING_CONVS = "sum_sibling_convs"
+MERGE_CONCAT_CONVS = "merge_concat_convs"
+BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
+GEMM_TO_MATMUL = "gemm_to_matmul"
+FOLD_CHANNEL_SHUFFLE = "fold_channel_shuffle"
+MERGE_PROJECTIONS = "merge_projections"
+CHANNELS_LAST = "channels_last"
+FP32_DENSE_NCHW = "fp32_dense_nchw"
+SHORTCUT_CONV = "shortcut_conv"
+MERGE_SIBLING_CONVS = "merge_sibling_convs"
+DROP_UNUSED_CONSTANTS = "drop_unused_constants"
+ATTENTION = "attention"
+ROW_REDUCTION = "row_reduction"
+CONCAT_SELECT = "concat_select"
+RESIZE_GATHER = "resize_gather"
+LAYOUT_VIEWS = "layout_views"
+GEMM_EPILOGUE = "gemm_epilogue"
+CONV_EPILOGUE = "conv_epilogue"
+POOL_EPILOGUE = "pool_epilogue"
+PAD_PROLOGUE = "pad_prologue"
+DEPTHWISE_PROLOGUE = "depthwise_prologue"
+POOL_PROLOGUE = "pool_prologue"
+GEMV_CHAIN = "gemv_chain"
+DEPTHWISE_REDUCTION = "depthwise_reduction"
+CONCAT_EPILOGUE = "concat_epilogue"
+POOLED_GEMM = "pooled_gemm"
+POINTWISE = "pointwise"
+CHANNEL_WINDOW = "channel_window"
+SPLIT_K = "split_k"
+
+
+class UnknownRuleError(OpfuseError, ValueError):
+    """`fusion.disable` names a rule opfuse does not have (the message lists those it has)."""
+
+
+@dataclass(frozen=True)
+class RuleInfo:
+    """One pass or rule. `requires`: rules it runs only with (turning one of them off turns this
+    one off too). `switch`: the `fusion.disable` entry that turns it off (None: it always runs)."""
+
+    name: str
+    stage: str
+    doc: str
+    requires: tuple[str, ...] = ()
+    switchable: bool = True
+
+    @property
+    def switch(self) -> str | None:
+        return self.name if self.switchable else None
+
+
+def _r(name: str, stage: str, doc: str, requires: tuple[str, ...] = (), switchable: bool = True) -> RuleInfo:
+    return RuleInfo(name, stage, doc, requires, switchable)
+
+
+REGISTRY: tuple[RuleInfo, ...] = (
+    _r(
+        ONNX_FOLD_CONSTANTS,
+        ONNX_REWRITE,
+        "onnxscript's constant folder and unused-node removal on the ONNX model: shape arithmetic folds "
+        "away; where the optimizer fails the graph goes on unfolded (`fusion.passes.onnx_optimizer`).",
+        switchable=False,
+    ),
+    _r(
+        CHECK_INDICES,
+        GRAPH_PASS,
+        "Constant Gather/Scatter indices out of range are a model error, as in onnxruntime, before a "
+        "fold or a rewrite could hide them.",
+        switchable=False,
+    ),
+    _r(
+        FOLD_CONSTANTS,
+        GRAPH_PASS,
+        "Nodes whose inputs are all constants are computed at compile time (again after the rewrites).",
+        switchable=False,
+    ),
+    _r(
+        ELIMINATE_NOOPS,
+        GRAPH_PASS,
+        "Identity and inference-time Dropout compute nothing: their consumers read the input directly.",
+    ),
+    _r(
+        ATTENTION_OP,
+        GRAPH_PASS,
+        "Attention-23 (4-D, no cache) becomes Transpose, MatMul, Mul, [mask], Softmax, MatMul: the "
+        "spelling the attention rule fuses into one flash-attention kernel.",
+    ),
+    _r(
+        GATHER_TO_SLICE,
+        GRAPH_PASS,
+        "Gather by constant consecutive indices becomes a Slice (and Reshape): a view, not a kernel.",
+    ),
+    _r(
+        ROTATE_HALF,
+        GRAPH_PASS,
+        "Concat(-x[..., h:], x[..., :h]) (rotary embeddings) becomes x @ R, a signed permutation: "
+        "one GEMM whose epilogue takes the rest of the rotation.",
+    ),
+    _r(
+        GROUP_NORM,
+        GRAPH_PASS,
+        "Reshape → InstanceNormalization → Reshape → Mul → Add (GroupNorm written out) becomes one "
+        "GroupNormalization node with per-channel scale and bias.",
+    ),
+    _r(
+        LOCAL_RESPONSE_NORM,
+        GRAPH_PASS,
+        "Mul(x, x) → Reshape → Pad → AveragePool over channels → Reshape → Mul → Add → Pow → Div "
+        "(LocalResponseNorm written out) becomes one LRN node, where the padding is ONNX LRN's window "
+        "(odd sizes only, as torch exports them).",
+    ),
+    _r(
+        FOLD_BATCHNORM,
+        GRAPH_PASS,
+        "Conv followed by inference BatchNormalization becomes one Conv with scaled weights and a new bias.",
+    ),
+    _r(
+        SUM_SIBLING_CONVS,
+        GRAPH_PASS,
+        "Two convolutions of one input added together are one convolution whose weight is their "
+        "sum (each kernel placed in the bounding window) and whose bias is the sum of theirs.",
+    ),
+    _r(
+        MERGE_CONCAT_CONVS,
+        GRAPH_PASS,
+        "Convolutions of one input concatenated along channels become one convolution that writes "
+        "the Concat's output (the taps a branch lacks are zeros, which the template skips).",
+    ),
+    _r(
+        BATCHNORM_TO_AFFINE,
+        GRAPH_PASS,
+        "A BatchNormalization that cannot fold into a Conv becomes x*a + b with per-channel constants, "
+        "which then fuse with their neighbours (BN+Relu in one kernel).",
+    ),
+    _r(
+        GEMM_TO_MATMUL,
+        GRAPH_PASS,
+        "A linear layer written as Reshape → Gemm → Reshape becomes MatMul + Add on the unflattened tensor.",
+    ),
+    _r(
+        FOLD_CHANNEL_SHUFFLE,
+        GRAPH_PASS,
+        "Channel shuffles (Reshape → Transpose → Reshape over channels) become permutations the "
+        "neighbouring convolutions, Slices and Concats absorb: no copy of a shuffled tensor.",
+    ),
+    _r(
+        MERGE_PROJECTIONS,
+        GRAPH_PASS,
+        "MatMuls of one input by constant weights (attention's Q, K, V) become one wider MatMul and a Split.",
+    ),
+    _r(
+        CHANNELS_LAST,
+        GRAPH_PASS,
+        "The conv region runs in NHWC: internal ops named `opfuse.*`, exported in the bundle's "
+        "model.onnx in the `ai.opfuse` domain, never accepted from a model.",
+    ),
+    _r(
+        FP32_DENSE_NCHW,
+        GRAPH_PASS,
+        "In fp32 on the GPU a conv region without depthwise convolutions stays NCHW (ResNet-50: 10.5 ms "
+        "NCHW against 11.8 ms channels-last at batch 32 on the H200).",
+        requires=(CHANNELS_LAST,),
+    ),
+    _r(
+        SHORTCUT_CONV,
+        GRAPH_PASS,
+        "A convolution plus a 1x1 shortcut conv of another input is one implicit GEMM whose K loop "
+        "reads both inputs (template-only).",
+        requires=(CHANNELS_LAST, CONV_EPILOGUE),
+    ),
+    _r(
+        MERGE_SIBLING_CONVS,
+        GRAPH_PASS,
+        "Convolutions of one input at one stride become one, then a Split whose parts the conv "
+        "template writes as buffers of their own.",
+        requires=(CHANNELS_LAST, CONV_EPILOGUE),
+    ),
+    _r(
+        DROP_UNUSED_CONSTANTS,
+        GRAPH_PASS,
+        "Constants no node reads any more leave the graph.",
+        switchable=False,
+    ),
+    _r(
+        ATTENTION,
+        FUSION,
+        "Flash attention: MatMul → [scale, mask] → Softmax → MatMul in one kernel, head split/merge "
+        "read as strided views.",
+    ),
+    _r(
+        ROW_REDUCTION,
+        FUSION,
+        "Softmax/LogSoftmax/Reduce* over one contiguous run of axes, LayerNorm/InstanceNorm/GroupNorm, "
+        "each with its prologue and epilogue; non-trailing axes read as (outer, R, inner) tiles, GroupNorm "
+        "rows as (n, g) channel groups; a row fits one program (≤ 16384 elements).",
+    ),
+    _r(
+        CONCAT_SELECT,
+        FUSION,
+        "A Concat in a pointwise group (or a GroupNorm/InstanceNorm row kernel's input): each element "
+        "loaded from the input whose range holds it; a lone Concat of gathered or viewed inputs a kernel "
+        "of its own.",
+        requires=(POINTWISE,),
+    ),
+    _r(
+        RESIZE_GATHER,
+        FUSION,
+        "A Resize read only by one pointwise kernel is computed by that kernel's gather loads.",
+        requires=(POINTWISE,),
+    ),
+    _r(
+        LAYOUT_VIEWS,
+        FUSION,
+        "Reshape/Transpose/Slice/Split between kernels read as strides of the buffer behind them.",
+    ),
+    _r(
+        GEMM_EPILOGUE,
+        FUSION,
+        "One GEMM plus its pointwise epilogue (bias, activation, residual, scale, cast).",
+    ),
+    _r(
+        CONV_EPILOGUE,
+        FUSION,
+        "One convolution plus its pointwise epilogue; never two compute-bound anchors in one kernel.",
+    ),
+    _r(
+        POOL_EPILOGUE,
+        FUSION,
+        "An NHWC max pool as a Triton kernel with the pointwise ops after it.",
+    ),
+    _r(
+        PAD_PROLOGUE,
+        FUSION,
+        "An anchor's template reads through the constant, reflect or edge Pad before it.",
+    ),
+    _r(
+        DEPTHWISE_PROLOGUE,
+        FUSION,
+        "A depthwise conv computed on the input tiles of the 1x1 conv that reads it.",
+    ),
+    _r(
+        POOL_PROLOGUE,
+        FUSION,
+        "A max pool computed on the input tiles of the conv (any window) that reads it; where others read "
+        "the pool too, the conv stores the tile it loads at its centre window position.",
+    ),
+    _r(
+        GEMV_CHAIN,
+        FUSION,
+        "Two memory-bound 1x1 convolutions of 1x1 maps back to back (squeeze-excitation's MLP) in one kernel.",
+    ),
+    _r(
+        DEPTHWISE_REDUCTION,
+        FUSION,
+        "A depthwise conv computed on the tiles of the row kernel that reduces its output "
+        "(squeeze-excitation's squeeze, ConvNeXt's LayerNorm).",
+    ),
+    _r(
+        CONCAT_EPILOGUE,
+        FUSION,
+        "A conv kernel writes the channel Concat its output feeds, in place, and copies the Concat's "
+        "other inputs.",
+        requires=(LAYOUT_VIEWS,),
+    ),
+    _r(
+        POOLED_GEMM,
+        FUSION,
+        "A classifier's global average pool computed on the A tiles of the GEMM that reads it.",
+    ),
+    _r(
+        POINTWISE,
+        FUSION,
+        "Elementwise ops of one iteration shape (broadcasts included) in one kernel.",
+    ),
+    _r(
+        CHANNEL_WINDOW,
+        FUSION,
+        "An LRN in a pointwise group, its window read by loads of its input at neighbouring channels "
+        "(so that input is always a kernel input).",
+        requires=(POINTWISE,),
+    ),
+    _r(
+        SPLIT_K,
+        CODEGEN,
+        "The conv template's split-K configs, offered to tuning where the output tiles are too few "
+        "to fill the GPU.",
+        requires=(CONV_EPILOGUE,),
+    ),
+)
+
+RULES: dict[str, RuleInfo] = {r.name: r for r in REGISTRY}
+# What `fusion.disable` accepts.
+SWITCHES: tuple[str, ...] = tuple(r.name for r in REGISTRY if r.switchable)
+
+
+def stage_rules(stage: str) -> tuple[RuleInfo, ...]:
+    return tuple(r for r in REGISTRY if r.stage == stage)
+
+
+def unknown_names(names: Iterable[str]) -> list[str]:
+    """The names in `names` that `fusion.disable` does not accept, in their order, once each."""
+    valid = set(SWITCHES)
+    return list(dict.fromkeys(n for n in names if n not in valid))
+
+
+def unknown_names_message(unknown: Iterable[str]) -> str:
+    listed = ", ".join(repr(n) for n in unknown)
+    return (
+        f"fusion.disable names no rule: {listed}. Use the names of rules that can be turned off: "
+        f"{', '.join(SWITCHES)} (docs/design.md lists what each one does)"
+    )
+
+
+def check_disable(names: Iterable[str]) -> frozenset[str]:
+    """`names` as a set, or UnknownRuleError (a ValueError) naming the unknown ones and listing the valid ones."""
+    if isinstance(names, str):
+        raise UnknownRuleError(
+            f"fusion.disable is a list of rule names, got the string {names!r}: write [{names!r}]"
+        )
+    names = list(names)
+    unknown = unknown_names(names)
+    if unknown:
+        raise UnknownRuleError(unknown_names_message(unknown))
+    return frozenset(names)
+
+
+def enabled(name: str, disabled: Iterable[str] = ()) -> bool:
+    """Whether rule `name` runs when the rules in `disabled` are turned off: it is not, and neither
+    is any rule it requires."""
+    off = disabled if isinstance(disabled, (set, frozenset)) else frozenset(disabled)
+    rule = RULES[name]
+    return name not in off and all(enabled(r, off) for r in rule.requires)
+
+
+# -- docs ------------------------------------------------------------------------------------------
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+TABLE_BEGIN = "<!-- rule table: generated by `python -m opfuse.frontend.rule_registry --write-docs` -->"
+TABLE_END = "<!-- end of rule table -->"
+NAMES_BEGIN = (
+    "<!-- fusion.disable names: generated by `python -m opfuse.frontend.rule_registry --write-docs` -->"
+)
+NAMES_END = "<!-- end of fusion.disable names -->"
+
+
+def markdown_table() -> str:
+    lines = [
+        "| rule | stage | what it does | requires | `fusion.disable` |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in REGISTRY:
+        requires = ", ".join(f"`{x}`" for x in r.requires) or "–"
+        switch = f"`{r.name}`" if r.switchable else "always runs"
+        lines.append(f"| `{r.name}` | {r.stage} | {r.doc} | {requires} | {switch} |")
+    return "\n".join(lines)
+
+
+def markdown_names() -> str:
+    return ", ".join(f"`{n}`" for n in SWITCHES) + "."
+
+
+def _replace_between(text: str, begin: str, end: str, body: str) -> str:
+    start = text.index(begin) + len(begin)
+    stop = text.index(end, start)
+    return text[:start] + "\n" + body + "\n" + text[stop:]
+
+
+def generated_docs() -> dict[Path, str]:
+    """docs/design.md and docs/library.md as they must read: their generated blocks from this registry."""
+    design = DOCS / "design.md"
+    library = DOCS / "library.md"
+    return {
+        design: _replace_between(design.read_text(), TABLE_BEGIN, TABLE_END, markdown_table()),
+        library: _replace_between(library.read_text(), NAMES_BEGIN, NAMES_END, markdown_names()),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--write-docs"]:
+        for path, text in generated_docs().items():
+            if path.read_text() != text:
+                path.write_text(text)
+                print(f"rewrote {path}")
+        return 0
+    if argv == ["--table"]:
+        print(markdown_table())
+        return 0
+    print("usage: python -m opfuse.frontend.rule_registry --write-docs | --table", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

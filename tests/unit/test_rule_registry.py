@@ -1,0 +1,76 @@
+"""The rule registry: one list of every pass and fusion rule, the docs generated from it, and
+`fusion_disable` checked against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+
+import opfuse
+from opfuse.frontend import rule_registry as registry
+from tests.builders import residual_mlp
+
+REGENERATE = ".venv/bin/python -m opfuse.frontend.rule_registry --write-docs"
+
+
+def test_docs_rule_table_and_names_are_the_registry() -> None:
+    for path, text in registry.generated_docs().items():
+        assert path.read_text() == text, f"{path.name} differs from the rule registry: run `{REGENERATE}`"
+
+
+def test_every_entry_is_well_formed() -> None:
+    names = [r.name for r in registry.REGISTRY]
+    assert len(names) == len(set(names))
+    constants = {v for k, v in vars(registry).items() if k.isupper() and isinstance(v, str)}
+    assert set(names) <= constants  # each name is a constant of the module
+    stages = [registry.STAGES.index(r.stage) for r in registry.REGISTRY]
+    assert stages == sorted(stages), "entries are in the order the compiler applies them"
+    for r in registry.REGISTRY:
+        assert r.doc and "\n" not in r.doc and "|" not in r.doc
+        assert all(x in registry.RULES and registry.RULES[x].switchable for x in r.requires), r.name
+        assert r.switch == (r.name if r.switchable else None)
+
+
+def test_a_rule_is_off_when_a_rule_it_requires_is() -> None:
+    assert registry.enabled(registry.SHORTCUT_CONV)
+    assert not registry.enabled(registry.SHORTCUT_CONV, {registry.CONV_EPILOGUE})
+    assert not registry.enabled(registry.SHORTCUT_CONV, {registry.CHANNELS_LAST})
+    assert not registry.enabled(registry.CHANNEL_WINDOW, [registry.POINTWISE])
+    assert registry.enabled(registry.POINTWISE, {registry.CHANNEL_WINDOW})
+
+
+def test_unknown_names_are_named_with_the_valid_ones() -> None:
+    with pytest.raises(ValueError) as info:
+        registry.check_disable(["pointwise", "gelu", "layernorm", "gelu"])
+    message = str(info.value)
+    assert "'gelu', 'layernorm'." in message and "'pointwise'" not in message
+    assert all(name in message for name in registry.SWITCHES)
+    # Names of passes that always run are not switches.
+    with pytest.raises(ValueError, match="'fold_constants'"):
+        registry.check_disable([registry.FOLD_CONSTANTS])
+    with pytest.raises(
+        ValueError, match=r"a list of rule names, got the string 'attention': write \['attention'\]"
+    ):
+        registry.check_disable("attention")
+    assert registry.check_disable(registry.SWITCHES) == frozenset(registry.SWITCHES)
+
+
+def test_compile_refuses_an_unknown_rule_name_before_anything_runs() -> None:
+    model = residual_mlp(hidden=8, ffn=16)
+    with pytest.raises(ValueError, match=r"fusion.disable names no rule: 'gelu'\. Use the names .*pointwise"):
+        opfuse.compile(model, {"x": [2, 8]}, device="cpu", fusion_disable=["gelu"], verify=False)
+    with pytest.raises(opfuse.OpfuseError):  # one line in the CLI, not "a bug in opfuse"
+        opfuse.compile(model, {"x": [2, 8]}, device="cpu", fusion_disable=["Pointwise"], verify=False)
+
+
+def test_compile_with_every_rule_off_matches_the_model() -> None:
+    """Every switch the registry lists is accepted, and with all of them off the model runs unfused."""
+    model = residual_mlp(hidden=8, ffn=16)
+    cm = opfuse.compile(model, {"x": [3, 8]}, device="cpu", fusion_disable=registry.SWITCHES, tune_budget_s=0)
+    assert cm.report["verification"]["passed"]
+    assert cm.report["fusion"]["groups"] == [] and cm.report["fusion"]["passes"]["fired"] == {}
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    (ref,) = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})
+    (out,) = cm.run({"x": x}).values()
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
