@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: run test lint typecheck unit venv clean
+.PHONY: run test lint typecheck unit venv clean corpus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The corpus's CPU leg (bench/corpus/README.md): export, compile and verify every row (or ROWS,
+# comma-separated names or globs) in the interpreter and rewrite bench/corpus/expected.csv.
+# CORPUS_JOBS=N runs N shards at once; CORPUS_ARGS passes more options (e.g. --timeout 600).
+CORPUS_JOBS ?= 1
+corpus: $(STAMP)
+	set -e; pids=; for i in $$(seq 0 $$(($(CORPUS_JOBS) - 1))); do \
+		PYTHONPATH=. TRITON_INTERPRET=1 $(BIN)/python -m bench.corpus.run --force \
+			$(if $(ROWS),--rows '$(ROWS)') --shard $$i/$(CORPUS_JOBS) $(CORPUS_ARGS) & pids="$$pids $$!"; \
+	done; for p in $$pids; do wait $$p; done
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

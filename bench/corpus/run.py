@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -203,7 +203,7 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def write_rows(path: str, rows: dict[tuple[str, str], dict[str, Any]]) -> None:
+def write_rows(path: str, rows: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
     """Sorted by model then exporter, stable columns; written whole, then renamed into place."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", newline="") as f:
@@ -342,6 +342,8 @@ def run_row(row: Any, exporters: list[str], timeout_s: float, log: Any) -> list[
         cmd = [sys.executable, "-m", "bench.corpus.run", "--worker", row.name]
         cmd += ["--exporter", ",".join(exporters), "--result", result]
         env = {**os.environ, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+        # As the test suite runs (tests/conftest.py): a kernel that reads what no kernel wrote fails.
+        env.setdefault("OPFUSE_POISON_BUFFERS", "1")
         root = os.path.dirname(os.path.dirname(HERE))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         t0 = time.perf_counter()

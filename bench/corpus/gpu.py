@@ -1,0 +1,321 @@
+"""The corpus's GPU leg: opfuse against torch.compile + CUDA graph, fp16, batch 1 and 32, on one GPU.
+
+    PYTHONPATH=. python -m bench.corpus.gpu --out bench/out/corpus-gpu.jsonl            # every row
+    for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i PYTHONPATH=. python -m bench.corpus.gpu \\
+        --shard $i/4 --out bench/out/corpus-gpu.$i.jsonl & done; wait                  # four GPUs
+    PYTHONPATH=. python -m bench.corpus.gpu --merge bench/out/corpus-gpu.*.jsonl        # fill expected.csv
+
+For each row (the default exporter: `torch.onnx.export(m, args, path)`, external data and all) and
+batch: opfuse compiles it for the GPU in fp16 and verifies it, then, in the same process and with
+the same protocol (bench/run.py's CUDA-event timing, median of many iterations, inputs rotated):
+opfuse's fused plan, opfuse's own per-op plan (the report's "before"), and torch.compile + CUDA
+graph of the same module in fp16. One JSON line per row and batch is appended as soon as it is
+measured, so a run cut short keeps its rows; rows already in the output are skipped (--force
+reruns them). Each row runs in a subprocess of its own with a time limit: a crash, a hang or a
+poisoned CUDA context stops that row only. `--merge` fills the GPU columns of expected.csv (ms_b1,
+ms_b32, ratio_torch_compile and ratio_per_op as "batch 1/batch 32", gpu_date, gpu_commit) for the
+default exporter's rows.
+
+This module imports nothing that needs a GPU until a row runs: its argument parsing, resume and
+merge logic are tested on the CPU (tests/corpus/test_gpu_leg.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+from bench.corpus.run import EXPECTED, HERE, locked, one_line, read_rows, shard, write_rows
+
+BATCHES = (1, 32)
+PRECISION = "fp16"
+EXPORTER = "dynamo"  # the GPU leg times the default export
+ROW_TIMEOUT_S = 1800.0
+
+
+def read_done(paths: Iterable[str]) -> dict[tuple[str, int], dict[str, Any]]:
+    """The measured (model, batch) of earlier runs' JSON lines; the last line of a key wins, and a
+    line that is not JSON (a run killed mid-write) is skipped."""
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "model" in rec and "batch" in rec:
+                    done[(rec["model"], int(rec["batch"]))] = rec
+    return done
+
+
+def pending(
+    names: list[str], batches: list[int], done: dict[tuple[str, int], dict[str, Any]], force: bool
+) -> list[tuple[str, list[int]]]:
+    """(row, batches still to measure) for each row with any left. A batch whose line holds an
+    error is measured again only with --force (the error is a result: the merge records it)."""
+    out = []
+    for name in names:
+        left = [b for b in batches if force or (name, b) not in done]
+        if left:
+            out.append((name, left))
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 and a == a and b == b:
+        return a / b
+    return None
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def gpu_columns(recs: dict[int, dict[str, Any]]) -> dict[str, str]:
+    """A row's GPU columns from its per-batch records ({batch: record})."""
+    b1, b32 = recs.get(1, {}), recs.get(32, {})
+
+    def pair(key: str) -> str:
+        vals = [_fmt(r.get(key)) if "error" not in r else "err" for r in (b1, b32)]
+        return "" if not any(vals) else "/".join(v or "-" for v in vals)
+
+    any_rec = b1 or b32
+    return {
+        "ms_b1": _fmt(b1.get("opfuse_ms"), 4) if "error" not in b1 else "err",
+        "ms_b32": _fmt(b32.get("opfuse_ms"), 4) if "error" not in b32 else "err",
+        "ratio_torch_compile": pair("ratio_torch_compile"),
+        "ratio_per_op": pair("ratio_per_op"),
+        "gpu_date": str(any_rec.get("date", "")),
+        "gpu_commit": str(any_rec.get("commit", "")),
+    }
+
+
+def merge(paths: list[str], out: str = EXPECTED) -> int:
+    """Fill the GPU columns of `out`'s default-exporter rows from the JSON lines in `paths`;
+    returns how many rows it filled. The CPU columns are left as they are."""
+    by_model: dict[str, dict[int, dict[str, Any]]] = {}
+    for (model, batch), rec in read_done(paths).items():
+        by_model.setdefault(model, {})[batch] = rec
+    filled = 0
+    with locked(out):
+        rows = read_rows(out)
+        for model, recs in sorted(by_model.items()):
+            key = (model, EXPORTER)
+            if key not in rows:
+                print(f"{model}: not a row of {out} (skipped)", file=sys.stderr)
+                continue
+            rows[key].update(gpu_columns(recs))
+            filled += 1
+        write_rows(out, rows)
+    return filled
+
+
+# --- one row, on the GPU --------------------------------------------------------------------------
+
+
+def _batched(example: dict[str, Any], batch: int) -> dict[str, Any]:
+    return {k: v.repeat(batch, *([1] * (v.dim() - 1))) for k, v in example.items()}
+
+
+def _fresh(example: dict[str, Any], gen: Any) -> dict[str, Any]:
+    """New inputs like `example`: normal floats; integers (token ids) within the example's range."""
+    import torch
+
+    out = {}
+    for k, v in example.items():
+        if v.is_floating_point():
+            out[k] = torch.randn(v.shape, generator=gen, dtype=v.dtype)
+        else:
+            hi = max(1, int(v.max()) + 1)
+            out[k] = torch.randint(0, hi, v.shape, generator=gen, dtype=v.dtype)
+    return out
+
+
+def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup: int, tune_s: float) -> None:
+    import torch
+
+    import opfuse
+    from bench.corpus.models import BY_NAME
+    from bench.corpus.run import export
+    from bench.run import _commit, graphed, source_digest, time_cuda
+
+    row = BY_NAME[name]
+    module, example = row.build()
+    meta = {
+        "model": name,
+        "precision": PRECISION,
+        "exporter": EXPORTER,
+        "gpu": torch.cuda.get_device_name(0),
+        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "opfuse_source": source_digest(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for batch in batches:
+        rec: dict[str, Any] = {**meta, "batch": batch}
+        try:
+            ex = _batched(example, batch)
+            with tempfile.TemporaryDirectory(prefix="opfuse-corpus-gpu-") as d:
+                path = os.path.join(d, "m.onnx")
+                export(module, ex, path, EXPORTER)
+                import onnx
+
+                proto = onnx.load(path)
+                inits = {i.name for i in proto.graph.initializer}
+                names = [i.name for i in proto.graph.input if i.name not in inits]
+                shapes = {n: list(t.shape) for n, t in zip(names, ex.values(), strict=False)}
+                t0 = time.perf_counter()
+                cm = opfuse.compile(
+                    proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s
+                )
+                rec["compile_s"] = round(time.perf_counter() - t0, 2)
+            cm.benchmark(iters=iters, warmup=warmup)
+            r = cm.report
+            rec.update(
+                verified=bool(r["verification"]["passed"]),
+                opfuse_ms=r["after"]["latency_ms"]["p50"],
+                per_op_ms=r["before"]["latency_ms"]["p50"],
+                kernels_after=r["kernels"]["after"],
+                compute_nodes=r.get("compute_nodes"),
+                cuda_graph=r["after"].get("cuda_graph"),
+                cuda_graph_error=r["after"].get("cuda_graph_error"),
+            )
+            rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
+            del cm
+            rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda))
+            rec["ratio_torch_compile"] = _ratio(rec["opfuse_ms"], rec.get("torch_compile_cudagraph_ms"))
+        except Exception as exc:
+            traceback.print_exc()
+            rec["error"] = one_line(exc, 400)
+        torch.cuda.empty_cache()
+        with open(out_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+
+
+def _torch_compile(
+    module: Any, example: dict[str, Any], iters: int, warmup: int, graphed: Any, time_cuda: Any
+) -> dict[str, Any]:
+    """torch.compile + CUDA graph of the module itself, fp16, the inputs of bench/run.py's peers."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    m = module.cuda().half()
+
+    def cast(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.cuda().half() if v.is_floating_point() else v.cuda()) for k, v in d.items()}
+
+    static = cast(_fresh(example, gen))
+    try:
+        with torch.no_grad():
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            compiled = torch.compile(m)
+            compiled(*static.values())
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            replay = graphed(lambda: compiled(*static.values()))
+            ms = time_cuda(lambda i: replay(), iters, warmup)
+        return {"torch_compile_cudagraph_ms": ms, "torch_compile_s": round(compile_s, 2)}
+    except Exception as exc:
+        return {"torch_compile_error": one_line(exc, 300)}
+    finally:
+        module.cpu().float()
+
+
+def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespace) -> None:
+    cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path]
+    cmd += [
+        "--batches",
+        ",".join(map(str, batches)),
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+    ]
+    cmd += ["--tune-budget", str(args.tune_budget)]
+    root = os.path.dirname(os.path.dirname(HERE))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    env.pop("TRITON_INTERPRET", None)
+    try:
+        rc = subprocess.run(cmd, env=env, cwd=root, timeout=args.timeout, check=False).returncode
+        why = f"the row's process exited with status {rc}" if rc else ""
+    except subprocess.TimeoutExpired:
+        why = f"not finished in {args.timeout:.0f} s (--timeout)"
+    if not why:
+        return
+    got = read_done([out_path])
+    with open(out_path, "a") as f:
+        for b in batches:
+            if (name, b) not in got:
+                f.write(json.dumps({"model": name, "batch": b, "precision": PRECISION, "error": why}) + "\n")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="", help="comma-separated names or globs (default: every row)")
+    ap.add_argument("--family", default=None, help="timm, transformers or torchvision")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--shard", default="", help="i/n: every n-th row from the i-th (one process per GPU)")
+    ap.add_argument("--out", default="bench/out/corpus-gpu.jsonl", help="JSON lines, appended to")
+    ap.add_argument("--force", action="store_true", help="measure rows already in --out again")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
+    ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row (all its batches)")
+    ap.add_argument("--merge", nargs="+", metavar="JSONL", help="fill expected.csv's GPU columns and exit")
+    ap.add_argument("--expected", default=EXPECTED, help="the file --merge fills")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if not args.batches or any(b < 1 for b in args.batches):
+        ap.error("--batches: each batch must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.merge:
+        n = merge(args.merge, args.expected)
+        print(f"filled the GPU columns of {n} rows of {args.expected}")
+        return
+    if args.worker:
+        measure_row(args.worker, args.batches, args.out, args.iters, args.warmup, args.tune_budget)
+        return
+    from bench.corpus.models import select
+
+    try:
+        names = [r.name for r in select(args.rows.split(","), family=args.family)]
+    except KeyError as exc:
+        raise SystemExit(str(exc.args[0])) from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/corpus/gpu.py measures on a CUDA GPU; on the CPU run bench/corpus/run.py")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    plan = pending(shard(names, args.shard), args.batches, read_done([args.out]), args.force)
+    print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
+    for i, (name, batches) in enumerate(plan):
+        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches}", flush=True)
+        run_row(name, batches, args.out, args)
+
+
+if __name__ == "__main__":
+    main()

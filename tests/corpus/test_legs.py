@@ -1,0 +1,123 @@
+"""The corpus legs' bookkeeping, on the CPU: shards, resume, the results file, the GPU merge.
+
+No model runs here (tests/corpus/test_corpus.py runs the subset): these check that a run picks up
+where the last one stopped, that shards split the rows once each, that the file keeps its GPU
+columns when the CPU leg rewrites a row, and that the GPU leg's lines fill them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.corpus import gpu, models
+from bench.corpus import run as cpu
+
+
+def _rows(path: Path) -> dict[tuple[str, str], dict[str, str]]:
+    return cpu.read_rows(str(path))
+
+
+def test_shards_split_the_rows_once_each() -> None:
+    items = list(range(11))
+    parts = [cpu.shard(items, f"{i}/3") for i in range(3)]
+    assert sorted(x for p in parts for x in p) == items
+    assert cpu.shard(items, "") == items
+    with pytest.raises(SystemExit, match="--shard must look like 0/4"):
+        cpu.shard(items, "two")
+    with pytest.raises(SystemExit, match=r"the index must be 0\.\.2"):
+        cpu.shard(items, "3/3")
+
+
+def test_cpu_leg_resumes_after_the_rows_the_file_has(tmp_path: Path) -> None:
+    out = tmp_path / "expected.csv"
+    rows = models.select(["timm/test_vit", "transformers/bert"])
+    cpu.update(str(out), [], rows)
+    got = _rows(out)
+    assert {k: v["status"] for k, v in got.items()} == {
+        (r.name, e): "not_run" for r in rows for e in cpu.EXPORTERS
+    }
+    res = {"model": "transformers/bert", "family": "transformers", "exporter": "dynamo", "status": "ok"}
+    cpu.update(str(out), [{**res, "launches": 16, "verified": True}])
+    plan = cpu.todo(rows, list(cpu.EXPORTERS), _rows(out), force=False)
+    assert [(r.name, e) for r, e in plan] == [
+        ("timm/test_vit", ["dynamo", "torchscript"]),
+        ("transformers/bert", ["torchscript"]),
+    ]
+    forced = cpu.todo(rows, ["dynamo"], _rows(out), force=True)
+    assert [(r.name, e) for r, e in forced] == [
+        ("timm/test_vit", ["dynamo"]),
+        ("transformers/bert", ["dynamo"]),
+    ]
+    line = _rows(out)[("transformers/bert", "dynamo")]
+    assert line["launches"] == "16" and line["verified"] == "true"
+    with open(out, newline="") as f:
+        assert next(csv.reader(f)) == cpu.COLUMNS
+
+
+def test_interleave_puts_the_subset_first_then_takes_families_in_turns() -> None:
+    order = cpu.interleave(models.ROWS)
+    n_ci = sum(r.ci for r in models.ROWS)
+    assert all(r.ci for r in order[:n_ci]) and not any(r.ci for r in order[n_ci:])
+    assert {r.family for r in order[n_ci : n_ci + 3]} == set(models.FAMILIES)
+    assert sorted(r.name for r in order) == sorted(r.name for r in models.ROWS)
+
+
+def test_gpu_leg_parses_its_options() -> None:
+    args = gpu.parse(["--shard", "1/4", "--batches", "1,32", "--rows", "timm/*"])
+    assert args.batches == [1, 32] and args.shard == "1/4" and args.rows == "timm/*"
+    assert gpu.parse([]).batches == list(gpu.BATCHES)
+    with pytest.raises(SystemExit):
+        gpu.parse(["--batches", "one"])
+    with pytest.raises(SystemExit):
+        gpu.parse(["--batches", "0"])
+
+
+def test_gpu_leg_resumes_and_skips_a_line_cut_short(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.jsonl"
+    recs = [
+        {"model": "timm/test_vit", "batch": 1, "opfuse_ms": 0.5},
+        {"model": "timm/test_vit", "batch": 32, "error": "RuntimeError: boom"},
+        {"model": "transformers/bert", "batch": 1, "opfuse_ms": 0.4},
+    ]
+    out.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"model": "transformers/bert", "ba')
+    done = gpu.read_done([str(out)])
+    assert set(done) == {("timm/test_vit", 1), ("timm/test_vit", 32), ("transformers/bert", 1)}
+    names = ["timm/test_vit", "transformers/bert", "torchvision/resnet18"]
+    assert gpu.pending(names, [1, 32], done, force=False) == [
+        ("transformers/bert", [32]),
+        ("torchvision/resnet18", [1, 32]),
+    ]
+    assert gpu.pending(names[:1], [1, 32], done, force=True) == [("timm/test_vit", [1, 32])]
+
+
+def test_gpu_merge_fills_the_default_exporters_gpu_columns(tmp_path: Path) -> None:
+    expected = tmp_path / "expected.csv"
+    rows = models.select(["timm/test_vit", "transformers/bert"])
+    cpu.update(str(expected), [], rows)
+    cpu.update(str(expected), [{"model": "timm/test_vit", "family": "timm", "exporter": "dynamo", "status": "ok", "launches": 9}])  # fmt: skip
+    lines = tmp_path / "gpu.jsonl"
+    base = {"model": "timm/test_vit", "date": "2026-12-01", "commit": "abc1234"}
+    recs = [
+        {**base, "batch": 1, "opfuse_ms": 0.25, "ratio_torch_compile": 0.8, "ratio_per_op": 0.5},
+        {**base, "batch": 32, "opfuse_ms": 1.5, "ratio_torch_compile": 1.25, "ratio_per_op": 0.4},
+        {"model": "transformers/bert", "batch": 1, "error": "RuntimeError: x", "date": "2026-12-01"},
+    ]
+    lines.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert gpu.merge([str(lines)], str(expected)) == 2
+    got = _rows(expected)
+    vit = got[("timm/test_vit", "dynamo")]
+    assert (vit["ms_b1"], vit["ms_b32"]) == ("0.2500", "1.5000")
+    assert vit["ratio_torch_compile"] == "0.800/1.250" and vit["ratio_per_op"] == "0.500/0.400"
+    assert (vit["gpu_date"], vit["gpu_commit"]) == ("2026-12-01", "abc1234")
+    assert vit["status"] == "ok" and vit["launches"] == "9"  # the CPU columns stay
+    bert = got[("transformers/bert", "dynamo")]
+    assert bert["ms_b1"] == "err" and bert["ms_b32"] == "" and bert["ratio_torch_compile"] == "err/-"
+    assert got[("timm/test_vit", "torchscript")]["ms_b1"] == ""  # the GPU leg times the default export
+    # The CPU leg rewriting a row keeps what the GPU leg measured.
+    cpu.update(str(expected), [{"model": "timm/test_vit", "family": "timm", "exporter": "dynamo", "status": "ok", "launches": 8}])  # fmt: skip
+    vit = _rows(expected)[("timm/test_vit", "dynamo")]
+    assert vit["launches"] == "8" and vit["ms_b1"] == "0.2500"
