@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     update(args.out, [], ROWS)
     plan = shard(todo(interleave(rows), exporters, read_rows(args.out), args.force), args.shard)
     print(f"{len(plan)} rows to run ({sum(len(e) for _, e in plan)} row-exporters) -> {args.out}", flush=True)
-    commit = _commit()
+    commit = os.environ.get("OPFUSE_COMMIT") or _commit()  # OPFUSE_COMMIT: a snapshot outside git
     for i, (row, left) in enumerate(plan):
         t0 = time.perf_counter()
         print(f"--- [{i + 1}/{len(plan)}] {row.name} {','.join(left)}", flush=True)
