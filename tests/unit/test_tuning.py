@@ -45,6 +45,9 @@ def launch(x, out, config=None):
         time.sleep(600)
     if fault == "raise":
         raise ValueError("no such config")
+    if fault == "wait":  # holds the worker until the test says go: a file appears
+        while not os.path.exists(c["go"]):
+            time.sleep(0.01)
     add_one[(triton.cdiv(out.numel(), c["BLOCK"]),)](x, out, out.numel(), BLOCK=c["BLOCK"])
     if fault == "wrong":  # as if compiled wrong at this config: a tile of the output is off
         out[:64] *= 3.0
@@ -449,9 +452,10 @@ class FinishedJob:
         pass
 
 
-def test_a_compile_job_is_waited_for_one_request_at_a_time() -> None:
+def test_a_compile_job_is_waited_for_one_request_at_a_time(tmp_path: Any) -> None:
     """submit returns at once; wait(i) blocks until request i is compiled; a cancelled job takes no
     more requests, and what it left out waits for nothing."""
+    go = tmp_path / "go"
     with CompilePool("cpu", workers=1) as compiler:
         job = compiler.submit([request(), request(fault="raise"), request(BLOCK=128)], launch=False)
         first = job.wait(0)
@@ -460,9 +464,16 @@ def test_a_compile_job_is_waited_for_one_request_at_a_time() -> None:
         assert second is not None and "ValueError" in (second.error or "")
         assert [r is not None and r.ok for r in job.results()] == [True, False, True]
 
-        job = compiler.submit([request(), request(BLOCK=128), request(BLOCK=32)], launch=False)
-        job.cancel()  # the worker takes at most the first (it compiles for a while): no more after
-        assert job.results()[1:] == [None, None]
+        # The first request holds the worker until `go` exists, so the cancel always comes while
+        # the worker is still on it (or before it took any): it takes no more after.
+        job = compiler.submit(
+            [request(fault="wait", go=str(go)), request(BLOCK=128), request(BLOCK=32)], launch=False
+        )
+        job.cancel()
+        go.touch()
+        results = job.results()
+        assert results[0] is None or results[0].ok
+        assert results[1:] == [None, None]
 
 
 @pytest.mark.skipif(
