@@ -37,6 +37,8 @@ API_VERSION = "1"
 
 # Requests whose bodies stream into the server (each route enforces its own size limit).
 STREAMED_UPLOADS = (("POST", r"/v1/models"), ("PUT", r"/v1/worker/jobs/[^/]+/artifact"))
+# Bodies with their own size limit (OPFUSE_MAX_REPORT_BYTES), for worker keys only.
+REPORT_BODIES = (("POST", r"/v1/worker/jobs/[^/]+/complete"),)
 
 
 def _location(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -132,6 +134,9 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
         max_json_bytes=settings.max_json_bytes,
         timeout_seconds=settings.request_timeout_seconds,
         streamed=STREAMED_UPLOADS,
+        idle_timeout_seconds=settings.body_idle_timeout_seconds,
+        max_report_bytes=settings.max_report_bytes,
+        reports=REPORT_BODIES,
     )
     app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outermost
     return app

@@ -17,9 +17,11 @@ from contextlib import contextmanager
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from service.app import create_app
 from service.bootstrap import ensure_local_keys, remove_server_info, write_server_info
+from service.connections import MAX_HEADER_BYTES, guarded_h11
 from service.logging import configure_logging, get_logger
 from service.settings import Settings
 
@@ -97,6 +99,22 @@ def _quiet_after_shutdown() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """How uvicorn serves the API: h11 with the connection limits of service.connections (slow
+    headers → 408, connections per client address), idle keep-alive connections closed after
+    OPFUSE_KEEP_ALIVE_SECONDS, headers at most MAX_HEADER_BYTES."""
+    return uvicorn.Config(
+        app,
+        http=guarded_h11(settings.max_connections_per_client, settings.header_timeout_seconds),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        timeout_keep_alive=settings.keep_alive_seconds,  # type: ignore[arg-type]
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
+
+
 def run_server(settings: Settings, on_started: Callable[[], None] | None = None) -> None:
     """Serve the API on settings.host:port until SIGINT/SIGTERM; `on_started` runs once it accepts
     connections (server.json is written by then)."""
@@ -105,13 +123,7 @@ def run_server(settings: Settings, on_started: Callable[[], None] | None = None)
     ensure_local_keys(settings)  # migrates the database first
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(settings, run_migrations=False),
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=10,
-    )
+    config = server_config(create_app(settings, run_migrations=False), settings)
     server = _Server(config, on_started)
     write_server_info(settings, port)
     log.info("serving", extra={"url": f"http://{settings.host}:{port}", "home": str(settings.home)})

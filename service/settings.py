@@ -46,8 +46,17 @@ class Settings(BaseSettings):
     # How much smaller than its content a zip entry may be (weights barely compress; a bomb does).
     max_zip_ratio: float = Field(default=100.0, ge=1.0)
     max_artifact_bytes: int = Field(default=4 * GiB, gt=0)
-    max_json_bytes: int = Field(default=16 * MiB, gt=0)
+    max_json_bytes: int = Field(default=MiB, gt=0)
+    # The worker's POST /v1/worker/jobs/{id}/complete carries the report (worker keys only).
+    max_report_bytes: int = Field(default=16 * MiB, gt=0)
     request_timeout_seconds: float = Field(default=600.0, gt=0)
+    # How long a request body may go without a byte arriving (408).
+    body_idle_timeout_seconds: float = Field(default=30.0, gt=0)
+    # Connections: the request line and headers must arrive within this (408), an idle keep-alive
+    # connection is closed after this, and one client address may hold this many at once (0: any).
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
+    keep_alive_seconds: float = Field(default=5.0, gt=0)
+    max_connections_per_client: int = Field(default=64, ge=0)
     rate_limit_per_min: int = Field(default=1200, ge=0)  # per API key (not worker keys); 0: no limit
     auth_failures_per_min: int = Field(default=20, ge=0)  # wrong keys per client address; 0: no limit
     max_queued_jobs_per_tenant: int = Field(default=1000, ge=0)  # 0: no limit

@@ -61,22 +61,36 @@ def get_session(factory: SessionFactoryDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
+# Where BodyLimitsMiddleware leaves the principal it resolved before reading a body (scope["state"]).
+PRINCIPAL_STATE = "opfuse_principal"
+
+
+def authenticate_request(
+    failures: FailedAuthLimiter, factory: sessionmaker[Session], authorization: str | None, address: str
+) -> Principal:
+    """The caller of a request, or UnauthorizedError / 429 (too many failed attempts from `address`)."""
+    failures.check(address)
+    # Its own short transaction: the request's transaction starts only when the route needs it
+    # (an upload streams for a long time before that).
+    with factory() as session:
+        try:
+            return authenticate(session, authorization)
+        except InvalidKeyError:
+            failures.failed(address)
+            raise
+
+
 def get_principal(
     request: Request,
     factory: SessionFactoryDep,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    # Its own short transaction: the request's transaction starts only when the route needs it
-    # (an upload streams for a long time before that).
-    failures: FailedAuthLimiter = request.app.state.auth_failures
-    address = request.client.host if request.client is not None else ""
-    failures.check(address)
-    with factory() as session:
-        try:
-            principal = authenticate(session, request.headers.get("authorization"))
-        except InvalidKeyError:
-            failures.failed(address)
-            raise
+    principal = request.scope.get("state", {}).get(PRINCIPAL_STATE)
+    if not isinstance(principal, Principal):  # a request without a body: not resolved before
+        address = request.client.host if request.client is not None else ""
+        principal = authenticate_request(
+            request.app.state.auth_failures, factory, request.headers.get("authorization"), address
+        )
     if principal.scope != Scope.WORKER:  # workers poll by design; their pace is the fleet's
         limiter: RateLimiter = request.app.state.rate_limiter
         limiter.take(principal.key_id)
