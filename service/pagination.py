@@ -11,15 +11,17 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, or_
+from sqlalchemy import BigInteger, ColumnElement, Integer, Select, and_, or_
 from sqlalchemy.orm import Session
 
 from service.errors import BadRequestError, UnprocessableError
+from service.models import is_id
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
@@ -64,30 +66,44 @@ def _bad_cursor() -> BadRequestError:
     )
 
 
+# Numbers a cursor may carry: what a float holds exactly (every stored value is within it).
+MAX_CURSOR_NUMBER = 2**53
+
+
 def decode_cursor(cursor: str, ordering: Ordering) -> tuple[Any, str]:
+    """The (value, id) a cursor of `ordering` holds; 400 for anything encode_cursor could not have
+    written (bad base64 or JSON, another order, an id that is no id, a time or number out of range),
+    so nothing a client forges reaches the database."""
     try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        name, value, row_id = json.loads(raw)
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):
+        raw = base64.urlsafe_b64decode(cursor.encode("ascii") + b"=" * (-len(cursor) % 4))
+        decoded = json.loads(raw)
+    except (ValueError, TypeError, binascii.Error, UnicodeError, RecursionError):
         raise _bad_cursor() from None
+    if not isinstance(decoded, list) or len(decoded) != 3:
+        raise _bad_cursor()
+    name, value, row_id = decoded
+    if not isinstance(name, str) or not isinstance(row_id, str) or not is_id(row_id):
+        raise _bad_cursor()
     if name != ordering.name:
         raise BadRequestError(
-            f"this cursor is for order_by={name}, not {ordering.name}; keep order_by the same while "
-            "paging, or omit the cursor to start over"
+            f"this cursor is for order_by={name.encode('unicode_escape').decode('ascii')[:40]}, not "
+            f"{ordering.name}; keep order_by the same while paging, or omit the cursor to start over"
         )
-    if not isinstance(row_id, str):
-        raise _bad_cursor()
     if value is None:
         return None, row_id
     try:
         if ordering.is_time:
+            if not isinstance(value, str):
+                raise ValueError("not a time")
             when = datetime.fromisoformat(value)
             if when.tzinfo is None:
                 raise ValueError("naive")
-            return when, row_id
+            return when.astimezone(UTC), row_id  # OverflowError for times UTC cannot hold
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError("not a number")
-    except (ValueError, TypeError):
+        if not math.isfinite(value) or abs(value) > MAX_CURSOR_NUMBER:
+            raise ValueError("out of range")
+    except (ValueError, TypeError, OverflowError):
         raise _bad_cursor() from None
     return value, row_id
 
@@ -101,6 +117,15 @@ def _after(column: Any, row_id: Any, value: Any, after_id: str, descending: bool
     return or_(later_value, and_(column == value, later_id), column.is_(None))
 
 
+def _within_column(column: Any, value: Any) -> Any:
+    """`value` brought into an integer column's range (PostgreSQL refuses to compare an INTEGER with
+    a number it cannot hold); a forged cursor past the range pages from the range's end."""
+    if not isinstance(value, int | float) or not isinstance(column.type, Integer):
+        return value
+    bound = 2**63 - 1 if isinstance(column.type, BigInteger) else 2**31 - 1
+    return max(-bound, min(bound, value))
+
+
 def paginate(
     session: Session, stmt: Select[Any], entity: Any, ordering: Ordering, limit: int, cursor: str | None
 ) -> tuple[list[Any], str | None]:
@@ -109,6 +134,7 @@ def paginate(
     column, row_id = getattr(entity, ordering.column), entity.id
     if cursor is not None:
         value, after_id = decode_cursor(cursor, ordering)
+        value = _within_column(column, value)
         stmt = stmt.where(_after(column, row_id, value, after_id, ordering.descending))
     if ordering.descending:
         stmt = stmt.order_by(column.desc().nulls_last(), row_id.desc())
