@@ -8,6 +8,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from opfuse.graph import Graph
+from opfuse.passes.rules import Pass, PassContext, RuleLog
+
 # Where the fusion tests run their compiled models: the CPU (Triton's interpreter) in CI; on the GPU
 # machine `OPFUSE_TEST_DEVICE=cuda` runs the same tests, and the same assertions, on the device.
 TEST_DEVICE = os.environ.get("OPFUSE_TEST_DEVICE", "cpu")
@@ -135,3 +138,21 @@ def conv_bn_relu(channels: int = 4, out_channels: int = 8, size: int = 8, seed: 
     model.ir_version = 8
     onnx.checker.check_model(model)
     return model
+
+
+def graph_of(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> Graph:
+    """The model as the passes see it: loaded, checked and specialized to `shapes`, as opfuse.compile
+    does before its passes (no ONNX-level folding)."""
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.graph import graph_from_onnx
+    from opfuse.runtime.ops import SUPPORTED_OPS
+
+    _, specialized = load_and_specialize(model, shapes or {}, SUPPORTED_OPS)
+    return graph_from_onnx(specialized)
+
+
+def run_pass(graph: Graph, rule: Pass, disabled: tuple[str, ...] = (), device: str = "cpu") -> RuleLog:
+    """Run one pass of the pipeline on `graph` (in place); what fired and why candidates did not."""
+    ctx = PassContext(frozenset(disabled), device=device)
+    rule.apply(graph, ctx)
+    return ctx.log

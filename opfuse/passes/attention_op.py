@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
-RULE = "attention_op"
+RULE = names.ATTENTION_OP
 FLOAT_TYPES = ("float32", "float16")
 
 
@@ -119,6 +120,4 @@ attention_op = Rule(
     _match,
     _check,
     _rewrite,
-    doc="Attention-23 (4-D, no cache) becomes Transpose, MatMul, Mul, [mask], Softmax, MatMul: the "
-    "spelling the attention rule fuses into one flash-attention kernel.",
 )

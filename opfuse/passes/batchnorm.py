@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.cleanup import replace_uses
 from opfuse.passes.rules import Rule
@@ -65,11 +66,10 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 fold_batchnorm = Rule(
-    "fold_batchnorm",
+    names.FOLD_BATCHNORM,
     _match,
     _check,
     _rewrite,
-    doc="Conv followed by inference BatchNormalization becomes one Conv with scaled weights and a new bias.",
 )
 
 
@@ -111,10 +111,8 @@ def _rewrite_affine(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 batchnorm_to_affine = Rule(
-    "batchnorm_to_affine",
+    names.BATCHNORM_TO_AFFINE,
     _match_affine,
     _check_affine,
     _rewrite_affine,
-    doc="A BatchNormalization that cannot fold into a Conv becomes x*a + b with per-channel constants, "
-    "which then fuse with their neighbours (BN+Relu in one kernel).",
 )

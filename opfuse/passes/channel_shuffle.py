@@ -22,10 +22,11 @@ import itertools
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import RuleLog
 
-RULE = "fold_channel_shuffle"
+RULE = names.FOLD_CHANNEL_SHUFFLE
 MAX_WEIGHT_GROWTH = 2  # a conv reading a gathered subset: its weight grows by C_X / len(indices)
 ACTIVATIONS = ("Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Softplus")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import Rule
 
@@ -46,9 +47,8 @@ def _rewrite_noop(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 eliminate_noops = Rule(
-    "eliminate_noops",
+    names.ELIMINATE_NOOPS,
     _match_noop,
     _check_noop,
     _rewrite_noop,
-    doc="Identity and inference-time Dropout compute nothing: their consumers read the input directly.",
 )

@@ -15,10 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
-RULE = "merge_concat_convs"
+RULE = names.MERGE_CONCAT_CONVS
 # The template skips zero taps; the vendor convolution (a tuning choice) computes them: at most this
 # many times the branches' own multiply-adds (SqueezeNet's 1x1 + 3x3: 1.8x).
 MAX_PADDED_WORK = 2.0
@@ -198,6 +199,4 @@ merge_concat_convs = Rule(
     _match,
     _check,
     _rewrite,
-    doc="Convolutions of one input concatenated along channels become one convolution that writes "
-    "the Concat's output (the taps a branch lacks are zeros, which the template skips).",
 )

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
@@ -81,9 +82,8 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 gather_to_slice = Rule(
-    "gather_to_slice",
+    names.GATHER_TO_SLICE,
     _match,
     _check,
     _rewrite,
-    doc="Gather by constant consecutive indices becomes a Slice (and Reshape): a view, not a kernel.",
 )

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.cleanup import replace_uses
 from opfuse.passes.rules import Rule
@@ -90,9 +91,8 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 gemm_to_matmul = Rule(
-    "gemm_to_matmul",
+    names.GEMM_TO_MATMUL,
     _match,
     _check,
     _rewrite,
-    doc="A linear layer written as Reshape → Gemm → Reshape becomes MatMul + Add on the unflattened tensor.",
 )

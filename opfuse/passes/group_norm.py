@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
@@ -108,10 +109,8 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 group_norm = Rule(
-    "group_norm",
+    names.GROUP_NORM,
     _match,
     _check,
     _rewrite,
-    doc="Reshape → InstanceNormalization → Reshape → Mul → Add (GroupNorm written out) becomes one "
-    "GroupNormalization node with per-channel scale and bias.",
 )

@@ -28,11 +28,12 @@ import numpy as np
 
 from opfuse.codegen.conv import is_depthwise
 from opfuse.codegen.pointwise import EMITTERS
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
-RULE = "channels_last"
-FP32_DENSE_RULE = "fp32_dense_nchw"  # keeps a dense-only conv region NCHW in fp32 on the GPU
+RULE = names.CHANNELS_LAST
+FP32_DENSE_RULE = names.FP32_DENSE_NCHW  # keeps a dense-only conv region NCHW in fp32 on the GPU
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 FLOAT_TYPES = ("float32", "float16", "bfloat16")

@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.pointwise import scalar_constant
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
 from opfuse.passes.rules import Rule
 
-RULE = "local_response_norm"
+RULE = names.LOCAL_RESPONSE_NORM
 
 
 def _single(graph: Graph, name: str, op_types: tuple[str, ...]) -> Node | None:
@@ -154,6 +155,4 @@ local_response_norm = Rule(
     _match,
     _check,
     _rewrite,
-    doc="Mul(x, x) → Reshape → Pad → AveragePool over channels → Reshape → Mul → Add → Pow → Div "
-    "(LocalResponseNorm written out) becomes one LRN node, where the padding is ONNX LRN's window.",
 )

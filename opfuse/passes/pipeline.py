@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from opfuse.frontend import rule_registry as names
 from opfuse.frontend.load import infer_shapes
 from opfuse.graph import Graph
 from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
-from opfuse.passes.channel_shuffle import RULE as SHUFFLE_RULE
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.concat_convs import merge_concat_convs
@@ -21,21 +21,31 @@ from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
 from opfuse.passes.indices import check_constant_indices
-from opfuse.passes.layout import RULE as LAYOUT_RULE
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
-from opfuse.passes.projections import MERGE_RULE, merge_projections
+from opfuse.passes.projections import merge_projections
 from opfuse.passes.rotary import rotate_half
-from opfuse.passes.rules import NotFired, Rule, RuleLog, apply_rules
-from opfuse.passes.shortcut_conv import RULE as SHORTCUT_RULE
+from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
 from opfuse.passes.shortcut_conv import shortcut_conv
-from opfuse.passes.sibling_convs import RULE as SIBLING_RULE
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
 
 log = logging.getLogger(__name__)
 
-# Applied in this order; each can be disabled per job by name (JobCreate.fusion.disable).
-RULES: list[Rule] = [
+
+def _fold(graph: Graph, ctx: PassContext) -> None:
+    fold_constant_nodes(graph)
+
+
+def _channels_last(graph: Graph, ctx: PassContext) -> None:
+    to_channels_last(graph, ctx.log, ctx.precision, ctx.device, ctx.disabled)
+
+
+# The graph passes in the order they run (the registry's order; constants are folded again after
+# the rewrites). Each runs unless the job turned it off, or a rule it requires, by name
+# (JobCreate.fusion.disable; the prerequisites are the registry's).
+PASSES: tuple[Pass, ...] = (
+    GraphRule(names.CHECK_INDICES, lambda g, ctx: check_constant_indices(g)),  # before a fold could hide one
+    GraphRule(names.FOLD_CONSTANTS, _fold),
     eliminate_noops,
     attention_op,
     gather_to_slice,
@@ -47,7 +57,17 @@ RULES: list[Rule] = [
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
-]
+    GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
+    GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),
+    GraphRule(names.CHANNELS_LAST, _channels_last, options=(names.FP32_DENSE_NCHW,)),
+    # Only the conv template runs the shortcut's K loop (the per-op form is three library
+    # launches). Before the sibling merge, which would take the shortcut into a conv of its input.
+    GraphRule(names.SHORTCUT_CONV, lambda g, ctx: shortcut_conv(g, ctx.log)),
+    # Only the conv template writes the merged conv's Split as separate buffers.
+    GraphRule(names.MERGE_SIBLING_CONVS, lambda g, ctx: merge_sibling_convs(g, ctx.log)),
+    GraphRule(names.FOLD_CONSTANTS, _fold),
+    GraphRule(names.DROP_UNUSED_CONSTANTS, lambda g, ctx: drop_unused_constants(g)),
+)
 
 
 @dataclass
@@ -85,25 +105,8 @@ def optimize_onnx(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
 def run_passes(
     graph: Graph, disabled: Iterable[str] = (), precision: str = "fp32", device: str = "cpu"
 ) -> PassResult:
-    disabled = frozenset(disabled)
-    rule_log = RuleLog()
-    check_constant_indices(graph)  # before folding or gather_to_slice could hide one out of range
-    fold_constant_nodes(graph)
-    apply_rules(graph, RULES, set(disabled), rule_log)
-    if SHUFFLE_RULE not in disabled:
-        fold_channel_shuffles(graph, rule_log)
-    if MERGE_RULE not in disabled:
-        merge_projections(graph, rule_log)
-    if LAYOUT_RULE not in disabled:
-        to_channels_last(graph, rule_log, precision, device, disabled)
-        if SHORTCUT_RULE not in disabled and "conv_epilogue" not in disabled:
-            # Only the conv template runs the shortcut's K loop (the per-op form is three library
-            # launches). Before the sibling merge, which would take the shortcut into a conv of
-            # its input.
-            shortcut_conv(graph, rule_log)
-        if SIBLING_RULE not in disabled and "conv_epilogue" not in disabled:
-            # Only the conv template writes the merged conv's Split as separate buffers.
-            merge_sibling_convs(graph, rule_log)
-    fold_constant_nodes(graph)
-    drop_unused_constants(graph)
-    return PassResult(fired=rule_log.fired, not_fired=rule_log.not_fired)
+    ctx = PassContext(frozenset(disabled), precision, device)
+    for p in PASSES:
+        if names.enabled(p.name, ctx.disabled):
+            p.apply(graph, ctx)
+    return PassResult(fired=ctx.log.fired, not_fired=ctx.log.not_fired)

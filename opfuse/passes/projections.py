@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
-MERGE_RULE = "merge_projections"
+MERGE_RULE = names.MERGE_PROJECTIONS
 
 
 def _projection(graph: Graph, mm: Node) -> tuple[Node | None, str] | None:

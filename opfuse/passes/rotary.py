@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
@@ -98,10 +99,8 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 rotate_half = Rule(
-    "rotate_half",
+    names.ROTATE_HALF,
     _match,
     _check,
     _rewrite,
-    doc="Concat(-x[..., h:], x[..., :h]) (rotary embeddings) becomes x @ R, a signed permutation: "
-    "one GEMM whose epilogue takes the rest of the rotation.",
 )

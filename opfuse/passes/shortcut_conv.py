@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.conv import NHWC_CONV, has_shortcut
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.concat_convs import constant_weights_reason
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
-RULE = "shortcut_conv"
+RULE = names.SHORTCUT_CONV
 
 
 def _match(graph: Graph, node: Node) -> list[Node] | None:

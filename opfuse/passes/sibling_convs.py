@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.conv import has_shortcut
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.concat_convs import merged_conv, merged_window
 from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
 
-RULE = "merge_sibling_convs"
+RULE = names.MERGE_SIBLING_CONVS
 NHWC_CONV = "opfuse.ConvNHWC"
 
 
@@ -98,7 +99,7 @@ def _rewrite(graph: Graph, convs: list[Node], layout: dict[str, Any]) -> None:
     graph.splice(graph.nodes.index(first), new, {c.id for c in convs})
 
 
-SUM_RULE = "sum_sibling_convs"
+SUM_RULE = names.SUM_SIBLING_CONVS
 
 
 def _sum_match(graph: Graph, node: Node) -> dict[str, Any] | None:
@@ -155,6 +156,4 @@ sum_sibling_convs = Rule(
     _sum_match,
     _sum_check,
     _sum_rewrite,
-    doc="Two convolutions of one input added together are one convolution whose weight is their "
-    "sum (each kernel placed in the bounding window) and whose bias is the sum of theirs.",
 )

@@ -74,3 +74,25 @@ def test_compile_with_every_rule_off_matches_the_model() -> None:
     (ref,) = onnxruntime.InferenceSession(model.SerializeToString()).run(None, {"x": x})
     (out,) = cm.run({"x": x}).values()
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_pass_pipeline_is_the_registrys_graph_passes_in_order() -> None:
+    from opfuse.passes.pipeline import PASSES
+    from opfuse.passes.rules import GraphRule
+
+    run = list(dict.fromkeys(p.name for p in PASSES))  # constants are folded twice
+    inside = [o for p in PASSES if isinstance(p, GraphRule) for o in p.options]
+    listed = [r.name for r in registry.stage_rules(registry.GRAPH_PASS)]
+    assert [n for n in listed if n not in inside] == run
+    assert all(p.doc == registry.RULES[p.name].doc for p in PASSES)
+
+
+def test_a_pass_whose_prerequisite_is_off_does_not_run() -> None:
+    from opfuse.passes.pipeline import run_passes
+    from tests.builders import conv_bn_relu, graph_of
+
+    graph = graph_of(conv_bn_relu(), {"x": [2, 4, 8, 8]})
+    graph_off = graph.copy()
+    assert run_passes(graph).fired.get(registry.CHANNELS_LAST, 0) > 0
+    fired = run_passes(graph_off, [registry.CHANNELS_LAST]).fired
+    assert registry.CHANNELS_LAST not in fired and registry.FOLD_BATCHNORM in fired
