@@ -371,6 +371,60 @@ def run_row(row: Any, exporters: list[str], timeout_s: float, log: Any) -> list[
         return results
 
 
+def _reason_key(row: Mapping[str, str]) -> str:
+    """A failure's reason with the row's own names taken out, so like failures group together."""
+    import re
+
+    err = row.get("error", "")
+    if row["status"] == "unsupported" and row.get("unsupported_ops"):
+        return "unsupported ops: " + row["unsupported_ops"]
+    err = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", err)
+    err = re.sub(r"\d+", "N", err)
+    return err[:120]
+
+
+def summary(path: str) -> str:
+    """The file's figures: rows run, exported / compiled / verified shares, the geomean of launches
+    per compute node over verified rows, and the failures grouped by status and reason."""
+    rows = list(read_rows(path).values())
+    ran = [r for r in rows if r["status"] not in ("", "not_run")]
+    n_models = len({r["model"] for r in rows})
+    lines = [f"{len(rows)} rows ({n_models} models, each with {', '.join(EXPORTERS)}), {len(ran)} run"]
+    if not ran:
+        return "\n".join(lines)
+
+    def share(key: str) -> str:
+        n = sum(r[key] == "true" for r in ran)
+        return f"{n}/{len(ran)} ({100 * n / len(ran):.0f}%)"
+
+    lines.append(f"exported {share('exported')}, compiled {share('compiled')}, verified {share('verified')}")
+    compiled = [r for r in ran if r["compiled"] == "true"]
+    if compiled:
+        n_ok = sum(r["verified"] == "true" for r in compiled)
+        lines.append(f"verified among compiled: {n_ok}/{len(compiled)}")
+    lpn = [float(r["launches_per_node"]) for r in ran if r["verified"] == "true" and r["launches_per_node"]]
+    if lpn:
+        geo = math.exp(sum(math.log(max(v, 1e-9)) for v in lpn) / len(lpn))
+        lines.append(f"launches per compute node, geomean over {len(lpn)} verified rows: {geo:.3f}")
+    cov = [float(r["fused_coverage"]) for r in ran if r["verified"] == "true" and r["fused_coverage"]]
+    if cov:
+        lines.append(f"fused coverage, mean over {len(cov)} verified rows: {sum(cov) / len(cov):.3f}")
+    for exporter in EXPORTERS:
+        sub = [r for r in ran if r["exporter"] == exporter]
+        if sub:
+            ok = sum(r["status"] == "ok" for r in sub)
+            lines.append(f"  {exporter}: {ok}/{len(sub)} ok")
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in ran:
+        if r["status"] not in ("ok", "compiled"):
+            groups.setdefault((r["status"], _reason_key(r)), []).append(f"{r['model']}[{r['exporter'][0]}]")
+    lines.append("failures by reason:")
+    for (status, why), names in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        lines.append(f"  {len(names):3d} {status}: {why}\n        {shown}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -383,6 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force", action="store_true", help="rerun rows already in the file")
     ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row and exporter")
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    ap.add_argument("--summary", action="store_true", help="print the file's figures and exit")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one row, in its own process
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -392,6 +447,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--exporter: unknown {', '.join(bad)}; choose from {', '.join(EXPORTERS)}")
     if args.worker:
         worker(args.worker, exporters, args.result)
+        return
+    if args.summary:
+        print(summary(args.out))
         return
 
     from bench.corpus.models import ROWS, select
@@ -415,8 +473,8 @@ def main(argv: list[str] | None = None) -> None:
         for res in results:
             res["cpu_commit"] = commit
         update(args.out, results)
-        summary = ", ".join(f"{r['exporter']}: {r['status']}" for r in results)
-        print(f"    {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        said = ", ".join(f"{r['exporter']}: {r['status']}" for r in results)
+        print(f"    {said} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

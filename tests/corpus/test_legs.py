@@ -121,3 +121,36 @@ def test_gpu_merge_fills_the_default_exporters_gpu_columns(tmp_path: Path) -> No
     cpu.update(str(expected), [{"model": "timm/test_vit", "family": "timm", "exporter": "dynamo", "status": "ok", "launches": 8}])  # fmt: skip
     vit = _rows(expected)[("timm/test_vit", "dynamo")]
     assert vit["launches"] == "8" and vit["ms_b1"] == "0.2500"
+
+
+def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) -> None:
+    out = tmp_path / "expected.csv"
+    rows = models.select(["timm/test_vit", "transformers/bert"])
+    cpu.update(str(out), [], rows)
+    base = {"family": "timm", "exported": True, "compiled": True, "verified": True}
+    ok = {**base, "status": "ok", "launches_per_node": 0.25, "fused_coverage": 0.9}
+    crash = {"exported": True, "compiled": False, "verified": False, "status": "crash"}
+    cpu.update(
+        str(out),
+        [
+            {**ok, "model": "timm/test_vit", "exporter": "dynamo"},
+            {**ok, "model": "timm/test_vit", "exporter": "torchscript", "launches_per_node": 0.16},
+            {
+                **crash,
+                "model": "transformers/bert",
+                "exporter": "dynamo",
+                "error": "ValueError: shape (2,) of 'a'",
+            },
+            {
+                **crash,
+                "model": "transformers/bert",
+                "exporter": "torchscript",
+                "error": "ValueError: shape (3,) of 'b'",
+            },
+        ],
+    )
+    text = cpu.summary(str(out))
+    assert "4 rows (2 models, each with dynamo, torchscript), 4 run" in text
+    assert "exported 4/4 (100%), compiled 2/4 (50%), verified 2/4 (50%)" in text
+    assert "geomean over 2 verified rows: 0.200" in text
+    assert "2 crash: ValueError: shape (N,) of '…'" in text
