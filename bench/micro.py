@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import opfuse
 from opfuse.runtime.executor import Executor
-from opfuse.tuning_pool import cuda_graph_ms
+from opfuse.tuning.pool import cuda_graph_ms
 
 BANDWIDTH_CASES = {
     # name: (op chain, shape)

@@ -201,7 +201,7 @@ def compile(
     device = _resolve_device(device)
     compile_pool = None
     if device.startswith("cuda"):
-        from opfuse.tuning_pool import CompilePool
+        from opfuse.tuning.pool import CompilePool
 
         # Started by _compile once the plan shows it will be used; closed however compile ends.
         compile_pool = CompilePool(device)
@@ -411,7 +411,7 @@ def _compile(
         if pre.start_error:
             tuning["error"] = (
                 f"{pre.start_error}; the kernels were not compiled ahead (each compiles at its first run "
-                "here). Check that `python -m opfuse.tuning_pool` starts on this host: it must import "
+                "here). Check that `python -m opfuse.tuning.pool` starts on this host: it must import "
                 "opfuse, torch and triton"
             )
         if unsafe or pre.refit:
@@ -742,7 +742,7 @@ def _tune(
         unsafe_reasons,
         variant_group_times,
     )
-    from opfuse.tuning_pool import CompilePool, TuningPool
+    from opfuse.tuning.pool import CompilePool, TuningPool
 
     cache = cache or TuningCache()
     record: dict[str, Any] = {"kernels": {}, "variants": {}}
@@ -916,7 +916,7 @@ def _tune(
         why = pool.start_error or pre.start_error or "no worker answered"
         record["error"] = (
             f"{why}; {len(no_worker)} kernels run untuned at their default launch configs (verified as "
-            "usual). Check that `python -m opfuse.tuning_pool` starts on this host: it must import "
+            "usual). Check that `python -m opfuse.tuning.pool` starts on this host: it must import "
             "opfuse, torch and triton"
         )
     cache.save()

@@ -1,7 +1,7 @@
 """Tuning on the GPU: launch configs per kernel, and template vs vendor for each anchor group.
 
 Every candidate is timed with CUDA events on random inputs of the kernel's real shapes, in a worker
-process (tuning_pool.py): a candidate that fails scores infinity, and one that crashes or hangs the
+process (tuning/pool.py): a candidate that fails scores infinity, and one that crashes or hangs the
 worker is killed with it instead of the compiler. Results are cached by kernel signature, GPU and
 versions, so compiling the same model again reuses them. A time budget bounds the work: kernels not
 reached keep their default config.
@@ -25,7 +25,7 @@ from opfuse.codegen.rowwise import MIN_TILED_COLUMNS, rows_per_program
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
-from opfuse.tuning_pool import CompileJob, CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
+from opfuse.tuning.pool import CompileJob, CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
 
 # Variations tried around each kernel's own starting config (codegen picks it from the shapes).
 CANDIDATES: dict[str, list[dict[str, Any]]] = {
@@ -235,7 +235,7 @@ def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:
 
 
 def time_launch(fn: Any, reps: int = 10) -> float:
-    """Device time of one launch, timed in this process (see tuning_pool.cuda_graph_ms)."""
+    """Device time of one launch, timed in this process (see tuning.pool.cuda_graph_ms)."""
     return cuda_graph_ms(fn, reps)
 
 
@@ -580,7 +580,7 @@ def agreeing_configs(
     majority that agrees wins and the rest are outvoted; without one, no config is trusted and the
     kernel counts as crashed (its group is not fused). Returns (kept, outvoted configs, crash reason).
     """
-    from opfuse.tuning_pool import fingerprints_agree
+    from opfuse.tuning.pool import fingerprints_agree
 
     printed = [r for r in ran if r[2] is not None]
     clusters: list[list[tuple[dict[str, Any], float, tuple[float, ...] | None]]] = []

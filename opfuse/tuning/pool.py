@@ -1,7 +1,7 @@
 """Time tuning candidates in a killable worker process, so that a generated kernel that crashes or
 hangs scores infinity instead of taking the compiler down (TorchInductor's autotune process).
 
-One worker serves a tuning session: a fresh interpreter (`python -m opfuse.tuning_pool`, never a
+One worker serves a tuning session: a fresh interpreter (`python -m opfuse.tuning.pool`, never a
 fork: the parent may hold a CUDA context) that imports torch once and times requests sent over a
 socket pair. A worker that dies, or outlives a request's timeout, is killed; the next request
 starts a new one. This module imports neither torch nor triton in the parent.
@@ -28,7 +28,7 @@ from typing import IO, Any
 
 DEFAULT_TIMEOUT_S = 30.0  # per candidate: covers a Triton compile on the GPU
 START_TIMEOUT_S = 120.0  # python, torch and the CUDA context of a new worker
-TIMERS = {"cuda": "opfuse.tuning_pool:cuda_graph_ms", "cpu": "opfuse.tuning_pool:wall_clock_ms"}
+TIMERS = {"cuda": "opfuse.tuning.pool:cuda_graph_ms", "cpu": "opfuse.tuning.pool:wall_clock_ms"}
 
 TensorShape = tuple[Sequence[int], str]  # (shape, dtype name as in TensorSpec)
 
@@ -137,7 +137,8 @@ def child_env() -> dict[str, str]:
     PYTHONPATH (the folder holding this opfuse, then sys.path), so a worker imports the same opfuse
     and the same modules, also where opfuse is used from a source tree rather than installed."""
     env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The folder holding this opfuse: three levels above opfuse/tuning/pool.py.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths: list[str] = []
     for entry in [here, *sys.path, *env.get("PYTHONPATH", "").split(os.pathsep)]:
         if entry and os.path.abspath(entry) not in paths:  # "" (the working folder): the child's own
@@ -214,7 +215,7 @@ class TuningPool:
         self.spawns += 1
         # Same process group as the parent: whoever kills a compile job's group kills this too.
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "opfuse.tuning_pool", str(child_end.fileno()), self.device, self.timer],
+            [sys.executable, "-m", "opfuse.tuning.pool", str(child_end.fileno()), self.device, self.timer],
             stdin=subprocess.DEVNULL,
             stdout=self._stderr,
             stderr=self._stderr,

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from opfuse.tuning_pool import CompilePool, Timing, TimingRequest, TuningPool, compile_workers
+from opfuse.tuning.pool import CompilePool, Timing, TimingRequest, TuningPool, compile_workers
 
 # A kernel module as codegen writes one; `fault` in the config makes its launch misbehave.
 SOURCE = """
@@ -171,7 +171,7 @@ def test_crashed_kernel_keeps_its_default_and_is_not_retried(
 )
 def test_inprocess_switch_times_here(tuning: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tuning_pool import wall_clock_ms
+    from opfuse.tuning.pool import wall_clock_ms
 
     monkeypatch.setenv("OPFUSE_TUNE_INPROCESS", "1")
     monkeypatch.setattr(tuning, "time_launch", wall_clock_ms)  # no CUDA here
@@ -484,7 +484,7 @@ def test_compile_only_runs_nothing_under_the_interpreter() -> None:
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tuning_pool import _compile_only
+    from opfuse.tuning.pool import _compile_only
 
     module = load_kernel_module(HELPER_SOURCE, True)
     assert "def plus_one" in HELPER_SOURCE and "plus_one(tl.load" in HELPER_SOURCE
@@ -569,7 +569,7 @@ def test_lone_anchor_runs_its_template_only_when_measured_faster(
 def test_fingerprints_tell_a_wrong_tile_from_rounding() -> None:
     import torch
 
-    from opfuse.tuning_pool import fingerprint, fingerprints_agree
+    from opfuse.tuning.pool import fingerprint, fingerprints_agree
 
     torch.manual_seed(3)
     y = torch.randn(64, 72)
@@ -626,8 +626,8 @@ def test_tuning_caches_of_two_processes_merge_on_save(tuning: Any) -> None:
 def test_fingerprint_in_chunks_sees_every_element(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from opfuse import tuning_pool
-    from opfuse.tuning_pool import fingerprint, fingerprints_agree
+    from opfuse.tuning import pool as tuning_pool
+    from opfuse.tuning.pool import fingerprint, fingerprints_agree
 
     monkeypatch.setattr(tuning_pool, "FINGERPRINT_CHUNK", 100)
     y = torch.randn(1000)
@@ -938,7 +938,7 @@ def test_compile_workers_that_cannot_start_fail_no_kernel(
 ) -> None:
     """Compile workers that cannot import opfuse: nothing counts as failed to compile, the
     candidates go to the tuner's worker; one worker of two broken: the other compiles everything."""
-    from opfuse import tuning_pool
+    from opfuse.tuning import pool as tuning_pool
 
     monkeypatch.setitem(tuning.CANDIDATES, "pointwise", [{}, {"BLOCK": 128}])
     real = tuning_pool.child_env
@@ -995,7 +995,8 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     import json
 
     import opfuse
-    from opfuse import tune, tuning_pool
+    from opfuse import tune
+    from opfuse.tuning import pool as tuning_pool
     from tests.builders import TEST_DEVICE
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))
