@@ -1,5 +1,9 @@
-"""Content-addressed blobs in the database: `blobs` (sha256, size) and `blob_chunks` (the bytes in
+"""Content-addressed blobs in the database: `blobs` (key, size) and `blob_chunks` (the bytes in
 pieces of `blob_chunk_bytes`, each with its own sha256).
+
+A blob's key is its bytes' sha256 (bundles), or, for a tenant's upload, the sha256 of the tenant
+and the bytes' sha256 (`scoped_key`): tenants share no blob, so an upload does the same work
+whether or not another tenant holds the same bytes, and its timing tells nothing about them.
 
 A blob is written in the caller's transaction, so it appears together with the row that references
 it, or not at all. It is read back one chunk per short transaction (a download never holds the
@@ -27,10 +31,19 @@ class BlobCorruptError(Exception):
     """Stored bytes do not match their sha256 (or pieces are missing): the database is damaged."""
 
 
-def store_blob(session: Session, spool: UploadSpool, chunk_bytes: int) -> str:
-    """Store the spool's bytes under their sha256 (once: the same bytes again are not copied);
-    returns the key. Runs in the caller's transaction."""
-    key = spool.sha256
+def scoped_key(scope: str, content_sha256: str) -> str:
+    """The key of bytes with `content_sha256` stored for `scope` (e.g. `tenant:7`)."""
+    return hashlib.sha256(b"opfuse-blob-v1\0" + scope.encode() + b"\0" + content_sha256.encode()).hexdigest()
+
+
+def tenant_scope(tenant_id: int) -> str:
+    return f"tenant:{tenant_id}"
+
+
+def store_blob(session: Session, spool: UploadSpool, chunk_bytes: int, scope: str | None = None) -> str:
+    """Store the spool's bytes under their sha256, or under `scoped_key(scope, sha256)` (once per
+    key: the same bytes again are not copied); returns the key. Runs in the caller's transaction."""
+    key = spool.sha256 if scope is None else scoped_key(scope, spool.sha256)
     if session.get(Blob, key) is not None:
         return key
     try:
@@ -57,9 +70,12 @@ class BlobReader:
     """Reads one blob chunk by chunk, verified. `first()` reads and checks the first chunk up front,
     so a damaged small blob is refused before a response starts."""
 
-    def __init__(self, session_factory: sessionmaker[Session], blob: Blob) -> None:
+    def __init__(
+        self, session_factory: sessionmaker[Session], blob: Blob, content_sha256: str | None = None
+    ) -> None:
         self._session_factory = session_factory
         self.key = blob.sha256
+        self.content_sha256 = content_sha256 or blob.sha256
         self.size = blob.size_bytes
         self.chunk_count = blob.chunk_count
         self._whole = hashlib.sha256()
@@ -93,7 +109,7 @@ class BlobReader:
         if self._next_seq == self.chunk_count:
             if self._seen != self.size:
                 raise self._corrupt(f"its chunks hold {self._seen} bytes, not {self.size}")
-            if self._whole.hexdigest() != self.key:
+            if self._whole.hexdigest() != self.content_sha256:
                 raise self._corrupt("the bytes do not match the blob's sha256")
         return data
 
@@ -111,13 +127,20 @@ class BlobReader:
             yield data
 
 
+def content_sha256(session: Session, key: str) -> str:
+    """The sha256 of blob `key`'s bytes: the model's, for a model's (scoped) blob; else the key."""
+    found = session.scalar(select(Model.sha256).where(Model.blob_key == key).limit(1))
+    return found or key
+
+
 def open_blob(session: Session, session_factory: sessionmaker[Session], key: str) -> BlobReader:
-    """A reader for blob `key`; its first chunk is read and verified already."""
+    """A reader for blob `key`; its first chunk is read and verified already. A model's blob is
+    checked against the model's sha256 (its key may be scoped), any other against its key."""
     blob = session.get(Blob, key)
     if blob is None:
         log.error("blob missing", extra={"blob_key": key})
         raise BlobCorruptError(f"blob {key} is referenced but missing from the database")
-    reader = BlobReader(session_factory, blob)
+    reader = BlobReader(session_factory, blob, content_sha256(session, key))
     reader.first(session)
     return reader
 

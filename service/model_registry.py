@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from opfuse.frontend.inspect import ModelInfo
-from service.blobs import delete_unreferenced, store_blob
+from service.blobs import delete_unreferenced, store_blob, tenant_scope
 from service.check_budget import CheckBudget
 from service.errors import ConflictError, NotFoundError, PayloadTooLargeError, QuotaExceededError
 from service.model_checks import ModelLimits, check_and_describe, parse_upload
@@ -163,7 +163,7 @@ def save_model(
         opset=info.opset,
         inputs=[vars(t) for t in info.inputs],
         outputs=[vars(t) for t in info.outputs],
-        blob_key=store_blob(session, spool, chunk_bytes),
+        blob_key=store_blob(session, spool, chunk_bytes, tenant_scope(tenant_id)),
     )
     try:
         with session.begin_nested():

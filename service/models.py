@@ -181,8 +181,8 @@ class BlobChunk(Base):
 
 
 class Model(Base):
-    """An uploaded ONNX model (self-contained: external data is inlined); its bytes are the blob
-    `blob_key` (= sha256)."""
+    """An uploaded ONNX model (self-contained: external data is inlined); its bytes (sha256 `sha256`)
+    are the blob `blob_key`, the tenant's own copy (blobs.scoped_key)."""
 
     __tablename__ = "models"
     __table_args__ = (

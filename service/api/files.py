@@ -1,4 +1,4 @@
-"""Downloads of stored blobs: streamed chunk by chunk from the database, ETag = the sha256."""
+"""Downloads of stored blobs: streamed chunk by chunk from the database, ETag = the bytes' sha256."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.blobs import open_blob
+from service.blobs import content_sha256, open_blob
 
 
 def _quote_filename(filename: str) -> str:
@@ -27,7 +27,7 @@ def blob_response(
     Its first chunk is read and verified before the response starts, so a damaged blob of one chunk
     is a 500; a later damaged chunk aborts the download before any of its bytes are sent.
     """
-    etag = f'"{key}"'
+    etag = f'"{content_sha256(session, key)}"'
     if etag in [t.strip() for t in request.headers.get("if-none-match", "").split(",")]:
         return Response(status_code=304, headers={"ETag": etag})
     reader = open_blob(session, session_factory, key)

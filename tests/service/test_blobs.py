@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service import maintenance
 from service.blobs import BlobCorruptError, BlobReader, open_blob, store_blob
 from service.db import make_engine, make_session_factory
-from service.models import Blob, BlobChunk
+from service.models import Blob, BlobChunk, Model
 from service.settings import Settings
 from service.spool import UploadSpool
 
@@ -113,10 +113,19 @@ def test_the_whole_sha256_is_checked_before_the_last_chunk(
     assert len(received) == 3  # the last chunk was held back
 
 
+def blob_key_of(settings: Settings, model_id: str) -> str:
+    engine = make_engine(settings.database_url)
+    try:
+        with engine.connect() as connection:
+            return str(connection.scalar(select(Model.blob_key).where(Model.id == model_id)))
+    finally:
+        engine.dispose()
+
+
 def test_a_damaged_model_is_a_500_not_wrong_bytes(client: TestClient, keys: Keys, settings: Settings) -> None:
     model = upload(client, keys.user, to_bytes(mlp()))
     engine = make_engine(settings.database_url)
-    corrupt(make_session_factory(engine), model["sha256"], 0)
+    corrupt(make_session_factory(engine), blob_key_of(settings, model["id"]), 0)
     engine.dispose()
     app_client = TestClient(client.app, raise_server_exceptions=False)
     response = app_client.get(f"/v1/models/{model['id']}/content", headers=bearer(keys.user))
@@ -145,10 +154,12 @@ def test_deleting_a_model_deletes_the_blobs_no_one_else_uses(
             return set(session.scalars(select(Blob.sha256)))
 
     artifact_key = hashlib.sha256(artifact).hexdigest()
-    assert keys_stored() == {mine["sha256"], alone["sha256"], artifact_key}
+    mine_key, theirs_key = blob_key_of(settings, mine["id"]), blob_key_of(settings, theirs["id"])
+    assert mine_key != theirs_key  # tenants share no blob
+    assert keys_stored() == {mine_key, theirs_key, blob_key_of(settings, alone["id"]), artifact_key}
     for model in (mine, alone):
         assert client.delete(f"/v1/models/{model['id']}", headers=bearer(keys.user)).status_code == 204
-    assert keys_stored() == {theirs["sha256"]}  # still the other tenant's model
+    assert keys_stored() == {theirs_key}  # the other tenant's model
     content = client.get(f"/v1/models/{theirs['id']}/content", headers=bearer(keys.other))
     assert content.status_code == 200 and content.content == shared
     engine.dispose()
