@@ -23,6 +23,7 @@ from service.body_limits import BodyLimitsMiddleware
 from service.check_budget import CheckBudget
 from service.db import make_engine, make_session_factory, upgrade_to_head
 from service.errors import ServiceError
+from service.file_modes import private_dir
 from service.logging import get_logger
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
@@ -99,7 +100,7 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if run_migrations:
             await asyncio.to_thread(upgrade_to_head, settings.database_url, settings.legacy_blob_dir)
-        settings.tmp_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(settings.tmp_dir)  # uploads of every tenant pass through it
         await asyncio.to_thread(maintenance.remove_stale_spools, settings.tmp_dir)
         tasks = [asyncio.create_task(work) for work in background()]
         log.info("api ready", extra={"database": engine.url.render_as_string(hide_password=True)})

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from service.auth import create_key, find_key, get_or_create_tenant, revoke
 from service.db import make_engine, upgrade_to_head
+from service.file_modes import private_dir
 from service.models import Scope
 from service.settings import Settings
 
@@ -23,7 +24,7 @@ SERVER_INFO_FILE = "server.json"
 
 def write_private_file(path: Path, content: str) -> None:
     """Replace `path` atomically with `content`, readable by the owner only (0600 from creation)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -63,7 +64,7 @@ def ensure_local_keys(settings: Settings) -> tuple[str, str]:
     """Migrate the database, then return (platform key, worker key) of tenant `default`, creating
     them and their files ($OPFUSE_HOME/api_key, $OPFUSE_HOME/worker_key) when needed. The local
     server's key is the platform admin: its owner runs the server and makes keys for any tenant."""
-    settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(settings.home)  # also when it exists: it holds the database and the keys
     upgrade_to_head(settings.database_url, settings.legacy_blob_dir)
     engine = make_engine(settings.database_url)
     try:

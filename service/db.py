@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
+from service.file_modes import private_dir, private_sqlite_file
 
 
 def is_sqlite(database_url: str) -> bool:
@@ -25,12 +26,16 @@ def is_sqlite(database_url: str) -> bool:
 
 
 def make_engine(database_url: str) -> Engine:
-    """An engine for `database_url`; for a SQLite file, its directory is created."""
+    """An engine for `database_url`; for a SQLite file, its directory is created (0700) and the file
+    is its owner's only (0600)."""
     url = make_url(database_url)
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True)
     if url.database and url.database != ":memory:" and not url.database.startswith("file:"):
-        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        parent = Path(url.database).parent
+        if not parent.exists():
+            private_dir(parent)  # made by us: ours only (an existing folder is left as it is)
+        private_sqlite_file(database_url)  # the file (webhook secrets) and its -wal/-shm: 0600
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
     event.listen(engine, "connect", _sqlite_on_connect)
     event.listen(engine, "begin", _sqlite_on_begin)
