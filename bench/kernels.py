@@ -196,7 +196,7 @@ ANCHOR_KERNELS = ("gemm", "conv", "attention", "chain")
 def anchor_launches(plan: Any) -> int:
     """Launching steps of `plan` that run an anchor: a GEMM, conv or attention kernel, or a
     library GEMM/convolution (alone or as a vendor variant's first step)."""
-    from opfuse.codegen.conv import CONV_OPS
+    from opfuse.ir.ops import CONV_OPS
 
     anchor_ops = ("MatMul", "Gemm", "ConvTranspose", *CONV_OPS)
     return sum(

@@ -18,7 +18,6 @@ import numpy as np
 import onnx
 import torch
 
-from opfuse.codegen.conv import CONV_OPS
 from opfuse.errors import BundleError, ModelError
 from opfuse.frontend import rule_registry
 from opfuse.frontend.inspect import default_opset
@@ -26,6 +25,7 @@ from opfuse.frontend.load import load_and_specialize
 from opfuse.fusion.coverage import explain_unfused
 from opfuse.fusion.planner import FusionPlan, plan_fusion
 from opfuse.graph import graph_from_onnx
+from opfuse.ir.ops import CONV_OPS
 from opfuse.lowering import build_plan, split_form, template_only
 from opfuse.passes.pipeline import optimize_onnx, run_passes
 from opfuse.passes.precision import COMPUTE_DTYPES, apply_precision

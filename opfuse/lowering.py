@@ -7,15 +7,18 @@ from collections.abc import Collection
 
 from opfuse.codegen.attention import generate_attention
 from opfuse.codegen.chain import generate_chain
-from opfuse.codegen.conv import MAX_POOL_NHWC, NHWC_CONV, generate_conv, has_shortcut
+from opfuse.codegen.conv import generate_conv
+from opfuse.codegen.fragments import KernelSource
 from opfuse.codegen.gemm import generate_gemm
-from opfuse.codegen.pointwise import KernelSource, generate_pointwise
+from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.pool import generate_pool
-from opfuse.codegen.rowwise import generate_rowwise, row_space
+from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.source import fixed_header
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut
+from opfuse.ir.rows import row_space
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
 

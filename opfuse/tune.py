@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from opfuse.codegen.rowwise import MIN_TILED_COLUMNS, rows_per_program
+from opfuse.codegen.rowwise import rows_per_program
+from opfuse.ir.rows import MIN_TILED_COLUMNS
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype

@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 
 from opfuse.codegen.epilogue import dot_precision
-from opfuse.codegen.pointwise import KernelSource
-from opfuse.codegen.rowwise import next_pow2
+from opfuse.codegen.fragments import KernelSource
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
-from opfuse.fusion.attention import AttentionMatch
-from opfuse.fusion.views import contiguous_strides
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import contiguous_strides, next_pow2
+from opfuse.ir.views import AttentionMatch
 
 
 def _four_d(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from opfuse.codegen.conv import _kernel_head
 from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
-from opfuse.codegen.pointwise import KernelSource, split_literals
-from opfuse.codegen.rowwise import next_pow2
+from opfuse.codegen.fragments import KernelSource, kernel_head, split_literals
 from opfuse.codegen.source import SourceBuffer, comment_text
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import next_pow2
 
 
 def hidden_width(graph: Graph, first: Node) -> int:
@@ -78,7 +77,7 @@ def generate_chain(
         "num_stages": 2,
         "UPCAST": False,
     }
-    _kernel_head(buf, "fused_chain", args, config, m, n, c, dtype)
+    kernel_head(buf, "fused_chain", args, config, m, n, c, dtype)
     regs: dict[str, str] = {}
 
     with buf.indent():

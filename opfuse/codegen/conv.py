@@ -19,67 +19,18 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
-from opfuse.codegen.pointwise import KernelSource, split_literals
-from opfuse.codegen.rowwise import matmul_tile_config, next_pow2
+from opfuse.codegen.fragments import (
+    KernelSource,
+    broadcast_offset,
+    kernel_head,
+    matmul_tile_config,
+    split_literals,
+)
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
-
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
-
-
-NHWC_CONV = "opfuse.ConvNHWC"
-MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"
-CONV_OPS = ("Conv", NHWC_CONV)
-
-
-def has_shortcut(node: Node) -> bool:
-    """An `opfuse.ConvNHWC` that also sums a 1x1 conv of a second input, its inputs 3 and 4
-    (passes/shortcut_conv.py), at the strides of its `shortcut_strides` attribute."""
-    return node.op_type == NHWC_CONV and len(node.inputs) > 3 and bool(node.inputs[3])
-
-
-# Element offsets below this are computed in int32 by the depthwise template (a margin below 2**31
-# for the window's reach past the last pixel).
-INT32_INDEX_LIMIT = 2**31 - 2**24
-
-
-def window_geometry(
-    node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
-) -> dict[str, int]:
-    """Strides, dilations and leading pads of a 2-D window op (Conv, MaxPool), auto_pad resolved
-    from the input and output sizes."""
-    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
-    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
-    auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        begins = []
-        for n, o, k, st, d in ((size[0], out[0], kernel[0], sh, dh), (size[1], out[1], kernel[1], sw, dw)):
-            total = max(0, (o - 1) * st + (k - 1) * d + 1 - n)
-            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        ph, pw = begins
-    elif auto_pad == "VALID":
-        ph = pw = 0
-    else:
-        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
-        ph, pw = p[0], p[1]
-    return {"SH": sh, "SW": sw, "DH": dh, "DW": dw, "PH": ph, "PW": pw}
-
-
-def conv_params(graph: Graph, node: Node) -> dict[str, int]:
-    x = graph.spec(node.inputs[0]).shape
-    w = graph.spec(node.inputs[1]).shape
-    y = graph.spec(node.outputs[0]).shape
-    if node.op_type == NHWC_CONV:  # the same numbers read off NHWC shapes
-        x, w, y = (x[0], x[3], x[1], x[2]), (w[0], w[3], w[1], w[2]), (y[0], y[3], y[1], y[2])
-    kh, kw = w[2], w[3]
-    geometry = window_geometry(node, (x[2], x[3]), (y[2], y[3]), (kh, kw))
-    return {"N": x[0], "C": x[1], "H": x[2], "W": x[3], "CO": w[0], "KH": kh, "KW": kw, **geometry} | {
-        "OH": y[2],
-        "OW": y[3],
-    }
-
-
-PAD_MODES = ("constant", "reflect", "edge")
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.queries import next_pow2
+from opfuse.ir.support import INT32_INDEX_LIMIT, centre_tap, conv_params, input_scale_operands, pad_per_dim
 
 
 def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
@@ -99,65 +50,6 @@ def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
         "mode": str(pad.attrs.get("mode", "constant")),
         "value": float_literal(value),
     }
-
-
-def pad_per_dim(graph: Graph, pad: Node) -> list[tuple[int, int]] | None:
-    """(begin, end) per axis of a Pad whose pads (and axes) are constants; None otherwise."""
-    rank = len(graph.spec(pad.inputs[0]).shape)
-    if pad.inputs[1] not in graph.constants:
-        return None
-    pads = [int(v) for v in np.asarray(graph.constants[pad.inputs[1]]).ravel()]
-    axes = list(range(rank))
-    if len(pad.inputs) > 3 and pad.inputs[3]:
-        if pad.inputs[3] not in graph.constants:
-            return None
-        axes = [int(a) % rank for a in np.asarray(graph.constants[pad.inputs[3]]).ravel()]
-    if len(pads) != 2 * len(axes):
-        return None
-    per_dim = [(0, 0)] * rank
-    for i, axis in enumerate(axes):
-        per_dim[axis] = (pads[i], pads[i + len(axes)])
-    return per_dim
-
-
-def centre_tap(graph: Graph, conv: Node) -> int | None:
-    """The window position at which a conv's output pixel reads the input pixel at its own
-    coordinates, where the conv keeps the input's size at stride 1 (so its tiles at that position
-    cover the whole input); None otherwise."""
-    p = conv_params(graph, conv)
-    if (p["SH"], p["SW"], p["OH"], p["OW"]) != (1, 1, p["H"], p["W"]):
-        return None
-    if p["PH"] % p["DH"] or p["PW"] % p["DW"]:
-        return None
-    th, tw = p["PH"] // p["DH"], p["PW"] // p["DW"]
-    return th * p["KW"] + tw if th < p["KH"] and tw < p["KW"] else None
-
-
-def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
-    """None if the Conv can run as the implicit-GEMM template, else why not."""
-    x = graph.spec(node.inputs[0])
-    if node.op_type not in CONV_OPS:
-        return f"{node.op_type} is not a convolution"
-    if x.dtype not in FLOAT_TYPES:
-        return f"input of type {x.dtype}"
-    if len(x.shape) != 4:
-        return f"a {len(x.shape) - 2}-D convolution: the template is 2-D"
-    group = int(node.attrs.get("group", 1))
-    if group != 1 and not (node.op_type == NHWC_CONV and is_depthwise(graph, node)):
-        if node.op_type == NHWC_CONV:
-            return "a grouped convolution: the templates compute group=1 and depthwise"
-        return "a grouped (or depthwise) convolution: the NCHW template computes group=1"
-    if node.inputs[1] not in graph.constants:
-        return "the weight is not a constant"
-    return None
-
-
-def is_depthwise(graph: Graph, node: Node) -> bool:
-    """One filter per channel: group == input channels == output channels (an ONNX Conv, NCHW, or
-    its NHWC form)."""
-    group = int(node.attrs.get("group", 1))
-    channels = graph.spec(node.inputs[0]).shape[3 if node.op_type == NHWC_CONV else 1]
-    return group > 1 and group == channels == graph.spec(node.inputs[1]).shape[0]
 
 
 def _epilogue_index(shape: tuple[int, ...], out: tuple[int, ...]) -> str | None:
@@ -227,7 +119,7 @@ def generate_conv(
     buf.line("import triton.language as tl")
     buf.line()
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
-    _kernel_head(buf, fn, args, config, m, n, k, dtype)
+    kernel_head(buf, fn, args, config, m, n, k, dtype)
     regs: dict[str, str] = {}
     khw = p["KH"] * p["KW"]
     ohw = p["OH"] * p["OW"]
@@ -441,7 +333,7 @@ def _generate_conv_nhwc(
     )
     flags: dict[str, Any] = {"UNROLL": False} if depthwise else {"SPLIT_K": 1} if splittable else {}
     config.update(flags)
-    _kernel_head(
+    kernel_head(
         buf, fn, args + (["ws", "lock"] if splittable else []), config, m, n, k if flat else c, dtype, flags
     )
     regs: dict[str, str] = {}
@@ -514,7 +406,7 @@ def _generate_conv_nhwc(
         """a_tile at conv-input pixels (ih, iw): the max pool's output there (its window's maximum
         over x, -inf outside x), then its activation chain, rounded to the model's type as the
         stored tensor would be; 0 where (ih, iw) is outside the pooled tensor (the conv's padding)."""
-        from opfuse.codegen.pool import pool_params  # pool.py builds on this module
+        from opfuse.ir.support import pool_params
 
         d = pool_params(graph, window)  # type: ignore[arg-type]
         buf.line('pv = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
@@ -684,7 +576,7 @@ def _generate_conv_nhwc(
                 return "cols", "mask"
             if tuple(shape) == tuple(out_shape):
                 return "dst", "mask"
-            return _broadcast_index(shape, coords), "mask"
+            return broadcast_offset(shape, coords), "mask"
 
         emit_loads(buf, extra, index_of, regs)
         regs.update(literals)
@@ -872,7 +764,7 @@ def _window_prologue(
     over the window) or a max pool's (the window's maximum; outside the input -inf), computed from
     their input `x` as they are needed, then the one-input activation after it (`chain`), rounded
     to the model's type as a stored tensor would be."""
-    from opfuse.codegen.pool import pool_params  # pool.py builds on this module
+    from opfuse.ir.support import pool_params
 
     pool = dw.op_type == MAX_POOL_NHWC
     d = pool_params(graph, dw) if pool else conv_params(graph, dw)
@@ -943,74 +835,3 @@ def tap_segments(w: np.ndarray) -> list[tuple[int, int, int, int, int, int]] | N
     if len(segments) > MAX_TAP_SEGMENTS or all(sg[2:] == (0, kh, 0, kw) for sg in segments):
         return None
     return segments
-
-
-def _kernel_head(
-    buf: SourceBuffer,
-    fn: str,
-    args: list[str],
-    config: dict[str, Any],
-    m: int,
-    n: int,
-    k: int,
-    dtype: str,
-    flags: dict[str, Any] | None = None,
-) -> None:
-    """CONFIG (the GPU's starting tile), INTERPRETER_CONFIG (large blocks: one numpy pass each on
-    the CPU, sized by the M×N×K the kernel sweeps) and the kernel's signature. `flags` are more
-    boolean constexprs, at their defaults in both configs."""
-    flags = flags or {}
-    buf.line(f"CONFIG = {config!r}")
-    bm, bn, bk = (
-        min(256, max(16, next_pow2(m))),
-        min(128, max(16, next_pow2(n))),
-        min(128, max(16, next_pow2(k))),
-    )
-    upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
-    interp = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "UPCAST": upcast, **flags}
-    buf.line(f"INTERPRETER_CONFIG = {interp!r}")
-    buf.line()
-    buf.line()
-    buf.line("@triton.jit")
-    buf.line(
-        f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
-    )
-    more = "".join(f", {f}: tl.constexpr" for f in flags)
-    buf.line(f"        UPCAST: tl.constexpr{more}):")
-
-
-def input_scale_operands(graph: Graph, mul: Node, conv: Node) -> tuple[str, str]:
-    """(act, scale) of a Mul feeding an NHWC conv whose input it scales per (image, channel)."""
-    a, b = mul.inputs[0], mul.inputs[1]
-    full = graph.spec(conv.inputs[0]).shape
-    return (a, b) if graph.spec(a).shape == full else (b, a)
-
-
-def input_scale_reason(graph: Graph, mul: Node, conv: Node) -> str | None:
-    """None if `mul` can run as `conv`'s input-scale prologue, else why not."""
-    if mul.op_type != "Mul" or len(mul.inputs) != 2:
-        return "not a Mul"
-    full = graph.spec(conv.inputs[0]).shape
-    act, scale = input_scale_operands(graph, mul, conv)
-    s = graph.spec(scale).shape
-    if graph.spec(act).shape != full or len(s) != 4:
-        return "the Mul does not scale the full conv input by a 4-D tensor"
-    if s[1] != 1 or s[2] != 1 or s[0] not in (1, full[0]) or s[3] not in (1, full[3]):
-        return f"the scale {list(s)} varies over the image (only per image and channel can be folded)"
-    if scale in graph.constants:
-        return "the scale is a constant (it belongs in the weights)"
-    if int(conv.attrs.get("group", 1)) != 1:
-        return "the conv is grouped (the input scale is applied in the group=1 template)"
-    if graph.spec(scale).dtype != graph.spec(act).dtype:
-        return "the scale's type differs from the input's"
-    return None
-
-
-def _broadcast_index(shape: tuple[int, ...], coords: dict[int, str]) -> str | None:
-    """Offset into a tensor that broadcasts against the 4-D output, from the output coordinates."""
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
-    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(4)]
-    terms = [
-        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(4) if padded[d] != 1
-    ]
-    return " + ".join(terms) if terms else None

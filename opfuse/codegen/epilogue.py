@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from opfuse.codegen.pointwise import EMITTERS, scalar_constant
+from opfuse.codegen.emitters import EMITTERS
 from opfuse.codegen.source import SourceBuffer
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import scalar_constant
 
 # For an extra input: (offset expression, or None for a single element; load mask).
 IndexOf = Callable[[str], tuple[str | None, str]]

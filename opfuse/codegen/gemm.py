@@ -12,48 +12,12 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
-from opfuse.codegen.pointwise import KernelSource, split_literals
-from opfuse.codegen.rowwise import _input_expr, matmul_tile_config, next_pow2, row_space
+from opfuse.codegen.fragments import KernelSource, matmul_tile_config, row_input_index, split_literals
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
-
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
-
-
-def gemm_anchor_reason(graph: Graph, node: Node) -> str | None:
-    """None if the MatMul/Gemm can be the anchor of a GEMM template, else why not."""
-    if node.op_type not in ("MatMul", "Gemm"):
-        return f"{node.op_type} is not a GEMM"
-    a, b = graph.spec(node.inputs[0]), graph.spec(node.inputs[1])
-    if a.dtype not in FLOAT_TYPES or b.dtype != a.dtype:
-        return f"operands of type {a.dtype}/{b.dtype}"
-    if len(b.shape) != 2:
-        return "the second operand is batched: the template multiplies by one 2-D matrix"
-    if len(a.shape) < 2:
-        return "the first operand is a vector"
-    if node.op_type == "Gemm":
-        if int(node.attrs.get("transA", 0)):
-            return "Gemm with transA"
-        if len(node.inputs) > 2 and node.inputs[2]:
-            c = graph.spec(node.inputs[2])
-            out = graph.spec(node.outputs[0]).shape
-            if len(c.shape) > 2 or any(
-                d not in (1, o) for d, o in zip(reversed(c.shape), reversed(out), strict=False)
-            ):
-                return "Gemm bias does not broadcast to the output"
-    k = a.shape[-1]
-    if k < 1:
-        return "empty reduction"
-    return None
-
-
-def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
-    a, b = graph.spec(node.inputs[0]).shape, graph.spec(node.inputs[1]).shape
-    trans_b = node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0)))
-    k = a[-1]
-    n = b[0] if trans_b else b[1]
-    m = int(np.prod(a[:-1], dtype=np.int64))
-    return m, n, k, trans_b
+from opfuse.ir.queries import next_pow2
+from opfuse.ir.rows import row_space
+from opfuse.ir.support import gemm_dims
 
 
 def generate_gemm(
@@ -193,7 +157,7 @@ def generate_gemm(
         buf.line(f"mask = (row < {m}) & (cols < {n})")
 
         def index_of(name: str) -> tuple[str | None, str]:
-            idx, vector = _input_expr(graph.spec(name).shape, out_shape)
+            idx, vector = row_input_index(graph.spec(name).shape, out_shape)
             return idx, ("mask" if vector else f"row < {m}")
 
         emit_loads(buf, extra, index_of, regs)
@@ -232,7 +196,7 @@ def _pooled_a_tile(
     tiles, one image after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
     would hold BLOCK_M images where only these are real (that form spilled registers and ran
     11x slower than the split form on the H200)."""
-    from opfuse.codegen.conv import _broadcast_index  # conv.py's epilogue indexing
+    from opfuse.codegen.fragments import broadcast_offset
 
     pool = prologue[-1]
     hw = "hw[:, None]"
@@ -252,7 +216,7 @@ def _pooled_a_tile(
             buf.line(f"p_ok = ({hw} < {h * w}) & (kk[None, :] < {k})")
             regs = dict(literals)
             for j, name in enumerate(loads):
-                idx = _broadcast_index(graph.spec(name).shape, coords)
+                idx = broadcast_offset(graph.spec(name).shape, coords)
                 if idx is None:
                     buf.line(f"q{j} = tl.load(p{j}).to(tl.float32)")
                 else:

@@ -11,258 +11,19 @@ off (`concat_select`), so its inputs are always kernel tensors too.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.resize import ResizeGather, resize_load
+from opfuse.codegen.emitters import EMITTERS, pow_expr
+from opfuse.codegen.fragments import KernelSource, split_literals
+from opfuse.codegen.resize import resize_load
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
-
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
-ONNX_FLOAT_CASTS = {1: "float32", 10: "float16", 16: "bfloat16"}  # Cast.to enum -> dtype
-TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
-
-Emitter = Callable[[list[str], Node, list[float | None]], str]
-EMITTERS: dict[str, Emitter] = {}
-
-
-def emitter(*ops: str) -> Callable[[Emitter], Emitter]:
-    def deco(fn: Emitter) -> Emitter:
-        for op in ops:
-            EMITTERS[op] = fn
-        return fn
-
-    return deco
-
-
-_BINARY = {"Add": "({0} + {1})", "Sub": "({0} - {1})", "Mul": "({0} * {1})", "Div": "({0} / {1})"}
-
-
-@emitter(*_BINARY)
-def _binary(a: list[str], n: Node, c: list[float | None]) -> str:
-    return _BINARY[n.op_type].format(*a)
-
-
-@emitter("Max", "Min")
-def _minmax(a: list[str], n: Node, c: list[float | None]) -> str:
-    fn = "tl.maximum" if n.op_type == "Max" else "tl.minimum"
-    expr = a[0]
-    for arg in a[1:]:
-        expr = f"{fn}({expr}, {arg})"
-    return expr
-
-
-_UNARY = {
-    "Relu": "tl.maximum({0}, 0.0)",
-    "Sigmoid": "tl.sigmoid({0})",
-    "Erf": "tl.erf({0})",
-    "Exp": "tl.exp({0})",
-    "Log": "tl.log({0})",
-    "Sqrt": "tl.sqrt({0})",
-    "Neg": "(-{0})",
-    "Abs": "tl.abs({0})",
-    "Reciprocal": "(1.0 / {0})",
-    "Identity": "{0}",
-    # tanh through exp(-2|x|) is stable for every x (no overflow) and exact at the tails.
-    "Tanh": "tl.where({0} >= 0.0, 1.0, -1.0) * (1.0 - tl.exp(-2.0 * tl.abs({0}))) / (1.0 + tl.exp(-2.0 * tl.abs({0})))",
-    # softplus = max(x, 0) + log1p(exp(-|x|)): no overflow for large x; log1p(t) ≈ t - t²/2 for
-    # small t keeps the digits that log(1 + t) loses when x ≪ 0 (Triton has no log1p).
-    "Softplus": (
-        "(tl.maximum({0}, 0.0) + tl.where(tl.exp(-tl.abs({0})) < 1e-4, "
-        "tl.exp(-tl.abs({0})) * (1.0 - 0.5 * tl.exp(-tl.abs({0}))), tl.log(1.0 + tl.exp(-tl.abs({0})))))"
-    ),
-}
-
-
-@emitter(*_UNARY)
-def _unary(a: list[str], n: Node, c: list[float | None]) -> str:
-    return _UNARY[n.op_type].format(a[0])
-
-
-@emitter("LeakyRelu")
-def _leaky(a: list[str], n: Node, c: list[float | None]) -> str:
-    alpha = float_literal(float(n.attrs.get("alpha", 0.01)))
-    return f"tl.where({a[0]} >= 0.0, {a[0]}, {a[0]} * {alpha})"
-
-
-@emitter("Elu")
-def _elu(a: list[str], n: Node, c: list[float | None]) -> str:
-    alpha = float_literal(float(n.attrs.get("alpha", 1.0)))
-    return f"tl.where({a[0]} > 0.0, {a[0]}, {alpha} * (tl.exp({a[0]}) - 1.0))"
-
-
-@emitter("HardSigmoid")
-def _hardsigmoid(a: list[str], n: Node, c: list[float | None]) -> str:
-    alpha = float_literal(float(n.attrs.get("alpha", 0.2)))
-    beta = float_literal(float(n.attrs.get("beta", 0.5)))
-    return f"tl.minimum(tl.maximum({alpha} * {a[0]} + {beta}, 0.0), 1.0)"
-
-
-@emitter("HardSwish")
-def _hardswish(a: list[str], n: Node, c: list[float | None]) -> str:
-    return f"({a[0]} * tl.minimum(tl.maximum({a[0]} * (1.0 / 6.0) + 0.5, 0.0), 1.0))"
-
-
-@emitter("Clip")
-def _clip(a: list[str], n: Node, c: list[float | None]) -> str:
-    expr = a[0]
-    if len(a) > 1 and a[1]:
-        expr = f"tl.maximum({expr}, {a[1]})"
-    if len(a) > 2 and a[2]:
-        expr = f"tl.minimum({expr}, {a[2]})"
-    return expr
-
-
-# Gelu (opset 20, the default exporter's spelling of F.gelu): the same arithmetic as the older
-# spellings written out with Erf or Tanh. tanh form: 0.5 * (1 + tanh(u)) = sigmoid(2u).
-GELU_APPROXIMATIONS = ("none", "tanh")
-
-
-def _gelu_approximate(n: Node) -> str:
-    value = n.attrs.get("approximate", "none")
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-@emitter("Gelu")
-def _gelu(a: list[str], n: Node, c: list[float | None]) -> str:
-    x = a[0]
-    if _gelu_approximate(n) == "tanh":
-        two_k = float_literal(2.0 * math.sqrt(2.0 / math.pi))
-        return f"({x} * tl.sigmoid({two_k} * ({x} + 0.044715 * {x} * {x} * {x})))"
-    return f"(0.5 * {x} * (1.0 + tl.erf({x} * {float_literal(1.0 / math.sqrt(2.0))})))"
-
-
-@emitter("Pow")
-def _pow(a: list[str], n: Node, c: list[float | None]) -> str:
-    e = c[1]
-    assert e is not None  # fusible only with a scalar constant exponent (see pointwise_reason)
-    x = a[0]
-    special = {
-        1.0: x,
-        2.0: f"({x} * {x})",
-        3.0: f"({x} * {x} * {x})",
-        4.0: f"(({x} * {x}) * ({x} * {x}))",
-        0.5: f"tl.sqrt({x})",
-        -1.0: f"(1.0 / {x})",
-        -0.5: f"(1.0 / tl.sqrt({x}))",
-        0.0: f"({x} * 0.0 + 1.0)",
-    }
-    if e in special:
-        return special[e]
-    # exp(e * log x): NaN for a negative base with a non-integer exponent, as ONNX Pow gives.
-    return f"tl.exp({float_literal(e)} * tl.log({x}))"
-
-
-@emitter("Where")
-def _where(a: list[str], n: Node, c: list[float | None]) -> str:
-    return f"tl.where({a[0]} != 0.0, {a[1]}, {a[2]})"
-
-
-@emitter("Cast")
-def _cast(a: list[str], n: Node, c: list[float | None]) -> str:
-    target = ONNX_FLOAT_CASTS[int(n.attrs["to"])]
-    if target == "float32":
-        return a[0]
-    # Round through the narrower type, as the unfused Cast would.
-    return f"{a[0]}.to({TL_DTYPES[target]}).to(tl.float32)"
-
-
-def scalar_constant(graph: Graph, name: str) -> float | None:
-    """The value of a one-element constant, if it is one."""
-    arr = graph.constants.get(name)
-    if arr is None or arr.size != 1:
-        return None
-    return float(np.asarray(arr, dtype=np.float64).reshape(()))
-
-
-def pointwise_reason(graph: Graph, node: Node) -> str | None:
-    """None if the node can go into a generated pointwise kernel, else why not."""
-    if node.op_type not in EMITTERS:
-        return f"{node.op_type} is not a pointwise op opfuse generates code for"
-    outs = [o for o in node.outputs if o]
-    if len(outs) != 1:
-        return "the node has more than one output"
-    checked = [*[x for x in node.inputs if x], *outs]
-    if node.op_type == "Where":
-        if graph.spec(node.inputs[0]).dtype != "bool":
-            return "Where with a non-boolean condition"
-        checked = checked[1:]  # the condition is a bool mask; the values must be float
-    for name in checked:
-        if graph.spec(name).dtype not in FLOAT_TYPES:
-            return f"value of type {graph.spec(name).dtype}: pointwise kernels take float32/float16/bfloat16"
-    if node.op_type == "Pow" and scalar_constant(graph, node.inputs[1]) is None:
-        return "Pow with a tensor exponent: only a constant scalar exponent has an exact kernel form"
-    if node.op_type == "Clip":
-        for bound in node.inputs[1:3]:
-            if bound and scalar_constant(graph, bound) is None:
-                return "Clip with a non-constant bound"
-    if node.op_type == "Gelu" and _gelu_approximate(node) not in GELU_APPROXIMATIONS:
-        return f"Gelu with approximate={_gelu_approximate(node)!r}: only 'none' and 'tanh' are defined"
-    if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in ONNX_FLOAT_CASTS:
-        return "Cast to a non-float type"
-    return None
-
-
-# Window ops: pointwise but for one input read at neighbouring channel offsets as well (op -> the
-# channel axis). That input must be in memory: a tensor input of the kernel, never computed in it.
-WINDOW_OPS = {"LRN": 1, "opfuse.LRNNHWC": -1}
-
-
-def window_reason(graph: Graph, node: Node) -> str | None:
-    """None if a window op can be computed by a generated pointwise kernel, else why not."""
-    if node.op_type not in WINDOW_OPS:
-        return f"{node.op_type} is not a window op opfuse generates code for"
-    x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
-    if x.dtype not in FLOAT_TYPES or y.dtype not in FLOAT_TYPES:
-        return f"value of type {x.dtype}: window kernels take float32/float16/bfloat16"
-    if len(x.shape) < 3 or tuple(x.shape) != tuple(y.shape):
-        return "the input is not an [N, C, ...] tensor the size of the output"
-    if int(node.attrs.get("size", 0)) < 1:
-        return "the window size is not positive"
-    for key, default in (("alpha", 1e-4), ("beta", 0.75), ("bias", 1.0)):
-        if not np.isfinite(float(node.attrs.get(key, default))):
-            return f"the {key} is not finite"
-    return None
-
-
-def window_input(node: Node) -> str:
-    """The value a window op reads at neighbouring offsets."""
-    return node.inputs[0]
-
-
-def split_literals(
-    graph: Graph,
-    names: list[str],
-    skip: set[str] | frozenset[str] = frozenset(),
-    tensors: set[str] | frozenset[str] = frozenset(),
-) -> tuple[dict[str, str], list[str]]:
-    """Finite one-element constants become literals in the source; every other input (and each
-    name in `tensors`) is loaded as a tensor, in first-use order; names in `skip` are neither."""
-    literals: dict[str, str] = {}
-    loaded: list[str] = []
-    for name in names:
-        if name in skip:
-            continue
-        value = scalar_constant(graph, name)
-        if value is not None and np.isfinite(value) and name not in tensors:
-            literals[name] = float_literal(value)
-        elif name not in loaded:
-            loaded.append(name)
-    return literals, loaded
-
-
-@dataclass
-class KernelSource:
-    id: str
-    kind: str
-    source: str
-    inputs: list[str]  # values passed as tensors, in launch order
-    outputs: list[str]
-    config: dict[str, Any]
+from opfuse.ir.ops import WINDOW_OPS, window_input
+from opfuse.ir.queries import scalar_constant
+from opfuse.ir.resize import ResizeGather
 
 
 def _broadcast_index(
@@ -478,7 +239,7 @@ def _emit_window(
         )
         buf.line(f"{prefix}_sq += {prefix}_w * {prefix}_w")
     base = f"({float_literal(bias)} + {float_literal(alpha / size)} * {prefix}_sq)"
-    return f"({centre} / {_pow([base], node, [None, beta])})"
+    return f"({centre} / {pow_expr([base], node, [None, beta])})"
 
 
 def concat_parts(graph: Graph, node: Node) -> tuple[int, list[tuple[str, int, int]]]:

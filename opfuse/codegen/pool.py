@@ -9,36 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from opfuse.codegen.conv import FLOAT_TYPES, MAX_POOL_NHWC, _broadcast_index, window_geometry
 from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
-from opfuse.codegen.pointwise import KernelSource, split_literals
-from opfuse.codegen.rowwise import next_pow2
+from opfuse.codegen.fragments import KernelSource, broadcast_offset, split_literals
 from opfuse.codegen.source import SourceBuffer, comment_text
 from opfuse.graph import Graph, Node
-
-INT32_INDEX_LIMIT = 2**31 - 2**24
-
-
-def pool_params(graph: Graph, node: Node) -> dict[str, int]:
-    n, h, w, c = graph.spec(node.inputs[0]).shape
-    _, oh, ow, _ = graph.spec(node.outputs[0]).shape
-    kh, kw = (int(v) for v in node.attrs["kernel_shape"])
-    geometry = window_geometry(node, (h, w), (oh, ow), (kh, kw))
-    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw, **geometry}
-
-
-def pool_reason(graph: Graph, node: Node) -> str | None:
-    """None if the max pool can run as the template, else why not."""
-    if node.op_type != MAX_POOL_NHWC:
-        return f"{node.op_type} is not an NHWC max pool"
-    if len([o for o in node.outputs if o]) > 1:
-        return "the pool's Indices output is used"
-    x = graph.spec(node.inputs[0])
-    if x.dtype not in FLOAT_TYPES or len(x.shape) != 4 or "kernel_shape" not in node.attrs:
-        return "not a 2-D float max pool"
-    if max(x.numel, graph.spec(node.outputs[0]).numel) >= INT32_INDEX_LIMIT:
-        return "over 2**31 elements (the template indexes in int32)"
-    return None
+from opfuse.ir.queries import next_pow2
+from opfuse.ir.support import pool_params
 
 
 def generate_pool(
@@ -105,7 +81,7 @@ def generate_pool(
         def index_of(name: str) -> tuple[str | None, str]:
             if tuple(graph.spec(name).shape) == tuple(out_shape):
                 return "dst", "mask"
-            return _broadcast_index(graph.spec(name).shape, coords), "mask"
+            return broadcast_offset(graph.spec(name).shape, coords), "mask"
 
         emit_loads(buf, extra, index_of, regs)
         regs.update(literals)

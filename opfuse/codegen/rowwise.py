@@ -17,44 +17,19 @@ each output. Values are either full (the row space's shape) or reduced (one per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import (
-    EMITTERS,
-    KernelSource,
-    concat_parts,
-    emit_concat,
-    scalar_constant,
-    split_literals,
-)
+from opfuse.codegen.emitters import EMITTERS
+from opfuse.codegen.fragments import KernelSource, row_input_index, split_literals
+from opfuse.codegen.pointwise import concat_parts, emit_concat
 from opfuse.codegen.source import SourceBuffer, comment_text, float_literal
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
+from opfuse.ir.queries import next_pow2, scalar_constant
+from opfuse.ir.rows import TILE, RowSpace, row_space
 
-ROW_REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"})
-GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool"})
-ROW_OPS = (
-    ROW_REDUCTIONS
-    | GLOBAL_POOLS
-    | {
-        "Softmax",
-        "LogSoftmax",
-        "LayerNormalization",
-        "RMSNormalization",  # opset 23: the mean of squares over the trailing axes, no centring
-        "InstanceNormalization",
-        "GroupNormalization",
-    }
-)
-MAX_ROW = 16384  # a row lives in one program's registers
-# Elements of a strided program's R × BLOCK_I tile: the same register budget as a 4096-long row.
-TILE = 4096
-# A strided reduction whose tile holds fewer adjacent columns than this is left unfused. On the
-# H200 (fp16, EfficientNet-B0 b32, channels-last squeeze-excite pooling): 1 column per program over
-# 56x56 and 112x112 pixels ran 3.5-5.5x slower than the unfused ops; 4 columns over 28x28 ran
-# 1.3x faster.
-MIN_TILED_COLUMNS = 4
 NEG_INF = 'float("-inf")'
 
 
@@ -64,176 +39,8 @@ def rows_per_program(rows: int, block: int, elements: int) -> int:
     return max(1, min(next_pow2(rows), elements // block))
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _prod(dims: tuple[int, ...] | list[int]) -> int:
     return int(np.prod(dims, dtype=np.int64))
-
-
-def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
-    """A starting tile for an M×N×K product on the GPU, before any tuning: 64×64×32 (measured the
-    better default on the H200 for the zoo), shrunk where the problem is smaller (batch 1)."""
-    bm = min(64, max(16, next_pow2(m)))
-    bn = min(64, max(32, next_pow2(n)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-
-
-@dataclass(frozen=True)
-class RowSpace:
-    """`full` viewed as (outer, R, inner): axes [first, end) are reduced. `groups` > 0 for
-    GroupNormalization, whose rows are (n, g) groups of channels instead."""
-
-    full: tuple[int, ...]
-    first: int
-    end: int
-    groups: int = 0
-
-    @property
-    def outer(self) -> int:
-        return self.full[0] * self.groups if self.groups else _prod(self.full[: self.first])
-
-    @property
-    def r(self) -> int:
-        return _prod(self.full) // self.outer if self.groups else _prod(self.full[self.first : self.end])
-
-    @property
-    def inner(self) -> int:
-        return 1 if self.groups else _prod(self.full[self.end :])
-
-    @property
-    def keep(self) -> tuple[int, ...]:
-        """The reduced shape with keepdims=1."""
-        f, a, b = self.full, self.first, self.end
-        return (*f[:a], *([1] * (b - a)), *f[b:])
-
-    @property
-    def drop(self) -> tuple[int, ...]:
-        """The reduced shape with keepdims=0."""
-        return (*self.full[: self.first], *self.full[self.end :])
-
-    def shapes(self) -> set[tuple[int, ...]]:
-        """Shapes a value in this row space may have: full, or reduced (kept or dropped dims)."""
-        return {self.full} if self.groups else {self.full, self.keep, self.drop}
-
-    def load_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """A reduced value with dropped dims is indexed as its keepdims twin."""
-        shape = tuple(shape)
-        return self.keep if shape == self.drop and len(shape) != len(self.full) else shape
-
-
-def reduced_axes(graph: Graph, node: Node) -> list[int] | None:
-    """The axes a row op reduces over (normalized), or None when they are not constant."""
-    rank = len(graph.spec(node.inputs[0]).shape)
-    if node.op_type in ROW_REDUCTIONS:
-        if len(node.inputs) > 1 and node.inputs[1]:
-            arr = graph.constants.get(node.inputs[1])
-            if arr is None:
-                return None
-            axes = [int(a) for a in np.asarray(arr).ravel()]
-        else:
-            axes = [int(a) for a in node.attrs.get("axes", [])]
-        if not axes:
-            return [] if node.attrs.get("noop_with_empty_axes", 0) else list(range(rank))
-        return sorted({a % rank for a in axes})
-    if node.op_type in ("LayerNormalization", "RMSNormalization"):
-        axis = int(node.attrs.get("axis", -1)) % rank
-        return list(range(axis, rank))
-    if node.op_type in GLOBAL_POOLS or node.op_type in ("InstanceNormalization", "GroupNormalization"):
-        # GroupNormalization reduces over part of the channels too: see RowSpace.groups.
-        return list(range(2 if node.op_type != "GroupNormalization" else 1, rank))
-    return [int(node.attrs.get("axis", -1)) % rank]
-
-
-def row_space(graph: Graph, node: Node) -> RowSpace:
-    """The row space of a row op that row_op_reason admits."""
-    axes = reduced_axes(graph, node)
-    assert axes
-    full = tuple(graph.spec(node.inputs[0]).shape)
-    groups = int(node.attrs["num_groups"]) if node.op_type == "GroupNormalization" else 0
-    return RowSpace(full, axes[0], axes[-1] + 1, groups)
-
-
-def row_split(graph: Graph, node: Node) -> int:
-    """The first reduced axis: dims before it index rows (or row blocks)."""
-    return row_space(graph, node).first
-
-
-def _group_norm_reason(graph: Graph, node: Node) -> str | None:
-    x = graph.spec(node.inputs[0]).shape
-    if "num_groups" not in node.attrs or len(x) < 2:
-        return "GroupNormalization without num_groups or channels"
-    groups, channels = int(node.attrs["num_groups"]), x[1]
-    if groups <= 0 or channels % groups:
-        return f"{channels} channels do not split into {groups} groups"
-    for p in node.inputs[1:3]:
-        if not p or graph.spec(p).shape not in ((groups,), (channels,)):
-            return "scale or bias is neither per group nor per channel"
-    return None
-
-
-def row_op_reason(graph: Graph, node: Node) -> str | None:
-    """None if `node` is a reduction a row kernel can compute, else why not."""
-    if node.op_type not in ROW_OPS:
-        return f"{node.op_type} is not a row reduction"
-    x = graph.spec(node.inputs[0])
-    if x.dtype not in ("float32", "float16", "bfloat16"):
-        return f"input of type {x.dtype}"
-    if node.op_type == "GroupNormalization" and (why := _group_norm_reason(graph, node)) is not None:
-        return why
-    axes = reduced_axes(graph, node)
-    if axes is None:
-        return "the reduction axes are not constant"
-    if not axes or axes != list(range(axes[0], axes[-1] + 1)):
-        return f"reduces over axes {axes}: row kernels reduce over one contiguous run of axes"
-    space = row_space(graph, node)
-    if space.r > MAX_ROW:
-        return f"a row of {space.r} elements does not fit one program (limit {MAX_ROW})"
-    if space.inner > 1 and not space.groups and TILE // next_pow2(space.r) < MIN_TILED_COLUMNS:
-        return (
-            f"a reduction over {space.r} elements at stride {space.inner} would read fewer than "
-            f"{MIN_TILED_COLUMNS} adjacent columns per program (uncoalesced): the library kernel is faster"
-        )
-    if node.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization") and (
-        len([o for o in node.outputs if o]) > 1
-    ):
-        return f"the extra outputs of {node.op_type} are used"
-    if node.op_type in ("LayerNormalization", "RMSNormalization"):
-        for p in node.inputs[1:3]:
-            if p and graph.spec(p).shape not in (tuple(x.shape[axes[0] :]), ()):
-                return "scale or bias does not cover the normalized axes"
-    return None
-
-
-def _input_expr(
-    shape: tuple[int, ...], full: tuple[int, ...], split: int | None = None
-) -> tuple[str | None, bool]:
-    """(index expression, is_vector) for loading an input broadcast to `full` from row `row`.
-
-    Dims before `split` (default: the last axis) index rows; the trailing dims are the row,
-    addressed by `cols`. An input either covers the whole row or is constant along it.
-    """
-    rank = len(full)
-    k = rank - 1 if split is None else split
-    padded = (1,) * (rank - len(shape)) + tuple(shape)
-    strides = [_prod(padded[d + 1 :]) for d in range(rank)]
-    row_strides = [_prod(full[d + 1 : k]) for d in range(k)]
-    terms = []
-    for d in range(k):
-        if padded[d] == 1:
-            continue
-        coord = f"((row // {row_strides[d]}) % {full[d]})" if row_strides[d] > 1 else f"(row % {full[d]})"
-        terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
-    trailing, whole = padded[k:], tuple(full[k:])
-    vector = trailing == whole and _prod(whole) != 1
-    if not vector and any(t != 1 for t in trailing):
-        raise ValueError(f"input of shape {shape} varies along only part of the row {whole}")
-    if vector:
-        terms.append("cols")
-    if not terms:
-        return None, False
-    return " + ".join(terms), vector
 
 
 def _view_row_expr(view: Any, full: tuple[int, ...], split: int | None) -> str:
@@ -305,33 +112,12 @@ def _group_input_expr(shape: tuple[int, ...], space: RowSpace) -> tuple[str | No
     return " + ".join(terms), any("cols" in t for t in terms)
 
 
-def row_input_reason(shape: tuple[int, ...], out: tuple[int, ...], space: RowSpace) -> str | None:
-    """None if an input of `shape` to a node with output shape `out` can be read in `space`."""
-    shape, out = tuple(shape), tuple(out)
-    if space.groups:
-        return None  # every shape that broadcasts to [N, C, *S] has an index (_group_input_expr)
-    drop, rank = space.drop, len(space.full)
-    if out == drop and len(drop) != rank:
-        if _prod(shape) != 1 and shape != drop:
-            return f"input of shape {list(shape)} does not line up with the reduced shape {list(drop)}"
-        return None
-    if shape == drop and len(drop) != rank and (1,) * (rank - len(drop)) + drop != space.keep:
-        # In registers it is one value per reduced row; ONNX would broadcast it along other axes.
-        return f"the reduced value of shape {list(drop)} broadcasts along axes that were not reduced"
-    if space.inner == 1:
-        try:
-            _input_expr(space.load_shape(shape), space.full, space.first)
-        except ValueError as exc:
-            return str(exc)
-    return None
-
-
 def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str], tiled: bool) -> None:
     """The depthwise conv's output on the tile, rounded to the model's type as the stored output
     would be (fp32 multiply-adds over the window). Tiled (a pool over H, W): image `outer`, pixels
     `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image, height,
     width flattened), channels `cols`."""
-    from opfuse.codegen.conv import conv_params  # conv.py builds on this module
+    from opfuse.ir.support import conv_params
 
     d = conv_params(graph, dw)
     taps = d["KH"] * d["KW"]
@@ -512,7 +298,7 @@ def generate_rowwise(
             elif name in views:
                 idx, load_mask = _view_row_expr(views[name], full, space.first), "cmask"
             else:
-                idx, vector = _input_expr(space.load_shape(shape), full, space.first)
+                idx, vector = row_input_index(space.load_shape(shape), full, space.first)
                 load_mask = "cmask" if vector else ("rowmask" if multi and idx is not None else None)
             if idx is None:
                 buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")

@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from opfuse.codegen.conv import (
-    CONV_OPS,
-    MAX_POOL_NHWC,
-    NHWC_CONV,
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.views import VIEW_THROUGH, input_view
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.support import (
     PAD_MODES,
     centre_tap,
     conv_anchor_reason,
     conv_params,
-    has_shortcut,
+    gemm_anchor_reason,
     input_scale_reason,
-    is_depthwise,
     pad_per_dim,
+    pointwise_reason,
+    pool_reason,
 )
-from opfuse.codegen.gemm import gemm_anchor_reason
-from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.codegen.pool import pool_reason
-from opfuse.fusion.groups import Group, group_boundary, merge_refusal
-from opfuse.fusion.views import VIEW_THROUGH, StridedView, input_view
-from opfuse.graph import Graph, Node
+from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
 GEMM_RULE = "gemm_epilogue"
@@ -576,7 +573,8 @@ def depthwise_reductions(
     and the reduction in one launch, and the conv's output never written. Such a conv has
     nothing else to fuse (a lone anchor, which runs as the library kernel without this rule);
     tuning times the group against that split form."""
-    from opfuse.codegen.rowwise import ROW_OPS, row_space
+    from opfuse.ir.ops import ROW_OPS
+    from opfuse.ir.rows import row_space
 
     consumers = graph.consumers()
     graph_outputs = {o.name for o in graph.outputs}
@@ -711,8 +709,9 @@ def pooled_gemms(
     there are images, and the pool is computed once per column tile of the GEMM (read again from
     L2): so only up to POOLED_GEMM_MAX_ROWS images. Tuning times it against the split form (the
     row kernel, then the GEMM's template)."""
-    from opfuse.codegen.gemm import gemm_dims
-    from opfuse.codegen.rowwise import ROW_OPS, row_space
+    from opfuse.ir.ops import ROW_OPS
+    from opfuse.ir.rows import row_space
+    from opfuse.ir.support import gemm_dims
 
     consumers = graph.consumers()
     graph_outputs = {o.name for o in graph.outputs}

@@ -11,30 +11,15 @@ layout ops disappear along with the score matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from opfuse.codegen.pointwise import scalar_constant
 from opfuse.fusion.groups import Group, creates_cycle
-from opfuse.fusion.views import StridedView, input_view, output_view
+from opfuse.fusion.views import input_view, output_view
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import scalar_constant
+from opfuse.ir.views import AttentionMatch
 from opfuse.passes.rules import NotFired, node_label
 
 ATTENTION_RULE = "attention"
 MAX_HEAD_DIM = 256
-
-
-@dataclass
-class AttentionMatch:
-    q: StridedView
-    k: StridedView  # the Kᵀ view: [B, H, D, Sk]
-    v: StridedView
-    out: StridedView
-    scale: float
-    mask: str = ""  # additive mask [.., Sq, Sk]
-    cond: str = ""  # boolean keep-mask for Where(cond, scores, fill)
-    fill: float = 0.0
-    nan_guard: bool = False
-    nodes: list[Node] = field(default_factory=list)
 
 
 def _sole_consumer(graph: Graph, value: str) -> Node | None:

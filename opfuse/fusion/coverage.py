@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from opfuse.codegen.conv import CONV_OPS, MAX_POOL_NHWC
-from opfuse.codegen.pointwise import pointwise_reason
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC
+from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import node_label
 from opfuse.runtime.ops import VIEW_OPS
 from opfuse.runtime.plan import Plan

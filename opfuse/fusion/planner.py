@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import WINDOW_OPS, pointwise_reason, window_input, window_reason
-from opfuse.codegen.rowwise import ROW_OPS, row_space
 from opfuse.fusion.anchors import (
     CHAIN_RULE,
     CONCAT_RULE,
@@ -41,8 +39,13 @@ from opfuse.fusion.concat import CONCAT_SELECT_RULE, LONE_COPY_REASON, concat_re
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.resize import RESIZE_RULE, plan_resize_gathers, resize_reason
 from opfuse.fusion.rowwise import ROW_RULE, plan_row_groups
-from opfuse.fusion.views import VIEW_THROUGH, StridedView, contiguous_strides, input_view
+from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import ROW_OPS, WINDOW_OPS, window_input
+from opfuse.ir.queries import contiguous_strides
+from opfuse.ir.rows import row_space
+from opfuse.ir.support import pointwise_reason, window_reason
+from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
 POINTWISE_RULE = "pointwise"

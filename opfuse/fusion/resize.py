@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from opfuse.codegen.resize import COORDINATE_MODES, MODES, NEAREST_MODES, ResizeAxis, ResizeGather
-from opfuse.fusion.views import VIEW_THROUGH, contiguous_strides, input_view, slice_window
+from opfuse.fusion.views import VIEW_THROUGH, input_view, slice_window
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import contiguous_strides
+from opfuse.ir.resize import COORDINATE_MODES, MODES, NEAREST_MODES, ResizeAxis, ResizeGather
 from opfuse.passes.rules import NotFired, node_label
 
 RESIZE_RULE = "resize_gather"

@@ -12,11 +12,12 @@ it, so the Concat joins too (its inputs, of other shapes, are kernel inputs).
 
 from __future__ import annotations
 
-from opfuse.codegen.pointwise import pointwise_reason
-from opfuse.codegen.rowwise import ROW_OPS, RowSpace, row_input_reason, row_op_reason, row_space
 from opfuse.fusion.concat import CONCAT_SELECT_RULE, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.rows import RowSpace, row_input_reason, row_op_reason, row_space
+from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import NotFired, node_label
 
 ROW_RULE = "row_reduction"

@@ -5,37 +5,17 @@ made."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from opfuse.codegen.pointwise import scalar_constant
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import contiguous_strides, scalar_constant
+from opfuse.ir.views import StridedView
 
 # Ops that only give the same elements a new shape (Reshape's rule decides whether as a view).
 RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 # Every op a view can be read through.
 VIEW_THROUGH = RESHAPES | {"Transpose", "Slice", "Split"}
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(np.prod(shape[d + 1 :], dtype=np.int64)) for d in range(len(shape)))
-
-
-@dataclass
-class StridedView:
-    base: str  # the materialized buffer (contiguous) that is actually read
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    scale: float = 1.0  # product of scalar Mul/Div folded on the way
-    nodes: list[Node] = field(default_factory=list)  # the layout/scale nodes this view replaces
-    offset: int = 0  # elements from the start of `base` (a Split output starts inside its input)
-    # Ids of `nodes` that stay in the plan (their outputs have other readers): not absorbed.
-    kept: set[str] = field(default_factory=set)
-
-    def owned(self) -> list[Node]:
-        """The layout nodes a kernel reading through this view replaces (they leave the plan)."""
-        return [n for n in self.nodes if n.id not in self.kept]
 
 
 def _single_use(graph: Graph, name: str) -> bool:

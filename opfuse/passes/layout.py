@@ -26,23 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from opfuse.codegen.conv import is_depthwise
-from opfuse.codegen.pointwise import EMITTERS
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import FLOAT_TYPES, LRN_NHWC, NHWC_CONV, POINTWISE_OPS, is_depthwise
+from opfuse.ir.ops import NHWC_POOLS as POOLS
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
 RULE = names.CHANNELS_LAST
 FP32_DENSE_RULE = names.FP32_DENSE_NCHW  # keeps a dense-only conv region NCHW in fp32 on the GPU
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
-POOLS = {"MaxPool": "opfuse.MaxPoolNHWC", "AveragePool": "opfuse.AveragePoolNHWC"}
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
 REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
-# Ops of the channels-last region that exist only inside opfuse (never accepted from a model).
-LRN_NHWC = "opfuse.LRNNHWC"
-INTERNAL_OPS = ("opfuse.ConvNHWC", *POOLS.values(), LRN_NHWC)
 
 
 def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -138,7 +133,7 @@ def _reduce_axes(graph: Graph, node: Node) -> list[int] | None:
 
 def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
     """A pointwise op joins the region when one of its 4-D inputs already is NHWC."""
-    if node.op_type not in EMITTERS or len([o for o in node.outputs if o]) != 1:
+    if node.op_type not in POINTWISE_OPS or len([o for o in node.outputs if o]) != 1:
         return False
     if len(graph.spec(node.outputs[0]).shape) != 4:
         return False
@@ -228,9 +223,7 @@ def to_channels_last(
             attrs = dict(node.attrs)
             attrs.setdefault("kernel_shape", list(w.shape[2:]))
             ins = [x, new_w, *node.inputs[2:3]]
-            rw.out.append(
-                Node(node.id, "opfuse.ConvNHWC", ins, [rw.new_output(node.outputs[0])], attrs, node.name)
-            )
+            rw.out.append(Node(node.id, NHWC_CONV, ins, [rw.new_output(node.outputs[0])], attrs, node.name))
         elif (
             op in POOLS
             and node.inputs[0] in rw.twin

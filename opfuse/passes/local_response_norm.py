@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.pointwise import scalar_constant
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
+from opfuse.ir.queries import scalar_constant
 from opfuse.passes.rules import Rule
 
 RULE = names.LOCAL_RESPONSE_NORM

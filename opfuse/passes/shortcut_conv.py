@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.conv import NHWC_CONV, has_shortcut
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import NHWC_CONV, has_shortcut
 from opfuse.passes.concat_convs import constant_weights_reason
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 

@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.conv import has_shortcut
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import NHWC_CONV, has_shortcut
 from opfuse.passes.concat_convs import merged_conv, merged_window
 from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
 
 RULE = names.MERGE_SIBLING_CONVS
-NHWC_CONV = "opfuse.ConvNHWC"
 
 
 def _candidates(graph: Graph) -> list[list[Node]]:

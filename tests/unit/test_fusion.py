@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import opfuse
-from opfuse.codegen import pointwise
+from opfuse.codegen import emitters
 from opfuse.errors import BundleError
 from tests.builders import TEST_DEVICE, conv_bn_relu, residual_mlp
 
@@ -261,7 +261,7 @@ def test_model_text_never_runs_and_appears_only_escaped(tmp_path: Path) -> None:
 
 def test_failing_group_is_found_by_bisection_and_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
     # A deliberately wrong Erf: the GELU group must be rolled back, the others kept.
-    monkeypatch.setitem(pointwise._UNARY, "Erf", "(tl.erf({0}) * 1.5)")
+    monkeypatch.setitem(emitters._UNARY, "Erf", "(tl.erf({0}) * 1.5)")
     cm = check_against_ort(residual_mlp(), {"x": [4, 32]})
     v = cm.report["verification"]
     assert v["passed"] is True and len(v["rolled_back"]) == 1

@@ -758,7 +758,7 @@ def test_a_conv_summing_a_shortcut_is_not_timed_against_the_library(
 ) -> None:
     """The library has no conv with a second K loop (shortcut_conv): tuning times no variant of
     that group and keeps its template, even where the library's kernels would be timed faster."""
-    from opfuse.codegen.conv import has_shortcut
+    from opfuse.ir.ops import has_shortcut
     from tests.unit.test_conv import bottleneck
 
     def library_faster(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:

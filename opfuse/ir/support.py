@@ -1,0 +1,249 @@
+"""What the kernel templates compute: fusion asks before it plans a group, codegen honours it.
+
+Each `*_reason` returns None where a template computes the node, else why not (the reason goes
+into the report's `fusion.not_fused`). Geometry helpers read the numbers a template is specialized
+on (window strides, pads, sizes) off the node and its shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import (
+    CONV_OPS,
+    FLOAT_TYPES,
+    GELU_APPROXIMATIONS,
+    MAX_POOL_NHWC,
+    NHWC_CONV,
+    ONNX_FLOAT_CASTS,
+    POINTWISE_OPS,
+    WINDOW_OPS,
+    gelu_approximate,
+    is_depthwise,
+)
+from opfuse.ir.queries import scalar_constant
+
+# Element offsets below this are computed in int32 by the depthwise and pool templates (a margin
+# below 2**31 for the window's reach past the last pixel).
+INT32_INDEX_LIMIT = 2**31 - 2**24
+
+
+def pointwise_reason(graph: Graph, node: Node) -> str | None:
+    """None if the node can go into a generated pointwise kernel, else why not."""
+    if node.op_type not in POINTWISE_OPS:
+        return f"{node.op_type} is not a pointwise op opfuse generates code for"
+    outs = [o for o in node.outputs if o]
+    if len(outs) != 1:
+        return "the node has more than one output"
+    checked = [*[x for x in node.inputs if x], *outs]
+    if node.op_type == "Where":
+        if graph.spec(node.inputs[0]).dtype != "bool":
+            return "Where with a non-boolean condition"
+        checked = checked[1:]  # the condition is a bool mask; the values must be float
+    for name in checked:
+        if graph.spec(name).dtype not in FLOAT_TYPES:
+            return f"value of type {graph.spec(name).dtype}: pointwise kernels take float32/float16/bfloat16"
+    if node.op_type == "Pow" and scalar_constant(graph, node.inputs[1]) is None:
+        return "Pow with a tensor exponent: only a constant scalar exponent has an exact kernel form"
+    if node.op_type == "Clip":
+        for bound in node.inputs[1:3]:
+            if bound and scalar_constant(graph, bound) is None:
+                return "Clip with a non-constant bound"
+    if node.op_type == "Gelu" and gelu_approximate(node) not in GELU_APPROXIMATIONS:
+        return f"Gelu with approximate={gelu_approximate(node)!r}: only 'none' and 'tanh' are defined"
+    if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in ONNX_FLOAT_CASTS:
+        return "Cast to a non-float type"
+    return None
+
+
+def window_reason(graph: Graph, node: Node) -> str | None:
+    """None if a window op can be computed by a generated pointwise kernel, else why not."""
+    if node.op_type not in WINDOW_OPS:
+        return f"{node.op_type} is not a window op opfuse generates code for"
+    x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
+    if x.dtype not in FLOAT_TYPES or y.dtype not in FLOAT_TYPES:
+        return f"value of type {x.dtype}: window kernels take float32/float16/bfloat16"
+    if len(x.shape) < 3 or tuple(x.shape) != tuple(y.shape):
+        return "the input is not an [N, C, ...] tensor the size of the output"
+    if int(node.attrs.get("size", 0)) < 1:
+        return "the window size is not positive"
+    for key, default in (("alpha", 1e-4), ("beta", 0.75), ("bias", 1.0)):
+        if not np.isfinite(float(node.attrs.get(key, default))):
+            return f"the {key} is not finite"
+    return None
+
+
+def gemm_anchor_reason(graph: Graph, node: Node) -> str | None:
+    """None if the MatMul/Gemm can be the anchor of a GEMM template, else why not."""
+    if node.op_type not in ("MatMul", "Gemm"):
+        return f"{node.op_type} is not a GEMM"
+    a, b = graph.spec(node.inputs[0]), graph.spec(node.inputs[1])
+    if a.dtype not in FLOAT_TYPES or b.dtype != a.dtype:
+        return f"operands of type {a.dtype}/{b.dtype}"
+    if len(b.shape) != 2:
+        return "the second operand is batched: the template multiplies by one 2-D matrix"
+    if len(a.shape) < 2:
+        return "the first operand is a vector"
+    if node.op_type == "Gemm":
+        if int(node.attrs.get("transA", 0)):
+            return "Gemm with transA"
+        if len(node.inputs) > 2 and node.inputs[2]:
+            c = graph.spec(node.inputs[2])
+            out = graph.spec(node.outputs[0]).shape
+            if len(c.shape) > 2 or any(
+                d not in (1, o) for d, o in zip(reversed(c.shape), reversed(out), strict=False)
+            ):
+                return "Gemm bias does not broadcast to the output"
+    k = a.shape[-1]
+    if k < 1:
+        return "empty reduction"
+    return None
+
+
+def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
+    a, b = graph.spec(node.inputs[0]).shape, graph.spec(node.inputs[1]).shape
+    trans_b = node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0)))
+    k = a[-1]
+    n = b[0] if trans_b else b[1]
+    m = int(np.prod(a[:-1], dtype=np.int64))
+    return m, n, k, trans_b
+
+
+def window_geometry(
+    node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
+) -> dict[str, int]:
+    """Strides, dilations and leading pads of a 2-D window op (Conv, MaxPool), auto_pad resolved
+    from the input and output sizes."""
+    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
+    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
+    auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begins = []
+        for n, o, k, st, d in ((size[0], out[0], kernel[0], sh, dh), (size[1], out[1], kernel[1], sw, dw)):
+            total = max(0, (o - 1) * st + (k - 1) * d + 1 - n)
+            begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+        ph, pw = begins
+    elif auto_pad == "VALID":
+        ph = pw = 0
+    else:
+        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
+        ph, pw = p[0], p[1]
+    return {"SH": sh, "SW": sw, "DH": dh, "DW": dw, "PH": ph, "PW": pw}
+
+
+def conv_params(graph: Graph, node: Node) -> dict[str, int]:
+    x = graph.spec(node.inputs[0]).shape
+    w = graph.spec(node.inputs[1]).shape
+    y = graph.spec(node.outputs[0]).shape
+    if node.op_type == NHWC_CONV:  # the same numbers read off NHWC shapes
+        x, w, y = (x[0], x[3], x[1], x[2]), (w[0], w[3], w[1], w[2]), (y[0], y[3], y[1], y[2])
+    kh, kw = w[2], w[3]
+    geometry = window_geometry(node, (x[2], x[3]), (y[2], y[3]), (kh, kw))
+    return {"N": x[0], "C": x[1], "H": x[2], "W": x[3], "CO": w[0], "KH": kh, "KW": kw, **geometry} | {
+        "OH": y[2],
+        "OW": y[3],
+    }
+
+
+PAD_MODES = ("constant", "reflect", "edge")
+
+
+def pad_per_dim(graph: Graph, pad: Node) -> list[tuple[int, int]] | None:
+    """(begin, end) per axis of a Pad whose pads (and axes) are constants; None otherwise."""
+    rank = len(graph.spec(pad.inputs[0]).shape)
+    if pad.inputs[1] not in graph.constants:
+        return None
+    pads = [int(v) for v in np.asarray(graph.constants[pad.inputs[1]]).ravel()]
+    axes = list(range(rank))
+    if len(pad.inputs) > 3 and pad.inputs[3]:
+        if pad.inputs[3] not in graph.constants:
+            return None
+        axes = [int(a) % rank for a in np.asarray(graph.constants[pad.inputs[3]]).ravel()]
+    if len(pads) != 2 * len(axes):
+        return None
+    per_dim = [(0, 0)] * rank
+    for i, axis in enumerate(axes):
+        per_dim[axis] = (pads[i], pads[i + len(axes)])
+    return per_dim
+
+
+def centre_tap(graph: Graph, conv: Node) -> int | None:
+    """The window position at which a conv's output pixel reads the input pixel at its own
+    coordinates, where the conv keeps the input's size at stride 1 (so its tiles at that position
+    cover the whole input); None otherwise."""
+    p = conv_params(graph, conv)
+    if (p["SH"], p["SW"], p["OH"], p["OW"]) != (1, 1, p["H"], p["W"]):
+        return None
+    if p["PH"] % p["DH"] or p["PW"] % p["DW"]:
+        return None
+    th, tw = p["PH"] // p["DH"], p["PW"] // p["DW"]
+    return th * p["KW"] + tw if th < p["KH"] and tw < p["KW"] else None
+
+
+def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
+    """None if the Conv can run as the implicit-GEMM template, else why not."""
+    x = graph.spec(node.inputs[0])
+    if node.op_type not in CONV_OPS:
+        return f"{node.op_type} is not a convolution"
+    if x.dtype not in FLOAT_TYPES:
+        return f"input of type {x.dtype}"
+    if len(x.shape) != 4:
+        return f"a {len(x.shape) - 2}-D convolution: the template is 2-D"
+    group = int(node.attrs.get("group", 1))
+    if group != 1 and not (node.op_type == NHWC_CONV and is_depthwise(graph, node)):
+        if node.op_type == NHWC_CONV:
+            return "a grouped convolution: the templates compute group=1 and depthwise"
+        return "a grouped (or depthwise) convolution: the NCHW template computes group=1"
+    if node.inputs[1] not in graph.constants:
+        return "the weight is not a constant"
+    return None
+
+
+def input_scale_operands(graph: Graph, mul: Node, conv: Node) -> tuple[str, str]:
+    """(act, scale) of a Mul feeding an NHWC conv whose input it scales per (image, channel)."""
+    a, b = mul.inputs[0], mul.inputs[1]
+    full = graph.spec(conv.inputs[0]).shape
+    return (a, b) if graph.spec(a).shape == full else (b, a)
+
+
+def input_scale_reason(graph: Graph, mul: Node, conv: Node) -> str | None:
+    """None if `mul` can run as `conv`'s input-scale prologue, else why not."""
+    if mul.op_type != "Mul" or len(mul.inputs) != 2:
+        return "not a Mul"
+    full = graph.spec(conv.inputs[0]).shape
+    act, scale = input_scale_operands(graph, mul, conv)
+    s = graph.spec(scale).shape
+    if graph.spec(act).shape != full or len(s) != 4:
+        return "the Mul does not scale the full conv input by a 4-D tensor"
+    if s[1] != 1 or s[2] != 1 or s[0] not in (1, full[0]) or s[3] not in (1, full[3]):
+        return f"the scale {list(s)} varies over the image (only per image and channel can be folded)"
+    if scale in graph.constants:
+        return "the scale is a constant (it belongs in the weights)"
+    if int(conv.attrs.get("group", 1)) != 1:
+        return "the conv is grouped (the input scale is applied in the group=1 template)"
+    if graph.spec(scale).dtype != graph.spec(act).dtype:
+        return "the scale's type differs from the input's"
+    return None
+
+
+def pool_params(graph: Graph, node: Node) -> dict[str, int]:
+    n, h, w, c = graph.spec(node.inputs[0]).shape
+    _, oh, ow, _ = graph.spec(node.outputs[0]).shape
+    kh, kw = (int(v) for v in node.attrs["kernel_shape"])
+    geometry = window_geometry(node, (h, w), (oh, ow), (kh, kw))
+    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw, **geometry}
+
+
+def pool_reason(graph: Graph, node: Node) -> str | None:
+    """None if the max pool can run as the template, else why not."""
+    if node.op_type != MAX_POOL_NHWC:
+        return f"{node.op_type} is not an NHWC max pool"
+    if len([o for o in node.outputs if o]) > 1:
+        return "the pool's Indices output is used"
+    x = graph.spec(node.inputs[0])
+    if x.dtype not in FLOAT_TYPES or len(x.shape) != 4 or "kernel_shape" not in node.attrs:
+        return "not a 2-D float max pool"
+    if max(x.numel, graph.spec(node.outputs[0]).numel) >= INT32_INDEX_LIMIT:
+        return "over 2**31 elements (the template indexes in int32)"
+    return None
