@@ -13,8 +13,9 @@ from onnx import helper, numpy_helper
 
 from opfuse.errors import BundleError
 from opfuse.frontend.opsets import CANONICAL_OPSET
-from opfuse.graph import TensorSpec
+from opfuse.ir.graph import TensorSpec
 from opfuse.runtime.plan import PLAN_VERSION, KernelInfo, Plan, Step
+from opfuse.views.html import render_html
 
 BUNDLE_FORMAT = "opfuse-bundle"
 BUNDLE_VERSION = 1
@@ -133,7 +134,18 @@ def write_bundle(
             z.writestr(f"kernels/{k.id}.py", k.source)
         z.writestr("plan.json", json.dumps(plan.to_json(), indent=1))
         z.writestr("report.json", json.dumps(report, indent=2, default=str))
+        # The report to look at: one self-contained page (docs/bundle.md), from the same JSON.
+        sources = {k.id: k.source for k in plan.kernels.values()}
+        title = (manifest.get("source") or {}).get("name")
+        z.writestr(
+            "report.html", render_html(_plain_json(report), sources, title=str(title) if title else None)
+        )
     os.replace(tmp, path)
+
+
+def _plain_json(report: dict[str, Any]) -> Any:
+    """The report as report.json holds it (numpy scalars and the like as JSON values or strings)."""
+    return json.loads(json.dumps(report, default=str))
 
 
 def _read(z: zipfile.ZipFile, name: str) -> bytes:
