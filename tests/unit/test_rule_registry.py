@@ -96,3 +96,38 @@ def test_a_pass_whose_prerequisite_is_off_does_not_run() -> None:
     assert run_passes(graph).fired.get(registry.CHANNELS_LAST, 0) > 0
     fired = run_passes(graph_off, [registry.CHANNELS_LAST]).fired
     assert registry.CHANNELS_LAST not in fired and registry.FOLD_BATCHNORM in fired
+
+
+def test_the_planner_runs_the_registrys_fusion_rules_in_order() -> None:
+    from opfuse.fusion.planner import FUSION_RULES
+
+    claimed = [n for r in FUSION_RULES for n in r.names]
+    inside = {o for r in FUSION_RULES for o in r.options}
+    listed = [r.name for r in registry.stage_rules(registry.FUSION)]
+    assert len(claimed) == len(set(claimed)) and not set(claimed) & inside
+    assert set(claimed) | inside == set(listed)
+    assert [n for n in listed if n in claimed] == claimed
+
+
+def test_the_fusion_rules_claim_in_order_and_say_why_not() -> None:
+    """A graph-level run of the planner on one small graph: the row rule claims first (the LayerNorm
+    with the bias and residual before it), then the GEMM its bias and GELU; with the GEMM rule off,
+    that epilogue is a pointwise group instead."""
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.passes.pipeline import run_passes
+    from tests.builders import graph_of
+
+    graph = graph_of(residual_mlp(hidden=8, ffn=16), {"x": [2, 8]})
+    run_passes(graph)
+    gelu = ["gelu_scale", "gelu_erf", "gelu_add1", "gelu_mul", "gelu_half"]
+    norm = ["ln_mean", "ln_sub", "ln_pow", "ln_var", "ln_eps", "ln_sqrt", "ln_div", "ln_scale", "ln_shift"]
+    row = (registry.ROW_REDUCTION, ["fc2_bias", "residual", *norm])
+
+    def groups(disabled: set[str]) -> list[tuple[str, list[str]]]:
+        return [(g.rule, [n.name for n in g.nodes]) for g in plan_fusion(graph, disabled).groups]
+
+    on = groups(set())
+    assert on == [row, (registry.GEMM_EPILOGUE, ["fc1", "fc1_bias", *gelu])]
+    off = groups({registry.GEMM_EPILOGUE})
+    assert off == [row, (registry.POINTWISE, ["fc1_bias", *gelu])]
+    assert groups({registry.GEMM_EPILOGUE, registry.POINTWISE, registry.ROW_REDUCTION}) == []
