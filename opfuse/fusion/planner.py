@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.fusion.anchors import (
     CHAIN_RULE,
     CONCAT_RULE,
@@ -48,9 +49,9 @@ from opfuse.ir.support import pointwise_reason, window_reason
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
-POINTWISE_RULE = "pointwise"
-WINDOW_RULE = "channel_window"
-LAYOUT_RULE = "layout_views"
+POINTWISE_RULE = names.POINTWISE
+WINDOW_RULE = names.CHANNEL_WINDOW
+LAYOUT_RULE = names.LAYOUT_VIEWS
 RULES = (
     ATTENTION_RULE,
     ROW_RULE,
@@ -103,69 +104,109 @@ class FusionPlan:
     lone: list[Group] = field(default_factory=list)
 
 
-def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset()) -> FusionPlan:
-    not_fused: list[NotFired] = []
-    attention: list[Group] = []
-    if ATTENTION_RULE not in disabled:
-        attention, matches = plan_attention_groups(graph, not_fused)
-        for g in attention:
-            g.match = matches[g.id]
-    in_attention = {n.id for g in attention for n in g.nodes}
-    row_groups = (
-        []
-        if ROW_RULE in disabled
-        else plan_row_groups(
-            graph,
-            not_fused,
-            in_attention,
-            CONCAT_SELECT_RULE not in disabled and POINTWISE_RULE not in disabled,
-        )
-    )
-    claimed_by_rows: set[str] = set(in_attention) | {n.id for g in row_groups for n in g.nodes}
+@dataclass
+class PlanState:
+    """What the fusion rules share while they claim nodes, in the order they run: each rule reads
+    what the ones before it claimed and adds its groups (or grows theirs)."""
+
+    graph: Graph
+    disabled: frozenset[str]
+    not_fused: list[NotFired] = field(default_factory=list)
+    # Attention, then row groups (rules after them may add a prologue or take one away).
+    rows: list[Group] = field(default_factory=list)
+    anchors: list[Group] = field(default_factory=list)  # GEMM, conv and pool groups
+    lone: list[Group] = field(default_factory=list)
+    pointwise: list[Group] = field(default_factory=list)
+    # Nodes the row kernels (and attention) hold: no anchor takes them.
+    in_rows: set[str] = field(default_factory=set)
+    # Concats `concat_select` matched but did not take (id -> why), said where they stay copies.
+    concat_reasons: dict[str, str] = field(default_factory=dict)
+
+    def on(self, name: str) -> bool:
+        return names.enabled(name, self.disabled)
+
+    def fused(self) -> list[Group]:
+        return [*self.rows, *self.anchors]
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """A planner rule: the registry names it implements (it runs when one of them is on), and the
+    claim that adds its groups to the plan. `options`: registry names the claim reads itself (a
+    rule applied inside another's groups)."""
+
+    names: tuple[str, ...]
+    claim: Callable[[PlanState], None]
+    options: tuple[str, ...] = ()
+
+
+def _attention(state: PlanState) -> None:
+    attention, matches = plan_attention_groups(state.graph, state.not_fused)
+    for g in attention:
+        g.match = matches[g.id]
+    state.rows = attention
+    state.in_rows = {n.id for g in attention for n in g.nodes}
+
+
+def _rows(state: PlanState) -> None:
+    graph = state.graph
+    row_groups = plan_row_groups(graph, state.not_fused, state.in_rows, state.on(CONCAT_SELECT_RULE))
+    claimed_by_rows: set[str] = set(state.in_rows) | {n.id for g in row_groups for n in g.nodes}
     for g in row_groups:
         if any(n.op_type == "Concat" for n in g.nodes):
-            _select_row_concat(graph, g, claimed_by_rows, not_fused, disabled)
-    if LAYOUT_RULE not in disabled:
+            _select_row_concat(graph, g, claimed_by_rows, state.not_fused, state.disabled)
+    if state.on(LAYOUT_RULE):
         for g in row_groups:
             _fold_row_layout(graph, g, claimed_by_rows)
-    in_rows = {n.id for g in row_groups for n in [*g.nodes, *g.absorbed]} | in_attention
-    row_groups = attention + row_groups
-    lone: list[Group] = []
-    gemm_groups = plan_anchor_groups(graph, set(in_rows), not_fused, disabled, lone)
-    if DEPTHWISE_RULE not in disabled or POOL_PROLOGUE_RULE not in disabled:
-        gemm_groups = window_prologues(graph, gemm_groups, lone, not_fused, disabled)
-    if CHAIN_RULE not in disabled:
-        gemm_groups = chain_gemv_groups(graph, gemm_groups, not_fused)
-    if DEPTHWISE_REDUCTION_RULE not in disabled:
-        depthwise_reductions(graph, row_groups, lone, not_fused)
-    if CONCAT_RULE not in disabled and LAYOUT_RULE not in disabled:
-        held = in_rows | {n.id for g in gemm_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
-        concat_epilogues(graph, gemm_groups, lone, not_fused, held)
-    if POOLED_GEMM_RULE not in disabled:
-        pooled_gemms(graph, row_groups, gemm_groups, lone, not_fused)
-    row_groups += gemm_groups
-    in_rows |= {n.id for g in row_groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
-    if POINTWISE_RULE in disabled:
-        if LAYOUT_RULE not in disabled:
-            _explain_concat_copies(graph, row_groups, not_fused, {})
-        return FusionPlan(row_groups, not_fused, lone)
+    state.in_rows |= {n.id for g in row_groups for n in [*g.nodes, *g.absorbed]}
+    state.rows = state.rows + row_groups
+
+
+def _anchors(state: PlanState) -> None:
+    state.anchors = plan_anchor_groups(
+        state.graph, set(state.in_rows), state.not_fused, state.disabled, state.lone
+    )
+
+
+def _window_prologues(state: PlanState) -> None:
+    state.anchors = window_prologues(state.graph, state.anchors, state.lone, state.not_fused, state.disabled)
+
+
+def _gemv_chains(state: PlanState) -> None:
+    state.anchors = chain_gemv_groups(state.graph, state.anchors, state.not_fused)
+
+
+def _depthwise_reductions(state: PlanState) -> None:
+    depthwise_reductions(state.graph, state.rows, state.lone, state.not_fused)
+
+
+def _concat_epilogues(state: PlanState) -> None:
+    held = state.in_rows | {n.id for g in state.anchors for n in [*g.prologue, *g.nodes, *g.absorbed]}
+    concat_epilogues(state.graph, state.anchors, state.lone, state.not_fused, held)
+
+
+def _pooled_gemms(state: PlanState) -> None:
+    pooled_gemms(state.graph, state.rows, state.anchors, state.lone, state.not_fused)
+
+
+def _pointwise(state: PlanState) -> None:
+    graph, not_fused, concat_reasons = state.graph, state.not_fused, state.concat_reasons
+    in_rows = state.in_rows | {n.id for g in state.fused() for n in [*g.prologue, *g.nodes, *g.absorbed]}
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     eligible: dict[str, bool] = {}
-    # Concats `concat_select` matched but did not take (id -> why), said where they stay copies.
-    concat_reasons: dict[str, str] = {}
     for n in graph.nodes:
         if n.id in in_rows:
             eligible[n.id] = False
             continue
         if n.op_type == "Concat":
-            reason = None if CONCAT_SELECT_RULE in disabled else concat_reason(graph, n)
-            eligible[n.id] = CONCAT_SELECT_RULE not in disabled and reason is None
+            reason = None if not state.on(CONCAT_SELECT_RULE) else concat_reason(graph, n)
+            eligible[n.id] = state.on(CONCAT_SELECT_RULE) and reason is None
             if reason is not None:
                 concat_reasons[n.id] = reason
             continue
         if n.op_type in WINDOW_OPS:
-            if WINDOW_RULE in disabled:
+            if not state.on(WINDOW_RULE):
                 eligible[n.id] = False
                 continue
             reason = window_reason(graph, n)
@@ -216,7 +257,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         members.append(mine)
         for m in mine:
             group_of[m] = idx
-    groups: list[Group] = list(row_groups)
+    groups: list[Group] = state.fused()
     claimed = {n.id for g in groups for n in g.nodes}
     count = 0
     for ids in members:
@@ -227,7 +268,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         gathers: dict[str, Any] = {}
         gathered: list[Node] = []
         lone_concat = len(nodes) == 1 and nodes[0].op_type == "Concat"
-        if RESIZE_RULE not in disabled:
+        if state.on(RESIZE_RULE):
             iteration = tuple(graph.spec(outs[0]).shape)
             # An LRN loads its input at neighbouring channels from memory: a resized value it
             # reads that way is written by the Resize, not gathered.
@@ -243,7 +284,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
                 iteration,
                 claimed,
                 not_fused,
-                LAYOUT_RULE not in disabled,
+                state.on(LAYOUT_RULE),
                 selected,
             )
         if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS and not lone_concat:
@@ -255,7 +296,7 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
             f"g{count}", "pointwise", "+".join(parts), nodes, ins, outs, views=gathers, absorbed=gathered
         )
         taken = set(claimed)
-        if LAYOUT_RULE not in disabled:
+        if state.on(LAYOUT_RULE):
             _fold_layout(graph, group, taken)
         if lone_concat and not group.views:
             concat_reasons[nodes[0].id] = LONE_COPY_REASON
@@ -263,11 +304,39 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
         claimed |= taken
         groups.append(group)
         count += 1
-    if LAYOUT_RULE not in disabled:
-        _explain_concat_copies(graph, groups, not_fused, concat_reasons)
-    if RESIZE_RULE not in disabled:
-        _explain_resizes(graph, groups, not_fused)
-    return FusionPlan(groups, not_fused, lone)
+    state.pointwise = groups[len(state.fused()) :]
+
+
+# The planner's rules in the order they claim nodes (the registry's order where they are listed
+# once each; the anchor rules share one pass over the graph, and their groups one numbering).
+FUSION_RULES: tuple[FusionRule, ...] = (
+    FusionRule((ATTENTION_RULE,), _attention),
+    FusionRule((ROW_RULE,), _rows, options=(CONCAT_SELECT_RULE, RESIZE_RULE, LAYOUT_RULE)),
+    FusionRule((GEMM_RULE, CONV_RULE, POOL_RULE), _anchors, options=(PAD_RULE, LAYOUT_RULE)),
+    FusionRule((DEPTHWISE_RULE, POOL_PROLOGUE_RULE), _window_prologues),
+    FusionRule((CHAIN_RULE,), _gemv_chains),
+    FusionRule((DEPTHWISE_REDUCTION_RULE,), _depthwise_reductions),
+    FusionRule((CONCAT_RULE,), _concat_epilogues),
+    FusionRule((POOLED_GEMM_RULE,), _pooled_gemms),
+    FusionRule(
+        (POINTWISE_RULE,), _pointwise, options=(WINDOW_RULE, CONCAT_SELECT_RULE, RESIZE_RULE, LAYOUT_RULE)
+    ),
+)
+
+
+def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset()) -> FusionPlan:
+    """Each fusion rule that is on claims its groups, in order; then the copies and Resizes left
+    in the plan are explained."""
+    state = PlanState(graph, frozenset(disabled))
+    for rule in FUSION_RULES:
+        if any(state.on(name) for name in rule.names):
+            rule.claim(state)
+    groups = [*state.fused(), *state.pointwise]
+    if state.on(LAYOUT_RULE):
+        _explain_concat_copies(graph, groups, state.not_fused, state.concat_reasons)
+    if state.on(RESIZE_RULE):
+        _explain_resizes(graph, groups, state.not_fused)
+    return FusionPlan(groups, state.not_fused, state.lone)
 
 
 def _window_refusal(graph: Graph, merged: set[str], producers: dict[str, Node]) -> str | None:
