@@ -378,7 +378,8 @@ def _reason_key(row: Mapping[str, str]) -> str:
     err = row.get("error", "")
     if row["status"] == "unsupported" and row.get("unsupported_ops"):
         return "unsupported ops: " + row["unsupported_ops"]
-    err = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", err)
+    # Node and tensor names (they hold a '/' or a digit) differ by row; op names stay.
+    err = re.sub(r"'(?!aten::)[^']*[/\d][^']*'|\"(?!aten::)[^\"]*[/\d][^\"]*\"", "'…'", err)
     err = re.sub(r"\d+", "N", err)
     return err[:120]
 

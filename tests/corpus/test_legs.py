@@ -139,13 +139,13 @@ def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) 
                 **crash,
                 "model": "transformers/bert",
                 "exporter": "dynamo",
-                "error": "ValueError: shape (2,) of 'a'",
+                "error": "ValueError: shape (2,) of '/h.0/a'",
             },
             {
                 **crash,
                 "model": "transformers/bert",
                 "exporter": "torchscript",
-                "error": "ValueError: shape (3,) of 'b'",
+                "error": "ValueError: shape (3,) of '/h.1/b'",
             },
         ],
     )
