@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
@@ -31,9 +32,9 @@ from opfuse.ir.support import (
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
-GEMM_RULE = "gemm_epilogue"
-CONV_RULE = "conv_epilogue"
-POOL_RULE = "pool_epilogue"
+GEMM_RULE = names.GEMM_EPILOGUE
+CONV_RULE = names.CONV_EPILOGUE
+POOL_RULE = names.POOL_EPILOGUE
 # Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
 # r (row), g (pointwise), s (chained GEMVs).
 PREFIX = {"gemm": "m", "conv": "c", "pool": "p"}
@@ -121,7 +122,7 @@ def plan_anchor_groups(
         # loop: no prologue on its tiles, and always its template (the library has no such conv).
         shortcut = kind == "conv" and has_shortcut(anchor)
         if shortcut:
-            rule = f"{rule}+shortcut_conv"  # the pass that made this conv (passes/shortcut_conv.py)
+            rule = f"{rule}+{names.SHORTCUT_CONV}"  # the pass that made this conv (passes/shortcut_conv.py)
         if variant == "template" and not shortcut:
             prologue = _input_scale(graph, anchor, taken, consumers, not_fused)
             if not prologue and PAD_RULE not in disabled:
@@ -164,7 +165,7 @@ def plan_anchor_groups(
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         views = {}
-        if kind == "gemm" and variant == "template" and "layout_views" not in disabled:
+        if kind == "gemm" and variant == "template" and names.LAYOUT_VIEWS not in disabled:
             views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
         if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
@@ -290,7 +291,7 @@ def _input_scale(
     return [mul]
 
 
-PAD_RULE = "pad_prologue"
+PAD_RULE = names.PAD_PROLOGUE
 
 
 def _input_pad(
@@ -346,7 +347,7 @@ def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:
     return None
 
 
-CHAIN_RULE = "gemv_chain"
+CHAIN_RULE = names.GEMV_CHAIN
 # Every program along the second product's columns computes the whole hidden vector, reading the
 # first weight again (from L2): only for a small first weight and a hidden vector that fits one
 # register tile beside the accumulator.
@@ -436,8 +437,8 @@ def chain_gemv_groups(graph: Graph, groups: list[Group], not_fused: list[NotFire
     return [merged.get(g.id, g) for g in groups if g.id not in drop or g.id in merged]
 
 
-DEPTHWISE_RULE = "depthwise_prologue"
-POOL_PROLOGUE_RULE = "pool_prologue"  # the same, for a max pool before a conv of any window
+DEPTHWISE_RULE = names.DEPTHWISE_PROLOGUE
+POOL_PROLOGUE_RULE = names.POOL_PROLOGUE  # the same, for a max pool before a conv of any window
 # The prologue runs once per column tile of the pointwise conv: beyond two tiles of the default
 # width it would compute the depthwise conv too many times over.
 DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
@@ -561,7 +562,7 @@ def window_prologues(
     return [g for g in groups if g.id not in gone] + promoted
 
 
-DEPTHWISE_REDUCTION_RULE = "depthwise_reduction"
+DEPTHWISE_REDUCTION_RULE = names.DEPTHWISE_REDUCTION
 
 
 def depthwise_reductions(
@@ -616,7 +617,7 @@ def depthwise_reductions(
     lone[:] = [g for g in lone if g.id not in gone]
 
 
-CONCAT_RULE = "concat_epilogue"
+CONCAT_RULE = names.CONCAT_EPILOGUE
 # Inputs of a Concat copied by the conv kernel that absorbs it: each is a loop of loads and stores.
 CONCAT_MAX_COPIED = 8
 
@@ -693,7 +694,7 @@ def concat_epilogues(
         g.rule = f"{g.rule}+{CONCAT_RULE}"
 
 
-POOLED_GEMM_RULE = "pooled_gemm"
+POOLED_GEMM_RULE = names.POOLED_GEMM
 # Every column tile of the GEMM computes the pool again: rows x pixels x channels loads each. At
 # batch 1-4 (a GEMV) that is a few hundred KB from L2; at batch 32 (ResNet-50's head) tens of MB.
 POOLED_GEMM_MAX_ROWS = 4

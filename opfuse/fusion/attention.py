@@ -11,6 +11,7 @@ layout ops disappear along with the score matrix.
 
 from __future__ import annotations
 
+from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, creates_cycle
 from opfuse.fusion.views import input_view, output_view
 from opfuse.graph import Graph, Node
@@ -18,7 +19,7 @@ from opfuse.ir.queries import scalar_constant
 from opfuse.ir.views import AttentionMatch
 from opfuse.passes.rules import NotFired, node_label
 
-ATTENTION_RULE = "attention"
+ATTENTION_RULE = names.ATTENTION
 MAX_HEAD_DIM = 256
 
 

@@ -13,9 +13,10 @@ the copy); over plain tensors it stays the copy (one launch either way).
 
 from __future__ import annotations
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
 
-CONCAT_SELECT_RULE = "concat_select"
+CONCAT_SELECT_RULE = names.CONCAT_SELECT
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 LONE_COPY_REASON = (

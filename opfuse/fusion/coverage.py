@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC
 from opfuse.ir.support import pointwise_reason
@@ -22,14 +23,18 @@ from opfuse.runtime.ops import VIEW_OPS
 from opfuse.runtime.plan import Plan
 
 # The rule that would have taken an anchor op, had there been anything to fuse with it.
-_ANCHOR_RULES = {"MatMul": "gemm_epilogue", "Gemm": "gemm_epilogue", MAX_POOL_NHWC: "pool_epilogue"}
+_ANCHOR_RULES = {
+    "MatMul": names.GEMM_EPILOGUE,
+    "Gemm": names.GEMM_EPILOGUE,
+    MAX_POOL_NHWC: names.POOL_EPILOGUE,
+}
 NO_RULE = "none"
-POINTWISE_RULE = "pointwise"
+POINTWISE_RULE = names.POINTWISE
 
 
 def _anchor_rule(op_type: str) -> str | None:
     if op_type in CONV_OPS:
-        return "conv_epilogue"
+        return names.CONV_EPILOGUE
     return _ANCHOR_RULES.get(op_type)
 
 

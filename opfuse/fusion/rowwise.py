@@ -12,6 +12,7 @@ it, so the Concat joins too (its inputs, of other shapes, are kernel inputs).
 
 from __future__ import annotations
 
+from opfuse.frontend import rule_registry as names
 from opfuse.fusion.concat import CONCAT_SELECT_RULE, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.graph import Graph, Node
@@ -20,7 +21,7 @@ from opfuse.ir.rows import RowSpace, row_input_reason, row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import NotFired, node_label
 
-ROW_RULE = "row_reduction"
+ROW_RULE = names.ROW_REDUCTION
 # Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
 # (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`.
 CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
