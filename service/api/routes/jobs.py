@@ -1,14 +1,18 @@
-"""/v1/jobs: create (idempotent), list (filtered, sorted), get, report, artifact, cancel."""
+"""/v1/jobs: create (idempotent), list (filtered, sorted), get, report (JSON and HTML), artifact, cancel."""
 
 from __future__ import annotations
 
+import tempfile
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import HTMLResponse
+from sqlalchemy.orm import Session, sessionmaker
 
 from service import jobs
 from service.api.deps import SessionDep, SessionFactoryDep, SettingsDep, UserDep
 from service.api.files import blob_response
+from service.blobs import BlobCorruptError, open_blob
 from service.errors import NotFoundError
 from service.logging import bind_log_fields
 from service.models import JobStatus
@@ -81,6 +85,66 @@ def get_report(job_id: str, principal: UserDep, session: SessionDep) -> dict[str
             f"job '{job_id}' has no report yet (it is {job.status}); a job has one once it succeeded"
         )
     return job.report
+
+
+# The page's kernel sources come out of the stored bundle only while it is this small: kernels/*.py
+# sit in the zip beside the weights, and the whole blob is read to find them.
+REPORT_HTML_ARTIFACT_LIMIT = 64 * 1024 * 1024
+
+
+def _kernel_sources(
+    session: Session, session_factory: sessionmaker[Session], key: str | None
+) -> dict[str, str]:
+    """kernels/<id>.py of the job's bundle, as text (shown escaped, never run); {} when there is no
+    bundle, it is too large to read for a page, or it is not a readable zip."""
+    import zipfile
+
+    from opfuse.views import kernel_sources_from_zip
+
+    if key is None:
+        return {}
+    try:
+        reader = open_blob(session, session_factory, key)
+        if reader.size > REPORT_HTML_ARTIFACT_LIMIT:
+            return {}
+        with tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024) as buffer:
+            for chunk in reader:
+                buffer.write(chunk)
+            buffer.seek(0)
+            with zipfile.ZipFile(buffer) as archive:
+                return kernel_sources_from_zip(archive)
+    except BlobCorruptError:  # logged by the blob store; the page is still worth showing
+        return {}
+    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, RuntimeError):
+        return {}
+
+
+@router.get(
+    "/{job_id}/report.html",
+    response_class=HTMLResponse,
+    responses={200: {"content": {"text/html": {}}, "description": "the report as one self-contained page"}},
+)
+def get_report_html(
+    job_id: str, principal: UserDep, session: SessionDep, session_factory: SessionFactoryDep
+) -> HTMLResponse:
+    """The report as one HTML page that works offline, rendered here from the stored report JSON
+    (never HTML from a worker), with the bundle's kernel sources; 404 until the job succeeded."""
+    from opfuse.views import CONTENT_SECURITY_POLICY, render_html
+
+    job = jobs.find_job(session, principal.tenant_id, job_id)
+    if job.report is None:
+        raise NotFoundError(
+            f"job '{job_id}' has no report yet (it is {job.status}); a job has one once it succeeded"
+        )
+    sources = _kernel_sources(session, session_factory, job.artifact_blob_key)
+    page = render_html(job.report, sources, title=f"job {job.id}")
+    headers = {
+        "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+        "X-Content-Type-Options": "nosniff",
+        "Cache-Control": "private, no-store",
+        "Referrer-Policy": "no-referrer",
+    }
+    return HTMLResponse(page, headers=headers, media_type="text/html; charset=utf-8")
 
 
 @router.get(

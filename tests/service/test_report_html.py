@@ -1,0 +1,122 @@
+"""GET /v1/jobs/{id}/report.html: the page rendered by the API from the stored report JSON, with the
+kernel sources of the stored bundle shown as text, under a strict CSP; tenant-scoped like /report."""
+
+from __future__ import annotations
+
+import html
+import io
+import zipfile
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from opfuse.views import CONTENT_SECURITY_POLICY
+
+from .conftest import Keys, bearer, create_job
+from .test_worker import Worker
+
+HOSTILE = "<script>alert(1)</script>"
+WORKER_PAGE = "<html>a page a worker made: never served</html>"
+KERNEL = f"# generated kernel k0\n# node {HOSTILE}\ndef launch(x):\n    return x\n"
+
+
+def report() -> dict[str, Any]:
+    return {
+        "device": {"kind": "cpu-interpreter", "name": "cpu"},
+        "precision": "fp32",
+        "kernels": {"before": 3, "after": 1},
+        "before": {"latency_ms": {"p50": 2.0, "p99": 2.5}, "peak_memory_bytes": 4096},
+        "after": {"latency_ms": {"p50": 1.0, "p99": 1.2}, "peak_memory_bytes": 2048},
+        "speedup": 2.0,
+        "verification": {
+            "passed": True,
+            "reference": "onnxruntime-cpu",
+            "outputs": {"y": {"max_abs_err": 1e-6, "rel_l2_err": 2e-7, "rtol": 1e-4, "atol": 1e-5}},
+        },
+        "fusion": {
+            "groups": [
+                {
+                    "id": "p0",
+                    "kind": "pointwise",
+                    "rule": "pointwise_chain",
+                    "nodes": ["add", HOSTILE, "relu"],
+                    "kernel": "k0",
+                    "time_ms_before": 0.3,
+                    "time_ms_after": 0.1,
+                }
+            ],
+            "not_fused": [],
+        },
+        "profile": {
+            "ops": [
+                {"node": "add", "op_type": "Add", "time_ms": 0.1, "bytes": 96, "flops": 8},
+                {"node": HOSTILE, "op_type": "Mul", "time_ms": 0.1, "bytes": 96, "flops": 8},
+                {"node": "relu", "op_type": "Relu", "time_ms": 0.1, "bytes": 64, "flops": 8},
+            ]
+        },
+        "timings_s": {"load": 0.1, "fuse": 0.01},
+    }
+
+
+def bundle() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("manifest.json", '{"format": "opfuse-bundle", "version": 1}')
+        z.writestr("report.json", "{}")
+        z.writestr("report.html", WORKER_PAGE)
+        z.writestr("kernels/k0.py", KERNEL)
+    return buffer.getvalue()
+
+
+def finish(client: TestClient, keys: Keys, job_id: str, artifact: bytes) -> None:
+    worker = Worker(client, keys.worker)
+    claimed = worker.claim().json()
+    assert claimed["job"]["id"] == job_id
+    token = claimed["lease_token"]
+    assert worker.artifact(job_id, token, artifact).status_code == 200
+    assert worker.complete(job_id, token, report()).status_code == 200
+
+
+def test_report_page_is_rendered_here_with_the_bundles_kernels(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    job = create_job(client, keys.user, model["id"])
+    finish(client, keys, job["id"], bundle())
+    response = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user))
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "text/html; charset=utf-8"
+    assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+    assert response.headers["x-content-type-options"] == "nosniff"
+    page = response.text
+    assert page.startswith("<!DOCTYPE html>") and f'content="{html.escape(CONTENT_SECURITY_POLICY)}"' in page
+    assert WORKER_PAGE not in page  # rendered from the report JSON, never the bundle's HTML
+    assert html.escape(KERNEL) in page  # the stored bundle's kernel source, as text
+    assert "<script>alert(1)" not in page and html.escape(HOSTILE) in page
+    assert page.count("<script>") == 1
+    assert '<svg id="time-chart"' in page and "2.00×" in page
+    assert f"job {job['id']}" in page
+
+
+def test_report_page_without_a_readable_bundle_still_renders(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    job = create_job(client, keys.user, model["id"])
+    finish(client, keys, job["id"], b"PK\x05\x06" + b"\0" * 18)  # an empty zip: no kernels in it
+    response = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user))
+    assert response.status_code == 200, response.text
+    assert "generated kernel k0" not in response.text and "not measured" in response.text
+    assert html.escape(HOSTILE) in response.text
+
+
+def test_report_page_is_tenant_scoped_and_404_until_success(
+    client: TestClient, keys: Keys, model: dict
+) -> None:
+    job = create_job(client, keys.user, model["id"])
+    queued = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user))
+    assert queued.status_code == 404 and "queued" in queued.json()["detail"]
+    finish(client, keys, job["id"], bundle())
+    other = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.other))
+    assert other.status_code == 404
+    assert job["id"] in other.json()["detail"] and "alert" not in other.text
+    assert client.get(f"/v1/jobs/{job['id']}/report.html").status_code == 401
+    assert client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user)).status_code == 200
