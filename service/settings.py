@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     webhook_backoff_seconds: float = Field(default=2.0, ge=0)
     webhook_timeout_seconds: float = Field(default=10.0, gt=0)
     webhook_interval_seconds: float = Field(default=1.0, gt=0)
+    # Deliveries in flight at once: per tenant (one tenant's slow receivers hold only its own), in all.
+    webhook_tenant_concurrency: int = Field(default=4, ge=1)
+    webhook_max_in_flight: int = Field(default=64, ge=1)
 
     @property
     def legacy_blob_dir(self) -> Path:

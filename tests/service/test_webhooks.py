@@ -109,7 +109,8 @@ def make_due(settings: Settings) -> None:
 
 
 def valid(headers: dict[str, str], body: bytes, secret: str = SECRET) -> bool:
-    expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    signed = f"{headers['x-opfuse-timestamp']}.{headers['x-opfuse-delivery']}.".encode() + body
+    expected = "sha256=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
     return hmac.compare_digest(headers["x-opfuse-signature"], expected)
 
 
