@@ -413,16 +413,73 @@ def models(ctx: typer.Context, api: ApiOpt = None, key: KeyOpt = None, json_out:
         _console().print(render.models_table(found))
 
 
+def _write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file beside it, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _trace_text(found: Mapping[str, Any]) -> str:
+    from opfuse.views.trace import render_trace
+
+    return json.dumps(render_trace(found), default=str)
+
+
 @app.command()
 def report(
-    ctx: typer.Context, job: JobArg, api: ApiOpt = None, key: KeyOpt = None, json_out: JsonOpt = False
+    ctx: typer.Context,
+    job: JobArg,
+    html: Annotated[
+        bool, typer.Option("--html", help="Save the report as one HTML page (works offline); see -o.")
+    ] = False,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="With --html: where to save it (default: JOB.report.html)."),
+    ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            help="Save one inference before and after fusion as a Chrome/Perfetto trace (JSON) here.",
+            show_default=False,
+        ),
+    ] = None,
+    api: ApiOpt = None,
+    key: KeyOpt = None,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Show a finished job's report: summary, fusion groups, what was not fused and why, verification."""
+    """Show a finished job's report: summary, fusion groups, what was not fused and why, verification.
+
+    --html saves the page the server renders (GET /v1/jobs/JOB/report.html); --trace renders a trace
+    for chrome://tracing or ui.perfetto.dev from the report.
+    """
     opts = _options(ctx, api, key, json_out)
+    if output is not None and not html:
+        raise CLIError("-o/--output names the file of --html; add --html (or use --trace FILE)", 2)
+    html_path = (output or Path(f"{job}.report.html")) if html else None
     with _client(opts) as client:
         found = client.get_report(job)
+        # The SDK has no call for the page: it is the same authenticated GET as the JSON report's.
+        page = client._request("GET", f"/v1/jobs/{job}/report.html").text if html_path else None
+    saved: dict[str, str] = {}
+    if html_path is not None and page is not None:
+        _write_text(html_path, page)
+        saved["html"] = str(html_path)
+    if trace is not None:
+        _write_text(trace, _trace_text(found))
+        saved["trace"] = str(trace)
     if opts.json:
-        _print_json(found)
+        _print_json(saved if saved else found)
+    elif saved:
+        console = _console()
+        if "html" in saved:
+            console.print(f"saved {escape(saved['html'])}; open it in a browser (it needs no network)")
+        if "trace" in saved:
+            console.print(f"saved {escape(saved['trace'])}; open it in chrome://tracing or ui.perfetto.dev")
     else:
         render.print_report(_console(), found)
 
@@ -524,6 +581,12 @@ def compile_command(
     disable: DisableOpt = None,
     rtol: Annotated[float | None, typer.Option(help="Verification rtol (default: per precision).")] = None,
     atol: Annotated[float | None, typer.Option(help="Verification atol (default: per precision).")] = None,
+    html_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--html", help="Also save the report as one HTML page (works offline) here.", show_default=False
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Fuse a model on this machine, no server: compile, verify, save the bundle, print a summary."""
@@ -559,14 +622,24 @@ def compile_command(
     finally:
         if bar is not None:
             bar.stop()
+    if html_out is not None:
+        from opfuse.views.html import render_html
+
+        report_json = json.loads(json.dumps(cm.report, default=str))
+        sources = {k.id: k.source for k in cm.plan.kernels.values()}
+        _write_text(html_out, render_html(report_json, sources, title=model.name))
     if opts.json:
-        _print_json({"bundle": str(output), "report": cm.report})
+        _print_json(
+            {"bundle": str(output), "report": cm.report} | ({"html": str(html_out)} if html_out else {})
+        )
     else:
         console = _console()
         render.print_report(console, cm.report, full=False)
         console.print(
             f"saved {escape(str(output))}; run it with `opfuse run {escape(str(output))} --inputs inputs.npz`"
         )
+        if html_out is not None:
+            console.print(f"saved {escape(str(html_out))}; open it in a browser (it needs no network)")
 
 
 def _load_inputs(path: Path) -> dict[str, Any]:

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import html
 import io
+import json
 import zipfile
+from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
 from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
 from opfuse.views import CONTENT_SECURITY_POLICY
+from opfuse.views.trace import AFTER_PID, BEFORE_PID
 
 from .conftest import Keys, bearer, create_job
 from .test_worker import Worker
@@ -120,3 +126,72 @@ def test_report_page_is_tenant_scoped_and_404_until_success(
     assert job["id"] in other.json()["detail"] and "alert" not in other.text
     assert client.get(f"/v1/jobs/{job['id']}/report.html").status_code == 401
     assert client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user)).status_code == 200
+
+
+# -- the CLI against this API ------------------------------------------------------------------------
+
+
+class _AppTransport(httpx.BaseTransport):
+    """The SDK's requests handed to the app through the TestClient (its own httpx build)."""
+
+    def __init__(self, client: TestClient) -> None:
+        self.client = client
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self.client.request(
+            request.method,
+            request.url.raw_path.decode(),
+            headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
+            content=request.read(),
+        )
+        skip = {"content-encoding", "content-length", "transfer-encoding"}
+        headers = [(k, v) for k, v in answer.headers.items() if k.lower() not in skip]
+        return httpx.Response(answer.status_code, headers=headers, content=answer.content)
+
+
+def _cli_against(client: TestClient, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> CliRunner:
+    """`opfuse` as a user types it, its SDK talking to this app (in process, the real routes)."""
+    import client.cli as cli
+    from client.sdk import OpfuseClient
+
+    def real_client(opts: cli.Options) -> OpfuseClient:
+        return OpfuseClient("http://testserver", opts.key or "", transport=_AppTransport(client))
+
+    monkeypatch.setattr(cli, "_client", real_client)
+    monkeypatch.chdir(tmp_path)
+    return CliRunner()
+
+
+def test_cli_report_html_and_trace(
+    client: TestClient, keys: Keys, model: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import client.cli as cli
+
+    runner = _cli_against(client, monkeypatch, tmp_path)
+    job = create_job(client, keys.user, model["id"])
+    finish(client, keys, job["id"], bundle())
+    served = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user)).text
+
+    result = runner.invoke(cli.app, ["report", job["id"], "--key", keys.user, "--html", "-o", "r.html"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r.html").read_text(encoding="utf-8") == served
+    assert "saved r.html" in result.stdout
+
+    result = runner.invoke(cli.app, ["report", job["id"], "--key", keys.user, "--html"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / f"{job['id']}.report.html").read_text(encoding="utf-8") == served
+
+    result = runner.invoke(cli.app, ["report", job["id"], "--key", keys.user, "--trace", "t.json", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"trace": "t.json"}
+    trace = json.loads((tmp_path / "t.json").read_text())
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    ops = report()["profile"]["ops"]
+    assert [(e["pid"], e["args"]["nodes"], e["dur"]) for e in steps] == [
+        (BEFORE_PID, [op["node"]], pytest.approx(op["time_ms"] * 1000)) for op in ops
+    ] + [(AFTER_PID, ["add", HOSTILE, "relu"], pytest.approx(100.0))]
+
+    other = runner.invoke(cli.app, ["report", job["id"], "--key", keys.other, "--html", "-o", "x.html"])
+    assert other.exit_code == 1 and "HTTP 404" in other.stderr and not (tmp_path / "x.html").exists()
+    usage = runner.invoke(cli.app, ["report", job["id"], "--key", keys.user, "-o", "x.html"])
+    assert usage.exit_code == 2 and "add --html" in usage.stderr

@@ -623,3 +623,28 @@ def test_pages_in_headless_chromium(
     _open_and_check(browser, hostile, shots / "report_hostile_names.png")
     # A script from the report would have changed the title or raised an alert (no alert is open).
     assert browser.title == f"opfuse report: {HOSTILE}"
+
+
+def test_cli_compile_writes_the_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnx
+    from typer.testing import CliRunner
+
+    import client.cli as cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tmp_path / "mlp.onnx"
+    onnx.save(residual_mlp(), model)
+    bundle, page = tmp_path / "mlp.opfuse.zip", tmp_path / "mlp.html"
+    args = ["compile", str(model), "-o", str(bundle), "-s", "x=2x32", "--device", "cpu", "--html", str(page)]
+    result = CliRunner().invoke(cli.app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["html"] == str(page)
+    with zipfile.ZipFile(bundle) as z:
+        report = json.loads(z.read("report.json"))
+        sources = kernel_sources_from_zip(z)
+    text = page.read_text(encoding="utf-8")
+    assert text == render_html(report, sources, title="mlp.onnx")
+    shown = _checked_page(report, sources, title="mlp.onnx").all_text
+    assert "opfuse report: mlp.onnx" in shown and all(s in shown for s in sources.values())
+    human = CliRunner().invoke(cli.app, args)
+    assert human.exit_code == 0 and f"saved {page}" in human.stdout.replace("\n", "")
