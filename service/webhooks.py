@@ -444,7 +444,10 @@ async def deliver_forever(
                         pass  # a full batch: there may be more due right away
                 except Exception:
                     log.exception("webhook delivery round failed; retrying next round")
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+                # that lands as its timeout fires, and the task would never stop.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(dispatcher.wake.wait(), settings.webhook_interval_seconds)
+                    async with asyncio.timeout(settings.webhook_interval_seconds):
+                        await dispatcher.wake.wait()
         finally:
             await dispatcher.close()
