@@ -54,6 +54,45 @@ class ModelLimits:
         return memory_limit_bytes or 64 * GiB
 
 
+# A job's memory limit by default: at most this, and at most HOST_MEMORY_SHARE of the host's memory
+# (or the container's cgroup limit) shared among the jobs that run on it at once.
+MAX_DEFAULT_JOB_MEMORY_BYTES = 32 * GiB
+HOST_MEMORY_SHARE = 0.75
+
+
+def host_memory_bytes(
+    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """The memory this host gives us: MemTotal, or the cgroup's limit if lower (a container); None
+    when neither can be read."""
+    found: list[int] = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                found.append(int(line.split()[1]) * 1024)  # kB
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = (cgroup_root / name).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < 2**62:  # "max" or v1's huge number: no limit
+            found.append(int(text))
+    return min(found) if found else None
+
+
+def default_job_memory_bytes(host_bytes: int | None = None, concurrent_jobs: int = 1) -> int:
+    """min(32 GiB, 75% of the host's memory / the jobs run at once); 32 GiB if the host's memory is
+    unknown. `host_bytes` None: read from the host."""
+    total = host_memory_bytes() if host_bytes is None else host_bytes
+    if total is None:
+        return MAX_DEFAULT_JOB_MEMORY_BYTES
+    share = int(total * HOST_MEMORY_SHARE / max(1, concurrent_jobs))
+    return min(MAX_DEFAULT_JOB_MEMORY_BYTES, share)
+
+
 class MemoryLimitError(Exception):
     """The child could not apply its memory limit (an rlimit above the hard limit, say)."""
 

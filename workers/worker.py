@@ -55,14 +55,13 @@ from workers.child import (
     warm_forkserver,
 )
 from workers.devices import DeviceChoice, choose_device
-from workers.limits import GiB, ModelLimits
+from workers.limits import GiB, ModelLimits, default_job_memory_bytes
 from workers.logs import JobLog, setup_logging
 from workers.pipeline import limits_json
 
 T = TypeVar("T")
 
 DEFAULT_JOB_TIMEOUT_S = 1800.0
-DEFAULT_JOB_MEMORY_GB = 32.0
 DEFAULT_API_RETRY_S = 120.0
 PIPELINE_ARGV = (sys.executable, "-m", "workers.pipeline")
 
@@ -75,7 +74,8 @@ class WorkerConfig:
     gpu: int | None = None
     device: DeviceChoice | None = None  # default: choose_device(gpu), probed at start
     job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
-    job_memory_bytes: int | None = int(DEFAULT_JOB_MEMORY_GB * GiB)  # None: no limit
+    # None: no limit. Default: min(32 GiB, 75% of the host's memory), a worker runs one job at once.
+    job_memory_bytes: int | None = field(default_factory=default_job_memory_bytes)
     model_limits: ModelLimits = field(default_factory=ModelLimits)
     api_retry_s: float = DEFAULT_API_RETRY_S  # how long a job's API calls are retried in an outage
     once: bool = False
@@ -516,7 +516,6 @@ def worker_config(
     """A WorkerConfig from command-line values (None: the default), its device chosen (the GPU
     probed); ConfigError says what is missing or wrong."""
     job_timeout_s = DEFAULT_JOB_TIMEOUT_S if job_timeout_s is None else job_timeout_s
-    job_memory_gb = DEFAULT_JOB_MEMORY_GB if job_memory_gb is None else job_memory_gb
     api_retry_s = DEFAULT_API_RETRY_S if api_retry_s is None else api_retry_s
     api_url, _ = resolve_url(api)
     api_key = resolve_worker_key(key, key_file)
@@ -528,7 +527,7 @@ def worker_config(
     for flag, value in (("--job-timeout", job_timeout_s), ("--api-retry", api_retry_s)):
         if value <= 0:
             raise ConfigError(f"{flag} must be a positive number of seconds, got {value:g}")
-    if job_memory_gb < 0:
+    if job_memory_gb is not None and job_memory_gb < 0:
         raise ConfigError(f"--job-memory-gb must be 0 (no limit) or more, got {job_memory_gb:g}")
     if job_memory_gb and job_memory_gb < 2:
         raise ConfigError(
@@ -551,7 +550,9 @@ def worker_config(
         once=once,
         forkserver=True,
         job_timeout_s=job_timeout_s,
-        job_memory_bytes=int(job_memory_gb * GiB) or None,
+        job_memory_bytes=default_job_memory_bytes()
+        if job_memory_gb is None
+        else int(job_memory_gb * GiB) or None,
         model_limits=limits,
         api_retry_s=api_retry_s,
     )
@@ -589,8 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--job-memory-gb",
         type=float,
-        default=DEFAULT_JOB_MEMORY_GB,
-        help="memory limit of each job's process, GB (0: none)",
+        default=None,
+        help="memory limit of each job's process, GB (0: none; default: min(32, 75%% of the host's memory))",
     )
     parser.add_argument(
         "--max-nodes", type=int, help=f"largest model accepted, nodes ({ModelLimits.max_nodes})"
