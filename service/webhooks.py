@@ -285,7 +285,9 @@ def pinned_request(url: str, address: str) -> tuple[str, dict[str, str], dict[st
     host = parts.hostname or ""
     literal = f"[{address}]" if ":" in address else address
     netloc = literal if parts.port is None else f"{literal}:{parts.port}"
-    host_header = parts.netloc.rpartition("@")[2]  # no userinfo in Host
+    userinfo, _, host_header = parts.netloc.rpartition("@")  # no userinfo in Host
+    if userinfo:
+        netloc = f"{userinfo}@{netloc}"  # basic auth in the URL still goes (httpx sends it)
     extensions = {"sni_hostname": host} if parts.scheme == "https" else {}
     return urlunsplit(parts._replace(netloc=netloc)), {"Host": host_header}, extensions
 
@@ -308,6 +310,9 @@ async def send(client: httpx.AsyncClient, attempt: Attempt, settings: Settings) 
         DELIVERY_HEADER: attempt.delivery_id,
         EVENT_HEADER: EVENT,
         "User-Agent": "opfuse-webhooks/1",
+        # Pooled connections are keyed by address: one kept for another name on the same address
+        # would carry that name's TLS session. A connection per attempt.
+        "Connection": "close",
     }
     try:
         response = await client.post(

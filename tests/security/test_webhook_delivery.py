@@ -254,3 +254,11 @@ def test_public_addresses_and_their_6to4_forms_are_allowed(monkeypatch: pytest.M
     for address in ("93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946", "2002:5db8:d822::1"):
         monkeypatch.setattr(webhooks, "resolve", lambda host, port, a=address: [a])
         webhooks.check_target("https://hooks.example/hook")
+
+
+def test_an_https_target_is_pinned_with_its_name_as_sni_and_host() -> None:
+    url, host, extensions = webhooks.pinned_request("https://user@hooks.example:8443/a/b?c=1", "2606:2800::1")
+    assert url == "https://user@[2606:2800::1]:8443/a/b?c=1"
+    assert host == {"Host": "hooks.example:8443"} and extensions == {"sni_hostname": "hooks.example"}
+    url, host, extensions = webhooks.pinned_request("http://hooks.example/x", "93.184.216.34")
+    assert (url, host, extensions) == ("http://93.184.216.34/x", {"Host": "hooks.example"}, {})
