@@ -247,23 +247,19 @@ def worker_command(
     It needs only the API URL and a worker-scope key, so it runs on any host that reaches the API.
     Its logs are JSON lines on stderr (with or without --json); nothing goes to stdout.
     """
-    from workers.worker import run_worker, worker_config
+    from client.embedded import run_worker_process
 
     opts = _options(ctx, api, None, False)
-    config = worker_config(
-        opts.api,
-        key,
-        str(key_file) if key_file else None,
-        worker_id,
-        gpu,
-        once=once,
-        job_timeout_s=job_timeout,
-        job_memory_gb=job_memory_gb,
-        max_nodes=max_nodes,
-        max_depth=max_depth,
-        api_retry_s=api_retry,
-    )
-    raise typer.Exit(run_worker(config))
+    options = {
+        "--worker-id": worker_id,
+        "--gpu": gpu,
+        "--job-timeout": job_timeout,
+        "--job-memory-gb": job_memory_gb,
+        "--max-nodes": max_nodes,
+        "--max-depth": max_depth,
+        "--api-retry": api_retry,
+    }
+    raise typer.Exit(run_worker_process(opts.api, key, key_file, options, once=once))
 
 
 # -- models and jobs -----------------------------------------------------------------------------

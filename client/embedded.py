@@ -1,12 +1,14 @@
-"""`opfuse serve`: the API server in this process plus one worker child talking to it over HTTP.
+"""`opfuse serve`: the API server and one worker, each a child process, the worker talking to the
+server over HTTP.
 
 Shutdown order matters: on Ctrl-C / SIGTERM the worker stops first (it hands its running job back
-to the queue through the API), then the server. The service is imported only here, so the SDK and
-the worker never need fastapi or sqlalchemy.
+to the queue through the API), then the server. Neither is imported here (client imports nothing
+of ours: tests/unit/test_layering.py), so the SDK and the CLI never need fastapi or torch.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -23,6 +25,8 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.markup import escape
+
+from client.config import ConfigError, opfuse_home, read_key_file, resolve_url
 
 WORKER_STOP_GRACE_S = 15.0
 
@@ -84,29 +88,69 @@ class EmbeddedWorker:
             proc.wait()
 
 
-def _chain_stop_signals(worker: EmbeddedWorker) -> None:
-    """Put the worker's stop in front of the server's own signal handlers (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        server_handler = signal.getsignal(sig)
-        if not callable(server_handler):
-            continue
+# The packages `python -m service` imports: without them there is no server to start.
+SERVICE_EXTRAS = ("fastapi", "uvicorn", "sqlalchemy", "alembic")
+SERVER_START_TIMEOUT_S = 120.0
 
-        def handler(
-            signum: int,
-            frame: FrameType | None,
-            _server: Callable[[int, FrameType | None], Any] = server_handler,
-        ) -> None:
-            # Stopping the worker needs the API alive, so it runs on a thread while the server
-            # keeps serving; the server's handler runs after the worker is gone.
-            def stop_then_forward() -> None:
-                worker.stop()
-                _server(signum, frame)
 
-            threading.Thread(target=stop_then_forward, name="stop-worker", daemon=True).start()
+class EmbeddedServer:
+    """The API server process (`python -m service serve`), in its own session: a terminal's Ctrl-C
+    reaches this process only, which stops the worker before the server."""
 
-        signal.signal(sig, handler)
+    def __init__(self, home: Path, host: str | None, port: int | None) -> None:
+        self.home = home
+        env = {**os.environ, "OPFUSE_HOME": str(home)}
+        if host is not None:
+            env["OPFUSE_HOST"] = host
+        if port is not None:
+            env["OPFUSE_PORT"] = str(port)
+        self._started_at = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, stopping: threading.Event) -> str | None:
+        """The server's URL once it answers /readyz; None if it exited (it said why on stderr) or
+        we are stopping first."""
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline and not stopping.is_set() and self.proc.poll() is None:
+            url = self._fresh_url()
+            if url is not None:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                        return url
+                except httpx.TransportError:
+                    pass
+            stopping.wait(0.1)
+        return None
+
+    def _fresh_url(self) -> str | None:
+        """server.json's URL once this server wrote it (not one a server before it left)."""
+        try:
+            if (self.home / "server.json").stat().st_mtime < self._started_at - 1.0:
+                return None
+        except OSError:
+            return None
+        return _read_server_url(self.home)
+
+    def stop(self, grace_s: float = WORKER_STOP_GRACE_S) -> int:
+        """SIGTERM the server (it finishes its requests), SIGKILL after `grace_s`; its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _missing_service_extra() -> str | None:
+    """The first package the server needs that is not installed (found, not imported)."""
+    return next((name for name in SERVICE_EXTRAS if importlib.util.find_spec(name) is None), None)
 
 
 def serve_embedded(
@@ -118,67 +162,80 @@ def serve_embedded(
     gpu: int | None,
     json_out: bool = False,
 ) -> int:
-    """Run the API (and a worker) until Ctrl-C / SIGTERM. Returns the exit code."""
-    try:
-        from service.server import ServerStartError, run_server
-        from service.settings import Settings
-    except ImportError as exc:
+    """Run the API (and a worker) until Ctrl-C / SIGTERM. Returns the exit code.
+
+    Both are processes of their own (`python -m service serve`, `python -m workers.worker`): the
+    CLI imports neither, so the SDK and the CLI need neither fastapi nor torch."""
+    missing = _missing_service_extra()
+    if missing is not None:
         print(
-            f"opfuse: error: the server needs the service extras ({exc.name} is missing); "
+            f"opfuse: error: the server needs the service extras ({missing} is missing); "
             "install them with `pip install -e '.[service]'` (or `make venv`)",
             file=sys.stderr,
         )
         return 2
-    overrides: dict[str, Any] = {}
-    if host is not None:
-        overrides["host"] = host
-    if port is not None:
-        overrides["port"] = port
-    if home is not None:
-        overrides["home"] = home
-    settings = Settings(**overrides)
+    state_dir = (home or opfuse_home()).expanduser().absolute()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # our /readyz polls are not news
     console = Console(stderr=True, highlight=False)
-    worker = EmbeddedWorker(settings.home, gpu)
-
-    def on_started() -> None:
-        # server.json holds the real port (OPFUSE_PORT=0 binds a free one).
-        url = _read_server_url(settings.home) or f"http://127.0.0.1:{settings.port}"
+    stopping = threading.Event()
+    previous = _on_stop_signals(stopping)
+    server = EmbeddedServer(state_dir, host, port)
+    worker = EmbeddedWorker(state_dir, gpu)
+    try:
+        url = server.wait_ready(stopping)
+        if url is None:
+            if stopping.is_set():
+                return 0
+            code = server.stop()
+            if code == 0:
+                print("opfuse: error: the server did not come up in time", file=sys.stderr)
+            return code or 1
 
         def ready() -> None:
             if json_out:
-                info = {
-                    "url": url,
-                    "home": str(settings.home),
-                    "api_key_file": str(settings.home / "api_key"),
-                }
+                info = {"url": url, "home": str(state_dir), "api_key_file": str(state_dir / "api_key")}
                 print(json.dumps(info), flush=True)
                 return
             console.print(
                 f"[bold green]opfuse is up[/] at {escape(url)}\n"
-                f"  API key: {escape(str(settings.home / 'api_key'))} (the CLI reads it when run from this"
-                f" directory, or with OPFUSE_HOME={escape(str(settings.home))})\n"
+                f"  API key: {escape(str(state_dir / 'api_key'))} (the CLI reads it when run from this"
+                f" directory, or with OPFUSE_HOME={escape(str(state_dir))})\n"
                 "  next: [bold]opfuse submit model.onnx --shape x=1x3x224x224 --wait[/]\n"
                 + ("" if with_worker else "  no local worker (--no-worker): start one with `opfuse worker`\n")
                 + "  stop: Ctrl-C"
             )
 
         if with_worker:
-            _chain_stop_signals(worker)
             worker.start_when_ready(url, ready)
         else:
             ready()
-
-    try:
-        run_server(settings, on_started=on_started)
-    except ServerStartError as exc:
-        print(f"opfuse: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
+        while not stopping.is_set() and server.proc.poll() is None:
+            stopping.wait(0.5)
     finally:
+        # The worker first: it hands its running job back to the queue through the API.
         worker.stop()
-    return 0
+        code = server.stop()
+        _restore_signals(previous)
+    return 0 if stopping.is_set() else code
+
+
+def _on_stop_signals(stopping: threading.Event) -> dict[int, Any]:
+    """SIGINT and SIGTERM set `stopping` (main thread only); the handlers they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            stopping.set()
+
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def _read_server_url(home: Path) -> str | None:
@@ -188,3 +245,45 @@ def _read_server_url(home: Path) -> str | None:
         return None
     url = info.get("url") if isinstance(info, dict) else None
     return url.rstrip("/") if isinstance(url, str) and url else None
+
+
+def run_worker_process(
+    api: str | None, key: str | None, key_file: Path | None, options: dict[str, Any], *, once: bool
+) -> int:
+    """`opfuse worker`: the worker program (`python -m workers.worker`) as a child; its exit code.
+
+    The server's URL and the worker key are found here first, so what is missing is one line
+    (ConfigError); the key reaches the child in its environment, never on its command line.
+    `options`: the worker's own flags (None: its default). A terminal's Ctrl-C reaches both
+    processes (the worker stops on it); a SIGTERM sent to this one is passed on."""
+    url, _ = resolve_url(api)
+    worker_key = key or (read_key_file(key_file) if key_file else None) or os.environ.get("OPFUSE_WORKER_KEY")
+    if not worker_key:
+        default = opfuse_home() / "worker_key"
+        if not default.is_file():
+            raise ConfigError(
+                "no worker key: pass --key or --key-file, set OPFUSE_WORKER_KEY, or run where "
+                f"{opfuse_home()}/worker_key exists (`opfuse serve` writes it)"
+            )
+        worker_key = read_key_file(default)
+    argv = [sys.executable, "-m", "workers.worker", "--api", url]
+    for flag, value in options.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if once:
+        argv.append("--once")
+    proc = subprocess.Popen(
+        argv, env={**os.environ, "OPFUSE_WORKER_KEY": worker_key}, stdin=subprocess.DEVNULL
+    )
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue  # the worker had the same Ctrl-C: it hands its job back and exits
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

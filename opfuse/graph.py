@@ -1,14 +1,15 @@
-"""opfuse's own small graph IR: what the planner and runtime work on after the frontend.
+"""ONNX to opfuse's own small graph IR: what the passes, planner and runtime work on after the
+frontend.
 
-The frontend and passes work on ONNX protos (through onnx and onnxscript); once every shape is
-static the model is lowered to this IR, where values are names with a static dtype and shape.
+The frontend works on ONNX protos (through onnx and onnxscript); once every shape is static the
+model is lowered to the IR (`opfuse.ir.graph`, re-exported here), where values are names with a
+static dtype and shape. Shapes ONNX inference leaves open are read off one run of the graph on the
+CPU, which is why this module sits above the runtime and the IR itself below it.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -17,83 +18,9 @@ from onnx import helper, numpy_helper
 
 from opfuse.errors import ModelError
 from opfuse.frontend.inspect import dtype_name
+from opfuse.ir.graph import Graph, Node, TensorSpec
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # "float32", "float16", "int64", "bool", ...
-    shape: tuple[int, ...]
-    # An integer graph input that indexes a tensor (Gather's indices, ...): its values must stay
-    # below this for the model to be valid; the random inputs of compile-time runs do.
-    high: int | None = field(default=None, compare=False)
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> TensorSpec:
-        return TensorSpec(name=str(d["name"]), dtype=str(d["dtype"]), shape=tuple(int(x) for x in d["shape"]))
-
-
-@dataclass
-class Node:
-    id: str  # generated ("n0", "n1", ...): the only identifier codegen ever sees
-    op_type: str
-    inputs: list[str]  # "" marks a missing optional input
-    outputs: list[str]
-    attrs: dict[str, Any] = field(default_factory=dict)
-    name: str = ""  # the model's node name: reports only, never code
-
-
-@dataclass
-class Graph:
-    nodes: list[Node]
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    constants: dict[str, np.ndarray]
-    values: dict[str, TensorSpec]
-    # Rules the job switched off (fusion.disable) that codegen reads: "split_k".
-    disabled: set[str] = field(default_factory=set)
-
-    def producers(self) -> dict[str, Node]:
-        return {out: n for n in self.nodes for out in n.outputs if out}
-
-    def consumers(self) -> dict[str, list[Node]]:
-        uses: dict[str, list[Node]] = {}
-        for n in self.nodes:
-            for name in n.inputs:
-                if name:
-                    uses.setdefault(name, []).append(n)
-        return uses
-
-    def spec(self, name: str) -> TensorSpec:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise ModelError(
-                f"value {name!r} has no inferred shape and type; opfuse needs every shape static"
-            ) from None
-
-    def splice(self, at: int, new: list[Node], removed: set[str]) -> None:
-        """A rewrite's nodes: `new` inserted before position `at` (so every consumer of their
-        outputs still comes after), then the nodes whose ids are in `removed` dropped."""
-        self.nodes[at:at] = new
-        self.nodes[:] = [n for n in self.nodes if n.id not in removed]
-
-    def iter_nodes(self) -> Iterator[Node]:
-        return iter(self.nodes)
-
-    def copy(self) -> Graph:
-        """A copy whose nodes, specs and constant table change independently of this graph's; the
-        constant arrays themselves are shared (passes replace constants, never write into them),
-        which saves copying every weight (hundreds of MB for a transformer) per copy."""
-        memo: dict[int, Any] = {id(arr): arr for arr in self.constants.values()}
-        return copy.deepcopy(self, memo)
+__all__ = ["Graph", "Node", "TensorSpec", "graph_from_onnx"]
 
 
 def decode_attribute(attr: onnx.AttributeProto) -> Any:

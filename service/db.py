@@ -7,6 +7,7 @@ to upgrade a read lock), WAL, foreign keys on.
 
 from __future__ import annotations
 
+import importlib.util
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-import migrations
 from service.file_modes import private_dir, private_sqlite_file
 
 
@@ -68,7 +68,11 @@ def ping(engine: Engine) -> None:
 
 
 def migrations_dir() -> Path:
-    return Path(migrations.__file__).resolve().parent
+    # Found, not imported: migrations/env.py imports service.models, and the two must not import
+    # each other in a circle (tests/unit/test_layering.py).
+    spec = importlib.util.find_spec("migrations")
+    assert spec is not None and spec.origin is not None, "the migrations package is not installed"
+    return Path(spec.origin).resolve().parent
 
 
 def alembic_config(database_url: str) -> Config:

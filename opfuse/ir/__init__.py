@@ -1,8 +1,10 @@
 """The compiler's intermediate representation, below every stage.
 
-`opfuse.graph` holds the graph itself (`Graph`, `Node`, `TensorSpec`). This package holds what
-the stages say about it, so that passes, fusion and codegen import it and never one another:
+It holds the graph itself and what the stages say about it, so that passes, fusion and codegen
+import it and never one another:
 
+- `graph`: `Graph`, `Node`, `TensorSpec` (`opfuse.graph` re-exports them beside
+  `graph_from_onnx`, which builds a graph from ONNX);
 - `ops`: the internal op names (`opfuse.ConvNHWC`, ...), the op sets stages agree on, and
   predicates on single nodes (`is_depthwise`, `has_shortcut`);
 - `queries`: graph queries (`scalar_constant`, `contiguous_strides`) and `UseDef`, the producers

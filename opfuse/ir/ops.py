@@ -6,7 +6,7 @@ a bundle's model.onnx exports them in the `ai.opfuse` domain; a model never brin
 
 from __future__ import annotations
 
-from opfuse.graph import Graph, Node
+from opfuse.ir.graph import Graph, Node
 
 NHWC_CONV = "opfuse.ConvNHWC"
 MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from opfuse.graph import Graph, Node
+from opfuse.ir.graph import Graph, Node
 
 
 def prod(dims: Sequence[int]) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opfuse.graph import Graph, Node
+from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import GLOBAL_POOLS, ROW_OPS, ROW_REDUCTIONS
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.queries import prod as _prod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opfuse.graph import Graph, Node
+from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import (
     CONV_OPS,
     FLOAT_TYPES,

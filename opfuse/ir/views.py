@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from opfuse.graph import Node
+from opfuse.ir.graph import Node
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from opfuse.graph import TensorSpec
+from opfuse.ir.graph import TensorSpec
 from opfuse.runtime.ops import VIEW_OPS
 
 PLAN_VERSION = 1
