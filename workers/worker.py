@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -89,6 +90,69 @@ class WorkerConfig:
     work_root: Path | None = None  # where per-job temp dirs go; default the system temp dir
 
 
+JOB_DIR_PREFIX = "opfuse-job-"
+JOB_DIR_LOCK = ".owner.lock"
+# A job dir without its lock file yet is a worker between mkdtemp and locking: left alone this long.
+UNLOCKED_JOB_DIR_GRACE_S = 60.0
+
+
+def make_job_dir(job_id: str, root: Path | None) -> tuple[Path, int]:
+    """A fresh job directory (mode 0700: the model is the user's) and the fd of the lock that marks
+    it as this process's while it runs. The kernel drops the lock when the process dies, however
+    it dies, so `sweep_stale_job_dirs` knows a dead worker's directory from a live one's."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{job_id[:12]}-", dir=root))
+    try:
+        fd = os.open(workdir / JOB_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return workdir, fd
+
+
+def remove_job_dir(workdir: Path, lock_fd: int | None) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)
+    if lock_fd is not None:
+        os.close(lock_fd)
+
+
+def sweep_stale_job_dirs(root: Path | None) -> list[Path]:
+    """Remove the job directories in `root` (default: the temp dir) that no live process holds: a
+    worker killed mid-job (SIGKILL, OOM, power) left them with the tenant's model inside. Another
+    live worker's directories are kept (their lock is held); so are other users'."""
+    base = Path(tempfile.gettempdir()) if root is None else root
+    removed: list[Path] = []
+    try:
+        candidates = sorted(base.glob(f"{JOB_DIR_PREFIX}*"))
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if not path.is_dir() or path.is_symlink() or info.st_uid != os.geteuid():
+            continue
+        try:
+            fd = os.open(path / JOB_DIR_LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - info.st_mtime > UNLOCKED_JOB_DIR_GRACE_S:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live worker's job
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _lease_seconds(expires_at: str | None) -> float | None:
     if not expires_at:
         return None
@@ -135,6 +199,12 @@ class Worker:
                 "job_memory_bytes": self.config.job_memory_bytes,
             },
         )
+        stale = sweep_stale_job_dirs(self.config.work_root)
+        if stale:
+            self.log.warning(
+                "removed job directories of a worker that died mid-job",
+                extra={"count": len(stale), "paths": [str(p) for p in stale]},
+            )
         if self._forked and not self._start_forkserver():
             return 0  # stopped while the forkserver was starting
         idle = self.config.idle_min_s
@@ -190,10 +260,10 @@ class Worker:
         log = self.log.bind(job_id=job_id)
         token = claim["lease_token"]
         workdir: Path | None = None
+        lock_fd: int | None = None
         try:
             log.info("job claimed", extra={"attempt": claim["job"].get("attempts")})
-            # mkdtemp makes it mode 0700: the model is the user's.
-            workdir = Path(tempfile.mkdtemp(prefix=f"opfuse-job-{job_id[:12]}-", dir=self.config.work_root))
+            workdir, lock_fd = make_job_dir(job_id, self.config.work_root)
             return self._run_job(claim, workdir, log)
         except LeaseLostError:
             log.warning("lease lost; dropping the job")
@@ -215,8 +285,9 @@ class Worker:
             self._fail(job_id, token, f"internal error in the worker: {type(exc).__name__}: {exc}", True, log)
             return "failed"
         finally:
+            # Every way out of here removes it; a killed worker's is swept at the next start.
             if workdir is not None:
-                shutil.rmtree(workdir, ignore_errors=True)
+                remove_job_dir(workdir, lock_fd)
 
     # -- one job ----------------------------------------------------------------------------
 
