@@ -5,13 +5,12 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from opfuse.codegen.attention import generate_attention
-from opfuse.codegen.chain import generate_chain
 from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.fragments import KernelSource
 from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.pool import generate_pool
+from opfuse.codegen.registry import TEMPLATES
 from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.source import fixed_header
 from opfuse.fusion.groups import group_boundary
@@ -190,7 +189,8 @@ def build_plan(
             src = generate_gemm(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision, g.views)
             add_kernel(src, g, g.nodes)
             continue
-        if g.kind in ("gemm", "conv", "pool") and vendor:
+        template = TEMPLATES.get(g.kind, TEMPLATES["pointwise"])
+        if vendor and template.library:
             # The vendor GEMM as a per-op step, its epilogue as one pointwise kernel right after it.
             anchor, epilogue = g.nodes[0], g.nodes[1:]
             # Folded layout ops and an input scale run as their own ops before the library kernel,
@@ -204,35 +204,8 @@ def build_plan(
                 continue  # a prologue-only group: nothing after the library kernel
             ins, outs = group_boundary(graph, epilogue)
             src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
-        elif g.kind == "attention":
-            src = generate_attention(kid, g.match, g.nodes, graph, g.id, precision)
-        elif g.kind == "gemm":
-            src = generate_gemm(
-                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.views, g.prologue
-            )
-        elif g.kind == "conv":
-            src = generate_conv(
-                kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id, precision, g.prologue, g.views
-            )
-        elif g.kind == "pool":
-            src = generate_pool(kid, g.nodes[0], g.nodes[1:], g.inputs, g.outputs, graph, g.id)
-        elif g.kind == "chain":
-            cut = int(g.match)  # the second anchor's place in the group's nodes
-            src = generate_chain(
-                kid,
-                (g.nodes[0], g.nodes[cut]),
-                (g.nodes[1:cut], g.nodes[cut + 1 :]),
-                g.outputs,
-                graph,
-                g.id,
-                precision,
-            )
-        elif g.kind == "rowwise":
-            src = generate_rowwise(
-                kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views, g.prologue
-            )
         else:
-            src = generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
+            src = template.render(kid, g, graph, precision)
         add_kernel(src, g, g.nodes)
     available = {s.name for s in graph.inputs} | set(graph.constants)
     ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
