@@ -327,7 +327,8 @@ def worker(name: str, exporters: list[str], result_path: str) -> None:
                 f.write(json.dumps(res) + "\n")
         return
     for e in exporters:
-        with tempfile.TemporaryDirectory(prefix="opfuse-corpus-") as d:
+        # Inside the parent's folder: a row killed at its time limit leaves nothing behind.
+        with tempfile.TemporaryDirectory(prefix="export-", dir=os.path.dirname(result_path) or None) as d:
             res = {**base, **run_one(module, example, e, d, verify=not row.gpu_only_verify)}
         with open(result_path, "a") as f:
             f.write(json.dumps(res) + "\n")
