@@ -29,10 +29,19 @@ from rich.markup import escape
 from client.config import ConfigError, opfuse_home, read_key_file, resolve_url
 
 WORKER_STOP_GRACE_S = 15.0
+WORKER_RESTART_MIN_S = 1.0
+WORKER_RESTART_MAX_S = 30.0
+WORKER_HEALTHY_S = 60.0  # a worker that ran this long restarts after the shortest backoff again
+
+
+def _say(message: str) -> None:
+    """One line on stderr, beside the server's and the worker's logs."""
+    print(f"opfuse serve: {message}", file=sys.stderr, flush=True)
 
 
 class EmbeddedWorker:
-    """The local worker process: started once the API answers /readyz, stopped before the API."""
+    """The local worker process: started once the API answers /readyz, started again (with backoff)
+    whenever it dies, stopped before the API."""
 
     def __init__(self, home: Path, gpu: int | None) -> None:
         self.home = home
@@ -40,6 +49,9 @@ class EmbeddedWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._stopped = False
+        self._stop_event = threading.Event()
+        self.started_at = 0.0
+        self.restarts = 0
 
     def start_when_ready(self, url: str, on_ready: Callable[[], None]) -> None:
         threading.Thread(
@@ -66,17 +78,52 @@ class EmbeddedWorker:
         ]
         if self.gpu is not None:
             argv += ["--gpu", str(self.gpu)]
+        if not self._launch(argv):
+            return
+        on_ready()
+        self._supervise(argv)
+
+    def _launch(self, argv: list[str]) -> bool:
         with self._lock:
             if self._stopped:
-                return
+                return False
             # Its own session: a terminal's Ctrl-C reaches us first, and we stop it before the API.
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
-        on_ready()
+            self.started_at = time.monotonic()
+            return True
+
+    def _supervise(self, argv: list[str]) -> None:
+        """Start the worker again whenever it dies (killed, out of memory, a crash), after a backoff
+        that doubles up to WORKER_RESTART_MAX_S (back to the start once one ran a while). Exit code
+        2 (its key or configuration was refused) is not retried: it would fail the same way."""
+        backoff = WORKER_RESTART_MIN_S
+        while True:
+            proc = self.proc
+            assert proc is not None
+            code = proc.wait()
+            if self._stopped:
+                return
+            if code == 2:
+                _say(
+                    "the local worker exited with code 2 (its key or configuration was refused); not restarting it"
+                )
+                return
+            if time.monotonic() - self.started_at > WORKER_HEALTHY_S:
+                backoff = WORKER_RESTART_MIN_S
+            self.restarts += 1
+            _say(
+                f"the local worker exited with code {code}; restarting it in {backoff:g} s "
+                f"(restart {self.restarts})"
+            )
+            if self._stop_event.wait(backoff) or not self._launch(argv):
+                return
+            backoff = min(backoff * 2, WORKER_RESTART_MAX_S)
 
     def stop(self, grace_s: float = WORKER_STOP_GRACE_S) -> None:
         """SIGTERM the worker (it fails its running job as retryable), SIGKILL after `grace_s`."""
         with self._lock:
             self._stopped = True
+            self._stop_event.set()
             proc = self.proc
         if proc is None or proc.poll() is not None:
             return
