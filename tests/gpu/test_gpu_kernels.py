@@ -63,7 +63,7 @@ def test_depthwise_conv_is_right_at_every_candidate_config(
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
     from tests.builders import depthwise_conv_relu
 
     torch.backends.cudnn.allow_tf32 = False
@@ -111,7 +111,7 @@ def test_compile_only_compiles_and_runs_nothing() -> None:
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tuning_pool import _compile_only
+    from opfuse.tuning.pool import _compile_only
     from tests.unit.test_tuning import HELPER_SOURCE
 
     module = load_kernel_module(HELPER_SOURCE.replace("add_one", "add_one_compile_only"), False)

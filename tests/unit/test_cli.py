@@ -366,13 +366,13 @@ def test_compile_reports_a_bug_in_opfuse_in_one_paragraph(
 ) -> None:
     """An exception opfuse did not raise on purpose: no traceback, one line that says it is a bug
     in opfuse, with the exception's type and message."""
-    from opfuse import compiler
+    from opfuse.pipeline import stages
 
     def optimize_onnx(model: Any) -> Any:
         raise ValueError("simulated internal fault\nsecond line of detail")
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(compiler, "optimize_onnx", optimize_onnx)
+    monkeypatch.setattr(stages, "optimize_onnx", optimize_onnx)
     model = tmp_path / "mlp.onnx"
     small_mlp(model)
     result = invoke(

@@ -24,7 +24,7 @@ def launch_at_every_config(
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
     tol = 1e-4 if precision == "fp32" else 2e-2
@@ -135,7 +135,7 @@ def test_depthwise_template_is_right_at_every_tuning_candidate(precision: str) -
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import DEPTHWISE_CANDIDATES, candidates
+    from opfuse.tuning.candidates import DEPTHWISE_CANDIDATES, candidates
     from tests.builders import depthwise_conv_relu
 
     channels, size, kernel = 40, 9, 7
@@ -194,7 +194,7 @@ def test_a_fused_plan_slower_than_the_unfused_one_says_where(monkeypatch: pytest
     """The report keeps the convolutions' time before and after (with their fused ops); a fused
     plan measured slower than the unfused one gets a note naming that time and the switch."""
     from opfuse.bench import protocol
-    from opfuse.compiler import slower_note
+    from opfuse.report import slower_note
 
     m, inputs = conv_model([2, 8, 10, 10], [8, 8, 3, 3], [2, 8, 10, 10], "relu", pads=[1, 1, 1, 1])
     cm = check_against_ort(m, inputs, fusion_disable=NHWC_ALWAYS)  # channels-last on either device
@@ -345,7 +345,7 @@ def squeeze_excite(n: int, c: int, hidden: int, size: int = 5) -> tuple[Any, dic
 def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str, layout: str) -> None:
     import torch
 
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     n, c, hidden = 3, 40, 24
     m, w = squeeze_excite(n, c, hidden)
@@ -503,7 +503,7 @@ def test_max_pool_runs_as_its_template_with_the_epilogue(
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     cm = check_against_ort(conv_pool(shape, out, **pool), {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "pool"]
@@ -685,7 +685,7 @@ def test_depthwise_conv_runs_inside_the_squeeze_kernel(
     one row kernel, the two GEMVs chained, the excitation on the projection's input tiles."""
     import torch
 
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     m, w = depthwise_squeeze_excite(n, c, size, stride, k)
     cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
@@ -753,7 +753,7 @@ def check_every_candidate(
     """Run the compiled plan with kernel `k` at each tuning candidate config (and `extra`), every
     output element against onnxruntime at the precision's tolerance (relative L2)."""
     from opfuse.runtime.executor import Executor
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     want = ort_run(model, feeds)[0]
     tol = 1e-4 if precision == "fp32" else 2e-2
@@ -905,7 +905,7 @@ def test_depthwise_conv_runs_inside_the_layernorm_kernel(precision: str) -> None
     """ConvNeXt's 7x7 depthwise conv computed on the rows of the LayerNorm over its channels that
     reads it: one launch, at every config the tuner may pick (rows per program)."""
     from opfuse.runtime.executor import Executor
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     n, c, size = 2, 16, 5
     m, _ = depthwise_layernorm(n, c, size)
@@ -1433,7 +1433,7 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
     element matches onnxruntime, the grid has SPLIT_K programs per tile, and every tile's counter
     is back at 0 after each run (the next launch, or a CUDA graph's replay, starts clean)."""
     from opfuse.runtime.executor import Executor
-    from opfuse.tune import candidates, split_k_candidates
+    from opfuse.tuning.candidates import candidates, split_k_candidates
 
     model = residual_conv(64, 48, 7)
     shapes = {"x": [1, 64, 7, 7], "r": [1, 48, 7, 7]}
@@ -1474,7 +1474,7 @@ def test_split_k_conv_is_right_at_every_split_and_leaves_its_counters_at_zero(pr
 def test_split_k_is_offered_only_where_the_tiles_are_few_and_can_be_switched_off() -> None:
     """Batch 1 at 7×7 tries split-K; at 56×56 (147 tiles of 64×64) it does not; a
     depthwise conv has no K to split; fusion.disable ["split_k"] leaves the template without it."""
-    from opfuse.tune import split_k_candidates
+    from opfuse.tuning.candidates import split_k_candidates
 
     def conv_kernel(model: Any, shapes: dict[str, list[int]], disable: tuple[str, ...] = ()) -> Any:
         from bench.kernels import plan_model  # the compile's plans, without running them

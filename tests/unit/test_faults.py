@@ -115,7 +115,7 @@ def test_a_group_whose_kernel_raises_at_its_first_run_runs_unfused(monkeypatch: 
 
 
 def test_a_group_whose_tuning_raises_runs_unfused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from opfuse import tune
+    from opfuse.tuning import candidates as tune
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
@@ -136,12 +136,12 @@ def test_a_group_whose_tuning_raises_runs_unfused(tmp_path: Any, monkeypatch: py
 
 
 def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opfuse import compiler
+    from opfuse.pipeline import stages
 
     def plan_fusion(*args: Any, **kwargs: Any) -> Any:
         raise IndexError(FAULT)
 
-    monkeypatch.setattr(compiler, "plan_fusion", plan_fusion)
+    monkeypatch.setattr(stages, "plan_fusion", plan_fusion)
     cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
     assert cm.report["verification"]["passed"] is True and cm.report["fusion"]["groups"] == []
     (entry,) = [nf for nf in cm.report["fusion"]["not_fused"] if nf["rule"] == "fusion_planner"]

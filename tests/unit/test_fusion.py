@@ -507,7 +507,7 @@ def test_identical_layers_generate_one_kernel_for_triton_and_the_tuner() -> None
     """Two identical blocks (same ops, same shapes, different weights and node names): their kernels
     have the same jitted function at the same line, which is Triton's compile-cache key, and the
     same tuning signature. Which nodes each kernel covers is kept, at the end of its module."""
-    from opfuse.tune import kernel_signature
+    from opfuse.tuning.cache import kernel_signature
 
     nodes, inits = [], {}
     for i in range(2):

@@ -243,7 +243,7 @@ def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
     tiles: one kernel for pool and classifier, at every tuning candidate, and its split form (the
     row kernel, then the GEMM's template) computes the same."""
     from bench.kernels import plan_model
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
     from tests.unit.test_conv import check_every_candidate
 
     n, c, size, classes = 2, 24, 5, 40

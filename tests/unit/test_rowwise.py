@@ -340,7 +340,7 @@ def test_short_rows_share_a_program_at_every_candidate_config(precision: str) ->
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
-    from opfuse.tune import candidates
+    from opfuse.tuning.candidates import candidates
 
     nodes = [
         helper.make_node("Add", ["x", "res"], ["s"]),
@@ -386,7 +386,7 @@ def test_rows_per_program_never_exceed_the_rows() -> None:
     """Tiles of 1024 and 2048 elements over rows of 128: 8 and 16 rows, or fewer where there are
     fewer (3 rows: 4 per program, the next power of two)."""
     from opfuse.runtime.plan import KernelInfo
-    from opfuse.tune import CANDIDATES, candidates
+    from opfuse.tuning.candidates import CANDIDATES, candidates
 
     def kernel(rows: int, config: dict[str, int]) -> KernelInfo:
         return KernelInfo("k0", "rowwise", "r0", ["in0"], ["out0"], config, f"ROWS = {rows}\nR = 96\n")

@@ -69,7 +69,7 @@ def request(**config: Any) -> TimingRequest:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[TuningPool]:
     with TuningPool("cpu", timeout_s=30) as p:
-        p.start(wait=False)  # its imports overlap this process importing torch for opfuse.tune
+        p.start(wait=False)  # its imports overlap this process importing torch for opfuse.tuning
         yield p
 
 
@@ -91,8 +91,8 @@ def one_kernel_plan() -> Any:
 
 @pytest.fixture
 def tuning(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """opfuse.tune with its cache in tmp_path and candidates that the test sets."""
-    from opfuse import tune
+    """opfuse.tuning.configs with its cache in tmp_path and candidates that the test sets."""
+    from opfuse.tuning import configs as tune
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
@@ -255,15 +255,14 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
     import numpy as np
     from onnx import helper
 
-    from opfuse import compiler
     from opfuse.frontend.load import load_and_specialize
     from opfuse.fusion.planner import plan_fusion
     from opfuse.graph import graph_from_onnx
     from opfuse.lowering import build_plan
     from opfuse.passes.pipeline import run_passes
+    from opfuse.pipeline import builder as builder_module
     from opfuse.runtime.ops import SUPPORTED_OPS
     from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
     from tests.unit.test_fusion import make_model
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
@@ -275,20 +274,20 @@ def test_variant_choices_are_cached_and_a_warm_compile_skips_the_vendor_plan(
     run_passes(graph)
     fusion = plan_fusion(graph)
     (anchor,) = [g.id for g in fusion.groups if g.kind == "gemm"]
-    built: list[dict[str, str]] = []
+    built: list[dict[str, str]] = []  # the variants of every plan the tuning stage builds
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built.append(dict(kwargs.get("variants") or {}))
+        return build_plan(*args, **kwargs)
 
     def run_once() -> dict[str, Any]:
-        variants: dict[str, str] = {}
-
-        def make_plan(enabled: list[str] | None = None) -> Any:
-            built.append(dict(variants))
-            return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
         plan = build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs)
         feeds = random_inputs(graph.inputs, rng)
-        record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
-        assert variants[anchor] in ("template", "vendor")
-        return record
+        with monkeypatch.context() as m:
+            m.setattr(builder_module, "build_plan", recording)
+            result, _ = tune_fusion(graph, fusion, feeds, plan)
+        assert result.variants[anchor] in ("template", "vendor")
+        return result.record
 
     first = run_once()
     assert "cached" not in first["variants"][anchor]
@@ -341,7 +340,7 @@ def test_kernels_are_tuned_where_the_time_is_first(tuning: Any, monkeypatch: pyt
     )
     assert record["k1_add"]["candidates"] == 2  # the expensive one, although it comes second
     assert record["k0_add"]["skipped"] == "tuning budget spent"
-    from opfuse.compiler import tuning_summary
+    from opfuse.report import tuning_summary
 
     summary = tuning_summary(record, 0.05)
     assert (summary["timed"], summary["budget_spent"], summary["cached"]) == (1, 1, 0)
@@ -517,15 +516,13 @@ def test_lone_anchor_runs_its_template_only_when_measured_faster(
     import numpy as np
     from onnx import helper
 
-    from opfuse import compiler, tune
     from opfuse.frontend.load import load_and_specialize
     from opfuse.fusion.planner import plan_fusion
     from opfuse.graph import graph_from_onnx
-    from opfuse.lowering import build_plan
     from opfuse.passes.pipeline import run_passes
     from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.tuning import configs as tune
     from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
     from tests.unit.test_fusion import make_model
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
@@ -545,25 +542,19 @@ def test_lone_anchor_runs_its_template_only_when_measured_faster(
         return {gid: 1.0 if fast else 2.0}
 
     monkeypatch.setattr(tune, "variant_group_times", timed)
-    variants: dict[str, str] = {}
-
-    def make_plan(enabled: list[str] | None = None) -> Any:
-        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
-    plan = make_plan()
-    assert plan.kernels == {}
     feeds = random_inputs(graph.inputs, rng)
-    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    result, tuned = tune_fusion(graph, fusion, feeds)
+    record = result.record
     assert record["variants"][gid]["choice"] == ("template" if faster == "template" else "vendor")
-    after = make_plan()
+    after = tuned.plan()
     if faster == "template":
         assert record["lone_anchors"] == {"template": [gid], "library": []}
-        assert [g.id for g in fusion.groups] == [gid] and variants == {gid: "template"}
+        assert [g.id for g in result.groups] == [gid] and result.variants == {gid: "template"}
         assert [k.kind for k in after.kernels.values()] == ["gemm"]
     else:
         assert record["lone_anchors"] == {"template": [], "library": [gid]}
-        assert fusion.groups == [] and variants == {} and after.kernels == {}
-    assert fusion.lone == []  # decided once
+        assert result.groups == [] and result.variants == {} and after.kernels == {}
+    assert fusion.groups == [] and [g.id for g in fusion.lone] == [gid]  # the planner's plan, untouched
 
 
 def test_fingerprints_tell_a_wrong_tile_from_rounding() -> None:
@@ -638,6 +629,20 @@ def test_fingerprint_in_chunks_sees_every_element(monkeypatch: pytest.MonkeyPatc
     assert not fingerprints_agree(fingerprint([y]), fingerprint([late]), 2e-2)
 
 
+def tune_fusion(graph: Any, fusion: Any, feeds: Any, plan: Any = None) -> tuple[Any, Any]:
+    """The tuning stage (opfuse.tuning.orchestrate.tune) on the planner's `fusion` of `graph`, in
+    fp32 on TEST_DEVICE with a 60 s budget, from `plan` (made from `fusion` when None): (its
+    TuningResult, the PlanBuilder of the tuned plan)."""
+    from opfuse.pipeline.builder import PlanBuilder
+    from opfuse.tuning import orchestrate
+    from tests.builders import TEST_DEVICE
+
+    builder = PlanBuilder(graph, list(fusion.groups), "fp32", graph.inputs, graph.outputs)
+    plan = builder.plan() if plan is None else plan
+    result = orchestrate.tune(builder, plan, fusion.lone, TEST_DEVICE, feeds, 60.0)
+    return result, builder.adopt(result)
+
+
 def _tune_with_fake_times(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Any,
@@ -647,7 +652,7 @@ def _tune_with_fake_times(
     is_split: Callable[[Any, str], bool],
     faster: str,
 ) -> tuple[dict[str, Any], str, Callable[[], Any]]:
-    """compiler._tune on the one group `select` picks, with the split form (`is_split` of a plan)
+    """The tuning stage on the one group `select` picks, with the split form (`is_split` of a plan)
     or the fused kernel timed faster: (the tuning record, the group's id, the plan as tuned)."""
 
     def group_ms(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
@@ -666,20 +671,18 @@ def _tune_with(
     select: Callable[[Any], bool],
     group_ms: Callable[[Any, str, list[Any]], dict[str, float]],
 ) -> tuple[dict[str, Any], str, Callable[[], Any], dict[str, str]]:
-    """compiler._tune on `model`, every candidate plan's groups timed by `group_ms(plan, id of the
+    """The tuning stage on `model`, every candidate plan's groups timed by `group_ms(plan, id of the
     group `select` picks, the fusion's groups)`: (the tuning record, that id, the plan as tuned,
     the variants chosen)."""
     import numpy as np
 
-    from opfuse import compiler, tune
     from opfuse.frontend.load import load_and_specialize
     from opfuse.fusion.planner import plan_fusion
     from opfuse.graph import graph_from_onnx
-    from opfuse.lowering import build_plan
     from opfuse.passes.pipeline import run_passes
     from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.tuning import configs as tune
     from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     _, spec = load_and_specialize(model, {"x": shape}, SUPPORTED_OPS)
@@ -692,15 +695,9 @@ def _tune_with(
         return group_ms(plan, gid, fusion.groups)
 
     monkeypatch.setattr(tune, "variant_group_times", timed)
-    variants: dict[str, str] = {}
-
-    def make_plan(enabled: list[str] | None = None) -> Any:
-        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
-    plan = make_plan()
     feeds = random_inputs(graph.inputs, np.random.default_rng(6))
-    record = compiler._tune(graph, fusion, plan, make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
-    return record, gid, make_plan, variants
+    result, tuned = tune_fusion(graph, fusion, feeds)
+    return result.record, gid, tuned.plan, result.variants
 
 
 @pytest.mark.parametrize("faster", ["fused", "split"])
@@ -828,8 +825,8 @@ def test_the_tuning_record_names_the_kernels_of_the_plan_that_runs(
     template in one, the library conv's epilogue in the other). The record is kept by kernel
     signature while tuning, then keyed by the ids of the plan that runs, each with that kernel's
     config: here the vendor variant's epilogue, not the template it was timed against."""
-    from opfuse import compiler
-    from opfuse.tune import kernel_signature
+    from opfuse.report import tuned_kernels
+    from opfuse.tuning.cache import kernel_signature
     from tests.builders import conv_bn_relu
 
     def library_faster(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
@@ -844,7 +841,7 @@ def test_the_tuning_record_names_the_kernels_of_the_plan_that_runs(
     by_signature = dict(record["kernels"])
     signatures = {kid: kernel_signature(k) for kid, k in plan.kernels.items()}
     assert len(by_signature) == 2 and set(signatures.values()) < set(by_signature)  # the template's too
-    compiler.tuned_kernels(plan, record)
+    tuned_kernels(plan, record)
     assert set(record["kernels"]) == set(plan.kernels)
     assert [k.kind for k in plan.kernels.values()] == ["pointwise"]
     for kid, sig in signatures.items():
@@ -995,7 +992,7 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     import json
 
     import opfuse
-    from opfuse import tune
+    from opfuse.tuning import cache, configs
     from opfuse.tuning import pool as tuning_pool
     from tests.builders import TEST_DEVICE
 
@@ -1007,12 +1004,12 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     t = broken.report["tuning"]
     assert "could not start" in t["error"] and SHADOWED in t["error"]
     assert t["unsafe_groups"] == [] and t["kernels"] and t["summary"]["timed"] == 0
-    assert all(k.get("skipped") == tune.NO_WORKER for k in t["kernels"].values())
+    assert all(k.get("skipped") == configs.NO_WORKER for k in t["kernels"].values())
     assert broken.report["verification"]["passed"] is True
     assert sorted(g["kind"] for g in broken.report["fusion"]["groups"]) == ["gemm", "rowwise"]
     path = tmp_path / "cache" / "tuning.json"
     on_disk = json.loads(path.read_text()) if path.exists() else {}
-    assert all(tune.measured(v) for v in on_disk.values())
+    assert all(cache.measured(v) for v in on_disk.values())
     assert not any("config" in v for v in on_disk.values())  # no kernel config: nothing was timed
 
     monkeypatch.setattr(tuning_pool, "child_env", real)
@@ -1025,7 +1022,7 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     assert sorted(g["kind"] for g in healthy.report["fusion"]["groups"]) == ["gemm", "rowwise"]
     on_disk = json.loads(path.read_text())
     assert sum("config" in v for v in on_disk.values()) == t["summary"]["kernels"]
-    assert all(tune.measured(v) for v in on_disk.values())
+    assert all(cache.measured(v) for v in on_disk.values())
 
 
 def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
@@ -1037,7 +1034,7 @@ def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
     import numpy as np
     from onnx import helper
 
-    from opfuse import tune
+    from opfuse.tuning import configs as tune
     from tests.unit.test_fusion import make_model
 
     real = tune.unsafe_reasons
@@ -1059,15 +1056,12 @@ def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
         return {gid: 2.0 if template else 1.0}
 
     monkeypatch.setattr(tune, "variant_group_times", lambda plan, ex, feeds, tuned: group_ms(plan, gid, []))
-    from opfuse import compiler
     from opfuse.frontend.load import load_and_specialize
     from opfuse.fusion.planner import plan_fusion
     from opfuse.graph import graph_from_onnx
-    from opfuse.lowering import build_plan
     from opfuse.passes.pipeline import run_passes
     from opfuse.runtime.ops import SUPPORTED_OPS
     from opfuse.verify.reference import random_inputs
-    from tests.builders import TEST_DEVICE
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     _, spec = load_and_specialize(model, {"x": [8, 16]}, SUPPORTED_OPS)
@@ -1075,12 +1069,7 @@ def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
     run_passes(graph)
     fusion = plan_fusion(graph)
     (gid,) = [g.id for g in fusion.lone]
-    variants: dict[str, str] = {}
-
-    def make_plan(enabled: list[str] | None = None) -> Any:
-        return build_plan(graph, fusion, "fp32", graph.inputs, graph.outputs, enabled, variants)
-
     feeds = random_inputs(graph.inputs, rng)
-    record = compiler._tune(graph, fusion, make_plan(), make_plan, variants, {}, TEST_DEVICE, feeds, 60.0)
+    record = tune_fusion(graph, fusion, feeds)[0].record
     assert record["lone_anchors"]["library"] == [gid]
     assert record["unsafe_groups"] == [] and record["unsafe"] == {}

@@ -188,8 +188,8 @@ def test_nan_where_the_reference_has_none_fails() -> None:
 def test_compile_runs_the_reference_once_per_trial(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check that onnxruntime can run the model is the first trial: two trials, two runs."""
     import opfuse
-    from opfuse.compiler import VERIFY_TRIALS
     from opfuse.verify.reference import OnnxRuntimeReference
+    from opfuse.verify.rollback import VERIFY_TRIALS
     from tests.builders import TEST_DEVICE, residual_mlp
 
     calls = []
@@ -231,8 +231,8 @@ def test_reference_outputs_are_computed_beside_the_compile(monkeypatch: pytest.M
 
 def test_a_failure_while_preparing_the_reference_reaches_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
     import opfuse
-    from opfuse import compiler
     from opfuse.verify.reference import OnnxRuntimeReference
+    from opfuse.verify.rollback import UnfusedReference
     from tests.builders import TEST_DEVICE, residual_mlp
 
     def no_ort(self: OnnxRuntimeReference, model: Any) -> None:
@@ -242,6 +242,6 @@ def test_a_failure_while_preparing_the_reference_reaches_the_caller(monkeypatch:
         raise RuntimeError("the fallback reference failed too")
 
     monkeypatch.setattr(OnnxRuntimeReference, "__init__", no_ort)
-    monkeypatch.setattr(compiler._UnfusedReference, "__init__", no_fallback)
+    monkeypatch.setattr(UnfusedReference, "__init__", no_fallback)
     with pytest.raises(RuntimeError, match="fallback reference failed too"):
         opfuse.compile(residual_mlp(), {"x": [4, 32]}, device=TEST_DEVICE)

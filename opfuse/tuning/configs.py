@@ -1,230 +1,48 @@
-"""Tuning on the GPU: launch configs per kernel, and template vs vendor for each anchor group.
+"""Per-kernel tuning: compile the candidate configs ahead in parallel, time each in a worker, keep the
+fastest that agrees with the others.
 
-Every candidate is timed with CUDA events on random inputs of the kernel's real shapes, in a worker
-process (tuning/pool.py): a candidate that fails scores infinity, and one that crashes or hangs the
+Every candidate is timed on random inputs of the kernel's real shapes, in a worker process
+(opfuse/tuning/pool.py): a candidate that fails scores infinity, and one that crashes or hangs the
 worker is killed with it instead of the compiler. Results are cached by kernel signature, GPU and
-versions, so compiling the same model again reuses them. A time budget bounds the work: kernels not
-reached keep their default config.
+versions (opfuse/tuning/cache.py). A time budget bounds the work: kernels not reached keep their
+default config.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import math
 import os
-import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from opfuse.codegen.rowwise import rows_per_program
-from opfuse.ir.rows import MIN_TILED_COLUMNS
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.runtime.tensors import torch_dtype
+from opfuse.tuning import candidates as search
+from opfuse.tuning.cache import TuningCache, config_key, kernel_signature
+from opfuse.tuning.candidates import CANDIDATES, fallback_configs
 from opfuse.tuning.pool import CompileJob, CompilePool, Timing, TimingRequest, TuningPool, cuda_graph_ms
 
-# Variations tried around each kernel's own starting config (codegen picks it from the shapes).
-CANDIDATES: dict[str, list[dict[str, Any]]] = {
-    "gemm": [
-        {},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        # Large tiles for big GEMMs on Hopper (8 warps: two warpgroups of wgmma), and a deep K
-        # tile for few rows and long K (a decoder's MLP at batch 1). Where one does not fit in
-        # shared memory (float32 operands) it fails to compile and loses.
-        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
-    ],
-    "conv": [
-        {},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    ],
-    # Max pooling (codegen/pool.py): [pixels, channels] tiles, channels contiguous.
-    "pool": [
-        {},
-        {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
-        {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4},
-        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
-    ],
-    # Two chained GEMVs (codegen/chain.py): rows are the batch; the column tile sets how many
-    # programs share the work, each computing the hidden vector again.
-    "chain": [
-        {},
-        {"BLOCK_N": 32, "BLOCK_K": 64},
-        {"BLOCK_N": 128, "BLOCK_K": 64},
-        {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8},
-        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64},
-    ],
-    "attention": [
-        {},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-    ],
-    "pointwise": [{"BLOCK": b, "num_warps": w} for b, w in [(1024, 4), (2048, 8), (4096, 8), (512, 4)]],
-    "rowwise": [{"num_warps": w} for w in (2, 4, 8, 16)],
-}
-
-
-# The depthwise template (no tensor cores, one multiply-add per tap and channel): the conv tiles
-# with its runtime window loop (the default form, measured on the H200), and smaller tiles with
-# the loop unrolled (UNROLL: its loads issue together, more registers held), for enough programs
-# at batch 1.
-DEPTHWISE_CANDIDATES: list[dict[str, Any]] = [
-    *CANDIDATES["conv"],
-    *(
-        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "UNROLL": True}
-        for m, n, w in [(32, 64, 4), (16, 64, 2), (32, 32, 2), (64, 32, 4)]
-    ),
+__all__ = [
+    "BUDGET_SPENT",
+    "CANDIDATES",
+    "LEFT_OUT",
+    "NO_WORKER",
+    "Precompiled",
+    "TuningCache",
+    "agreeing_configs",
+    "config_key",
+    "fallback_configs",
+    "first_configs_that_compile",
+    "kernel_signature",
+    "precompile",
+    "tune_kernel_configs",
+    "unsafe_reasons",
+    "variant_group_times",
 ]
-# Rows per program a row kernel of short rows tries, as tiles of this many elements: one row per
-# program (the default, as measured on the H200 for the zoo), or a tile of 1024 or 2048
-# (ConvNeXt-T's LayerNorm over 96 channels at batch 32 moved 0.6 TB/s one row per program).
-ROW_TILES = (1024, 2048)
-
-
-# Split-K (codegen/conv.py), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the
-# H200's 132 SMs): its K loop shared among 2, 4 or 8 programs per tile, at most SPLIT_K_PROGRAMS
-# programs in all and at least SPLIT_K_MIN_K of K each.
-SPLIT_K_TILES = 128
-SPLIT_K_PROGRAMS = 512
-SPLIT_K_MIN_K = 256
-
-
-def split_k_candidates(k: KernelInfo) -> list[dict[str, Any]]:
-    found = re.search(r"; M=(\d+) N=(\d+) K=(\d+)$", k.source, re.MULTILINE)  # the template's header
-    if k.kind != "conv" or "SPLIT_K" not in k.config or found is None:
-        return []
-    m, n, kk = (int(v) for v in found.groups())
-    out: list[dict[str, Any]] = []
-    for bm, bn in ((64, 64), (32, 64)):
-        tiles = -(-m // bm) * -(-n // bn)
-        for split in (2, 4, 8):
-            if tiles < SPLIT_K_TILES and tiles * split <= SPLIT_K_PROGRAMS and kk // split >= SPLIT_K_MIN_K:
-                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
-    return out
-
-
-def candidates(k: KernelInfo) -> list[dict[str, Any]]:
-    """The configs tried for kernel `k`, each an override of its default config. The depthwise
-    template has its own (DEPTHWISE_CANDIDATES). A row kernel that may hold several rows per
-    program (BLOCK_M in its config) tries one, and tiles of ROW_TILES elements, with 4 and 8 warps
-    each (2 more for one row); a strided one (BLOCK_I) also half and a quarter of its columns per
-    program, never under MIN_TILED_COLUMNS. A GEMM that pools its A operand (BLOCK_P) also tries 16
-    and 32 pixels per step. A conv whose tiles are too few for the GPU also tries split-K."""
-    if k.kind == "conv" and "UNROLL" in k.config:  # only the depthwise template has the flag
-        return DEPTHWISE_CANDIDATES
-    if k.kind == "gemm" and "BLOCK_P" in k.config:
-        # A GEMM that pools its A operand (pooled_gemm): also fewer or more pixels per step.
-        return CANDIDATES["gemm"] + [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]]
-    if k.kind == "rowwise" and "BLOCK_I" in k.config:
-        # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
-        # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).
-        bi = int(k.config["BLOCK_I"])
-        narrower = [b for b in (bi // 2, bi // 4) if b >= MIN_TILED_COLUMNS]
-        return CANDIDATES["rowwise"] + [{"BLOCK_I": b, "num_warps": w} for b in narrower for w in (4, 8)]
-    if k.kind == "conv" and "SPLIT_K" in k.config:
-        return CANDIDATES["conv"] + split_k_candidates(k)
-    if k.kind != "rowwise" or "BLOCK_M" not in k.config:
-        return CANDIDATES.get(k.kind, [])
-    block = int(k.config["BLOCK_R"])
-    found = re.search(r"^ROWS = (\d+)$", k.source, re.MULTILINE)  # the generated module's row count
-    rows = int(found.group(1)) if found else 1 << 30
-    sizes = sorted({rows_per_program(rows, block, tile) for tile in ROW_TILES} - {1})
-    one = [{"BLOCK_M": 1, "num_warps": w} for w in (2, 4, 8, 16)]
-    return one + [{"BLOCK_M": m, "num_warps": w} for m in sizes for w in (4, 8)]
-
-
-def _cache_path() -> str:
-    root = os.environ.get("OPFUSE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "opfuse")
-    os.makedirs(root, exist_ok=True)
-    return os.path.join(root, "tuning.json")
-
-
-def kernel_signature(k: KernelInfo) -> str:
-    """What decides a kernel's best config: its code without ids or comments, on this GPU and stack."""
-    import triton
-
-    body = "\n".join(
-        line
-        for line in k.source.splitlines()
-        if not line.lstrip().startswith("#") and not line.startswith(("CONFIG", "INTERPRETER_CONFIG"))
-    )
-    body = re.sub(r"\bk\d+_", "K_", body)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    stack = f"{gpu}|{torch.__version__}|{triton.__version__}"
-    return hashlib.sha256(f"{stack}\n{body}".encode()).hexdigest()
-
-
-def measured(entry: Any) -> bool:
-    """Whether a cache entry holds only measurements that ran: every time in it finite. A failure
-    (infinity: a config that did not compile, crashed, or a worker that could not start) belongs to
-    the compile that met it, never to the cache, where it would mark the kernel bad for every later
-    compile on the host."""
-    if not isinstance(entry, dict):
-        return False
-    times = [entry[k] for k in ("ms", "template_ms", "vendor_ms") if k in entry]
-    return all(isinstance(t, int | float) and math.isfinite(t) for t in times)
-
-
-def _read_entries(path: str) -> dict[str, Any]:
-    """The file's entries that hold measurements (`measured`); non-finite ones, written by an
-    older opfuse, are ignored."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if measured(v)}
-
-
-class TuningCache:
-    def __init__(self) -> None:
-        self.path = _cache_path()
-        self.data: dict[str, Any] = _read_entries(self.path)
-        self.hits = 0
-
-    def get(self, key: str) -> Any:
-        if key in self.data:
-            self.hits += 1
-        return self.data.get(key)
-
-    def put(self, key: str, value: Any) -> None:
-        """Keep `value` for later compiles, unless it holds a failure (see `measured`)."""
-        if measured(value):
-            self.data[key] = value
-
-    def covers(self, plans: Iterable[Plan]) -> bool:
-        """Every kernel of `plans` has its config here: each compiled and ran cleanly on this GPU
-        before (its binary is in Triton's disk cache), and none needs tuning."""
-        return all(kernel_signature(k) in self.data for p in plans for k in p.kernels.values())
-
-    def save(self) -> None:
-        """Write this session's entries into the file, merged with what other processes saved
-        since it was read (GPU workers and benchmark shards on one host share the file)."""
-        with open(f"{self.path}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                merged = {**_read_entries(self.path), **self.data}
-                tmp = f"{self.path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(merged, f)
-                os.replace(tmp, self.path)
-                self.data = merged
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:
@@ -236,7 +54,7 @@ def _random_tensor(plan: Plan, name: str, device: torch.device) -> torch.Tensor:
 
 
 def time_launch(fn: Any, reps: int = 10) -> float:
-    """Device time of one launch, timed in this process (see tuning.pool.cuda_graph_ms)."""
+    """Device time of one launch, timed in this process (see pool.cuda_graph_ms)."""
     return cuda_graph_ms(fn, reps)
 
 
@@ -244,10 +62,6 @@ def tune_inprocess() -> bool:
     """OPFUSE_TUNE_INPROCESS=1 times candidates in the compiler's own process: faster to start,
     but a candidate that crashes takes the compiler with it."""
     return os.environ.get("OPFUSE_TUNE_INPROCESS", "") == "1"
-
-
-def config_key(config: dict[str, Any]) -> str:
-    return json.dumps(config, sort_keys=True)
 
 
 def _request(plan: Plan, k: KernelInfo, config: dict[str, Any]) -> TimingRequest:
@@ -345,7 +159,7 @@ def precompile(
                 must[key] = _request(plan, k, start)
             if cache is None or cached is not None:
                 continue
-            for cand in candidates(k):
+            for cand in search.candidates(k):
                 config = {**k.config, **cand}
                 key = (sig, config_key(config))
                 if key not in seen:
@@ -381,27 +195,6 @@ def precompile(
     job = compiler.submit([item[3] for item in may], deadline, launch=False)
     index = {item[2]: i for i, item in enumerate(may)}
     return Precompiled(failed, job, index, deadline, refit, checked.start_error)
-
-
-def fallback_configs(k: KernelInfo) -> list[dict[str, Any]]:
-    """The configs a kernel tries, in order, where its starting config fails to compile (on the GPU,
-    a tile whose pipeline stages do not fit in the device's shared memory: a conv with a window
-    prologue buffers every tap's load): one pipeline stage, then also half the K tile, then its
-    tuning candidates."""
-    start = dict(k.config)
-    tries: list[dict[str, Any]] = []
-    if int(start.get("num_stages", 1)) > 1:
-        tries.append({**start, "num_stages": 1})
-    if int(start.get("BLOCK_K", 0)) > 16:
-        tries.append({**start, "num_stages": 1, "BLOCK_K": int(start["BLOCK_K"]) // 2})
-    tries += [{**start, **c} for c in candidates(k)]
-    out: list[dict[str, Any]] = []
-    seen = {config_key(start)}
-    for c in tries:
-        if config_key(c) not in seen:
-            seen.add(config_key(c))
-            out.append(c)
-    return out
 
 
 def first_configs_that_compile(
@@ -514,7 +307,7 @@ def _tune_one(
     ran: list[tuple[dict[str, Any], float, tuple[float, ...] | None]] = []
     seen: set[str] = set()
     left_out = 0
-    for cand in candidates(k):
+    for cand in search.candidates(k):
         config = {**default, **cand}
         if config_key(config) in seen:  # a candidate equal to the default: timed (and votes) once
             continue

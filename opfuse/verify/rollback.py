@@ -1,0 +1,274 @@
+"""Verification with rollback: the fused plan against the reference, and the groups to blame.
+
+`Verifier` checks a plan on fresh random inputs against onnxruntime (or, where onnxruntime cannot
+run the model, opfuse's unfused float32 plan: `UnfusedReference`); where the fused plan fails, the
+unfused plan at the same precision is checked the same way (`precision_bound`), and the groups that
+fail on their own are found by halving (`bisect_bad`) and rolled back. `first_run` runs a fused plan
+for the first time, leaving unfused a group whose kernel fails to compile or raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+
+from opfuse.errors import ModelError
+from opfuse.fusion.planner import FusionPlan
+from opfuse.lowering import build_plan
+from opfuse.pipeline.context import describe
+from opfuse.runtime.executor import Executor
+from opfuse.runtime.plan import Plan
+from opfuse.verify.compare import OutputCheck, compare_outputs
+from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
+
+if TYPE_CHECKING:
+    from opfuse.pipeline.builder import PlanBuilder
+
+VERIFY_TRIALS = 2
+
+
+class UnfusedReference:
+    """The fallback reference where onnxruntime cannot run a model: opfuse's unfused per-op plan
+    in float32 on the CPU (independent of every fusion, though not of opfuse's op kernels)."""
+
+    name = "opfuse-unfused-fp32-cpu"
+
+    def __init__(self, plan: Plan, why: str) -> None:
+        self.executor = Executor(plan, "cpu")
+        self.why = why
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {k: np.asarray(v) for k, v in self.executor.run(feeds).items()}
+
+
+class Verifier:
+    def __init__(
+        self,
+        original: onnx.ModelProto,
+        inputs: list[Any],
+        device: str,
+        tol: tuple[float, float],
+        rng: np.random.Generator,
+        fallback: Plan,
+        scale_free: bool = False,
+        background: bool = False,
+    ) -> None:
+        """`background`: the first trials' reference outputs are computed in a thread (onnxruntime
+        releases the GIL), ready when the first check needs them."""
+        self.scale_free = scale_free  # see compare_outputs
+        # Output name -> the rtol it is held to where the unfused plan itself misses the
+        # reference at this precision (precision_bound); empty: every output at self.tol.
+        self.bound: dict[str, float] = {}
+        self.baseline: dict[str, OutputCheck] = {}
+        self.inputs = inputs
+        self.device = device
+        self.tol = tol
+        self.rng = rng
+        self.reference: Any = None
+        # (feeds, reference outputs) computed ahead: the first check's trials.
+        self.ready: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        feeds = [random_inputs(inputs, rng) for _ in range(VERIFY_TRIALS)]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._prepare, args=(original, fallback, feeds), daemon=True
+            )
+            self._thread.start()
+        else:
+            self._prepare(original, fallback, feeds)
+
+    def _prepare(self, original: onnx.ModelProto, fallback: Plan, feeds: list[dict[str, np.ndarray]]) -> None:
+        try:
+            try:
+                self.reference = OnnxRuntimeReference(original)
+                # The first run also shows whether onnxruntime takes the model: it may load but
+                # not run it (types, opsets).
+                self.ready = [(f, self.reference.run(f)) for f in feeds]
+            except Exception as exc:  # onnxruntime cannot run every valid model (newest opsets, bf16)
+                self.ready = []
+                self.reference = UnfusedReference(
+                    fallback, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                )
+        except BaseException as exc:  # raised again where the check waits for it
+            self._error = exc
+
+    def _wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def check(self, plan: Plan) -> tuple[bool, dict[str, OutputCheck]]:
+        """Fresh random inputs for every check; the worst result per output is kept."""
+        self._wait()
+        worst: dict[str, OutputCheck] = {}
+        executor = Executor(plan, self.device)
+        for _ in range(VERIFY_TRIALS):
+            if self.ready:
+                feeds, ref = self.ready.pop()
+            else:
+                feeds = random_inputs(self.inputs, self.rng)
+                ref = self.reference.run(feeds)
+            out = executor.run(feeds)
+            for name, r in ref.items():
+                rtol = self.bound.get(name, self.tol[0])
+                c = compare_outputs(np.asarray(out[name]), r, rtol, self.tol[1], scale_free=self.scale_free)
+                if name not in worst or (not c.passed) or c.rel_l2_err > worst[name].rel_l2_err:
+                    if name in worst and not worst[name].passed and c.passed:
+                        continue
+                    worst[name] = c
+        return all(c.passed for c in worst.values()), worst
+
+    def verify_with_rollback(self, builder: PlanBuilder, plan: Plan) -> tuple[Plan, dict[str, Any]]:
+        """Check `plan` (made by `builder`); where it fails, and fusion is to blame, the plan
+        without the groups that fail on their own, and the verification record (report key)."""
+        groups = builder.groups
+        ok, checks = self.check(plan)
+        rolled: list[str] = []
+        note = ""
+        if not ok:
+            # Is fusion to blame? The unfused plan (one library op per node) at the same precision
+            # is checked the same way: where it misses too, the miss is the precision's.
+            if groups:
+                base = build_plan(
+                    builder.graph, FusionPlan([], []), builder.precision, builder.inputs, builder.outputs
+                )
+                base_ok, base_checks = self.check(base)
+            else:
+                base_ok, base_checks = ok, checks
+            if not base_ok:
+                bound, why = precision_bound(base_checks, self.tol[0])
+                if not bound:
+                    return plan, self._json(
+                        False,
+                        checks,
+                        rolled,
+                        f"the unfused plan in {builder.precision} also differs from the reference ({why}), so "
+                        "no fusion is to blame: the model is too sensitive for this precision (try fp32 "
+                        "or tf32, or a looser rtol), or an op is wrong",
+                    )
+                self.bound, self.baseline = bound, base_checks
+                note = (
+                    f"the unfused plan in {builder.precision} differs from the reference by more than rtol "
+                    f"{self.tol[0]:g} ({why}): that is this precision's own error on this model, not "
+                    f"fusion's. Each such output is held to {PRECISION_BOUND_FACTOR:g}x the unfused "
+                    "plan's relative L2 error instead (outputs.*.baseline_rel_l2_err)"
+                )
+                ok, checks = self.check(plan) if groups else (True, checks)
+        if not ok and groups:
+            ids = [g.id for g in groups]
+
+            def fails(subset: list[str]) -> bool:
+                try:
+                    return not self.check(builder.plan(subset))[0]
+                except ModelError:
+                    raise
+                except Exception:  # a fused kernel that raises fails verification too
+                    return True
+
+            rolled = bisect_bad(ids, fails)
+            plan = builder.plan([i for i in ids if i not in rolled])
+            ok, checks = self.check(plan)
+        return plan, self._json(ok, checks, rolled, note)
+
+    def _json(
+        self, ok: bool, checks: dict[str, OutputCheck], rolled: list[str], note: str = ""
+    ) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "passed": ok,
+            "reference": self.reference.name,
+            "outputs": {k: self._output_json(k, v) for k, v in checks.items()},
+            "rolled_back": rolled,
+            "trials": VERIFY_TRIALS,
+        }
+        if note:
+            d["note"] = note
+        if self.bound:
+            d["basis"] = "unfused_precision"
+        if isinstance(self.reference, UnfusedReference):
+            d["reference_note"] = f"onnxruntime could not run the model ({self.reference.why})"
+        return d
+
+    def _output_json(self, name: str, check: OutputCheck) -> dict[str, Any]:
+        d = check.to_json()
+        if name in self.bound:
+            d["baseline_rel_l2_err"] = self.baseline[name].rel_l2_err
+        return d
+
+
+def first_run(builder: PlanBuilder, plan: Plan, device: str, feeds: dict[str, Any]) -> tuple[Plan, Executor]:
+    """Compile the plan's kernels here and run it once on `feeds`; (the plan that ran, its warm
+    executor). A group whose kernel fails to compile (load its generated module) or raises when
+    it first runs is excluded from `builder`, with why, and the plan is made again without it. A
+    failure in a step no group owns is not fusion's: it is raised."""
+    from opfuse.runtime import executor as executor_module
+
+    interpret = not device.startswith("cuda")
+    while True:
+        bad: dict[str, str] = {}
+        for k in plan.kernels.values():
+            if k.group in bad:
+                continue
+            try:
+                executor_module.load_kernel_module(k.source, interpret)
+            except ModelError:
+                raise
+            except Exception as exc:
+                bad[k.group] = f"compiling its generated kernel raised {describe(exc)}"
+        if not bad:
+            runner = Executor(plan, device)
+            at = [-1]
+            runner.step_hook = lambda i, step, at=at: at.__setitem__(0, i)
+            try:
+                runner.run(feeds)
+                runner.step_hook = None
+                return plan, runner
+            except ModelError:
+                raise
+            except Exception as exc:
+                step = plan.steps[at[0]] if at[0] >= 0 else None
+                if step is None or not step.group or step.group in builder.unsafe:
+                    raise
+                what = f"kernel {step.kernel}" if step.kind == "kernel" else f"library op {step.op_type}"
+                bad[step.group] = f"the first run of its {what} raised {describe(exc)}"
+        builder.exclude(bad)
+        plan = builder.plan()
+
+
+PRECISION_BOUND_FACTOR = 2.0  # how much more error than the unfused plan's a fused output may have
+PRECISION_BOUND_LIMIT = 5.0  # past this many rtols the unfused plan is wrong, not imprecise
+
+
+def precision_bound(base: dict[str, OutputCheck], rtol: float) -> tuple[dict[str, float], str]:
+    """Where the unfused plan misses the reference at the job's precision, what each output's
+    rtol becomes: PRECISION_BOUND_FACTOR times the unfused plan's error, for an output it misses
+    by at most PRECISION_BOUND_LIMIT rtols. Fusion changes the order of arithmetic, never the
+    precision of the values between kernels; a deep network whose error in fp16 is already past
+    rtol unfused (ResNet-50 with random weights: 2.8%) is held to what fusion adds. Empty (with why) where an
+    output misses by more, has NaN, or has the wrong shape: that is not a rounding error."""
+    bound: dict[str, float] = {}
+    missed = [(name, c) for name, c in base.items() if not c.passed]
+    for name, c in missed:
+        if not (np.isfinite(c.rel_l2_err) and c.rel_l2_err <= PRECISION_BOUND_LIMIT * rtol) or c.reason:
+            return {}, f"output {name!r}: relative L2 error {c.rel_l2_err:.3g}" + (
+                f", {c.reason}" if c.reason else ""
+            )
+        bound[name] = PRECISION_BOUND_FACTOR * c.rel_l2_err
+    why = ", ".join(f"output {name!r}: {c.rel_l2_err:.3g}" for name, c in missed)
+    return bound, why
+
+
+def bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
+    """The groups that fail on their own, found by halving the set of fused groups."""
+    if not ids or not fails(ids):
+        return []
+    if len(ids) == 1:
+        return list(ids)
+    mid = len(ids) // 2
+    return bisect_bad(ids[:mid], fails) + bisect_bad(ids[mid:], fails)
