@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import csv
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -216,7 +217,9 @@ def write_rows(path: str, rows: Mapping[tuple[str, str], Mapping[str, Any]]) -> 
 
 @contextlib.contextmanager
 def locked(path: str) -> Iterator[None]:
-    with open(path + ".lock", "w") as lock:
+    # The lock lives outside the tree (one per results file), so the folder holds only the file.
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    with open(os.path.join(tempfile.gettempdir(), f"opfuse-corpus-{digest}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
