@@ -1,0 +1,334 @@
+"""Pieces of the NHWC conv template (codegen/conv.py) that stand on their own: a Pad prologue's
+geometry, the split-K reduction and launch, the shortcut's second K loop, the Concat stores, the
+window prologue (a depthwise conv on the input tiles) and the zero-weight tap segments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from opfuse.codegen.epilogue import emit_nodes
+from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import MAX_POOL_NHWC
+from opfuse.ir.support import conv_params, pad_per_dim
+
+
+def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
+    """A 4-D NCHW Pad of the spatial axes only, as a conv prologue reads it: the source's H and
+    W, the top and left pads, the mode, and a constant Pad's value as a literal."""
+    h, w = graph.spec(pad.inputs[0]).shape[2:]
+    per_dim = pad_per_dim(graph, pad)
+    assert per_dim is not None  # checked by the planner (fusion.anchors.pad_prologue_reason)
+    value = 0.0
+    if len(pad.inputs) > 2 and pad.inputs[2]:
+        value = float(np.asarray(graph.constants[pad.inputs[2]]).reshape(()))
+    return {
+        "H": h,
+        "W": w,
+        "top": per_dim[2][0],
+        "left": per_dim[3][0],
+        "mode": str(pad.attrs.get("mode", "constant")),
+        "value": float_literal(value),
+    }
+
+
+def split_k_reduction(buf: SourceBuffer) -> None:
+    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `ws`, count it in at
+    the tile's `lock`; the program that arrives last sums the SPLIT_K slots in order (the same sum
+    whichever program is last), sets the counter back to 0 for the next launch and runs the
+    epilogue (`last`). The barriers order every thread's store before the count, and the count
+    before any thread's loads."""
+    buf.line("if SPLIT_K > 1:")
+    with buf.indent():
+        buf.line("tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)")
+        buf.line("part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+        buf.line("slots = ws + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
+        buf.line('tl.store(slots + tl.program_id(2) * BLOCK_M * BLOCK_N + part, acc, cache_modifier=".cg")')
+        buf.line("tl.debug_barrier()")
+        buf.line('arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")')
+        buf.line("tl.debug_barrier()")
+        buf.line("last = arrived == SPLIT_K - 1")
+        buf.line("if last:")
+        with buf.indent():
+            buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            buf.line("for s in range(0, SPLIT_K):")
+            with buf.indent():
+                buf.line('acc += tl.load(slots + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")')
+            buf.line('tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line("last = True")
+
+
+def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) -> None:
+    """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
+    (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
+    launch; the last program of a tile leaves its counter at 0 again. The scratch is the caller's
+    (`scratch`: the Executor's dict, shared by its steps, which run one after another, so two plans
+    running at once, or two CUDA graphs replayed on two streams, never share counters), else the
+    module's (SCRATCH: a tuning worker, one launch at a time)."""
+    buf.line()
+    buf.line()
+    buf.line("SCRATCH = {}")
+    buf.line("USES_SCRATCH = True  # launch() takes `scratch`: the Executor passes its own")
+    buf.line()
+    buf.line()
+    buf.line(f"def launch({', '.join(args)}, config=None, scratch=None):")
+    with buf.indent():
+        buf.line("c = CONFIG if config is None else config")
+        buf.line("store = SCRATCH if scratch is None else scratch")
+        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]), c["SPLIT_K"])')
+        buf.line('key = (str(x.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
+        buf.line("if key not in store:")
+        with buf.indent():
+            buf.line("import torch")
+            buf.line("")
+            buf.line("tiles = grid[0] * grid[1]")
+            buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
+            buf.line(
+                "store[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
+                "torch.zeros(tiles, dtype=torch.int32, device=x.device))"
+            )
+        buf.line("ws, lock = store[key]")
+        buf.line(f"{fn}[grid]({', '.join(args)}, ws, lock, **c)")
+
+
+def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:
+    """The summed 1x1 shortcut of an `opfuse.ConvNHWC` (passes/shortcut_conv.py): its input's
+    H, W and channels, and its strides."""
+    _, h, w, c = graph.spec(conv.inputs[3]).shape
+    sh, sw = (int(v) for v in conv.attrs["shortcut_strides"])
+    return {"H": h, "W": w, "C": c, "SH": sh, "SW": sw}
+
+
+def shortcut_loop(buf: SourceBuffer, s: dict[str, int], n: int, dot: Callable[[str, str], None]) -> None:
+    """The shortcut's K loop, after the conv's own: the channels of xs at the strided pixel
+    (oh * SH, ow * SW) of each output row, times the shortcut's weight as [CO, C2], into the same
+    accumulator. The pixel is inside xs for every output row (a 1x1 window without padding)."""
+    c2 = s["C"]
+    buf.line(f"s_base = ((img * {s['H']} + oh * {s['SH']}) * {s['W']} + ow * {s['SW']}) * {c2}")
+    buf.line(f"for c0 in range(0, {c2}, BLOCK_K):")
+    with buf.indent():
+        buf.line("ci = c0 + rk")
+        buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")
+        buf.line("a_tile = tl.load(xs + s_base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+        buf.line(
+            f"b_tile = tl.load(ws + rn[None, :] * {c2} + ci[:, None], mask=(ci[:, None] < {c2}) & (rn[None, :] < {n}), other=0.0)"
+        )
+        dot("a_tile", "b_tile")
+
+
+def concat_stores(
+    buf: SourceBuffer,
+    graph: Graph,
+    concat: Node,
+    copied: list[str],
+    outputs: list[str],
+    regs: dict[str, str],
+    views: dict[str, Any],
+) -> None:
+    """The group's stores when it writes a channel Concat: its own value at its channel offset of
+    the Concat's rows, and each other input (`copied`: one pointer `cat{j}` per distinct value)
+    copied into its offset, the programs of one row block sharing its channels (a BLOCK_N block
+    each, strided by the grid's width)."""
+    width = graph.spec(concat.outputs[0]).shape[3]
+    for i, name in enumerate(outputs):
+        if name != concat.outputs[0]:
+            buf.line(f"tl.store(out{i} + dst, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
+            continue
+        buf.line(f"row_dst = rm[:, None] * {width}")
+        at = 0
+        for x in (x for x in concat.inputs if x):
+            cx = graph.spec(x).shape[3]
+            at, offset = at + cx, at
+            if x not in copied:  # the group's own value
+                buf.line(
+                    f"tl.store(out{i} + row_dst + {offset} + cols, {regs[x]}.to(out{i}.dtype.element_ty), mask=mask)"
+                )
+                continue
+            if x in views:
+                v = views[x]
+                terms = [str(v.offset)] if v.offset else []
+                coords = ("img[:, None]", "oh[:, None]", "ow[:, None]", "cc[None, :]")
+                for coord, stride in zip(coords, v.strides, strict=True):
+                    if stride:
+                        terms.append(coord if stride == 1 else f"{coord} * {stride}")
+                src = " + ".join(terms)
+            else:
+                src = f"rm[:, None] * {cx} + cc[None, :]"
+            buf.line(f"for c0 in range(tl.program_id(1) * BLOCK_N, {cx}, tl.num_programs(1) * BLOCK_N):")
+            with buf.indent():
+                buf.line("cc = c0 + tl.arange(0, BLOCK_N)")
+                buf.line(f"c_ok = row_ok[:, None] & (cc[None, :] < {cx})")
+                buf.line(f"cv = tl.load(cat{copied.index(x)} + {src}, mask=c_ok, other=0.0)")
+                buf.line(
+                    f"tl.store(out{i} + row_dst + {offset} + cc[None, :], cv.to(out{i}.dtype.element_ty), mask=c_ok)"
+                )
+
+
+def window_prologue(
+    buf: SourceBuffer,
+    graph: Graph,
+    dw: Node,
+    chain: list[Node],
+    regs: dict[str, str],
+    c: int,
+    n: int,
+    dot: Callable[[str, str], None],
+) -> None:
+    """A 1x1 conv's K loop whose input tiles are a depthwise conv's output (fp32 multiply-adds
+    over the window) or a max pool's (the window's maximum; outside the input -inf), computed from
+    their input `x` as they are needed, then the one-input activation after it (`chain`), rounded
+    to the model's type as a stored tensor would be."""
+    from opfuse.ir.support import pool_params
+
+    pool = dw.op_type == MAX_POOL_NHWC
+    d = pool_params(graph, dw) if pool else conv_params(graph, dw)
+    fill = 'float("-inf")' if pool else "0.0"
+    taps = d["KH"] * d["KW"]
+    buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
+    with buf.indent():
+        buf.line("ci = c0 + rk")
+        buf.line(f"c_ok = ci < {c}")
+        if pool:
+            buf.line('dacc = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
+        else:
+            buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
+        buf.line(f"for t in tl.static_range(0, {taps}):")
+        with buf.indent():
+            buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
+            buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (t % {d['KW']}) * {d['DW']}")
+            buf.line(f"ok = row_ok & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
+            buf.line("x_ok = ok[:, None] & c_ok[None, :]")
+            buf.line(
+                f"xv = tl.load(x + (((img * {d['H']} + ih) * {d['W']} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other={fill})"
+            )
+            if pool:
+                buf.line("dacc = tl.maximum(dacc, xv.to(tl.float32))")
+            else:
+                buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
+                buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
+        if len(dw.inputs) > 2 and dw.inputs[2]:
+            buf.line("dacc = dacc + tl.load(db + ci, mask=c_ok, other=0.0)[None, :].to(tl.float32)")
+        regs[dw.outputs[0]] = "dacc"
+        emit_nodes(buf, graph, chain, regs, prefix="u")
+        last = chain[-1].outputs[0] if chain else dw.outputs[0]
+        buf.line(
+            f"a_tile = tl.where(row_ok[:, None] & c_ok[None, :], {regs[last]}, 0.0).to(x.dtype.element_ty)"
+        )
+        buf.line(
+            f"b_tile = tl.load(w + rn[None, :] * {c} + ci[:, None], mask=c_ok[:, None] & (rn[None, :] < {n}), other=0.0)"
+        )
+        dot("a_tile", "b_tile")
+
+
+MAX_TAP_SEGMENTS = 8
+
+
+def tap_segments(w: np.ndarray) -> list[tuple[int, int, int, int, int, int]] | None:
+    """For an NHWC weight [Cout, KH, KW, Cin] whose output channels use only part of the window:
+    runs of output channels [a, b) with the window rows [r0, r1) and columns [c0, c1) outside which
+    their weights are zero. None when every channel uses the whole window (or the runs are many)."""
+    co, kh, kw = w.shape[0], w.shape[1], w.shape[2]
+    if kh * kw == 1:
+        return None
+    used = np.any(w != 0, axis=3)  # [Cout, KH, KW]
+    rows, cols = np.any(used, axis=2), np.any(used, axis=1)
+    boxes = []
+    for i in range(co):
+        r, c = np.flatnonzero(rows[i]), np.flatnonzero(cols[i])
+        # A channel of zeros needs no tap; it takes its neighbour's window (or the whole).
+        box = (int(r[0]), int(r[-1]) + 1, int(c[0]), int(c[-1]) + 1) if r.size else None
+        boxes.append(box)
+    segments: list[tuple[int, int, int, int, int, int]] = []
+    for i, box in enumerate(boxes):
+        if box is None:
+            box = segments[-1][2:] if segments else (0, kh, 0, kw)
+        if segments and segments[-1][2:] == box:
+            segments[-1] = (segments[-1][0], i + 1, *box)
+        else:
+            segments.append((i, i + 1, *box))
+    if len(segments) > MAX_TAP_SEGMENTS or all(sg[2:] == (0, kh, 0, kw) for sg in segments):
+        return None
+    return segments
+
+
+# -- the tap and padded-load fragments: how the template reads x at a window position ------------
+
+
+@dataclass(frozen=True)
+class TapInput:
+    """What the NHWC conv template reads its input through: the conv's geometry (`conv_params`)
+    and a Pad prologue's (`pad_geometry`; None: x is the conv's own NHWC input)."""
+
+    p: dict[str, int]
+    padding: dict[str, Any] | None = None
+
+    @property
+    def channel_stride(self) -> int:
+        """The stride between input channels in x: 1 (NHWC), or a plane (a padded NCHW source)."""
+        return self.padding["H"] * self.padding["W"] if self.padding is not None else 1
+
+
+def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) -> str:
+    """Emit what maps conv-input pixel (ih, iw) to x: for a Pad prologue, the source pixel
+    (sh, sw) and, constant mode, `inside` (not a filled pixel). Returns the pixel's offset."""
+    p, c, padding = tap.p, tap.p["C"], tap.padding
+    if padding is None:
+        return f"(({img_} * {p['H']} + {ih}) * {p['W']} + {iw}) * {c}"
+    h0, w0 = padding["H"], padding["W"]
+    buf.line(f"sh = {ih} - {padding['top']}")
+    buf.line(f"sw = {iw} - {padding['left']}")
+    if padding["mode"] == "reflect":
+        for v, size in (("sh", h0), ("sw", w0)):
+            buf.line(f"{v} = tl.where({v} < 0, -{v}, {v})")
+            buf.line(f"{v} = tl.where({v} >= {size}, {2 * size - 2} - {v}, {v})")
+    elif padding["mode"] == "edge":
+        for v, size in (("sh", h0), ("sw", w0)):
+            buf.line(f"{v} = tl.minimum(tl.maximum({v}, 0), {size - 1})")
+    else:
+        buf.line(f"inside = (sh >= 0) & (sh < {h0}) & (sw >= 0) & (sw < {w0})")
+    return f"{img_} * {c * h0 * w0} + sh * {w0} + sw"
+
+
+def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
+    """a_tile from x at `offset` (+ the channels), where `ok`; a constant Pad's value where the
+    pixel is a filled one."""
+    cs, padding = tap.channel_stride, tap.padding
+    chan = "ci[None, :]" if cs == 1 else f"ci[None, :] * {cs}"
+    if padding is None or padding["mode"] != "constant":
+        buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok}, other=0.0)")
+        return
+    fill = padding["value"]
+    buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok} & inside, other={fill})")
+    if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
+        buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
+
+
+def window_position(buf: SourceBuffer, tap: TapInput) -> None:
+    """Window position t: the input pixel each output row reads, whether it is inside the
+    image, and the offset of its channels (NHWC)."""
+    p, padding = tap.p, tap.padding
+    buf.line(f"ih = ih0 + (t // {p['KW']}) * {p['DH']}")
+    buf.line(f"iw = iw0 + (t % {p['KW']}) * {p['DW']}")
+    buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
+    buf.line(f"base = {source_pixel(buf, tap, 'ih', 'iw', 'img')}")
+    if padding is not None and padding["mode"] == "constant":
+        buf.line("inside = inside[:, None]")
+
+
+def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
+    """Each output channel reads its own input channel: a [pixels, channels] tile of
+    multiply-adds per window position t, channels contiguous in memory (BLOCK_K unused)."""
+    buf.line(f"for t in {loop}:")
+    with buf.indent():
+        window_position(buf, tap)
+        buf.line("x_ok = ok[:, None] & col_ok[None, :]")
+        buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
+        buf.line(
+            f"wv = tl.load(w + rn[None, :] * {tap.p['KH'] * tap.p['KW']} + t, mask=col_ok[None, :], other=0.0)"
+        )
+        buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")
