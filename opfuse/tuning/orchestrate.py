@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opfuse.codegen.registry import has_library_alternative
 from opfuse.fusion.groups import Group
 from opfuse.lowering import split_form, template_only
 from opfuse.report import tuning_summary
@@ -85,7 +86,7 @@ def tune(
         g.id
         for g in work.groups
         if g.variant == "template"
-        and (g.id in split_groups or (g.kind in ("gemm", "conv", "pool") and not template_only(g)))
+        and (g.id in split_groups or (has_library_alternative(g.kind) and not template_only(g)))
     ]
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
