@@ -16,22 +16,6 @@ import contextlib
 from typing import Any
 
 import numpy as np
-from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
-from opfuse.codegen.fragments import (
-    KernelSource,
-    broadcast_offset,
-    kernel_head,
-    matmul_tile_config,
-    module_imports,
-    module_title,
-    node_comment,
-    split_literals,
-)
-from opfuse.codegen.source import SourceBuffer, comment_text
-from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
-from opfuse.ir.queries import next_pow2
-from opfuse.ir.support import INT32_INDEX_LIMIT, centre_tap, conv_params, input_scale_operands
 
 from opfuse.codegen.conv_fragments import (
     TapInput,
@@ -48,6 +32,22 @@ from opfuse.codegen.conv_fragments import (
     window_position,
     window_prologue,
 )
+from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.fragments import (
+    KernelSource,
+    broadcast_offset,
+    kernel_head,
+    matmul_tile_config,
+    module_imports,
+    module_title,
+    node_comment,
+    split_literals,
+)
+from opfuse.codegen.source import SourceBuffer, comment_text
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.queries import next_pow2
+from opfuse.ir.support import INT32_INDEX_LIMIT, centre_tap, conv_params, input_scale_operands
 
 
 def _epilogue_index(shape: tuple[int, ...], out: tuple[int, ...]) -> str | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from opfuse.codegen.epilogue import emit_nodes
 from opfuse.codegen.source import SourceBuffer, float_literal
 from opfuse.graph import Graph, Node
