@@ -297,12 +297,14 @@ def _read_server_url(home: Path) -> str | None:
 def run_worker_process(
     api: str | None, key: str | None, key_file: Path | None, options: dict[str, Any], *, once: bool
 ) -> int:
-    """`opfuse worker`: the worker program (`python -m workers.worker`) as a child; its exit code.
+    """`opfuse worker`: becomes the worker program (`python -m workers.worker`, by exec); returns
+    only if that fails.
 
     The server's URL and the worker key are found here first, so what is missing is one line
-    (ConfigError); the key reaches the child in its environment, never on its command line.
-    `options`: the worker's own flags (None: its default). A terminal's Ctrl-C reaches both
-    processes (the worker stops on it); a SIGTERM sent to this one is passed on."""
+    (ConfigError); the key reaches the worker in its environment, never on its command line.
+    `options`: the worker's own flags (None: its default). The process is replaced, not forked:
+    a signal sent to `opfuse worker` (SIGTERM, Ctrl-C, SIGKILL) reaches the worker itself, and no
+    worker outlives the process its supervisor knows."""
     url, _ = resolve_url(api)
     worker_key = key or (read_key_file(key_file) if key_file else None) or os.environ.get("OPFUSE_WORKER_KEY")
     if not worker_key:
@@ -319,18 +321,6 @@ def run_worker_process(
             argv += [flag, str(value)]
     if once:
         argv.append("--once")
-    proc = subprocess.Popen(
-        argv, env={**os.environ, "OPFUSE_WORKER_KEY": worker_key}, stdin=subprocess.DEVNULL
-    )
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-    try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                continue  # the worker had the same Ctrl-C: it hands its job back and exits
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, {**os.environ, "OPFUSE_WORKER_KEY": worker_key})
