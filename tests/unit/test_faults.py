@@ -63,12 +63,12 @@ def assert_row_group_unfused(cm: Any, *words: str) -> None:
 
 
 def test_a_group_whose_codegen_raises_runs_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opfuse import lowering
+    from opfuse.codegen import registry  # every group is rendered through the template registry
 
     def generate_rowwise(*args: Any, **kwargs: Any) -> Any:
         raise ValueError(FAULT)
 
-    monkeypatch.setattr(lowering, "generate_rowwise", generate_rowwise)
+    monkeypatch.setattr(registry, "generate_rowwise", generate_rowwise)
     cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
     assert_row_group_unfused(cm, "codegen", "ValueError")
 
@@ -149,11 +149,11 @@ def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pyte
 
 
 def test_a_model_error_still_fails_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opfuse import lowering
+    from opfuse.codegen import registry  # every group is rendered through the template registry
 
     def generate_rowwise(*args: Any, **kwargs: Any) -> Any:
         raise ModelError("the model's own fault: say what to change")
 
-    monkeypatch.setattr(lowering, "generate_rowwise", generate_rowwise)
+    monkeypatch.setattr(registry, "generate_rowwise", generate_rowwise)
     with pytest.raises(ModelError, match="the model's own fault"):
         opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
