@@ -29,6 +29,20 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
     return {"nodes": [node]}
 
 
+# The attributes whose meaning the rewrite keeps (the others refuse it, with their names).
+_WRITTEN_OUT_ATTRS = frozenset(
+    {
+        "is_causal",
+        "scale",
+        "softcap",
+        "q_num_heads",
+        "kv_num_heads",
+        "qk_matmul_output_mode",
+        "softmax_precision",
+    }
+)
+
+
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     ins = [*node.inputs, "", "", "", "", ""][:7]
     q, k, v, mask = ins[0], ins[1], ins[2], ins[3]
@@ -43,6 +57,9 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
         return "a past key/value cache or nonpad_kv_seqlen"
     if any(o for o in node.outputs[1:]):
         return "the present key/value or the QK product output is used"
+    unknown = sorted(set(node.attrs) - _WRITTEN_OUT_ATTRS)
+    if unknown:  # e.g. opset 25's left/right_window_size: a window the written-out form lacks
+        return f"attribute(s) {', '.join(unknown)}, which the written-out form does not compute"
     if float(node.attrs.get("softcap", 0.0)) != 0.0:
         return "softcap"
     if any(graph.spec(x).dtype not in FLOAT_TYPES for x in (q, k, v)):
