@@ -17,12 +17,14 @@ ms_b32, ratio_torch_compile and ratio_per_op as "batch 1/batch 32", gpu_date, gp
 default exporter's rows.
 
 This module imports nothing that needs a GPU until a row runs: its argument parsing, resume and
-merge logic are tested on the CPU (tests/corpus/test_gpu_leg.py).
+merge logic are tested on the CPU (tests/corpus/test_legs.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -31,15 +33,45 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.corpus.run import EXPECTED, HERE, locked, one_line, read_rows, shard, write_rows
+from bench.corpus.run import EXPECTED, HERE, interleave, locked, one_line, read_rows, shard, write_rows
 
 BATCHES = (1, 32)
 PRECISION = "fp16"
 EXPORTER = "dynamo"  # the GPU leg times the default export
 ROW_TIMEOUT_S = 1800.0
+GPU_LOCK_ENV = "OPFUSE_CORPUS_GPU_LOCK"
+
+
+@contextlib.contextmanager
+def gpu_timing() -> Iterator[None]:
+    """Hold the GPU alone while timing. With --jobs N, N rows export and compile at once (CPU
+    work), but every timed section (opfuse's benchmark, torch.compile's replay) takes this lock, so
+    no two timings share the GPU. Tuning inside opfuse.compile is not under the lock: its choices
+    may be made on a busy GPU."""
+    path = os.environ.get(GPU_LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def append_line(path: str, rec: dict[str, Any]) -> None:
+    """One JSON line, appended under a lock (rows of several jobs share the file)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.write(json.dumps(rec) + "\n")
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def read_done(paths: Iterable[str]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -180,12 +212,15 @@ def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup
                     proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s
                 )
                 rec["compile_s"] = round(time.perf_counter() - t0, 2)
-            cm.benchmark(iters=iters, warmup=warmup)
+            with gpu_timing():
+                cm.benchmark(iters=iters, warmup=warmup)
             r = cm.report
             rec.update(
                 verified=bool(r["verification"]["passed"]),
                 opfuse_ms=r["after"]["latency_ms"]["p50"],
+                stepwise_ms=(r.get("after_stepwise") or {}).get("latency_ms", {}).get("p50"),
                 per_op_ms=r["before"]["latency_ms"]["p50"],
+                kernels_before=r["kernels"].get("before"),
                 kernels_after=r["kernels"]["after"],
                 compute_nodes=r.get("compute_nodes"),
                 cuda_graph=r["after"].get("cuda_graph"),
@@ -199,8 +234,7 @@ def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup
             traceback.print_exc()
             rec["error"] = one_line(exc, 400)
         torch.cuda.empty_cache()
-        with open(out_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_line(out_path, rec)
         print(json.dumps(rec), flush=True)
 
 
@@ -225,8 +259,9 @@ def _torch_compile(
             compiled(*static.values())
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            replay = graphed(lambda: compiled(*static.values()))
-            ms = time_cuda(lambda i: replay(), iters, warmup)
+            with gpu_timing():
+                replay = graphed(lambda: compiled(*static.values()))
+                ms = time_cuda(lambda i: replay(), iters, warmup)
         return {"torch_compile_cudagraph_ms": ms, "torch_compile_s": round(compile_s, 2)}
     except Exception as exc:
         return {"torch_compile_error": one_line(exc, 300)}
@@ -251,6 +286,8 @@ def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespa
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
     }
     env.pop("TRITON_INTERPRET", None)
+    if args.jobs > 1:
+        env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
     try:
         rc = subprocess.run(cmd, env=env, cwd=root, timeout=args.timeout, check=False).returncode
         why = f"the row's process exited with status {rc}" if rc else ""
@@ -259,10 +296,9 @@ def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespa
     if not why:
         return
     got = read_done([out_path])
-    with open(out_path, "a") as f:
-        for b in batches:
-            if (name, b) not in got:
-                f.write(json.dumps({"model": name, "batch": b, "precision": PRECISION, "error": why}) + "\n")
+    for b in batches:
+        if (name, b) not in got:
+            append_line(out_path, {"model": name, "batch": b, "precision": PRECISION, "error": why})
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -276,6 +312,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="rows at once: they compile in parallel and take turns timing"
+    )
+    ap.add_argument("--stop-after", type=float, default=0.0, help="start no row after this many seconds")
     ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row (all its batches)")
     ap.add_argument("--merge", nargs="+", metavar="JSONL", help="fill expected.csv's GPU columns and exit")
     ap.add_argument("--expected", default=EXPECTED, help="the file --merge fills")
@@ -287,6 +327,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
     if not args.batches or any(b < 1 for b in args.batches):
         ap.error("--batches: each batch must be at least 1")
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
     return args
 
 
@@ -302,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.corpus.models import select
 
     try:
-        names = [r.name for r in select(args.rows.split(","), family=args.family)]
+        names = [r.name for r in interleave(select(args.rows.split(","), family=args.family))]
     except KeyError as exc:
         raise SystemExit(str(exc.args[0])) from None
     import torch
@@ -312,9 +354,19 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     plan = pending(shard(names, args.shard), args.batches, read_done([args.out]), args.force)
     print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
-    for i, (name, batches) in enumerate(plan):
+    if args.jobs > 1:
+        os.environ.setdefault(GPU_LOCK_ENV, os.path.abspath(args.out) + ".gpu-lock")
+    start = time.monotonic()
+
+    def one(item: tuple[int, tuple[str, list[int]]]) -> None:
+        i, (name, batches) = item
+        if args.stop_after and time.monotonic() - start > args.stop_after:
+            return
         print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches}", flush=True)
         run_row(name, batches, args.out, args)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, enumerate(plan)))
 
 
 if __name__ == "__main__":

@@ -154,3 +154,33 @@ def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) 
     assert "exported 4/4 (100%), compiled 2/4 (50%), verified 2/4 (50%)" in text
     assert "geomean over 2 verified rows: 0.200" in text
     assert "2 crash: ValueError: shape (N,) of '…'" in text
+
+
+def test_gpu_leg_jobs_take_turns_timing_and_share_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    assert gpu.parse(["--jobs", "4"]).jobs == 4
+    with pytest.raises(SystemExit):
+        gpu.parse(["--jobs", "0"])
+    monkeypatch.setenv(gpu.GPU_LOCK_ENV, str(tmp_path / "lock"))
+    inside: list[int] = []
+    most = [0]
+
+    def timed(i: int) -> None:
+        with gpu.gpu_timing():
+            inside.append(i)
+            most[0] = max(most[0], len(inside))
+            time.sleep(0.02)
+            inside.remove(i)
+        gpu.append_line(str(tmp_path / "out.jsonl"), {"model": f"m{i}", "batch": 1, "pad": "x" * 5000})
+
+    threads = [threading.Thread(target=timed, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1  # never two timings at once
+    assert set(gpu.read_done([str(tmp_path / "out.jsonl")])) == {(f"m{i}", 1) for i in range(6)}

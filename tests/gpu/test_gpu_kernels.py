@@ -127,3 +127,37 @@ def test_compile_only_compiles_and_runs_nothing() -> None:
         assert any(len(entry[0]) == 1 for entry in caches.values())
     module.launch(x, out, config={"BLOCK": 256})
     assert torch.equal(out, x + 1.0)
+
+
+def test_out_of_range_indices_are_clamped_on_the_gpu_and_the_model_runs_on() -> None:
+    """docs/ops.md: on a GPU an index outside [-n, n-1] is clamped (no host sync); no kernel reads
+    outside the tensor, and the next run with valid indices is right (no sticky CUDA error)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    gather = helper.make_node("Gather", ["data", "ids"], ["g"], name="pick")
+    mul = helper.make_node("Mul", ["g", "two"], ["y"], name="double")
+    graph = helper.make_graph(
+        [gather, mul],
+        "g",
+        [
+            helper.make_tensor_value_info("data", TensorProto.FLOAT, [6, 5]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [3, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4, 5])],
+        [numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    cm = opfuse.compile(model, input_shapes={"data": [6, 5], "ids": [3, 4]}, device="cuda")
+    assert cm.report["verification"]["passed"] is True
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((6, 5)).astype(np.float32)
+    bad = rng.integers(-40, 40, size=(3, 4)).astype(np.int64)
+    bad[0, 0], bad[0, 1] = -7, 9
+    wrapped = np.where(bad < 0, bad + 6, bad).clip(0, 5)
+    got = np.asarray(cm.run({"data": data, "ids": bad})["y"])
+    np.testing.assert_array_equal(got, 2 * data[wrapped])
+    ok = rng.integers(-6, 6, size=(3, 4)).astype(np.int64)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(
+        np.asarray(cm.run({"data": data, "ids": ok})["y"]), sess.run(None, {"data": data, "ids": ok})[0]
+    )
