@@ -31,6 +31,8 @@ from service.queue import ClaimHealth
 from service.rate_limit import FailedAuthLimiter, RateLimiter
 from service.settings import Settings
 from service.storable import scrub, storable_json
+from service.ui import docs as ui_docs
+from service.ui import routes as ui_routes
 
 log = get_logger("app")
 
@@ -117,6 +119,8 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
         version=API_VERSION,
         summary="Operator fusion as a service: upload an ONNX model, get back a fused, verified bundle.",
         lifespan=lifespan,
+        docs_url=None,  # service/ui/docs.py serves /docs without a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -126,7 +130,8 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     app.state.auth_failures = FailedAuthLimiter(settings.auth_failures_per_min)
     app.state.check_budget = CheckBudget(settings.check_budget_bytes)
     app.state.claim_health = ClaimHealth()
-    for router in (models.router, jobs.router, admin.router, worker.router, health.router):
+    routers = (models.router, jobs.router, admin.router, worker.router, health.router)
+    for router in (*routers, ui_routes.router, ui_docs.router):
         app.include_router(router)
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -6,7 +6,7 @@ with them as the library does.
 
 from __future__ import annotations
 
-from opfuse.views.html import CONTENT_SECURITY_POLICY, kernel_sources_from_zip, render_html
+from opfuse.views.html import CONTENT_SECURITY_POLICY, SCRIPT_HASH, kernel_sources_from_zip, render_html
 from opfuse.views.trace import render_trace
 
-__all__ = ["CONTENT_SECURITY_POLICY", "kernel_sources_from_zip", "render_html", "render_trace"]
+__all__ = ["CONTENT_SECURITY_POLICY", "SCRIPT_HASH", "kernel_sources_from_zip", "render_html", "render_trace"]

@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "CONTENT_SECURITY_POLICY",
+    "SCRIPT_HASH",
     "Roofs",
     "kernel_sources_from_zip",
     "render_html",
@@ -48,10 +49,10 @@ document.querySelectorAll("table.sortable th").forEach(function (th, col) {
   });
 });
 """
-_SCRIPT_HASH = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
+SCRIPT_HASH = base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; style-src 'unsafe-inline'; "
-    f"script-src 'sha256-{_SCRIPT_HASH}'; img-src data:; base-uri 'none'; form-action 'none'"
+    f"script-src 'sha256-{SCRIPT_HASH}'; img-src data:; base-uri 'none'; form-action 'none'"
 )
 
 _CSS = """
