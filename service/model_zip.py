@@ -13,15 +13,15 @@ import math
 import posixpath
 import stat
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 
+from opfuse.frontend.external_data import external_tensors, unsafe_location
 from opfuse.frontend.inspect import MAX_MODEL_BYTES
 from service.errors import PayloadTooLargeError, UnprocessableError
-from service.model_checks import ModelLimits, limit_problems, parse_upload, subgraphs
+from service.model_checks import ModelLimits, limit_problems, parse_upload
 
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip with entries / an empty zip
 _LIMIT_WORDS = "2 GiB (protobuf's limit for one ONNX file, with its external data inlined)"
@@ -29,21 +29,6 @@ _LIMIT_WORDS = "2 GiB (protobuf's limit for one ONNX file, with its external dat
 
 def _refuse(problem: str) -> UnprocessableError:
     return UnprocessableError(f"the zip cannot be used: {problem}")
-
-
-def _unsafe_path(name: str) -> str | None:
-    """Why `name` (a zip entry or an external data location) could escape the archive, or None."""
-    if not name:
-        return "it is empty"
-    if "\\" in name:
-        return "it contains a backslash"
-    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
-        return "it is an absolute path"
-    if ".." in name.split("/"):
-        return "it contains '..'"
-    if "\x00" in name:
-        return "it contains a NUL byte"
-    return None
 
 
 def _is_link_or_special(info: zipfile.ZipInfo) -> bool:
@@ -63,7 +48,7 @@ def zip_entries(archive: zipfile.ZipFile, limits: ModelLimits) -> dict[str, zipf
     files: dict[str, zipfile.ZipInfo] = {}
     total = 0
     for info in archive.infolist():
-        why = _unsafe_path(info.filename)
+        why = unsafe_location(info.filename)
         if why is not None:
             raise _refuse(f"entry '{info.filename}' is refused: {why}")
         if _is_link_or_special(info):
@@ -107,28 +92,6 @@ def _the_onnx_file(files: dict[str, zipfile.ZipInfo]) -> str:
     return found[0]
 
 
-def all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor that can carry data: initializers, sparse initializers, and tensors in node
-    attributes, in the graph and all its subgraphs."""
-    pending = [graph]
-    while pending:
-        current = pending.pop()
-        yield from current.initializer
-        for sparse in current.sparse_initializer:
-            yield sparse.values
-            yield sparse.indices
-        for node in current.node:
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.TENSOR:
-                    yield attr.t
-                elif attr.type == onnx.AttributeProto.TENSORS:
-                    yield from attr.tensors
-                elif attr.type == onnx.AttributeProto.SPARSE_TENSOR:
-                    yield attr.sparse_tensor.values
-                    yield attr.sparse_tensor.indices
-            pending.extend(subgraphs(node))
-
-
 @dataclass(frozen=True)
 class ExternalRef:
     """Where a tensor's bytes are: `length` bytes at `offset` of zip entry `entry`."""
@@ -163,7 +126,7 @@ def _external_ref(tensor: onnx.TensorProto, base: str, files: dict[str, zipfile.
     fields = {entry.key: entry.value for entry in tensor.external_data}
     label = f"tensor '{tensor.name}'"
     location = fields.get("location", "")
-    why = _unsafe_path(location)
+    why = unsafe_location(location)
     if why is not None:
         raise _refuse(f"{label} has external data location '{location}', which is refused: {why}")
     entry = posixpath.normpath(posixpath.join(base, location))
@@ -235,11 +198,7 @@ def model_from_zip(path: Path, limits: ModelLimits) -> onnx.ModelProto:
             if problems:
                 raise UnprocessableError("; ".join(problems))
             base = posixpath.dirname(onnx_name)
-            refs = [
-                _external_ref(t, base, files)
-                for t in all_tensors(model.graph)
-                if t.data_location == onnx.TensorProto.EXTERNAL
-            ]
+            refs = [_external_ref(t, base, files) for t in external_tensors(model)]
             total = files[onnx_name].file_size + sum(ref.length for ref in refs)
             if total > MAX_MODEL_BYTES:
                 raise PayloadTooLargeError(
