@@ -8,11 +8,12 @@ are shown as `\\x1b`-style text, so a node name cannot retitle or recolour the u
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape as escape_markup
 from rich.table import Table
 
@@ -47,7 +48,7 @@ def escape(text: str) -> str:
     return escape_markup(strip_controls(str(text)))
 
 
-def _num(value: Any, fmt: str = "{:.3g}", missing: str = "-") -> str:
+def fmt_num(value: Any, fmt: str = "{:.3g}", missing: str = "-") -> str:
     if value is None:
         return missing
     if isinstance(value, (int, float)):
@@ -55,7 +56,7 @@ def _num(value: Any, fmt: str = "{:.3g}", missing: str = "-") -> str:
     return escape(str(value))
 
 
-def _bytes(value: Any) -> str:
+def fmt_bytes(value: Any) -> str:
     if not isinstance(value, (int, float)):
         return "-"
     size = float(value)
@@ -73,7 +74,7 @@ def _when(value: Any) -> str:
     return escape(str(value).replace("T", " ")[:19])
 
 
-def _status(status: Any) -> str:
+def fmt_status(status: Any) -> str:
     text = escape(str(status))
     style = STATUS_STYLE.get(str(status))
     return f"[{style}]{text}[/]" if style else text
@@ -81,51 +82,104 @@ def _status(status: Any) -> str:
 
 def _tensors(specs: Sequence[Mapping[str, Any]] | None) -> str:
     return ", ".join(
-        f"{escape(str(s.get('name')))} {escape(str(s.get('dtype', '')))}"
+        # A dynamic dim is its symbol: `[batch, 512]` is text here, never rich markup.
+        f"{escape(str(s.get('name')))} {escape(str(s.get('dtype', '')))} "
         + escape(f"[{', '.join(str(d) for d in s.get('shape') or [])}]")
         for s in specs or []
     )
 
 
+@dataclass(frozen=True)
+class Column:
+    """A table column: its header, and whether its cells may wrap (ids and counts do not)."""
+
+    name: str
+    no_wrap: bool = False
+    justify: JustifyMethod = "left"
+
+
+def listing(
+    title: str, columns: Sequence[str | Column], rows: Iterable[Sequence[str]], caption: str | None = None
+) -> Table:
+    """The shape every listing has (keys, jobs, models, profiles): a titled table, one row per item.
+
+    Cells are rich markup: escape what comes from a model or the server first."""
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for col in columns:
+        c = col if isinstance(col, Column) else Column(col)
+        table.add_column(c.name, overflow="fold", no_wrap=c.no_wrap, justify=c.justify)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def fields(title: str, rows: Iterable[tuple[str, str]]) -> Table:
+    """A two-column table of one thing's fields (a job, a report's summary)."""
+    table = Table(show_header=False, title=title, title_justify="left")
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
 def models_table(models: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="models", title_justify="left")
-    for col in ("id", "name", "inputs", "outputs", "opset", "size", "created"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("id", "size"))
-    for m in models:
-        table.add_row(
+    columns: list[str | Column] = [
+        Column("id", no_wrap=True),
+        "name",
+        "inputs",
+        "outputs",
+        "opset",
+        Column("size", no_wrap=True),
+    ]
+    rows = (
+        [
             escape(str(m.get("id"))),
             escape(str(m.get("name"))),
             _tensors(m.get("inputs")),
             _tensors(m.get("outputs")),
-            _num(m.get("opset"), "{}"),
-            _bytes(m.get("size_bytes")),
+            fmt_num(m.get("opset"), "{}"),
+            fmt_bytes(m.get("size_bytes")),
             _when(m.get("created_at")),
-        )
-    return table
+        ]
+        for m in models
+    )
+    return listing("models", [*columns, "created"], rows)
 
 
-def jobs_table(jobs: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="jobs", title_justify="left")
-    for col in ("id", "model", "status", "stage", "progress", "speedup", "kernels", "created"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("id", "status", "kernels"))
-    for j in jobs:
-        summary = j.get("summary") or {}
-        kernels = "-"
-        if summary.get("kernels_before") is not None:
-            kernels = (
-                f"{_num(summary.get('kernels_before'), '{}')} → {_num(summary.get('kernels_after'), '{}')}"
-            )
-        table.add_row(
+def _kernels(summary: Mapping[str, Any]) -> str:
+    if summary.get("kernels_before") is None:
+        return "-"
+    return f"{fmt_num(summary.get('kernels_before'), '{}')} → {fmt_num(summary.get('kernels_after'), '{}')}"
+
+
+def jobs_table(jobs: Sequence[Mapping[str, Any]], model_names: Mapping[str, str] | None = None) -> Table:
+    """Jobs, one a row; the model by its name where `model_names` knows it, else by its id."""
+    names = model_names or {}
+    columns: list[str | Column] = [
+        Column("id", no_wrap=True),
+        "model",
+        Column("status", no_wrap=True),
+        "stage",
+        "progress",
+        Column("speedup", justify="right"),
+        Column("kernels", no_wrap=True),
+        "created",
+    ]
+    rows = (
+        [
             escape(str(j.get("id"))),
-            escape(str(j.get("model_id"))[:8]) + "…",
-            _status(j.get("status")),
+            escape(names.get(str(j.get("model_id")), str(j.get("model_id")))),
+            fmt_status(j.get("status")),
             escape(str(j.get("stage") or "-")),
             f"{100 * float(j.get('progress') or 0):.0f}%",
-            _num(summary.get("speedup"), "{:.2f}x"),
-            kernels,
+            fmt_num((j.get("summary") or {}).get("speedup"), "{:.2f}x"),
+            _kernels(j.get("summary") or {}),
             _when(j.get("created_at")),
-        )
-    return table
+        ]
+        for j in jobs
+    )
+    return listing("jobs", columns, rows)
 
 
 def _past(value: Any) -> bool:
@@ -135,58 +189,62 @@ def _past(value: Any) -> bool:
         return False
 
 
+def _key_state(k: Mapping[str, Any]) -> str:
+    if k.get("revoked"):
+        return "[red]revoked[/]"
+    return "[yellow]expired[/]" if _past(k.get("expires_at")) else "[green]live[/]"
+
+
 def keys_table(keys: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="API keys", title_justify="left")
-    for col in ("id", "prefix", "tenant", "scope", "created", "last used", "expires", "state"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("id", "prefix"))
-    for k in keys:
-        state = "[red]revoked[/]" if k.get("revoked") else "[green]live[/]"
-        if not k.get("revoked") and _past(k.get("expires_at")):
-            state = "[yellow]expired[/]"
-        table.add_row(
-            _num(k.get("id"), "{}"),
+    columns: list[str | Column] = [
+        Column("id", no_wrap=True),
+        Column("prefix", no_wrap=True),
+        "tenant",
+        "scope",
+    ]
+    rows = (
+        [
+            fmt_num(k.get("id"), "{}"),
             escape(str(k.get("prefix") or "-")) + "…",
             escape(str(k.get("tenant"))),
             escape(str(k.get("scope"))),
             _when(k.get("created_at")),
             _when(k.get("last_used_at")),
             _when(k.get("expires_at")) if k.get("expires_at") else "never",
-            state,
-        )
-    return table
+            _key_state(k),
+        ]
+        for k in keys
+    )
+    return listing("API keys", [*columns, "created", "last used", "expires", "state"], rows)
 
 
-def job_table(job: Mapping[str, Any]) -> Table:
-    table = Table(show_header=False, title=f"job {escape(str(job.get('id')))}", title_justify="left")
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
-    table.add_row("status", _status(job.get("status")))
-    table.add_row("model", escape(str(job.get("model_id"))))
-    table.add_row("stage", escape(str(job.get("stage") or "-")))
-    table.add_row("progress", f"{100 * float(job.get('progress') or 0):.0f}%")
-    table.add_row("attempts", _num(job.get("attempts"), "{}"))
-    for key in ("created_at", "started_at", "finished_at"):
-        table.add_row(key.replace("_at", ""), _when(job.get(key)))
+def job_table(job: Mapping[str, Any], model_name: str | None = None) -> Table:
     summary = job.get("summary") or {}
+    model = escape(str(job.get("model_id")))
+    rows = [
+        ("status", fmt_status(job.get("status"))),
+        ("model", f"{escape(model_name)} ({model})" if model_name else model),
+        ("stage", escape(str(job.get("stage") or "-"))),
+        ("progress", f"{100 * float(job.get('progress') or 0):.0f}%"),
+        ("attempts", fmt_num(job.get("attempts"), "{}")),
+    ]
+    rows += [
+        (key.replace("_at", ""), _when(job.get(key))) for key in ("created_at", "started_at", "finished_at")
+    ]
     if summary.get("kernels_before") is not None:
-        table.add_row(
-            "kernels",
-            f"{_num(summary.get('kernels_before'), '{}')} → {_num(summary.get('kernels_after'), '{}')}",
-        )
+        rows.append(("kernels", _kernels(summary)))
     if summary.get("latency_ms_after") is not None:
-        table.add_row(
-            "latency p50",
-            f"{_num(summary.get('latency_ms_before'))} ms → {_num(summary.get('latency_ms_after'))} ms",
-        )
-        table.add_row("speedup", _num(summary.get("speedup"), "{:.2f}x"))
+        before, after = fmt_num(summary.get("latency_ms_before")), fmt_num(summary.get("latency_ms_after"))
+        rows.append(("latency p50", f"{before} ms → {after} ms"))
+        rows.append(("speedup", fmt_num(summary.get("speedup"), "{:.2f}x")))
     if summary.get("peak_memory_after") is not None:
-        table.add_row(
-            "peak memory",
-            f"{_bytes(summary.get('peak_memory_before'))} → {_bytes(summary.get('peak_memory_after'))}",
+        memory = (
+            f"{fmt_bytes(summary.get('peak_memory_before'))} → {fmt_bytes(summary.get('peak_memory_after'))}"
         )
+        rows.append(("peak memory", memory))
     if job.get("error"):
-        table.add_row("error", f"[red]{escape(str(job['error']))}[/]")
-    return table
+        rows.append(("error", f"[red]{escape(str(job['error']))}[/]"))
+    return fields(f"job {escape(str(job.get('id')))}", rows)
 
 
 def report_summary_table(report: Mapping[str, Any]) -> Table:
@@ -199,15 +257,17 @@ def report_summary_table(report: Mapping[str, Any]) -> Table:
     table.add_column("value", overflow="fold")
     table.add_row("device", escape(f"{device.get('kind', '-')} {device.get('name') or ''}".strip()))
     table.add_row("precision", escape(str(report.get("precision", "-"))))
-    table.add_row("kernels", f"{_num(kernels.get('before'), '{}')} → {_num(kernels.get('after'), '{}')}")
+    table.add_row(
+        "kernels", f"{fmt_num(kernels.get('before'), '{}')} → {fmt_num(kernels.get('after'), '{}')}"
+    )
     if before.get("latency_ms") or after.get("latency_ms"):
         p50b = (before.get("latency_ms") or {}).get("p50")
         p50a = (after.get("latency_ms") or {}).get("p50")
-        table.add_row("latency p50", f"{_num(p50b)} ms → {_num(p50a)} ms")
-        table.add_row("speedup", _num(report.get("speedup"), "{:.2f}x"))
+        table.add_row("latency p50", f"{fmt_num(p50b)} ms → {fmt_num(p50a)} ms")
+        table.add_row("speedup", fmt_num(report.get("speedup"), "{:.2f}x"))
         table.add_row(
             "peak memory",
-            f"{_bytes(before.get('peak_memory_bytes'))} → {_bytes(after.get('peak_memory_bytes'))}",
+            f"{fmt_bytes(before.get('peak_memory_bytes'))} → {fmt_bytes(after.get('peak_memory_bytes'))}",
         )
     if device.get("kind") == "cpu-interpreter":
         table.add_row("note", "ran in the Triton interpreter on CPU: latencies are not a speed claim")
@@ -230,8 +290,8 @@ def fusion_groups_table(report: Mapping[str, Any]) -> Table:
             escape(str(g.get("rule", "-"))),
             escape(shown),
             escape(str(g.get("kernel", "-"))),
-            _bytes(g.get("bytes_saved_est")),
-            f"{_num(g.get('time_ms_before'))} → {_num(g.get('time_ms_after'))}",
+            fmt_bytes(g.get("bytes_saved_est")),
+            f"{fmt_num(g.get('time_ms_before'))} → {fmt_num(g.get('time_ms_after'))}",
         )
     return table
 
@@ -258,10 +318,10 @@ def verification_table(report: Mapping[str, Any]) -> Table:
     for name, o in (verification.get("outputs") or {}).items():
         table.add_row(
             escape(str(name)),
-            _num(o.get("max_abs_err")),
-            _num(o.get("rel_l2_err")),
-            _num(o.get("rtol")),
-            _num(o.get("atol")),
+            fmt_num(o.get("max_abs_err")),
+            fmt_num(o.get("rel_l2_err")),
+            fmt_num(o.get("rtol")),
+            fmt_num(o.get("atol")),
         )
     rolled_back = verification.get("rolled_back") or []
     if rolled_back:

@@ -4,9 +4,11 @@ external data files into the zip upload).
 
     client = OpfuseClient("http://127.0.0.1:8000", api_key)
     model = client.upload_model("model.onnx")
-    job = client.create_job(model["id"], input_shapes={"x": [8, 3, 224, 224]}, precision="fp16")
-    job = client.wait_job(job["id"])
-    client.download_artifact(job["id"], "model.opfuse.zip")
+    job = client.create_job(model.id, input_shapes={"x": [8, 3, 224, 224]}, precision="fp16")
+    job = client.wait_job(job.id)
+    client.download_artifact(job.id, "model.opfuse.zip")
+
+What it returns are typed records (client.records): attributes, the JSON in `.raw`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any, TypedDict, cast
 import httpx
 
 from client.model_pack import ModelPackError, upload_file
+from client.records import ApiKey, Job, Model, Report
 
 __all__ = [
     "TERMINAL_STATUSES",
+    "ApiKey",
     "ApiKeyInfo",
     "ArtifactIntegrityError",
     "Claim",
@@ -39,64 +43,33 @@ __all__ = [
     "OpfuseClientError",
     "OpfuseConnectionError",
     "OpfuseTimeoutError",
+    "Report",
 ]
 
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
 _CHUNK = 1 << 20
 
 
-class TensorSpec(TypedDict, total=False):
-    name: str
-    dtype: str
-    shape: list[int | str]
+class JobDict(TypedDict, total=False):
+    """A job as the worker protocol hands it over (the claim's `job`), as JSON."""
 
-
-class Model(TypedDict, total=False):
-    id: str
-    name: str
-    sha256: str
-    size_bytes: int
-    opset: int
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    created_at: str
-
-
-class Job(TypedDict, total=False):
     id: str
     model_id: str
     status: str
     stage: str | None
     progress: float
     attempts: int
-    error: str | None
     options: dict[str, Any]
-    created_at: str
-    started_at: str | None
-    finished_at: str | None
-    summary: dict[str, Any] | None
 
 
-class ApiKeyInfo(TypedDict, total=False):
-    """A key as the admin API lists it (`key`: only in the answer that made it)."""
-
-    id: int
-    key: str
-    prefix: str | None
-    tenant: str
-    scope: str
-    created_at: str
-    last_used_at: str | None
-    expires_at: str | None
-    revoked: bool
-    revoked_at: str | None
+ApiKeyInfo = ApiKey  # the earlier name of the key record
 
 
 class Claim(TypedDict, total=False):
-    job: Job
+    job: JobDict
     lease_token: str
     lease_expires_at: str
-    model: Model
+    model: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -302,26 +275,27 @@ class OpfuseClient:
             raise FileNotFoundError(f"no such model file: {path}")
         try:
             with upload_file(path) as upload, upload.path.open("rb") as f:
-                return cast(
-                    Model,
+                return Model.from_dict(
                     self._json(
                         "POST",
                         "/v1/models",
                         params={"name": name or path.name},
                         content=f,
                         headers={"Content-Type": upload.content_type},
-                    ),
+                    )
                 )
         except ModelPackError as exc:
             raise ModelFileError(str(exc)) from None
 
     def list_models(self) -> list[Model]:
-        return cast(list[Model], self._paginate("/v1/models", {}))
+        return [Model.from_dict(m) for m in self._paginate("/v1/models", {})]
 
     def get_model(self, model_id: str) -> Model:
-        return cast(Model, self._json("GET", f"/v1/models/{model_id}"))
+        return Model.from_dict(self._json("GET", f"/v1/models/{model_id}"))
 
     def delete_model(self, model_id: str) -> None:
+        """Delete the model, its finished jobs and its stored bytes; 409 while a job of it is
+        queued or running."""
         self._request("DELETE", f"/v1/models/{model_id}")
 
     # -- jobs -------------------------------------------------------------------------------
@@ -356,13 +330,19 @@ class OpfuseClient:
         if webhook_url:
             body["webhook_url"] = webhook_url
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return cast(Job, self._json("POST", "/v1/jobs", json=body, headers=headers))
+        return Job.from_dict(self._json("POST", "/v1/jobs", json=body, headers=headers))
 
     def get_job(self, job_id: str) -> Job:
-        return cast(Job, self._json("GET", f"/v1/jobs/{job_id}"))
+        return Job.from_dict(self._json("GET", f"/v1/jobs/{job_id}"))
 
-    def list_jobs(self, status: str | None = None, model_id: str | None = None) -> list[Job]:
-        return cast(list[Job], self._paginate("/v1/jobs", {"status": status, "model_id": model_id}))
+    def list_jobs(
+        self, status: str | None = None, model_id: str | None = None, order_by: str | None = None
+    ) -> list[Job]:
+        """The tenant's jobs, newest first; `order_by` a column (`-speedup`: largest first, jobs
+        without a value last): created_at, finished_at, speedup, latency_ms_before,
+        latency_ms_after, kernels_before, kernels_after, peak_memory_before, peak_memory_after."""
+        query = {"status": status, "model_id": model_id, "order_by": order_by}
+        return [Job.from_dict(j) for j in self._paginate("/v1/jobs", query)]
 
     def wait_job(
         self,
@@ -398,15 +378,20 @@ class OpfuseClient:
                 )
             time.sleep(poll_s)
 
-    def get_report(self, job_id: str) -> dict[str, Any]:
-        return cast(dict[str, Any], self._json("GET", f"/v1/jobs/{job_id}/report"))
+    def get_report(self, job_id: str) -> Report:
+        """A finished job's report (DESIGN.md §5); its JSON is `.raw`."""
+        return Report.from_dict(self._json("GET", f"/v1/jobs/{job_id}/report"))
+
+    def get_report_html(self, job_id: str) -> str:
+        """A finished job's report as one self-contained HTML page (works offline)."""
+        return self._request("GET", f"/v1/jobs/{job_id}/report.html").text
 
     def download_artifact(self, job_id: str, path: str | os.PathLike[str]) -> Download:
         """Stream the job's bundle to `path`; its sha256 is checked against the server's ETag."""
         return self._stream_to_file("GET", f"/v1/jobs/{job_id}/artifact", path)
 
     def cancel_job(self, job_id: str) -> Job:
-        return cast(Job, self._json("POST", f"/v1/jobs/{job_id}/cancel"))
+        return Job.from_dict(self._json("POST", f"/v1/jobs/{job_id}/cancel"))
 
     # -- worker protocol (scope `worker`) ---------------------------------------------------
 
@@ -447,32 +432,30 @@ class OpfuseClient:
         return cast(dict[str, Any], response.json()) if response.content else {}
 
     def complete(self, job_id: str, lease_token: str, report: Mapping[str, Any]) -> Job:
-        return cast(
-            Job,
+        return Job.from_dict(
             self._json(
                 "POST",
                 f"/v1/worker/jobs/{job_id}/complete",
                 json={"lease_token": lease_token, "report": dict(report)},
                 lease=True,
-            ),
+            )
         )
 
     def fail(self, job_id: str, lease_token: str, error: str, retryable: bool) -> Job:
-        return cast(
-            Job,
+        return Job.from_dict(
             self._json(
                 "POST",
                 f"/v1/worker/jobs/{job_id}/fail",
                 json={"lease_token": lease_token, "error": error, "retryable": retryable},
                 lease=True,
-            ),
+            )
         )
 
     # -- admin: API keys (an `admin` key: its own tenant; a `platform` key: any tenant) ---------
 
     def create_key(
         self, scope: str = "user", tenant: str | None = None, expires_at: datetime | None = None
-    ) -> ApiKeyInfo:
+    ) -> ApiKey:
         """A new key (its `key` is in this answer only); `tenant` defaults to the caller's."""
         body: dict[str, Any] = {"scope": scope}
         if tenant is not None:
@@ -481,16 +464,17 @@ class OpfuseClient:
             if expires_at.tzinfo is None:
                 raise ValueError("expires_at needs a time zone, e.g. datetime.now(UTC) + timedelta(days=30)")
             body["expires_at"] = expires_at.isoformat()
-        return cast(ApiKeyInfo, self._json("POST", "/v1/admin/api-keys", json=body))
+        return ApiKey.from_dict(self._json("POST", "/v1/admin/api-keys", json=body))
 
-    def list_keys(self, tenant: str | None = None) -> list[ApiKeyInfo]:
+    def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
         """Keys, newest first (never the keys themselves): the caller's tenant, or with a platform
         key every tenant's (or `tenant`'s)."""
-        return cast(list[ApiKeyInfo], self._paginate("/v1/admin/api-keys", {"tenant": tenant, "limit": 200}))
+        query = {"tenant": tenant, "limit": 200}
+        return [ApiKey.from_dict(k) for k in self._paginate("/v1/admin/api-keys", query)]
 
-    def revoke_key(self, key_id: int) -> ApiKeyInfo:
+    def revoke_key(self, key_id: int) -> ApiKey:
         """Revoke a key: refused (401) from its next request on."""
-        return cast(ApiKeyInfo, self._json("POST", f"/v1/admin/api-keys/{int(key_id)}/revoke"))
+        return ApiKey.from_dict(self._json("POST", f"/v1/admin/api-keys/{int(key_id)}/revoke"))
 
     # -- health -----------------------------------------------------------------------------
 
