@@ -12,9 +12,10 @@ import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
 from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import MAX_POOL_NHWC
-from opfuse.ir.support import conv_params, pad_per_dim
+from opfuse.ir.support import conv_params, pad_per_dim, pool_params
 
 
 def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
@@ -184,12 +185,10 @@ def window_prologue(
     over the window) or a max pool's (the window's maximum; outside the input -inf), computed from
     their input `x` as they are needed, then the one-input activation after it (`chain`), rounded
     to the model's type as a stored tensor would be."""
-    from opfuse.ir.support import pool_params
-
     pool = dw.op_type == MAX_POOL_NHWC
-    d = pool_params(graph, dw) if pool else conv_params(graph, dw)
+    d = Window.of(pool_params(graph, dw) if pool else conv_params(graph, dw))
     fill = 'float("-inf")' if pool else "0.0"
-    taps = d["KH"] * d["KW"]
+    taps = d.taps
     buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
     with buf.indent():
         buf.line("ci = c0 + rk")
@@ -200,12 +199,10 @@ def window_prologue(
             buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
         buf.line(f"for t in tl.static_range(0, {taps}):")
         with buf.indent():
-            buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
-            buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (t % {d['KW']}) * {d['DW']}")
-            buf.line(f"ok = row_ok & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
+            d.emit_tap(buf, d.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line("x_ok = ok[:, None] & c_ok[None, :]")
             buf.line(
-                f"xv = tl.load(x + (((img * {d['H']} + ih) * {d['W']} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other={fill})"
+                f"xv = tl.load(x + (((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other={fill})"
             )
             if pool:
                 buf.line("dacc = tl.maximum(dacc, xv.to(tl.float32))")
@@ -269,6 +266,10 @@ class TapInput:
     padding: dict[str, Any] | None = None
 
     @property
+    def window(self) -> Window:
+        return Window.of(self.p)
+
+    @property
     def channel_stride(self) -> int:
         """The stride between input channels in x: 1 (NHWC), or a plane (a padded NCHW source)."""
         return self.padding["H"] * self.padding["W"] if self.padding is not None else 1
@@ -312,10 +313,8 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
 def window_position(buf: SourceBuffer, tap: TapInput) -> None:
     """Window position t: the input pixel each output row reads, whether it is inside the
     image, and the offset of its channels (NHWC)."""
-    p, padding = tap.p, tap.padding
-    buf.line(f"ih = ih0 + (t // {p['KW']}) * {p['DH']}")
-    buf.line(f"iw = iw0 + (t % {p['KW']}) * {p['DW']}")
-    buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
+    tap.window.emit_tap(buf, ("ih0", "iw0"), "t", "row_ok", ("ih", "iw", "ok"))
+    padding = tap.padding
     buf.line(f"base = {source_pixel(buf, tap, 'ih', 'iw', 'img')}")
     if padding is not None and padding["mode"] == "constant":
         buf.line("inside = inside[:, None]")

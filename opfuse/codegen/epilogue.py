@@ -1,8 +1,10 @@
-"""What the anchor templates (GEMM, NCHW and NHWC conv) share: the epilogue on the accumulator tile.
+"""What the anchor templates (GEMM, NCHW and NHWC conv) share: the K loop's steps and the epilogue
+on the accumulator tile.
 
-Each template computes `acc` ([BLOCK_M, BLOCK_N], float32) and defines `mask` over the output tile;
-then its extra inputs are loaded once each (at an index the template knows), the epilogue nodes run
-in registers, and every group output is stored once.
+Each template computes `acc` ([BLOCK_M, BLOCK_N], float32) by `dot_step`s (in `k_loop` where K
+is one flat range) and defines `mask` over the output tile; then `accumulator_epilogue` loads its
+extra inputs once each (at an index the template knows) and runs the epilogue nodes in registers,
+and every group output is stored once.
 """
 
 from __future__ import annotations
@@ -56,6 +58,44 @@ def emit_dot(buf: SourceBuffer, acc: str, a: str, b: str, prec: str) -> None:
     buf.line("else:")
     with buf.indent():
         buf.line(f"{acc} = tl.dot({a}, {b}, {acc}{prec})")
+
+
+def dot_step(buf: SourceBuffer, b: str, mask: str, prec: str) -> None:
+    """One step of a K loop once `a_tile` is loaded: the B tile at `b` (pointer + offset), 0
+    outside `mask`, multiplied into `acc`."""
+    buf.line(f"b_tile = tl.load({b}, mask={mask}, other=0.0)")
+    emit_dot(buf, "acc", "a_tile", "b_tile", prec)
+
+
+def k_loop(buf: SourceBuffer, k: int, n: int, b: str, prec: str, a_tile: Callable[[], None]) -> None:
+    """The K loop over one flat range, BLOCK_K at a time (`kk`): `a_tile()` writes the A tile's
+    load, the B tile is read at `b` (of `kk` and `rn`) inside [K, N]."""
+    buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
+    with buf.indent():
+        buf.line("kk = k0 + rk")
+        a_tile()
+        dot_step(buf, b, f"(kk[:, None] < {k}) & (rn[None, :] < {n})", prec)
+
+
+def accumulator_epilogue(
+    buf: SourceBuffer,
+    graph: Graph,
+    anchor_out: str,
+    epilogue: list[Node],
+    extra: list[str],
+    index_of: IndexOf,
+    literals: dict[str, str],
+    regs: dict[str, str],
+    on_acc: Callable[[dict[str, str]], None] | None = None,
+) -> None:
+    """The epilogue on `acc`: the extra inputs loaded, `on_acc(regs)` (the anchor's own last terms:
+    a bias, Gemm's alpha and C), then the epilogue nodes with the anchor's output in `acc`."""
+    emit_loads(buf, extra, index_of, regs)
+    regs.update(literals)
+    if on_acc is not None:
+        on_acc(regs)
+    regs[anchor_out] = "acc"
+    emit_nodes(buf, graph, epilogue, regs)
 
 
 def emit_stores(

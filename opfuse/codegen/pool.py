@@ -19,6 +19,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.source import SourceBuffer
+from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.support import pool_params
@@ -34,6 +35,7 @@ def generate_pool(
     group_id: str,
 ) -> KernelSource:
     p = pool_params(graph, anchor)
+    win = Window.of(p)
     out_shape = graph.spec(anchor.outputs[0]).shape
     m, c = p["N"] * p["OH"] * p["OW"], p["C"]
     x_name = anchor.inputs[0]
@@ -68,11 +70,9 @@ def generate_pool(
         buf.line(f"row_ok = rm < {m}")
         buf.line(f"col_ok = rn < {c}")
         buf.line('acc = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)')
-        buf.line(f"for t in tl.static_range(0, {p['KH'] * p['KW']}):")
+        buf.line(f"for t in tl.static_range(0, {win.taps}):")
         with buf.indent():
-            buf.line(f"ih = oh * {p['SH']} - {p['PH']} + (t // {p['KW']}) * {p['DH']}")
-            buf.line(f"iw = ow * {p['SW']} - {p['PW']} + (t % {p['KW']}) * {p['DW']}")
-            buf.line(f"ok = row_ok & (ih >= 0) & (ih < {p['H']}) & (iw >= 0) & (iw < {p['W']})")
+            win.emit_tap(buf, win.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
             buf.line(
                 'v = tl.load(x + base[:, None] + rn[None, :], mask=ok[:, None] & col_ok[None, :], other=float("-inf"))'

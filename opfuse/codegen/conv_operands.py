@@ -1,0 +1,221 @@
+"""What the NHWC conv template (codegen/conv.py) reads off its group before it writes a line: the
+epilogue's Concat and Split, the prologue (a Pad, an input scale, a depthwise conv or max pool on
+the input tiles), the shortcut, the kernel's arguments and which of its loop forms it takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from opfuse.codegen.conv_fragments import TapInput, pad_geometry, tap_segments
+from opfuse.codegen.epilogue import dot_precision
+from opfuse.codegen.fragments import split_literals
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.support import centre_tap, conv_params, input_scale_operands
+
+
+@dataclass
+class NhwcConv:
+    """One NHWC conv group as its template writes it (`nhwc_conv`)."""
+
+    graph: Graph
+    anchor: Node
+    prologue: list[Node]
+    epilogue: list[Node]  # without the Concat and the Split, which the stores write
+    outputs: list[str]
+    views: dict[str, Any]
+    p: dict[str, int]
+    prec: str
+    depthwise: bool
+    m: int
+    n: int
+    k: int
+    x_name: str
+    w_name: str
+    b_name: str = ""
+    sx_name: str = ""  # a 1x1 shortcut conv summed in (passes/shortcut_conv.py): input, weight
+    sw_name: str = ""
+    scale: str = ""  # x = act * scale: the kernel reads act and scales each loaded tile
+    scale_index: str = ""
+    pad: Node | None = None
+    window: Node | None = None  # a depthwise conv or a max pool computed as the tiles are loaded
+    dw_w: str = ""
+    dw_b: str = ""
+    pool_out: str = ""  # the pooled tensor, where others read it too (stored from the centre tap)
+    centre: int | None = None
+    pooled: bool = False  # the template's loops, each tile loaded as the pool's maximum
+    concat: Node | None = None
+    split: Node | None = None
+    parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # value -> (first column, columns)
+    copied: list[str] = field(default_factory=list)  # the Concat's inputs the kernel copies
+    literals: dict[str, str] = field(default_factory=dict)
+    extra: list[str] = field(default_factory=list)  # tensors the epilogue loads
+    flat: bool = False  # one flat K loop, cin = k % C (few input channels: a first layer)
+    small_index: bool = False  # every offset fits int32 (codegen/conv.py sets it)
+    segments: list[tuple[int, int, int, int, int, int]] | None = None
+    splittable: bool = False
+
+    @property
+    def tap(self) -> TapInput:
+        return TapInput(self.p, pad_geometry(self.graph, self.pad) if self.pad is not None else None)
+
+    @property
+    def args(self) -> list[str]:
+        return (
+            ["x", "w"]
+            + (["xs", "ws"] if self.sx_name else [])
+            + (["sc"] if self.scale else [])
+            + (["dw"] if self.dw_w else [])
+            + (["db"] if self.dw_b else [])
+            + [f"in{i}" for i in range(len(self.extra))]
+            + [f"cat{i}" for i in range(len(self.copied))]
+            + [f"out{i}" for i in range(len(self.outputs))]
+        )
+
+    @property
+    def largest_offset(self) -> int:
+        """The largest element offset the kernel computes: its input's, its output's (or the
+        Concat's it writes) and those of the tensors it copies into the Concat."""
+        p, graph = self.p, self.graph
+        cat_width = graph.spec(self.concat.outputs[0]).shape[3] if self.concat is not None else self.n
+        cat_bases = [graph.spec(self.views[x].base if x in self.views else x).numel for x in self.copied]
+        return max(p["N"] * p["H"] * p["W"] * p["C"], self.m * cat_width, *cat_bases)
+
+    @property
+    def tensor_inputs(self) -> list[str]:
+        return [
+            self.x_name,
+            self.w_name,
+            *([self.sx_name, self.sw_name] if self.sx_name else []),
+            *([self.scale] if self.scale else []),
+            *(v for v in (self.dw_w, self.dw_b) if v),
+            *self.extra,
+            *(self.views[x].base if x in self.views else x for x in self.copied),
+        ]
+
+
+def _split_parts(graph: Graph, split: Node, epilogue: list[Node]) -> dict[str, tuple[int, int]]:
+    """A Split of the output channels (sibling convolutions merged): each part, or the last op of
+    the activation chain after it, is stored from its own columns of the tile."""
+    parts: dict[str, tuple[int, int]] = {}
+    at = 0
+    for o, size in zip(split.outputs, graph.constants[split.inputs[1]].tolist(), strict=True):
+        parts[o], at = (at, int(size)), at + int(size)
+    for node in epilogue:
+        part = next((parts[x] for x in node.inputs if x in parts), None)
+        if part is not None:
+            parts[node.outputs[0]] = part
+    return parts
+
+
+def _read_prologue(cv: NhwcConv) -> None:
+    prologue, graph = cv.prologue, cv.graph
+    if prologue and prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
+        cv.window = prologue[0]
+        cv.x_name = cv.window.inputs[0]
+        if cv.window.op_type == NHWC_CONV:
+            cv.dw_w = cv.window.inputs[1]
+            cv.dw_b = cv.window.inputs[2] if len(cv.window.inputs) > 2 else ""
+    elif prologue and prologue[0].op_type == "Pad":
+        # Pad (NCHW) -> Transpose to NHWC -> conv: the kernel reads the unpadded NCHW tensor, the
+        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
+        cv.pad = prologue[0]
+        cv.x_name = cv.pad.inputs[0]
+    elif prologue:
+        cv.x_name, cv.scale = input_scale_operands(graph, prologue[0], cv.anchor)
+        s_shape = graph.spec(cv.scale).shape
+        terms = ([f"img[:, None] * {s_shape[3]}"] if s_shape[0] != 1 else []) + (
+            ["ci[None, :]"] if s_shape[3] != 1 else []
+        )
+        cv.scale_index = " + ".join(terms) or "0"
+    # A max pool before a conv wider than 1x1, or whose output others read too (the conv then
+    # stores it, from its centre tap).
+    anchor = cv.anchor
+    cv.pool_out = anchor.inputs[0] if cv.window is not None and anchor.inputs[0] in cv.outputs else ""
+    cv.centre = centre_tap(graph, anchor) if cv.pool_out else None
+    cv.pooled = (
+        cv.window is not None
+        and cv.window.op_type == MAX_POOL_NHWC
+        and ((cv.p["KH"], cv.p["KW"]) != (1, 1) or bool(cv.pool_out))
+    )
+
+
+def _read_loads(cv: NhwcConv, inputs: list[str]) -> None:
+    """The literals and the tensors the epilogue loads: not those only the loops read."""
+    epilogue_reads = {x for node in cv.epilogue for x in node.inputs if x}
+    split_sizes = {cv.split.inputs[1]} if cv.split is not None else set()
+    pad_operands = set(cv.pad.inputs[1:]) if cv.pad is not None else set()
+    loop_operands = {cv.x_name, cv.w_name, cv.sx_name, cv.sw_name, cv.scale, cv.dw_w, cv.dw_b}
+    operands_only = {*loop_operands, *cv.copied, *split_sizes, *pad_operands} - {""} - epilogue_reads
+    tensors = {cv.b_name} - {""}
+    cv.literals, extra = split_literals(cv.graph, inputs, skip=operands_only, tensors=tensors)
+    cv.extra = [e for e in extra if e not in (cv.scale, cv.dw_w, cv.dw_b)]
+
+
+def _read_loop_form(cv: NhwcConv) -> None:
+    """Which K loop the kernel runs (codegen/conv.py writes each)."""
+    graph = cv.graph
+    # Few input channels (a network's first layer): one flat K loop, cin = k % C. Otherwise a loop
+    # over the KH*KW window positions, each reading contiguous blocks of channels (the window
+    # prologue has its own loop over channel blocks).
+    cv.flat = cv.p["C"] < 16 and cv.window is None
+    window_loop = not (cv.depthwise or cv.flat or (cv.window is not None and not cv.pooled))
+    if window_loop and cv.w_name in graph.constants and not cv.pool_out:
+        cv.segments = tap_segments(graph.constants[cv.w_name])
+    # Split-K (a tuning choice): the plain window loop only, none of the forms with their own loops
+    # (prologues, a shortcut's second loop, zero weight segments).
+    cv.splittable = (
+        not (cv.depthwise or cv.flat or cv.segments or cv.sx_name or cv.pooled)
+        and cv.window is None
+        and "split_k" not in graph.disabled
+    )
+
+
+def nhwc_conv(
+    anchor: Node,
+    epilogue: list[Node],
+    inputs: list[str],
+    outputs: list[str],
+    graph: Graph,
+    precision: str,
+    prologue: list[Node],
+    views: dict[str, Any],
+) -> NhwcConv:
+    """The group of an `opfuse.ConvNHWC` anchor, read for its template."""
+    p = conv_params(graph, anchor)
+    # A channel Concat the kernel writes: its result at its offset, the other inputs copied.
+    concat = next((node for node in epilogue if node.op_type == "Concat"), None)
+    epilogue = [node for node in epilogue if node is not concat]
+    split = next((node for node in epilogue if node.op_type == "Split"), None)
+    epilogue = [node for node in epilogue if node is not split]
+    depthwise = is_depthwise(graph, anchor)
+    cv = NhwcConv(
+        graph=graph,
+        anchor=anchor,
+        prologue=prologue,
+        epilogue=epilogue,
+        outputs=outputs,
+        views=views,
+        p=p,
+        prec=dot_precision(graph.spec(anchor.inputs[0]).dtype, precision),
+        depthwise=depthwise,
+        m=p["N"] * p["OH"] * p["OW"],
+        n=p["CO"],
+        k=(1 if depthwise else p["C"]) * p["KH"] * p["KW"],
+        x_name=anchor.inputs[0],
+        w_name=anchor.inputs[1],
+        b_name=anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else "",
+        concat=concat,
+        split=split,
+        parts=_split_parts(graph, split, epilogue) if split is not None else {},
+    )
+    if has_shortcut(anchor):
+        cv.sx_name, cv.sw_name = anchor.inputs[3], anchor.inputs[4]
+    if concat is not None:
+        made = {anchor.outputs[0], *(o for node in epilogue for o in node.outputs)}
+        cv.copied = list(dict.fromkeys(x for x in concat.inputs if x and x not in made))
+    _read_prologue(cv)
+    _read_loads(cv, inputs)
+    _read_loop_form(cv)
+    return cv

@@ -1,0 +1,59 @@
+"""Window geometry, as the templates that slide a 2-D window write it: a conv's taps, a max pool's,
+and the depthwise conv or pool a conv computes on its input tiles (its prologue).
+
+A `Window` is the input's size and the kernel's shape, strides, padding and dilation; its
+methods write the Triton expressions of a tap: the input pixel a window position reads and
+whether it is inside the input (outside it is the padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opfuse.codegen.source import SourceBuffer
+
+
+@dataclass(frozen=True)
+class Window:
+    h: int  # the input's height and width
+    w: int
+    kh: int  # the kernel's height and width
+    kw: int
+    sh: int  # strides
+    sw: int
+    ph: int  # top and left padding
+    pw: int
+    dh: int  # dilations
+    dw: int
+
+    @classmethod
+    def of(cls, p: dict[str, int]) -> Window:
+        """The window of `ir.support.conv_params` or `pool_params`."""
+        return cls(p["H"], p["W"], p["KH"], p["KW"], p["SH"], p["SW"], p["PH"], p["PW"], p["DH"], p["DW"])
+
+    @property
+    def taps(self) -> int:
+        return self.kh * self.kw
+
+    def origin(self, oh: str, ow: str) -> tuple[str, str]:
+        """The input pixel of the window's first tap for output pixel (oh, ow)."""
+        return f"{oh} * {self.sh} - {self.ph}", f"{ow} * {self.sw} - {self.pw}"
+
+    def tap(self, origin: tuple[str, str], t: str) -> tuple[str, str]:
+        """The input pixel of window position `t` (row-major over the kernel) from `origin`."""
+        return f"{origin[0]} + ({t} // {self.kw}) * {self.dh}", f"{origin[1]} + ({t} % {self.kw}) * {self.dw}"
+
+    def inside(self, ih: str, iw: str) -> str:
+        """Whether input pixel (ih, iw) is inside the input (else the window's padding)."""
+        return f"({ih} >= 0) & ({ih} < {self.h}) & ({iw} >= 0) & ({iw} < {self.w})"
+
+    def emit_tap(
+        self, buf: SourceBuffer, origin: tuple[str, str], t: str, rows_ok: str, names: tuple[str, str, str]
+    ) -> None:
+        """`names` = (ih, iw, ok): window position `t`'s input pixel, and `rows_ok` where it is
+        inside the input."""
+        ih, iw, ok = names
+        th, tw = self.tap(origin, t)
+        buf.line(f"{ih} = {th}")
+        buf.line(f"{iw} = {tw}")
+        buf.line(f"{ok} = {rows_ok} & {self.inside(ih, iw)}")
