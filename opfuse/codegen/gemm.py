@@ -7,13 +7,22 @@ so the bias-add, activation and residual never round-trip through memory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.epilogue import (
+    accumulator_epilogue,
+    dot_precision,
+    emit_launch,
+    emit_nodes,
+    emit_stores,
+    k_loop,
+)
 from opfuse.codegen.fragments import (
     KernelSource,
+    broadcast_offset,
     matmul_tile_config,
     module_imports,
     module_title,
@@ -28,31 +37,43 @@ from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims
 
 
-def generate_gemm(
-    kernel_id: str,
+@dataclass
+class _Gemm:
+    """One GEMM group as the template writes it: its dimensions, operands and loads."""
+
+    graph: Graph
+    anchor: Node
+    epilogue: list[Node]
+    prologue: list[Node]
+    m: int
+    n: int
+    k: int
+    trans_b: bool
+    c_name: str
+    a_view: Any
+    pool: Node | None
+    literals: dict[str, str]
+    extra: list[str]
+    pool_literals: dict[str, str]
+    pool_loads: list[str]
+    epilogue_reads: set[str]
+
+
+def _read_gemm(
     anchor: Node,
     epilogue: list[Node],
     inputs: list[str],
-    outputs: list[str],
     graph: Graph,
-    group_id: str,
-    precision: str,
-    views: dict[str, Any] | None = None,
-    prologue: list[Node] | None = None,
-) -> KernelSource:
-    """`views`: the A operand read through folded layout ops ({A: StridedView}). `prologue`: a
-    global average pool (pointwise ops, then a mean over H and W of an NHWC tensor) whose result
-    is A: each A tile is computed as the mean over the pixels (fusion.anchors.pooled_gemms)."""
-    prologue = prologue or []
+    views: dict[str, Any],
+    prologue: list[Node],
+) -> _Gemm:
     m, n, k, trans_b = gemm_dims(graph, anchor)
-    out_shape = graph.spec(anchor.outputs[0]).shape
-    dtype = graph.spec(anchor.inputs[0]).dtype
     a_name, b_name = anchor.inputs[0], anchor.inputs[1]
     c_name = (
         anchor.inputs[2] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    a_view = None if prologue else (views or {}).get(a_name)
+    a_view = None if prologue else views.get(a_name)
     pool = prologue[-1] if prologue else None
     pool_axes = {pool.inputs[1]} if pool is not None and len(pool.inputs) > 1 and pool.inputs[1] else set()
     made = {o for node in prologue for o in node.outputs}
@@ -73,30 +94,73 @@ def generate_gemm(
         extra = [x for x in extra if x not in (a_view.base, a_name)]
     pool_literals, pool_loads = split_literals(graph, pool_inputs)
     extra = [x for x in extra if x not in pool_loads and x not in pool_literals]
-    a_args = ["a"] if pool is None else [f"p{i}" for i in range(len(pool_loads))]
-    a_inputs = ([a_view.base if a_view is not None else a_name]) if pool is None else pool_loads
-    tensor_inputs = [*a_inputs, b_name, *extra]
-    args = [*a_args, "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
+    return _Gemm(
+        graph, anchor, epilogue, prologue, m, n, k, trans_b, c_name, a_view, pool, literals, extra,
+        pool_literals, pool_loads, epilogue_reads,
+    )  # fmt: skip
+
+
+def generate_gemm(
+    kernel_id: str,
+    anchor: Node,
+    epilogue: list[Node],
+    inputs: list[str],
+    outputs: list[str],
+    graph: Graph,
+    group_id: str,
+    precision: str,
+    views: dict[str, Any] | None = None,
+    prologue: list[Node] | None = None,
+) -> KernelSource:
+    """`views`: the A operand read through folded layout ops ({A: StridedView}). `prologue`: a
+    global average pool (pointwise ops, then a mean over H and W of an NHWC tensor) whose result
+    is A: each A tile is computed as the mean over the pixels (fusion.anchors.pooled_gemms)."""
+    gm = _read_gemm(anchor, epilogue, inputs, graph, views or {}, prologue or [])
+    m, n, k, pool = gm.m, gm.n, gm.k, gm.pool
+    a_args = ["a"] if pool is None else [f"p{i}" for i in range(len(gm.pool_loads))]
+    a_name = anchor.inputs[0]
+    a_inputs = ([gm.a_view.base if gm.a_view is not None else a_name]) if pool is None else gm.pool_loads
+    tensor_inputs = [*a_inputs, anchor.inputs[1], *gm.extra]
+    args = (
+        [*a_args, "b"] + [f"in{i}" for i in range(len(gm.extra))] + [f"out{i}" for i in range(len(outputs))]
+    )
     fn = "fused_gemm"
-    sbk, sbn = (1, k) if trans_b else (n, 1)
     buf = SourceBuffer()
     module_title(buf, f"GEMM kernel {kernel_id} for group {group_id}, M={m} N={n} K={k}.")
-    for node in prologue:
+    for node in gm.prologue:
         buf.line(node_comment(node, "prologue: the pool computed on A's tiles"))
     buf.line(node_comment(anchor, "anchor"))
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
     module_imports(buf)
+    config = _gemm_head(buf, gm, fn, args)
+    with buf.indent():
+        _grouped_tile(buf, m, n)
+        a_rows = _a_rows(buf, gm)
+        _gemm_k_loop(buf, gm, a_rows, dot_precision(graph.spec(a_name).dtype, precision))
+        buf.line("row = rm[:, None]")
+        buf.line("cols = rn[None, :]")
+        buf.line(f"mask = (row < {m}) & (cols < {n})")
+        regs: dict[str, str] = {}
+        _gemm_epilogue(buf, gm, regs)
+        emit_stores(buf, outputs, regs, f"row * {n} + cols")
+    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
+    return KernelSource(kernel_id, "gemm", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+
+def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[str, Any]:
+    """CONFIG, INTERPRETER_CONFIG and the kernel's signature (GROUP_M, and BLOCK_P for a pool)."""
+    m, n, k, pool = gm.m, gm.n, gm.k, gm.pool
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "GROUP_M": 8, "UPCAST": False}
     pool_pixels = 0
     if pool is not None:  # pixels of the pool summed per step (a third tile dimension)
-        full = graph.spec(pool.inputs[0]).shape
-        pool_pixels = int(np.prod(full[1:3] if row_space(graph, pool).first == 1 else full[2:4]))
+        full = gm.graph.spec(pool.inputs[0]).shape
+        pool_pixels = int(np.prod(full[1:3] if row_space(gm.graph, pool).first == 1 else full[2:4]))
         config["BLOCK_P"] = min(64, next_pow2(pool_pixels))
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (min(128, max(16, next_pow2(x))) for x in (m, n, k))
     # Triton's CPU interpreter multiplies bfloat16 tiles wrongly; there they are widened first.
-    upcast = dtype == "bfloat16"
+    upcast = gm.graph.spec(gm.anchor.inputs[0]).dtype == "bfloat16"
     pool_block = f', "BLOCK_P": {next_pow2(pool_pixels)}' if pool is not None else ""
     buf.line(
         f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "GROUP_M": 1, "UPCAST": {upcast}{pool_block}}}'
@@ -110,79 +174,87 @@ def generate_gemm(
     buf.line(
         f"        GROUP_M: tl.constexpr, UPCAST: tl.constexpr{', BLOCK_P: tl.constexpr' if pool else ''}):"
     )
-    regs: dict[str, str] = {}
-    with buf.indent():
-        buf.line("pid = tl.program_id(0)")
-        buf.line(f"num_m = tl.cdiv({m}, BLOCK_M)")
-        buf.line(f"num_n = tl.cdiv({n}, BLOCK_N)")
-        buf.line("# grouped ordering: GROUP_M row-tiles share each B column-tile while it is in L2")
-        buf.line("per_group = GROUP_M * num_n")
-        buf.line("first_m = (pid // per_group) * GROUP_M")
-        buf.line("group_m = tl.minimum(num_m - first_m, GROUP_M)")
-        buf.line("pid_m = first_m + (pid % per_group) % group_m")
-        buf.line("pid_n = (pid % per_group) // group_m")
-        buf.line("rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
-        buf.line("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
-        buf.line("rk = tl.arange(0, BLOCK_K)")
-        buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-        if a_view is not None:
-            # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
-            lead, strides = a_view.shape[:-1], a_view.strides[:-1]
-            terms = [str(a_view.offset)] if a_view.offset else []
-            for d, (size, stride) in enumerate(zip(lead, strides, strict=True)):
-                if size == 1:
-                    continue
-                inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
-                coord = f"(rm // {inner})" if inner > 1 else "rm"
-                if d > 0:
-                    coord = f"({coord} % {size})"
-                terms.append(f"{coord} * {stride}")
-            buf.line(
-                f"a_row = {' + '.join(terms) or '0 * rm'}  # A through {len(a_view.nodes)} folded layout op(s)"
-            )
-            a_rows = "a_row[:, None]"
+    return config
+
+
+def _grouped_tile(buf: SourceBuffer, m: int, n: int) -> None:
+    """The program's output tile in grouped order, its rows `rm` and columns `rn`, and `acc`."""
+    buf.line("pid = tl.program_id(0)")
+    buf.line(f"num_m = tl.cdiv({m}, BLOCK_M)")
+    buf.line(f"num_n = tl.cdiv({n}, BLOCK_N)")
+    buf.line("# grouped ordering: GROUP_M row-tiles share each B column-tile while it is in L2")
+    buf.line("per_group = GROUP_M * num_n")
+    buf.line("first_m = (pid // per_group) * GROUP_M")
+    buf.line("group_m = tl.minimum(num_m - first_m, GROUP_M)")
+    buf.line("pid_m = first_m + (pid % per_group) % group_m")
+    buf.line("pid_n = (pid % per_group) // group_m")
+    buf.line("rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
+    buf.line("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+    buf.line("rk = tl.arange(0, BLOCK_K)")
+    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+
+
+def _a_rows(buf: SourceBuffer, gm: _Gemm) -> str:
+    """Where A's row `rm` starts: rm * K, or (A through folded layout ops) `a_row`."""
+    a_view = gm.a_view
+    if a_view is None:
+        return f"rm[:, None] * {gm.k}"
+    # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
+    lead, strides = a_view.shape[:-1], a_view.strides[:-1]
+    terms = [str(a_view.offset)] if a_view.offset else []
+    for d, (size, stride) in enumerate(zip(lead, strides, strict=True)):
+        if size == 1:
+            continue
+        inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
+        coord = f"(rm // {inner})" if inner > 1 else "rm"
+        if d > 0:
+            coord = f"({coord} % {size})"
+        terms.append(f"{coord} * {stride}")
+    buf.line(f"a_row = {' + '.join(terms) or '0 * rm'}  # A through {len(a_view.nodes)} folded layout op(s)")
+    return "a_row[:, None]"
+
+
+def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str) -> None:
+    m, n, k = gm.m, gm.n, gm.k
+    sbk, sbn = (1, k) if gm.trans_b else (n, 1)
+
+    def a_tile() -> None:
+        if gm.pool is not None:
+            _pooled_a_tile(buf, gm.graph, gm.prologue, gm.pool_loads, gm.pool_literals, m, k)
         else:
-            a_rows = f"rm[:, None] * {k}"
-        buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
-        with buf.indent():
-            buf.line("kk = k0 + rk")
-            if pool is not None:
-                _pooled_a_tile(buf, graph, prologue, pool_loads, pool_literals, m, k)
-            else:
-                buf.line(
-                    f"a_tile = tl.load(a + {a_rows} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
-                )
             buf.line(
-                f"b_tile = tl.load(b + kk[:, None] * {sbk} + rn[None, :] * {sbn}, mask=(kk[:, None] < {k}) & (rn[None, :] < {n}), other=0.0)"
+                f"a_tile = tl.load(a + {a_rows} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
             )
-            emit_dot(buf, "acc", "a_tile", "b_tile", dot_precision(dtype, precision))
-        buf.line("row = rm[:, None]")
-        buf.line("cols = rn[None, :]")
-        buf.line(f"mask = (row < {m}) & (cols < {n})")
 
-        def index_of(name: str) -> tuple[str | None, str]:
-            idx, vector = row_input_index(graph.spec(name).shape, out_shape)
-            return idx, ("mask" if vector else f"row < {m}")
+    k_loop(buf, k, n, f"b + kk[:, None] * {sbk} + rn[None, :] * {sbn}", prec, a_tile)
 
-        emit_loads(buf, extra, index_of, regs)
-        if a_view is not None and a_name in epilogue_reads:
+
+def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str]) -> None:
+    """The epilogue on `acc`: a strided A the epilogue reads too, Gemm's alpha and C, the nodes."""
+    graph, anchor, m = gm.graph, gm.anchor, gm.m
+    out_shape = graph.spec(anchor.outputs[0]).shape
+    a_name = anchor.inputs[0]
+
+    def index_of(name: str) -> tuple[str | None, str]:
+        idx, vector = row_input_index(graph.spec(name).shape, out_shape)
+        return idx, ("mask" if vector else f"row < {m}")
+
+    def on_acc(regs: dict[str, str]) -> None:
+        if gm.a_view is not None and a_name in gm.epilogue_reads:
             buf.line("xa = tl.load(a + a_row[:, None] + cols, mask=mask, other=0.0).to(tl.float32)")
             regs[a_name] = "xa"
-        regs.update(literals)
-        result = "acc"
         if anchor.op_type == "Gemm":
             alpha = float(anchor.attrs.get("alpha", 1.0))
             beta = float(anchor.attrs.get("beta", 1.0))
             if alpha != 1.0:
                 buf.line(f"acc = acc * {float_literal(alpha)}")
-            if c_name:
-                term = regs[c_name] if beta == 1.0 else f"{float_literal(beta)} * {regs[c_name]}"
+            if gm.c_name:
+                term = regs[gm.c_name] if beta == 1.0 else f"{float_literal(beta)} * {regs[gm.c_name]}"
                 buf.line(f"acc = acc + {term}")
-        regs[anchor.outputs[0]] = result
-        emit_nodes(buf, graph, epilogue, regs)
-        emit_stores(buf, outputs, regs, f"row * {n} + cols")
-    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
-    return KernelSource(kernel_id, "gemm", buf.getvalue(), tensor_inputs, list(outputs), config)
+
+    accumulator_epilogue(
+        buf, graph, anchor.outputs[0], gm.epilogue, gm.extra, index_of, gm.literals, regs, on_acc
+    )
 
 
 def _pooled_a_tile(
@@ -200,8 +272,6 @@ def _pooled_a_tile(
     tiles, one image after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
     would hold BLOCK_M images where only these are real (that form spilled registers and ran
     11x slower than the split form on the H200)."""
-    from opfuse.codegen.fragments import broadcast_offset
-
     pool = prologue[-1]
     hw = "hw[:, None]"
     if row_space(graph, pool).first == 1:  # NHWC
