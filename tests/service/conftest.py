@@ -10,12 +10,16 @@ skipping them.
 from __future__ import annotations
 
 import shutil
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 from sqlalchemy import text
@@ -150,6 +154,29 @@ def keys(client: TestClient, settings: Settings) -> Keys:
             )
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def api_url(settings: Settings, keys: Keys) -> Iterator[str]:
+    """The app served over real HTTP (uvicorn, in a thread, on a free port) on the test's database,
+    for the SDK and the CLI."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(settings, run_migrations=False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
 
 
 def upload(client: TestClient, key: str, data: bytes, name: str = "mlp.onnx") -> dict:

@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import threading
-import time
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -22,7 +19,6 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import uvicorn
 from fastapi.testclient import TestClient
 from onnx import numpy_helper
 from torch import nn
@@ -31,8 +27,6 @@ from typer.testing import CliRunner
 import client.cli as cli
 from client.model_pack import ModelPackError, external_data_files
 from client.sdk import ModelFileError, OpfuseClient
-from service.app import create_app
-from service.settings import Settings
 
 from .conftest import Keys
 
@@ -80,28 +74,6 @@ class Recording(httpx.HTTPTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self.seen.append((request.method, request.url.path, request.headers.get("content-type", "")))
         return super().handle_request(request)
-
-
-@pytest.fixture
-def api_url(settings: Settings, keys: Keys) -> Iterator[str]:
-    """The app served over real HTTP (uvicorn, in a thread, on a free port) on the test database."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(settings, run_migrations=False)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @pytest.fixture
