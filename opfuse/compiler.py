@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import torch
 
+from opfuse.bundle_check import open_bundle
 from opfuse.errors import BundleError, ModelError
 from opfuse.frontend import rule_registry
 from opfuse.passes.precision import COMPUTE_DTYPES
@@ -25,7 +26,7 @@ from opfuse.pipeline import stages
 from opfuse.pipeline.builder import PlanBuilder
 from opfuse.pipeline.context import STAGES, CompileContext, ProgressFn
 from opfuse.report import assemble, device_info, manifest, slower_note, tuned_kernels
-from opfuse.runtime.bundle import read_bundle, write_bundle
+from opfuse.runtime.bundle import bundle_plan, write_bundle
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import Plan
 from opfuse.verify.reference import random_inputs
@@ -235,9 +236,13 @@ def _compile(
 
 
 def load(path: str | os.PathLike[str], device: str | None = None) -> CompiledModel:
-    """Load a bundle written by CompiledModel.save. Only load bundles you trust: they hold code."""
+    """Load a bundle written by CompiledModel.save. Its kernels are rendered again from their specs
+    and run only as rendered here (opfuse.bundle_check): a bundle whose kernels or plan were
+    altered is a BundleError, its shipped code never runs."""
     device = _resolve_device(device)
-    plan, manifest, report = read_bundle(path)
+    checked = open_bundle(path)
+    plan = bundle_plan(checked.plan, checked.constants, checked.sources)
+    manifest, report = checked.manifest, checked.report
     target = manifest.get("target", {})
     here = device_info(device)
     if (

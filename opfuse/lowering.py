@@ -5,14 +5,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from opfuse.codegen.conv import generate_conv
-from opfuse.codegen.fragments import KernelSource
-from opfuse.codegen.gemm import generate_gemm
-from opfuse.codegen.pointwise import generate_pointwise
-from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.registry import TEMPLATES
-from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.source import fixed_header
+from opfuse.codegen.spec import Part, render_part
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
@@ -133,9 +128,12 @@ def build_plan(
         steps.append(_op_step(n))
         rank.append(order[n.id])
 
-    def add_kernel(src: KernelSource, g: Group, nodes: list[Node]) -> None:
+    def add_kernel(part: Part, g: Group, nodes: list[Node]) -> None:
+        # Every kernel is its part rendered by the template registry; the bundle carries the
+        # part as the kernel's spec, so that a loader renders the source again itself.
+        src, spec = render_part(f"k{len(kernels)}", part, graph, precision)
         kernels[src.id] = KernelInfo(
-            src.id, src.kind, g.id, src.inputs, src.outputs, src.config, fixed_header(src.source)
+            src.id, src.kind, g.id, src.inputs, src.outputs, src.config, fixed_header(src.source), spec
         )
         label = ", ".join(node_label(n) for n in nodes)
         steps.append(
@@ -144,7 +142,6 @@ def build_plan(
         rank.append(max(order[n.id] for n in nodes))
 
     for g in on:
-        kid = f"k{len(kernels)}"
         vendor = variants.get(g.id, g.variant) == "vendor" and not (
             g.variant == "template" and template_only(g)
         )
@@ -154,40 +151,25 @@ def build_plan(
             # activation) and then the anchor's template, as without the prologue rule.
             head = g.prologue
             ins, outs = group_boundary(graph, head)
-            if head[0].op_type == MAX_POOL_NHWC:
-                first = generate_pool(kid, head[0], head[1:], ins, outs, graph, g.id)
-            else:
-                first = generate_conv(kid, head[0], head[1:], ins, outs, graph, g.id, precision)
-            add_kernel(first, g, head)
+            kind = "pool" if head[0].op_type == MAX_POOL_NHWC else "conv"
+            add_kernel(Part(g.id, kind, head, ins, outs), g, head)
             ins, outs = group_boundary(graph, g.nodes)
-            kid = f"k{len(kernels)}"
-            add_kernel(
-                generate_conv(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision, views=g.views),
-                g,
-                g.nodes,
-            )
+            add_kernel(Part(g.id, "conv", g.nodes, ins, outs, views=g.views), g, g.nodes)
             continue
         if vendor and has_reduction_prologue(g):
             for n in g.prologue:  # the library's depthwise conv, as without the rule
                 steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])
             ins, outs = group_boundary(graph, g.nodes)
-            src = generate_rowwise(kid, g.nodes, ins, outs, graph, g.id, g.full, g.split, g.views)
-            add_kernel(src, g, g.nodes)
+            add_kernel(Part(g.id, "rowwise", g.nodes, ins, outs, g.full, g.split, views=g.views), g, g.nodes)
             continue
         if vendor and has_pool_prologue(g):
             pool = g.prologue[-1]
             space = row_space(graph, pool)
             ins, outs = group_boundary(graph, g.prologue)
-            add_kernel(
-                generate_rowwise(kid, g.prologue, ins, outs, graph, g.id, space.full, space.first),
-                g,
-                g.prologue,
-            )
-            kid = f"k{len(kernels)}"
+            add_kernel(Part(g.id, "rowwise", g.prologue, ins, outs, space.full, space.first), g, g.prologue)
             ins, outs = group_boundary(graph, g.nodes)
-            src = generate_gemm(kid, g.nodes[0], g.nodes[1:], ins, outs, graph, g.id, precision, g.views)
-            add_kernel(src, g, g.nodes)
+            add_kernel(Part(g.id, "gemm", g.nodes, ins, outs, views=g.views), g, g.nodes)
             continue
         template = TEMPLATES.get(g.kind, TEMPLATES["pointwise"])
         if vendor and template.library:
@@ -203,10 +185,11 @@ def build_plan(
             if not epilogue:
                 continue  # a prologue-only group: nothing after the library kernel
             ins, outs = group_boundary(graph, epilogue)
-            src = generate_pointwise(kid, epilogue, ins, outs, graph, g.id)
-        else:
-            src = template.render(kid, g, graph, precision)
-        add_kernel(src, g, g.nodes)
+            add_kernel(Part(g.id, "pointwise", epilogue, ins, outs), g, g.nodes)
+            continue
+        kind = g.kind if g.kind in TEMPLATES else "pointwise"
+        part = Part(g.id, kind, g.nodes, g.inputs, g.outputs, g.full, g.split, g.match, g.views, g.prologue)
+        add_kernel(part, g, g.nodes)
     available = {s.name for s in graph.inputs} | set(graph.constants)
     ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
     return Plan(

@@ -5,23 +5,22 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from opfuse.bundle_format import BUNDLE_FORMAT as BUNDLE_FORMAT  # the manifest writes these
+from opfuse.bundle_format import BUNDLE_VERSION as BUNDLE_VERSION
+from opfuse.bundle_format import FUSED_DOMAIN
 from opfuse.errors import BundleError
 from opfuse.frontend.opsets import CANONICAL_OPSET
 from opfuse.ir.graph import TensorSpec
-from opfuse.runtime.plan import PLAN_VERSION, KernelInfo, Plan, Step
+from opfuse.runtime.plan import KernelInfo, Plan, Step
 from opfuse.views.html import render_html
 
-BUNDLE_FORMAT = "opfuse-bundle"
-BUNDLE_VERSION = 1
-FUSED_DOMAIN = "ai.opfuse"
-# A bundle is untrusted input too: refuse archives that unpack to absurd sizes.
-MAX_MEMBER_BYTES = 4 * 1024**3
 _ELEM = {
     "float32": onnx.TensorProto.FLOAT,
     "float16": onnx.TensorProto.FLOAT16,
@@ -148,57 +147,35 @@ def _plain_json(report: dict[str, Any]) -> Any:
     return json.loads(json.dumps(report, default=str))
 
 
-def _read(z: zipfile.ZipFile, name: str) -> bytes:
+def bundle_plan(
+    plan_json: dict[str, Any], constants: dict[str, np.ndarray], sources: Mapping[str, str]
+) -> Plan:
+    """The plan of a bundle opfuse.bundle_check has checked: its kernels' code is `sources`, what
+    this opfuse rendered from their specs, never what the bundle ships."""
+    kernels = {}
     try:
-        info = z.getinfo(name)
-    except KeyError:
-        raise BundleError(f"the bundle has no {name}; it is damaged or not an opfuse bundle") from None
-    if info.file_size > MAX_MEMBER_BYTES:
-        raise BundleError(f"{name} in the bundle unpacks to {info.file_size} bytes, over the limit")
-    return z.read(info)
-
-
-def read_bundle(path: str | os.PathLike[str]) -> tuple[Plan, dict[str, Any], dict[str, Any]]:
-    try:
-        z = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise BundleError(f"cannot open the bundle: {exc}") from None
-    with z:
-        try:
-            manifest = json.loads(_read(z, "manifest.json"))
-        except json.JSONDecodeError:
-            raise BundleError("the bundle's manifest.json is not JSON") from None
-        if manifest.get("format") != BUNDLE_FORMAT:
-            raise BundleError("not an opfuse bundle (manifest.format is not 'opfuse-bundle')")
-        if manifest.get("version") != BUNDLE_VERSION:
-            raise BundleError(
-                f"bundle format version {manifest.get('version')} is not supported by this opfuse "
-                f"(it reads version {BUNDLE_VERSION}); recompile the model with this opfuse"
-            )
-        plan_json = json.loads(_read(z, "plan.json"))
-        if plan_json.get("version") != PLAN_VERSION:
-            raise BundleError(f"plan.json version {plan_json.get('version')} is not supported")
-        model = onnx.ModelProto()
-        model.ParseFromString(_read(z, "model.onnx"))
-        constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-        for t in model.graph.initializer:
-            if t.data_type == onnx.TensorProto.BFLOAT16:
-                constants[t.name] = numpy_helper.to_array(t).astype(np.float32)
-        kernels = {}
         for k in plan_json["kernels"]:
-            source = _read(z, f"kernels/{k['id']}.py").decode()
             kernels[k["id"]] = KernelInfo(
-                k["id"], k["kind"], k["group"], k["inputs"], k["outputs"], k["config"], source
+                k["id"],
+                k["kind"],
+                k["group"],
+                k["inputs"],
+                k["outputs"],
+                k["config"],
+                sources[k["id"]],
+                k["spec"],
             )
-        report = json.loads(_read(z, "report.json"))
-    values = {d["name"]: TensorSpec.from_json(d) for d in plan_json["values"]}
-    plan = Plan(
-        precision=plan_json["precision"],
-        inputs=[TensorSpec.from_json(d) for d in plan_json["inputs"]],
-        outputs=[TensorSpec.from_json(d) for d in plan_json["outputs"]],
-        values=values,
-        steps=[Step.from_json(d) for d in plan_json["steps"]],
-        kernels=kernels,
-        constants=constants,
-    )
-    return plan, manifest, report
+        values = {d["name"]: TensorSpec.from_json(d) for d in plan_json["values"]}
+        return Plan(
+            precision=str(plan_json["precision"]),
+            inputs=[TensorSpec.from_json(d) for d in plan_json["inputs"]],
+            outputs=[TensorSpec.from_json(d) for d in plan_json["outputs"]],
+            values=values,
+            steps=[Step.from_json(d) for d in plan_json["steps"]],
+            kernels=kernels,
+            constants=constants,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BundleError(
+            f"the bundle's plan.json is malformed ({type(exc).__name__}: {exc})"[:300]
+        ) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import stat
 import sys
 import tempfile
 from types import ModuleType
@@ -13,8 +14,16 @@ _loaded: dict[tuple[str, bool], ModuleType] = {}
 
 
 def _kernel_dir() -> str:
+    """This user's kernel folder. One that is a link, another user's, or writable by others is
+    refused: whoever can write there could swap a module before it is imported."""
     path = os.path.join(tempfile.gettempdir(), f"opfuse-kernels-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(
+            f"{path} is not a folder of this user's that only it can write to; remove it, and opfuse "
+            "makes it again"
+        )
     return path
 
 
@@ -34,6 +43,14 @@ def ensure_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _holds(path: str, source: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == source
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def load_kernel_module(source: str, interpret: bool) -> ModuleType:
     """Import generated source; under `interpret` its kernels run in Triton's interpreter."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:32]
@@ -41,7 +58,7 @@ def load_kernel_module(source: str, interpret: bool) -> ModuleType:
     if key in _loaded:
         return _loaded[key]
     path = os.path.join(_kernel_dir(), f"k_{digest}.py")
-    if not os.path.exists(path):
+    if not _holds(path, source):  # a file left there is imported only when it is this source
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)

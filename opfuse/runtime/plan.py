@@ -71,6 +71,9 @@ class KernelInfo:
     outputs: list[str]
     config: dict[str, Any]
     source: str
+    # What the template registry rendered `source` from (opfuse.codegen.spec), plain JSON: a
+    # bundle's loader renders the source again from it and runs only what it rendered.
+    spec: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +84,7 @@ class KernelInfo:
             "outputs": self.outputs,
             "config": self.config,
             "file": f"kernels/{self.id}.py",
+            "spec": self.spec,
         }
 
 

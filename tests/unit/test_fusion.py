@@ -291,7 +291,7 @@ def test_bundle_round_trip_and_errors(tmp_path: Path) -> None:
         for item in z.namelist():
             data = z.read(item)
             if item == "manifest.json":
-                data = data.replace(b'"version": 1', b'"version": 99')
+                data = data.replace(b'"version": 2', b'"version": 99')  # BUNDLE_VERSION
             out.writestr(item, data)
     with pytest.raises(BundleError, match="version 99"):
         opfuse.load(bad, device=TEST_DEVICE)
