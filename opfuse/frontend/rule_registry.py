@@ -11,9 +11,11 @@ It imports nothing but the standard library (and opfuse.errors), so the API serv
 a job's `fusion.disable` with the same list the compiler applies. Entries are in the order the
 compiler applies them.
 
-Adding a rule: a constant and an entry here, the rule in a file of its own (opfuse/passes/ for a
-graph rewrite, opfuse/fusion/ for a fusion rule) added to the stage's list (`passes/pipeline.py`
-`PASSES`, `fusion/planner.py` `FUSION_RULES`), and its test beside the others in tests/unit/rules/.
+Adding a graph rewrite: a constant and an entry here, the pass in a file of its own in
+opfuse/passes/ added to `passes/pipeline.py` `PASSES`. Adding a fusion rule: a constant and an
+entry here whose `impl` names the rule's module (opfuse/fusion/rules/<rule>.py, its `RULE`), which
+the planner imports and runs in this order, and its test in tests/unit/fusion_rules/
+(docs/design.md, "Adding a fusion rule").
 """
 
 from __future__ import annotations
@@ -81,21 +83,35 @@ class UnknownRuleError(OpfuseError, ValueError):
 @dataclass(frozen=True)
 class RuleInfo:
     """One pass or rule. `requires`: rules it runs only with (turning one of them off turns this
-    one off too). `switch`: the `fusion.disable` entry that turns it off (None: it always runs)."""
+    one off too). `switch`: the `fusion.disable` entry that turns it off (None: it always runs).
+    `impl`: for a fusion rule, the module whose `RULE` the planner runs (several entries may name
+    one module: one pass that claims for each); empty for a rule applied inside another's groups
+    (that rule lists it in its `options`). Named, not imported: this module imports no stage."""
 
     name: str
     stage: str
     doc: str
     requires: tuple[str, ...] = ()
     switchable: bool = True
+    impl: str = ""
 
     @property
     def switch(self) -> str | None:
         return self.name if self.switchable else None
 
 
-def _r(name: str, stage: str, doc: str, requires: tuple[str, ...] = (), switchable: bool = True) -> RuleInfo:
-    return RuleInfo(name, stage, doc, requires, switchable)
+def _r(
+    name: str,
+    stage: str,
+    doc: str,
+    requires: tuple[str, ...] = (),
+    switchable: bool = True,
+    impl: str = "",
+) -> RuleInfo:
+    return RuleInfo(name, stage, doc, requires, switchable, impl)
+
+
+RULES_PACKAGE = "opfuse.fusion.rules"  # where opfuse's own fusion rules live
 
 
 REGISTRY: tuple[RuleInfo, ...] = (
@@ -231,6 +247,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "Flash attention: MatMul → [scale, mask] → Softmax → MatMul in one kernel, head split/merge "
         "read as strided views.",
+        impl=f"{RULES_PACKAGE}.attention",
     ),
     _r(
         ROW_REDUCTION,
@@ -238,6 +255,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Softmax/LogSoftmax/Reduce* over one contiguous run of axes, LayerNorm/InstanceNorm/GroupNorm, "
         "each with its prologue and epilogue; non-trailing axes read as (outer, R, inner) tiles, GroupNorm "
         "rows as (n, g) channel groups; a row fits one program (≤ 16384 elements).",
+        impl=f"{RULES_PACKAGE}.row_reduction",
     ),
     _r(
         CONCAT_SELECT,
@@ -262,16 +280,19 @@ REGISTRY: tuple[RuleInfo, ...] = (
         GEMM_EPILOGUE,
         FUSION,
         "One GEMM plus its pointwise epilogue (bias, activation, residual, scale, cast).",
+        impl=f"{RULES_PACKAGE}.anchor_epilogue",
     ),
     _r(
         CONV_EPILOGUE,
         FUSION,
         "One convolution plus its pointwise epilogue; never two compute-bound anchors in one kernel.",
+        impl=f"{RULES_PACKAGE}.anchor_epilogue",
     ),
     _r(
         POOL_EPILOGUE,
         FUSION,
         "An NHWC max pool as a Triton kernel with the pointwise ops after it.",
+        impl=f"{RULES_PACKAGE}.anchor_epilogue",
     ),
     _r(
         PAD_PROLOGUE,
@@ -282,23 +303,27 @@ REGISTRY: tuple[RuleInfo, ...] = (
         DEPTHWISE_PROLOGUE,
         FUSION,
         "A depthwise conv computed on the input tiles of the 1x1 conv that reads it.",
+        impl=f"{RULES_PACKAGE}.window_prologue",
     ),
     _r(
         POOL_PROLOGUE,
         FUSION,
         "A max pool computed on the input tiles of the conv (any window) that reads it; where others read "
         "the pool too, the conv stores the tile it loads at its centre window position.",
+        impl=f"{RULES_PACKAGE}.window_prologue",
     ),
     _r(
         GEMV_CHAIN,
         FUSION,
         "Two memory-bound 1x1 convolutions of 1x1 maps back to back (squeeze-excitation's MLP) in one kernel.",
+        impl=f"{RULES_PACKAGE}.gemv_chain",
     ),
     _r(
         DEPTHWISE_REDUCTION,
         FUSION,
         "A depthwise conv computed on the tiles of the row kernel that reduces its output "
         "(squeeze-excitation's squeeze, ConvNeXt's LayerNorm).",
+        impl=f"{RULES_PACKAGE}.depthwise_reduction",
     ),
     _r(
         CONCAT_EPILOGUE,
@@ -306,16 +331,19 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A conv kernel writes the channel Concat its output feeds, in place, and copies the Concat's "
         "other inputs.",
         requires=(LAYOUT_VIEWS,),
+        impl=f"{RULES_PACKAGE}.concat_epilogue",
     ),
     _r(
         POOLED_GEMM,
         FUSION,
         "A classifier's global average pool computed on the A tiles of the GEMM that reads it.",
+        impl=f"{RULES_PACKAGE}.pooled_gemm",
     ),
     _r(
         POINTWISE,
         FUSION,
         "Elementwise ops of one iteration shape (broadcasts included) in one kernel.",
+        impl=f"{RULES_PACKAGE}.pointwise",
     ),
     _r(
         CHANNEL_WINDOW,

@@ -1,4 +1,5 @@
-"""Match attention and plan it as one flash-attention kernel.
+"""Match attention: the pattern the `attention` rule (fusion/rules/attention.py) plans as one
+flash-attention kernel.
 
     scores = (Q·s1) @ (Kᵀ·s2) [· s3 | / s3] [+ mask | Where(cond, ·, fill)]
     probs  = Softmax(scores, axis=-1) [guarded by Where(IsNaN(probs), 0, probs)] [Dropout removed]
@@ -11,15 +12,11 @@ layout ops disappear along with the score matrix.
 
 from __future__ import annotations
 
-from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import Group, creates_cycle
 from opfuse.fusion.views import input_view, output_view
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import scalar_constant
 from opfuse.ir.views import AttentionMatch
-from opfuse.passes.rules import NotFired, node_label
 
-ATTENTION_RULE = names.ATTENTION
 MAX_HEAD_DIM = 256
 
 
@@ -109,41 +106,3 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         return "the value operand is scaled"
     nodes += q.owned() + k.owned() + v.owned() + out.nodes
     return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes)
-
-
-def plan_attention_groups(
-    graph: Graph, not_fused: list[NotFired]
-) -> tuple[list[Group], dict[str, AttentionMatch]]:
-    order = {n.id: i for i, n in enumerate(graph.nodes)}
-    groups: list[Group] = []
-    matches: dict[str, AttentionMatch] = {}
-    taken: set[str] = set()
-    for n in graph.nodes:
-        if n.op_type != "MatMul" or n.id in taken:
-            continue
-        m = match_attention(graph, n)
-        if m is None:
-            continue
-        if isinstance(m, str):
-            not_fused.append(NotFired(ATTENTION_RULE, [node_label(n)], m))
-            continue
-        ids = {x.id for x in m.nodes}
-        if ids & taken:
-            continue
-        through = creates_cycle(graph, ids, order)
-        if through is not None:
-            not_fused.append(
-                NotFired(
-                    ATTENTION_RULE,
-                    [node_label(n)],
-                    f"fusing would create a cycle through {node_label(through)}",
-                )
-            )
-            continue
-        nodes = [x for x in graph.nodes if x.id in ids]
-        inputs = [m.q.base, m.k.base, m.v.base] + [x for x in (m.mask, m.cond) if x]
-        gid = f"a{len(groups)}"
-        groups.append(Group(gid, "attention", ATTENTION_RULE, nodes, inputs, [m.out.base]))
-        matches[gid] = m
-        taken |= ids
-    return groups, matches

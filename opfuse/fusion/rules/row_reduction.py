@@ -1,4 +1,4 @@
-"""Plan row groups: a reduction grows to take in its pointwise prologue and epilogue.
+"""`row_reduction`: a reduction grows to take in its pointwise prologue and epilogue.
 
 Starting from each reduction (in topological order), neighbouring nodes join while they live in
 the same row space (codegen.rowwise.RowSpace: the reduced input's shape with the same run of
@@ -7,21 +7,34 @@ full shape or the reduced shape, and further reductions over the same space (Lay
 has two). A join is refused, with its reason, if it would form a cycle through a node outside the
 group or exceed the group's caps. A normalization's full-shaped input may be a Concat
 (`concat_select`): the row kernel loads each element of its rows from the Concat input that holds
-it, so the Concat joins too (its inputs, of other shapes, are kernel inputs).
+it, so the Concat joins too (its inputs, of other shapes, are kernel inputs), and reads them as a
+pointwise kernel would (`resize_gather`, `layout_views`). A row kernel's full-shaped input behind
+layout ops that keep each row contiguous is read from the buffer behind them (`layout_views`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import numpy as np
+
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.concat import CONCAT_SELECT_RULE, concat_reason
+from opfuse.fusion.concat import concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.layout_fold import fold_layout
+from opfuse.fusion.resize import plan_resize_gathers
+from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.queries import contiguous_strides
 from opfuse.ir.rows import RowSpace, row_input_reason, row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import NotFired, node_label
 
 ROW_RULE = names.ROW_REDUCTION
+CONCAT_SELECT_RULE = names.CONCAT_SELECT
+RESIZE_RULE = names.RESIZE_GATHER
+LAYOUT_RULE = names.LAYOUT_VIEWS
 # Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
 # (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`.
 CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
@@ -57,23 +70,32 @@ def _join_reason(graph: Graph, node: Node, space: RowSpace, concats: bool = Fals
     return True, None
 
 
-def plan_row_groups(
-    graph: Graph, not_fused: list[NotFired], taken: set[str] | None = None, concats: bool = False
-) -> list[Group]:
-    """Row groups around each reduction. `concats`: a normalization's full-shaped input may be a
-    Concat the kernel selects from its inputs (`concat_select`)."""
-    order = {n.id: i for i, n in enumerate(graph.nodes)}
-    producers = graph.producers()
-    consumers = graph.consumers()
-    assigned: set[str] = set(taken or ())
-    groups: list[Group] = []
-    for anchor in graph.nodes:
-        if anchor.op_type not in ROW_OPS or anchor.id in assigned:
-            continue
-        reason = row_op_reason(graph, anchor)
-        if reason is not None:
-            not_fused.append(NotFired(ROW_RULE, [node_label(anchor)], reason))
-            continue
+class RowReduction(FusionRule):
+    """Row groups around each reduction, in graph order. `concat_select` on: a normalization's
+    full-shaped input may be a Concat the kernel selects from its inputs."""
+
+    options = (CONCAT_SELECT_RULE, RESIZE_RULE, LAYOUT_RULE)
+
+    def match(self) -> Iterator[Candidate]:
+        graph = self.graph
+        self.order = {n.id: i for i, n in enumerate(graph.nodes)}
+        self.producers = graph.producers()
+        self.consumers = graph.consumers()
+        self.concats = self.state.on(CONCAT_SELECT_RULE)
+        self.groups: list[Group] = []
+        # Nodes attention and the row groups so far hold (the row groups' are added as they form).
+        self.assigned = set(self.state.in_rows)
+        for anchor in graph.nodes:
+            if anchor.op_type in ROW_OPS and anchor.id not in self.assigned:
+                yield Candidate(ROW_RULE, [anchor])
+
+    def check(self, c: Candidate) -> str | None:
+        return row_op_reason(self.graph, c.nodes[0])
+
+    def claim(self, c: Candidate) -> None:
+        graph, order, not_fused = self.graph, self.order, self.state.not_fused
+        producers, consumers, assigned = self.producers, self.consumers, self.assigned
+        anchor = c.nodes[0]
         space = row_space(graph, anchor)
         members = {anchor.id}
         refused: set[str] = set()
@@ -86,15 +108,17 @@ def plan_row_groups(
             neighbours: list[Node] = []
             for m in by_id.values():
                 neighbours += [producers[x] for x in m.inputs if x and x in producers]
-                neighbours += [c for o in m.outputs if o for c in consumers.get(o, [])]
+                neighbours += [u for o in m.outputs if o for u in consumers.get(o, [])]
                 # Siblings: other readers of the same activation load it once from this kernel.
                 neighbours += [
-                    c for x in m.inputs if x and x not in graph.constants for c in consumers.get(x, [])
+                    u for x in m.inputs if x and x not in graph.constants for u in consumers.get(x, [])
                 ]
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
-                in_space, why = _join_reason(graph, cand, space, concats and anchor.op_type in CONCAT_ANCHORS)
+                in_space, why = _join_reason(
+                    graph, cand, space, self.concats and anchor.op_type in CONCAT_ANCHORS
+                )
                 if not in_space:
                     continue
                 if why is not None:
@@ -121,9 +145,80 @@ def plan_row_groups(
         nodes = [n for n in graph.nodes if n.id in members]
         ins, outs = group_boundary(graph, nodes)
         assigned |= members
-        groups.append(
+        self.groups.append(
             Group(
-                f"r{len(groups)}", "rowwise", ROW_RULE, nodes, ins, outs, full=space.full, split=space.first
+                f"r{len(self.groups)}",
+                "rowwise",
+                ROW_RULE,
+                nodes,
+                ins,
+                outs,
+                full=space.full,
+                split=space.first,
             )
         )
-    return groups
+
+    def finish(self) -> None:
+        """A row group's Concat is selected; its inputs behind layout ops are read as views."""
+        state, graph = self.state, self.graph
+        claimed_by_rows = set(self.assigned)
+        for g in self.groups:
+            if any(n.op_type == "Concat" for n in g.nodes):
+                _select_row_concat(graph, g, claimed_by_rows, state.not_fused, state.disabled)
+        if state.on(LAYOUT_RULE):
+            for g in self.groups:
+                _fold_row_layout(graph, g, claimed_by_rows)
+        state.in_rows |= {n.id for g in self.groups for n in [*g.nodes, *g.absorbed]}
+        state.rows = state.rows + self.groups
+
+
+def _select_row_concat(
+    graph: Graph,
+    group: Group,
+    claimed: set[str],
+    not_fused: list[NotFired],
+    disabled: set[str] | frozenset[str],
+) -> None:
+    """A row group holding a Concat (`concat_select`: a normalization's input) reads the Concat's
+    inputs as a pointwise kernel would: Resizes only it reads by gather loads (`resize_gather`),
+    values behind layout ops from the buffer behind them (`layout_views`)."""
+    ids = {n.id for n in group.nodes}
+    selected = {x for n in group.nodes if n.op_type == "Concat" for x in n.inputs if x} - {
+        x for n in group.nodes if n.op_type != "Concat" for x in n.inputs if x
+    }
+    parts = [group.rule, CONCAT_SELECT_RULE]
+    if RESIZE_RULE not in disabled:
+        values = [x for x in group.inputs if x in selected]
+        gathers, gathered = plan_resize_gathers(
+            graph, ids, values, (), claimed, not_fused, LAYOUT_RULE not in disabled, selected
+        )
+        group.views.update(gathers)
+        group.absorbed += gathered
+        parts += [RESIZE_RULE] if gathers else []
+    if LAYOUT_RULE not in disabled:
+        fold_layout(graph, group, claimed, lambda x, view: x in selected)
+    group.rule = "+".join(parts)
+
+
+def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
+    """A row kernel's full-shaped input reached through layout ops that keep each row contiguous
+    (a seq-first attention output transposed back to batch-first before its residual LayerNorm)
+    is read from the buffer behind them: rows at their strides, each row as it lies."""
+    space = row_space(graph, next(n for n in group.nodes if n.op_type in ROW_OPS))
+    if space.inner > 1 or space.groups:
+        return  # rows strided or grouped: their own addressing
+    full = tuple(group.full)
+    k = len(full) - 1 if group.split is None else group.split
+    if not full or k <= 0 or int(np.prod(full[k:], dtype=np.int64)) <= 1:
+        return
+    trailing = contiguous_strides(full)[k:]
+    fold_layout(
+        graph,
+        group,
+        claimed,
+        # Full-shaped, and each row lying contiguously, as the kernel reads it.
+        lambda x, view: tuple(graph.spec(x).shape) == full and tuple(view.strides[k:]) == trailing,
+    )
+
+
+RULE = RowReduction

@@ -1,0 +1,292 @@
+"""`gemm_epilogue`, `conv_epilogue`, `pool_epilogue`: one compute-bound op (GEMM or Conv), or an
+NHWC max pool, with the pointwise epilogue after it.
+
+The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
+activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
+pointwise ops join; memory-bound neighbours join later by rules of their own (window_prologue,
+gemv_chain, depthwise_reduction, concat_epilogue, pooled_gemm). The three kinds share one pass
+over the graph, so their groups share one numbering. Inside it, `pad_prologue` (pad_prologue.py)
+and a conv's per-(image, channel) input scale read the anchor's input through the node before
+it; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
+that a template can run goes to `state.lone` (the library kernel runs it unless tuning measures
+the template faster).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from opfuse.frontend import rule_registry as names
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.rules.base import Candidate, FusionRule
+from opfuse.fusion.rules.pad_prologue import input_pad
+from opfuse.fusion.views import VIEW_THROUGH, input_view
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC, NHWC_CONV, has_shortcut
+from opfuse.ir.support import (
+    conv_anchor_reason,
+    gemm_anchor_reason,
+    input_scale_reason,
+    pointwise_reason,
+    pool_reason,
+)
+from opfuse.ir.views import StridedView
+from opfuse.passes.rules import NotFired, node_label
+
+GEMM_RULE = names.GEMM_EPILOGUE
+CONV_RULE = names.CONV_EPILOGUE
+POOL_RULE = names.POOL_EPILOGUE
+PAD_RULE = names.PAD_PROLOGUE
+# Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
+# r (row), g (pointwise), s (chained GEMVs).
+PREFIX = {"gemm": "m", "conv": "c", "pool": "p"}
+KIND = {GEMM_RULE: "gemm", CONV_RULE: "conv", POOL_RULE: "pool"}
+MAX_EPILOGUE_NODES = 16
+MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside the accumulator
+
+
+class AnchorEpilogue(FusionRule):
+    options = (PAD_RULE, names.LAYOUT_VIEWS)
+
+    def match(self) -> Iterator[Candidate]:
+        graph, state = self.graph, self.state
+        self.order = {n.id: i for i, n in enumerate(graph.nodes)}
+        self.consumers = graph.consumers()
+        self.taken = set(state.in_rows)  # the row groups' nodes, then each anchor group's
+        for anchor in graph.nodes:
+            if anchor.id in self.taken:
+                continue
+            if anchor.op_type in ("MatMul", "Gemm") and state.on(GEMM_RULE):
+                yield Candidate(GEMM_RULE, [anchor])
+            elif anchor.op_type in CONV_OPS and state.on(CONV_RULE):
+                yield Candidate(CONV_RULE, [anchor])
+            elif anchor.op_type == MAX_POOL_NHWC and state.on(POOL_RULE):
+                # Memory-bound, but a head like an anchor's: the window's maximum, then the pointwise
+                # ops after it. Alone, it stays the library's pool unless its kernel is measured faster.
+                yield Candidate(POOL_RULE, [anchor])
+
+    def check(self, c: Candidate) -> str | None:
+        if c.rule == GEMM_RULE:
+            return gemm_anchor_reason(self.graph, c.nodes[0])
+        if c.rule == POOL_RULE:
+            return pool_reason(self.graph, c.nodes[0])
+        return None  # a conv the template cannot run runs as the library's, with its epilogue
+
+    def claim(self, c: Candidate) -> None:
+        graph, state, taken, consumers, order = self.graph, self.state, self.taken, self.consumers, self.order
+        not_fused, lone, groups = state.not_fused, state.lone, state.anchors
+        anchor, rule, kind = c.nodes[0], c.rule, KIND[c.rule]
+        variant, note = "template", ""
+        if kind == "conv":
+            reason = conv_anchor_reason(graph, anchor)
+            if reason is not None:
+                variant, note = "vendor", f"vendor convolution: {reason}"
+        prologue = []
+        # A conv summing a shortcut (passes/shortcut_conv.py) reads a second input in a second K
+        # loop: no prologue on its tiles, and always its template (the library has no such conv).
+        shortcut = kind == "conv" and has_shortcut(anchor)
+        if shortcut:
+            rule = f"{rule}+{names.SHORTCUT_CONV}"  # the pass that made this conv (passes/shortcut_conv.py)
+        if variant == "template" and not shortcut:
+            prologue = _input_scale(graph, anchor, taken, consumers, not_fused)
+            if not prologue and state.on(PAD_RULE):
+                prologue = input_pad(graph, anchor, taken, consumers, not_fused)
+                rule = f"{rule}+{PAD_RULE}" if prologue else rule
+        out_shape = graph.spec(anchor.outputs[0]).shape
+        members = {anchor.id}
+        frontier = [anchor]
+        pending: dict[str, str] = {}  # refusals that a later join may resolve (cycles)
+        while frontier:
+            node = frontier.pop(0)
+            for o in node.outputs:
+                for u in consumers.get(o, []) if o else []:
+                    if u.id in members or u.id in taken or pointwise_reason(graph, u) is not None:
+                        continue
+                    if graph.spec(u.outputs[0]).shape != out_shape:
+                        continue
+                    merged = members | {u.id}
+                    why, _ = merge_refusal(
+                        graph,
+                        merged,
+                        order,
+                        MAX_EPILOGUE_NODES + 1,
+                        MAX_EPILOGUE_TENSORS,
+                        fixed_tensors=4 if shortcut else 2,
+                    )
+                    if why is not None:
+                        pending[u.id] = why
+                        continue
+                    members = merged
+                    pending.pop(u.id, None)
+                    frontier.append(u)
+        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
+            members |= _split_epilogue(graph, anchor, taken, consumers)
+        by_id = {x.id: x for x in graph.nodes}
+        members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
+        for cid, why in pending.items():
+            if cid not in members:
+                not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
+        # The anchor first; a pulled-in side input may stand before it in the graph.
+        nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
+        views = {}
+        if kind == "gemm" and variant == "template" and state.on(names.LAYOUT_VIEWS):
+            views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
+        prefix = PREFIX[kind]
+        if len(members) == 1 and not views and not prologue and not shortcut:
+            # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
+            # is measured faster (a depthwise 7x7, a small GEMM).
+            if variant == "template":
+                lone.append(
+                    Group(
+                        f"{prefix}{len(groups) + len(lone)}",
+                        kind,
+                        rule,
+                        [anchor],
+                        *group_boundary(graph, [anchor]),
+                        variant="template",
+                        note=f"{'a pool' if kind == 'pool' else 'an anchor'} alone: its template was measured "
+                        "faster than the library kernel",
+                    )
+                )
+            return
+        absorbed = [n for v in views.values() for n in v.owned()]
+        # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
+        ins, outs = group_boundary(graph, [*prologue, *nodes])
+        taken |= members | {x.id for x in [*prologue, *absorbed]}
+        groups.append(
+            Group(
+                f"{prefix}{len(groups) + len(lone)}",  # one numbering with the lone anchors
+                kind,
+                rule,
+                nodes,
+                ins,
+                outs,
+                variant=variant,
+                note=note,
+                prologue=prologue,
+                views=views,
+                absorbed=absorbed,
+            )
+        )
+
+
+RULE = AnchorEpilogue
+
+
+def _split_epilogue(
+    graph: Graph, anchor: Node, taken: set[str], consumers: dict[str, list[Node]]
+) -> set[str]:
+    """Sibling convolutions merged into one (passes/sibling_convs.py): the Split of the conv's
+    output channels that only it feeds, and after each part the chain of one-input pointwise ops
+    (an activation; scalar constants aside) that only it feeds. The kernel stores each part, or
+    the last op of its chain, as a buffer of its own (codegen.conv: the columns of that part)."""
+    out = anchor.outputs[0]
+    users = consumers.get(out, [])
+    if len(users) != 1 or users[0].op_type != "Split" or users[0].id in taken:
+        return set()
+    split = users[0]
+    sizes = graph.constants.get(split.inputs[1]) if len(split.inputs) > 1 else None
+    graph_outputs = {o.name for o in graph.outputs}
+    if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in graph_outputs:
+        return set()
+    members = {split.id}
+    for part in split.outputs:
+        value = part
+        while True:
+            nxt = consumers.get(value, [])
+            if len(nxt) != 1 or nxt[0].id in taken or pointwise_reason(graph, nxt[0]) is not None:
+                break
+            node = nxt[0]
+            tensors = [
+                x for x in node.inputs if x and not (x in graph.constants and graph.constants[x].size == 1)
+            ]
+            if tensors != [value] or graph.spec(node.outputs[0]).shape != graph.spec(value).shape:
+                break
+            if value in graph_outputs:
+                break
+            members.add(node.id)
+            value = node.outputs[0]
+    return members
+
+
+def _a_operand_view(
+    graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
+) -> dict[str, StridedView]:
+    """A GEMM's A operand reached through Transpose/Reshape (heads split off a projection,
+    then rotated), or one output of a Split (q of a merged QKV projection): read with strides
+    from the buffer behind them instead of copied first. The Split stays in the plan for its
+    other readers (it is a view)."""
+    a = anchor.inputs[0]
+    if a in graph.constants:
+        return {}
+    readers = frozenset([anchor.id, *(n.id for n in epilogue)])
+    view = input_view(graph, a, allow_scale=False, readers=readers)
+    if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
+        return {}
+    if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
+        return {}
+    # A view through a node another group holds (a merged conv's Split, whose parts that group
+    # stores as buffers of their own) would read a buffer nobody writes.
+    if any(n.id in taken for n in view.nodes):
+        return {}
+    if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
+        return {}  # the epilogue reads A at the output index: only when A is output-shaped
+    return {a: view}
+
+
+def _pull_side_inputs(
+    graph: Graph,
+    anchor: Node,
+    members: set[str],
+    taken: set[str],
+    consumers: dict[str, list[Node]],
+    order: dict[str, int],
+) -> set[str]:
+    """Pointwise producers whose only readers are epilogue nodes join the epilogue: computed from
+    their own inputs loaded at the output index (x * cos beside rotate_half(x) * sin in rotary
+    embeddings), they need no kernel and no buffer of their own."""
+    if len(members) == 1:
+        return members
+    producers = graph.producers()
+    outputs = {o.name for o in graph.outputs}
+    out_shape = graph.spec(anchor.outputs[0]).shape
+    by_id = {x.id: x for x in graph.nodes}
+    changed = True
+    while changed:
+        changed = False
+        for mid in sorted(members - {anchor.id}, key=order.__getitem__):
+            for x in by_id[mid].inputs:
+                p = producers.get(x) if x else None
+                if p is None or p.id in members or p.id in taken or pointwise_reason(graph, p) is not None:
+                    continue
+                out = p.outputs[0]
+                if graph.spec(out).shape != out_shape or out in outputs:
+                    continue
+                if any(c.id not in members for c in consumers.get(out, [])):
+                    continue
+                merged = members | {p.id}
+                why, _ = merge_refusal(
+                    graph, merged, order, MAX_EPILOGUE_NODES + 1, MAX_EPILOGUE_TENSORS, fixed_tensors=2
+                )
+                if why is None:
+                    members, changed = merged, True
+    return members
+
+
+def _input_scale(
+    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+) -> list[Node]:
+    """The Mul that scales an NHWC conv's input per (image, channel), as squeeze-excitation does,
+    when it can be applied to the input tiles inside the conv kernel (its only reader)."""
+    if conv.op_type != NHWC_CONV:
+        return []
+    mul = graph.producers().get(conv.inputs[0])
+    if mul is None or mul.op_type != "Mul" or mul.id in taken:
+        return []
+    if len(consumers.get(mul.outputs[0], [])) != 1 or mul.outputs[0] in {o.name for o in graph.outputs}:
+        return []
+    why = input_scale_reason(graph, mul, conv)
+    if why is not None:
+        not_fused.append(NotFired(CONV_RULE, [node_label(mul), node_label(conv)], why))
+        return []
+    return [mul]

@@ -1,0 +1,111 @@
+"""The protocol every fusion rule follows, and the plan state the rules share.
+
+A fusion rule is a module of `opfuse.fusion.rules` (or any importable module) whose `RULE` is a
+`FusionRule` subclass, named by the registry entries whose `impl` is that module
+(`opfuse.frontend.rule_registry`: name, stage, doc line, prerequisites, switch). `plan_fusion`
+runs the rules in the registry's order, each one that has a name switched on, in four steps:
+
+- `match()`: the candidates, one at a time (a generator: it sees what the claims before it took);
+- `check(c)`: None to claim the candidate, else why not: the reason goes into the report under
+  `c.rule` with the candidate's nodes (`QUIET`, the empty reason, refuses without a word: the
+  candidate was not one after all);
+- `claim(c)`: the candidate's nodes join a group (a new one, or one another rule made);
+- `finish()`: what the rule does once its candidates are done (drop the groups it merged away).
+
+A rule object lives for one `plan_fusion` call: what it keeps between its steps is its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from opfuse.frontend import rule_registry as names
+from opfuse.fusion.groups import Group
+from opfuse.graph import Graph, Node
+from opfuse.passes.rules import NotFired, node_label
+
+QUIET = ""  # a check's refusal that the report does not show
+
+
+@dataclass
+class PlanState:
+    """What the fusion rules share while they claim nodes, in the order they run: each rule reads
+    what the ones before it claimed and adds its groups (or grows theirs)."""
+
+    graph: Graph
+    disabled: frozenset[str]
+    not_fused: list[NotFired] = field(default_factory=list)
+    # Attention, then row groups (rules after them may add a prologue or take one away).
+    rows: list[Group] = field(default_factory=list)
+    anchors: list[Group] = field(default_factory=list)  # GEMM, conv and pool groups
+    # Anchors with nothing to fuse but a template of their own (tuning may measure them faster).
+    lone: list[Group] = field(default_factory=list)
+    pointwise: list[Group] = field(default_factory=list)
+    # Nodes the row kernels (and attention) hold: no anchor takes them.
+    in_rows: set[str] = field(default_factory=set)
+    # Concats `concat_select` matched but did not take (id -> why), said where they stay copies.
+    concat_reasons: dict[str, str] = field(default_factory=dict)
+
+    def on(self, name: str) -> bool:
+        return names.enabled(name, self.disabled)
+
+    def fused(self) -> list[Group]:
+        return [*self.rows, *self.anchors]
+
+    def held(self) -> set[str]:
+        """The nodes the row and anchor groups hold (their prologues and folded views too)."""
+        return self.in_rows | {n.id for g in self.fused() for n in [*g.prologue, *g.nodes, *g.absorbed]}
+
+
+@dataclass
+class Candidate:
+    """What `match` found: the rule a refusal is reported under, the nodes it names, and what
+    `check` and `claim` need (the anchor group, or the rule's own record)."""
+
+    rule: str
+    nodes: list[Node]
+    group: Group | None = None
+    data: Any = None
+
+    def labels(self) -> list[str]:
+        return [node_label(n) for n in self.nodes]
+
+
+class FusionRule:
+    """Subclass it, set `options` and write `match`, `check` and `claim` (see the module docstring)."""
+
+    # Registry names the rule reads itself, inside its own groups (`state.on(...)`).
+    options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, state: PlanState) -> None:
+        self.state = state
+        self.graph = state.graph
+
+    def match(self) -> Iterator[Candidate]:
+        raise NotImplementedError
+
+    def check(self, c: Candidate) -> str | None:
+        return None
+
+    def claim(self, c: Candidate) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        return None
+
+    def refuse(self, rule: str, nodes: list[Node], reason: str) -> None:
+        """Say why something the rule looked at inside a claim does not join."""
+        self.state.not_fused.append(NotFired(rule, [node_label(n) for n in nodes], reason))
+
+
+def run_rule(rule: FusionRule) -> None:
+    """Every candidate of `rule`, checked, then claimed or its refusal recorded; then `finish`."""
+    for c in rule.match():
+        reason = rule.check(c)
+        if reason is None:
+            rule.claim(c)
+        elif reason != QUIET:
+            rule.state.not_fused.append(NotFired(c.rule, c.labels(), reason))
+    rule.finish()

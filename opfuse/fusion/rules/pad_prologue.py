@@ -1,0 +1,72 @@
+"""`pad_prologue`: an anchor's template reads through the Pad before it.
+
+Applied inside the anchor rule (anchor_epilogue.py) to an NHWC conv without an input scale: the
+Pad (an NCHW Pad, then the region's Transpose to NHWC) that only the conv reads becomes the conv's
+prologue, and the template maps each padded pixel to the one it copies (reflect, edge) or fills
+(constant). Refused, with the reason, where the template cannot read through that Pad.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.frontend import rule_registry as names
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import NHWC_CONV, is_depthwise
+from opfuse.ir.support import PAD_MODES, pad_per_dim
+from opfuse.passes.rules import NotFired, node_label
+
+PAD_RULE = names.PAD_PROLOGUE
+
+
+def input_pad(
+    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+) -> list[Node]:
+    """The Pad before an NHWC conv (an NCHW Pad, then the region's Transpose to NHWC), read by
+    nothing else: the conv template reads the unpadded tensor, each padded pixel mapped to the one
+    it copies (reflect, edge) or filled (constant). Reflection padding before every 3x3 conv is
+    how image-to-image generators and segmentation heads keep their borders."""
+    if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
+        return []
+    producers = graph.producers()
+    outputs = {o.name for o in graph.outputs}
+    t = producers.get(conv.inputs[0])
+    if t is None or t.op_type != "Transpose" or t.id in taken:
+        return []
+    if [int(a) for a in t.attrs.get("perm", ())] != [0, 2, 3, 1]:
+        return []
+    pad = producers.get(t.inputs[0])
+    if pad is None or pad.op_type != "Pad" or pad.id in taken:
+        return []
+    for v, reader in ((t.outputs[0], conv), (pad.outputs[0], t)):
+        if v in outputs or [c.id for c in consumers.get(v, [])] != [reader.id]:
+            return []
+    why = pad_prologue_reason(graph, pad)
+    if why is not None:
+        not_fused.append(NotFired(PAD_RULE, [node_label(pad), node_label(conv)], why))
+        return []
+    return [pad, t]
+
+
+def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:
+    """None if a conv's input tiles can be read through this Pad, else why not."""
+    mode = str(pad.attrs.get("mode", "constant"))
+    x = graph.spec(pad.inputs[0])
+    if mode not in PAD_MODES:
+        return f"Pad mode {mode!r}: the conv reads through constant, reflect and edge padding"
+    if len(x.shape) != 4:
+        return "not a 4-D Pad"
+    per_dim = pad_per_dim(graph, pad)
+    if per_dim is None:
+        return "the pads (or axes) are not constants"
+    if per_dim[0] != (0, 0) or per_dim[1] != (0, 0):
+        return "the Pad pads the batch or channel axis"
+    if any(b < 0 or e < 0 for b, e in per_dim):
+        return "negative pads (a crop)"
+    if mode == "reflect" and any(max(per_dim[a]) >= x.shape[a] for a in (2, 3)):
+        return "a reflection wider than the image"
+    if len(pad.inputs) > 2 and pad.inputs[2]:
+        value = graph.constants.get(pad.inputs[2])
+        if value is None or value.size != 1 or not np.isfinite(np.asarray(value, dtype=np.float64)).all():
+            return "the pad value is not a finite constant"
+    return None

@@ -1,0 +1,188 @@
+"""`pointwise`: elementwise ops of one iteration shape in one kernel.
+
+A node joins the groups of its pointwise producers when their iteration shapes agree, the merge
+creates no cycle through a node outside the group, and the group stays under the size caps that
+keep its live values in registers. Applied inside the groups it forms: `channel_window` (an LRN is
+a member like a pointwise op, except that the producer of the input it reads at neighbouring
+channels never joins its group), `concat_select` (a Concat is a member that joins no producer's
+group: its inputs are loaded), `resize_gather` (a Resize only the group reads is computed by its
+loads) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
+kernel. Nodes the row and anchor groups hold are not candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from opfuse.frontend import rule_registry as names
+from opfuse.fusion.concat import LONE_COPY_REASON, concat_reason
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.layout_fold import fold_layout
+from opfuse.fusion.resize import plan_resize_gathers
+from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
+from opfuse.graph import Graph, Node
+from opfuse.ir.ops import WINDOW_OPS, window_input
+from opfuse.ir.support import pointwise_reason, window_reason
+from opfuse.passes.rules import NotFired, node_label
+
+POINTWISE_RULE = names.POINTWISE
+WINDOW_RULE = names.CHANNEL_WINDOW
+CONCAT_SELECT_RULE = names.CONCAT_SELECT
+RESIZE_RULE = names.RESIZE_GATHER
+LAYOUT_RULE = names.LAYOUT_VIEWS
+
+
+class Pointwise(FusionRule):
+    options = (WINDOW_RULE, CONCAT_SELECT_RULE, RESIZE_RULE, LAYOUT_RULE)
+
+    def match(self) -> Iterator[Candidate]:
+        """Every node no row or anchor group holds, in graph order: each one a kernel could compute
+        is eligible; `finish` forms the groups."""
+        self.eligible: dict[str, bool] = {}
+        held = self.state.held()
+        for n in self.graph.nodes:
+            if n.id not in held:
+                yield Candidate(WINDOW_RULE if n.op_type in WINDOW_OPS else POINTWISE_RULE, [n])
+
+    def check(self, c: Candidate) -> str | None:
+        graph, state, n = self.graph, self.state, c.nodes[0]
+        if n.op_type == "Concat":
+            if not state.on(CONCAT_SELECT_RULE):
+                return QUIET
+            reason = concat_reason(graph, n)
+            if reason is not None:
+                state.concat_reasons[n.id] = reason  # said where the Concat stays a copy
+                return QUIET
+            return None
+        if n.op_type in WINDOW_OPS:
+            return window_reason(graph, n) if state.on(WINDOW_RULE) else QUIET
+        reason = pointwise_reason(graph, n)
+        if reason is not None and reason.endswith("generates code for"):
+            return QUIET  # not an elementwise op at all
+        return reason
+
+    def claim(self, c: Candidate) -> None:
+        self.eligible[c.nodes[0].id] = True
+
+    def finish(self) -> None:
+        members = self._merge()
+        self._groups(members)
+
+    def _merge(self) -> list[set[str]]:
+        """Eligible nodes joined with their producers' groups, in graph order (emptied sets are
+        groups merged into a later one)."""
+        graph, not_fused, eligible = self.graph, self.state.not_fused, self.eligible
+        order = {n.id: i for i, n in enumerate(graph.nodes)}
+        producers = graph.producers()
+        group_of: dict[str, int] = {}
+        members: list[set[str]] = []
+        for n in graph.nodes:
+            if not eligible.get(n.id):
+                continue
+            mine = {n.id}
+            shape = graph.spec(n.outputs[0]).shape
+            candidates: list[int] = []
+            # A Concat loads its inputs (at offsets of their own): no producer joins its group.
+            for x in [] if n.op_type == "Concat" else n.inputs:
+                p = producers.get(x) if x else None
+                if p is None or not eligible.get(p.id) or p.id not in group_of:
+                    continue
+                if graph.spec(p.outputs[0]).shape != shape:
+                    not_fused.append(
+                        NotFired(
+                            POINTWISE_RULE,
+                            [node_label(p), node_label(n)],
+                            "different iteration shapes (a broadcast result is larger than its input)",
+                        )
+                    )
+                    continue
+                if group_of[p.id] not in candidates:
+                    candidates.append(group_of[p.id])
+            for gi in candidates:
+                merged = mine | members[gi]
+                reason, _ = merge_refusal(graph, merged, order)
+                if reason is None:
+                    reason = _window_refusal(graph, merged, producers)
+                if reason is not None:
+                    labels = [*[node_label(m) for m in graph.nodes if m.id in members[gi]][:3], node_label(n)]
+                    not_fused.append(NotFired(POINTWISE_RULE, labels, reason))
+                    continue
+                mine = merged
+                members[gi] = set()
+            idx = len(members)
+            members.append(mine)
+            for m in mine:
+                group_of[m] = idx
+        return members
+
+    def _groups(self, members: list[set[str]]) -> None:
+        """The merged sets as groups (Resizes gathered, layout folded); one op alone stays a per-op
+        kernel, and a Concat alone of plain tensors the copy."""
+        graph, state, not_fused = self.graph, self.state, self.state.not_fused
+        groups: list[Group] = state.fused()
+        claimed = {n.id for g in groups for n in g.nodes}
+        count = 0
+        for ids in members:
+            if not ids:
+                continue
+            nodes = [n for n in graph.nodes if n.id in ids]
+            ins, outs = group_boundary(graph, nodes)
+            gathers: dict[str, Any] = {}
+            gathered: list[Node] = []
+            lone_concat = len(nodes) == 1 and nodes[0].op_type == "Concat"
+            if state.on(RESIZE_RULE):
+                iteration = tuple(graph.spec(outs[0]).shape)
+                # An LRN loads its input at neighbouring channels from memory: a resized value it
+                # reads that way is written by the Resize, not gathered.
+                windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
+                # What only Concats read is loaded at its own offsets, so gathered at its own shape.
+                selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x} - {
+                    x for n in nodes if n.op_type != "Concat" for x in n.inputs if x
+                }
+                gathers, gathered = plan_resize_gathers(
+                    graph,
+                    set(ids),
+                    [x for x in ins if x not in windowed],
+                    iteration,
+                    claimed,
+                    not_fused,
+                    state.on(LAYOUT_RULE),
+                    selected,
+                )
+            if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS and not lone_concat:
+                continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
+            parts = [POINTWISE_RULE] if any(n.op_type != "Concat" for n in nodes) else []
+            parts += [CONCAT_SELECT_RULE] if any(n.op_type == "Concat" for n in nodes) else []
+            parts += [RESIZE_RULE] if gathers else []
+            group = Group(
+                f"g{count}", "pointwise", "+".join(parts), nodes, ins, outs, views=gathers, absorbed=gathered
+            )
+            taken = set(claimed)
+            if state.on(LAYOUT_RULE):
+                fold_layout(graph, group, taken)
+            if lone_concat and not group.views:
+                state.concat_reasons[nodes[0].id] = LONE_COPY_REASON
+                continue  # a copy of plain tensors is one launch either way: it stays the copy
+            claimed |= taken
+            groups.append(group)
+            count += 1
+        state.pointwise = groups[len(state.fused()) :]
+
+
+def _window_refusal(graph: Graph, merged: set[str], producers: dict[str, Node]) -> str | None:
+    """Why a group cannot hold both a window op and the producer of the value it reads at
+    neighbouring channels (None if it does not): the neighbours are loaded from memory, so that
+    value must be written by another kernel before this one runs."""
+    for n in graph.nodes:
+        if n.id in merged and n.op_type in WINDOW_OPS:
+            p = producers.get(window_input(n))
+            if p is not None and p.id in merged:
+                return (
+                    f"{n.op_type} reads its input at neighbouring channels, so that input is loaded "
+                    "from memory, not computed in the same kernel"
+                )
+    return None
+
+
+RULE = Pointwise
