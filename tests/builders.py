@@ -140,6 +140,34 @@ def conv_bn_relu(channels: int = 4, out_channels: int = 8, size: int = 8, seed: 
     return model
 
 
+def softmax_then_gemm(seed: int = 3) -> onnx.ModelProto:
+    """Two groups: a row group (Softmax, then a scale: nodes Softmax#n0, Mul#n1) feeding a GEMM group
+    (MatMul, bias Add, Relu); x [8, 16] -> y [8, 16]. The scale stays away from zero."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        _init("w", rng.standard_normal((16, 16))),
+        _init("b", rng.standard_normal(16)),
+        _init("c", rng.standard_normal(16) + 2.0),
+    ]
+    nodes = [
+        helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+        helper.make_node("Mul", ["s", "c"], ["m"]),
+        helper.make_node("MatMul", ["m", "w"], ["h"]),
+        helper.make_node("Add", ["h", "b"], ["a"]),
+        helper.make_node("Relu", ["a"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "t",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 16])],
+        initializer=inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
 def graph_of(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> Graph:
     """The model as the passes see it: loaded, checked and specialized to `shapes`, as opfuse.compile
     does before its passes (no ONNX-level folding)."""
@@ -156,3 +184,67 @@ def run_pass(graph: Graph, rule: Pass, disabled: tuple[str, ...] = (), device: s
     ctx = PassContext(frozenset(disabled), device=device)
     rule.apply(graph, ctx)
     return ctx.log
+
+
+# -- tiny graphs for graph-level tests of one fusion rule (tests/unit/fusion_rules/) ----------------
+
+import typing  # noqa: E402  (appended with the builders below)
+
+if typing.TYPE_CHECKING:
+    from opfuse.fusion.planner import FusionPlan
+
+
+def tiny_model(
+    nodes: list[onnx.NodeProto],
+    inputs: dict[str, list[int]],
+    outputs: list[str],
+    inits: dict[str, np.ndarray] | None = None,
+    opset: int = 18,
+) -> onnx.ModelProto:
+    """A model of `nodes`: float32 inputs of the given shapes, outputs whose shapes ONNX infers,
+    and constants `inits` (float arrays as float32, integer arrays as int64)."""
+    initializers = [
+        numpy_helper.from_array(v.astype(np.int64 if np.issubdtype(v.dtype, np.integer) else np.float32), k)
+        for k, v in (inits or {}).items()
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in inputs.items()],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, []) for k in outputs],
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def weights(*shape: int, seed: int = 0) -> np.ndarray:
+    """Random float32 constants of `shape` (never zeros)."""
+    return (np.random.default_rng(seed).standard_normal(shape) * 0.3).astype(np.float32)
+
+
+def planned(model: onnx.ModelProto, disabled: tuple[str, ...] = ()) -> tuple[Graph, FusionPlan]:
+    """The model after the graph passes (on the CPU), and its fusion plan: what the planner's
+    rules claimed and why they refused, without generating a kernel."""
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.passes.pipeline import run_passes
+
+    graph = graph_of(model)
+    run_passes(graph, set(disabled))
+    return graph, plan_fusion(graph, set(disabled))
+
+
+def claimed(plan: FusionPlan) -> list[tuple[str, str, list[str]]]:
+    """Each group of the plan (lone anchors after the groups) as (kind, rule, the names of its
+    nodes, prologue first); a node without a name shows as its op type."""
+    return [
+        (g.kind, g.rule, [n.name or n.op_type for n in [*g.prologue, *g.nodes]])
+        for g in [*plan.groups, *plan.lone]
+    ]
+
+
+def refusals(plan: FusionPlan, rule: str) -> list[tuple[list[str], str]]:
+    """The plan's refusals by `rule`: (the nodes it names, why)."""
+    return [(r.nodes, r.reason) for r in plan.not_fused if r.rule == rule]

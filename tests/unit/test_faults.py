@@ -11,37 +11,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from onnx import helper
 
 import opfuse
 from opfuse.errors import ModelError
 from opfuse.verify.reference import OnnxRuntimeReference
-from tests.builders import TEST_DEVICE
-from tests.unit.test_fusion import make_model
+from tests.builders import TEST_DEVICE, softmax_then_gemm
 
-ROW_NODES = ["Softmax#n0", "Mul#n1"]  # the row group; the GEMM group is MatMul, Add, Relu
+ROW_NODES = ["Softmax#n0", "Mul#n1"]  # softmax_then_gemm's row group; its GEMM group is MatMul, Add, Relu
 FAULT = "injected fault for this test"
 
 
-def two_groups() -> Any:
-    rng = np.random.default_rng(3)
-    nodes = [
-        helper.make_node("Softmax", ["x"], ["s"], axis=-1),
-        helper.make_node("Mul", ["s", "c"], ["m"]),
-        helper.make_node("MatMul", ["m", "w"], ["h"]),
-        helper.make_node("Add", ["h", "b"], ["a"]),
-        helper.make_node("Relu", ["a"], ["y"]),
-    ]
-    inits = {
-        "w": rng.standard_normal((16, 16)),
-        "b": rng.standard_normal((16,)),
-        "c": rng.standard_normal((16,)) + 2.0,
-    }
-    return make_model(nodes, {"x": [8, 16]}, {"y": [8, 16]}, inits)
-
-
 def row_kernel_source() -> str:
-    probe = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    probe = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0, verify=False)
     (source,) = [k.source for k in probe.plan.kernels.values() if k.kind == "rowwise"]
     return source
 
@@ -58,7 +39,7 @@ def assert_row_group_unfused(cm: Any, *words: str) -> None:
     for word in words:
         assert word in entry["reason"], entry["reason"]
     x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
-    ref = OnnxRuntimeReference(two_groups()).run({"x": x})["y"]
+    ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
     np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
 
 
@@ -69,7 +50,7 @@ def test_a_group_whose_codegen_raises_runs_unfused(monkeypatch: pytest.MonkeyPat
         raise ValueError(FAULT)
 
     monkeypatch.setattr(registry, "generate_rowwise", generate_rowwise)
-    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
     assert_row_group_unfused(cm, "codegen", "ValueError")
 
 
@@ -84,7 +65,7 @@ def test_a_group_whose_kernel_fails_to_compile_runs_unfused(monkeypatch: pytest.
         return real(source, interpret)
 
     monkeypatch.setattr(executor, "load_kernel_module", load_kernel_module)
-    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
     assert_row_group_unfused(cm, "compiling its generated kernel", "SyntaxError")
 
 
@@ -109,7 +90,7 @@ def test_a_group_whose_kernel_raises_at_its_first_run_runs_unfused(monkeypatch: 
         return faulty
 
     monkeypatch.setattr(executor, "load_kernel_module", load_kernel_module)
-    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
     assert launches == ["row"]  # it ran once, failed, and never again
     assert_row_group_unfused(cm, "first run", "RuntimeError")
 
@@ -127,7 +108,7 @@ def test_a_group_whose_tuning_raises_runs_unfused(tmp_path: Any, monkeypatch: py
         return real(k)
 
     monkeypatch.setattr(tune, "candidates", candidates)
-    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=60)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
     assert_row_group_unfused(cm, "tuning", "KeyError")
     (why,) = cm.report["tuning"]["unsafe"].values()
     assert why.startswith("tuning its kernel raised KeyError")
@@ -142,7 +123,7 @@ def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pyte
         raise IndexError(FAULT)
 
     monkeypatch.setattr(stages, "plan_fusion", plan_fusion)
-    cm = opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
     assert cm.report["verification"]["passed"] is True and cm.report["fusion"]["groups"] == []
     (entry,) = [nf for nf in cm.report["fusion"]["not_fused"] if nf["rule"] == "fusion_planner"]
     assert FAULT in entry["reason"] and "IndexError" in entry["reason"] and "bug in opfuse" in entry["reason"]
@@ -156,4 +137,4 @@ def test_a_model_error_still_fails_the_compile(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(registry, "generate_rowwise", generate_rowwise)
     with pytest.raises(ModelError, match="the model's own fault"):
-        opfuse.compile(two_groups(), device=TEST_DEVICE, tune_budget_s=0)
+        opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)

@@ -960,28 +960,6 @@ def test_compile_workers_that_cannot_start_fail_no_kernel(
     assert all(r is not None and r.ok for r in results) and "could not start" in (job.start_error or "")
 
 
-def _two_group_model() -> Any:
-    import numpy as np
-    from onnx import helper
-
-    from tests.unit.test_fusion import make_model
-
-    rng = np.random.default_rng(11)
-    nodes = [  # a row group (softmax, scale), then a GEMM group (bias, relu)
-        helper.make_node("Softmax", ["x"], ["s"], axis=-1),
-        helper.make_node("Mul", ["s", "c"], ["m"]),
-        helper.make_node("MatMul", ["m", "w"], ["h"]),
-        helper.make_node("Add", ["h", "b"], ["a"]),
-        helper.make_node("Relu", ["a"], ["y"]),
-    ]
-    inits = {
-        "w": rng.standard_normal((16, 16)),
-        "b": rng.standard_normal((16,)),
-        "c": rng.standard_normal((16,)) + 2.0,
-    }
-    return make_model(nodes, {"x": [8, 16]}, {"y": [8, 16]}, inits)
-
-
 def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_cache(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -994,13 +972,13 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     import opfuse
     from opfuse.tuning import cache, configs
     from opfuse.tuning import pool as tuning_pool
-    from tests.builders import TEST_DEVICE
+    from tests.builders import TEST_DEVICE, softmax_then_gemm
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
     real = tuning_pool.child_env
     monkeypatch.setattr(tuning_pool, "child_env", _shadowing_env(tmp_path, real))
-    broken = opfuse.compile(_two_group_model(), device=TEST_DEVICE, tune_budget_s=60)
+    broken = opfuse.compile(softmax_then_gemm(seed=11), device=TEST_DEVICE, tune_budget_s=60)
     t = broken.report["tuning"]
     assert "could not start" in t["error"] and SHADOWED in t["error"]
     assert t["unsafe_groups"] == [] and t["kernels"] and t["summary"]["timed"] == 0
@@ -1013,7 +991,7 @@ def test_a_compile_whose_workers_cannot_import_then_a_healthy_one_on_the_same_ca
     assert not any("config" in v for v in on_disk.values())  # no kernel config: nothing was timed
 
     monkeypatch.setattr(tuning_pool, "child_env", real)
-    healthy = opfuse.compile(_two_group_model(), device=TEST_DEVICE, tune_budget_s=60)
+    healthy = opfuse.compile(softmax_then_gemm(seed=11), device=TEST_DEVICE, tune_budget_s=60)
     t = healthy.report["tuning"]
     assert "error" not in t and t["unsafe_groups"] == []
     assert t["summary"]["timed"] == t["summary"]["kernels"] > 0
