@@ -41,8 +41,10 @@ from client.commands.common import (
     write_text,
 )
 from client.config import ConfigError
+from client.inputs import bind_inputs, read_inputs
 from client.records import Report
 from client.render import escape, strip_controls
+from client.render_profile import INTERPRETER_NOTE, bench_table
 from client.sdk import OpfuseAPIError, OpfuseClient, OpfuseClientError
 from client.shapes import ShapeSpecError, parse_shapes
 from opfuse.errors import OpfuseError
@@ -289,19 +291,7 @@ def compile_command(
             out.print(f"saved {escape(str(html_out))}; open it in a browser (it needs no network)")
 
 
-def _load_inputs(path: Path) -> dict[str, Any]:
-    import numpy as np
-
-    require_file(path, "inputs file")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise CLIError(
-                    f"{path} holds one array; save the inputs with np.savez(path, name=array, ...)", 2
-                )
-            return {name: data[name] for name in data.files}
-    except (ValueError, OSError) as exc:
-        raise CLIError(f"cannot read {path} as an .npz of input arrays ({exc})", 2) from None
+_INPUTS_HELP = ".npz with one array per model input (np.savez), or an .npy for a model with one input."
 
 
 @app.command("run")
@@ -310,28 +300,25 @@ def run_command(
     bundle: Annotated[
         Path, typer.Argument(help="A bundle from `opfuse compile` or `opfuse download`.", show_default=False)
     ],
-    inputs: Annotated[
-        Path,
-        typer.Option(
-            "--inputs", "-i", help=".npz with one array per model input (np.savez).", show_default=False
-        ),
-    ],
+    inputs: Annotated[Path, typer.Option("--inputs", "-i", help=_INPUTS_HELP, show_default=False)],
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Save the outputs to this .npz.")
     ] = None,
     device: Annotated[Device | None, typer.Option(help="cuda or cpu (default: the bundle's target).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run a bundle on inputs from an .npz; print the outputs' names and shapes, optionally save them."""
+    """Run a bundle on inputs from an .npz (or an .npy for a one-input model); print the outputs'
+    names and shapes, optionally save them."""
     import numpy as np
 
     import opfuse
 
     opts = options(ctx, None, None, json_out)
     require_file(bundle, "bundle")
-    arrays = _load_inputs(inputs)
+    loaded = read_inputs(inputs)
     _prepare_device(device)
     cm = opfuse.load(bundle, device=device.value if device else None)
+    arrays = bind_inputs(loaded, cm.inputs, inputs)
     outputs = cm.run(arrays)  # inputs that do not fit raise ModelError, which says how
     outputs = {name: np.asarray(value) for name, value in outputs.items()}
     if output is not None:
@@ -346,6 +333,87 @@ def run_command(
         out.print(render.outputs_table(outputs))
         if output is not None:
             out.print(f"saved {escape(str(output))}")
+
+
+def _time_runs(cm: Any, arrays: dict[str, Any], warmup: int, iterations: int) -> dict[str, Any]:
+    """Wall time of `cm.run` per iteration; on the GPU the inputs sit on the device first and each
+    run is synchronized, so the time is the model's, not the copies'."""
+    import time
+
+    import numpy as np
+    import torch
+
+    on_cuda = str(cm.device).startswith("cuda")
+    feeds: dict[str, Any] = arrays
+    if on_cuda:
+        feeds = {k: torch.from_numpy(np.ascontiguousarray(v)).to(cm.device) for k, v in arrays.items()}
+    for _ in range(warmup):
+        cm.run(feeds)
+    times = []
+    for _ in range(iterations):
+        if on_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        cm.run(feeds)
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    p50, p90, p99 = (float(np.percentile(times, q)) for q in (50, 90, 99))
+    return {"latency_ms": {"p50": p50, "p90": p90, "p99": p99, "mean": float(np.mean(times))}}
+
+
+@app.command("bench")
+def bench_command(
+    ctx: typer.Context,
+    bundle: Annotated[
+        Path, typer.Argument(help="A bundle from `opfuse compile` or `opfuse download`.", show_default=False)
+    ],
+    inputs: Annotated[
+        Path | None,
+        typer.Option("--inputs", "-i", help=_INPUTS_HELP + " Default: random inputs of the bundle's shapes."),
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Untimed runs first.", min=0)] = 10,
+    iterations: Annotated[int, typer.Option("--iterations", "-n", help="Timed runs.", min=1)] = 100,
+    device: Annotated[Device | None, typer.Option(help="cuda or cpu (default: the bundle's target).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time a bundle on this machine: warm-up runs, then p50/p90/p99 latency over the iterations.
+
+    Random inputs are timed with opfuse's protocol (CUDA events, the CUDA graph where it
+    captures); given inputs by synchronized wall time per run. On the CPU the kernels run in
+    Triton's interpreter: the times say nothing about speed there.
+    """
+    import opfuse
+
+    opts = options(ctx, None, None, json_out)
+    require_file(bundle, "bundle")
+    loaded = read_inputs(inputs) if inputs is not None else None
+    _prepare_device(device)
+    cm = opfuse.load(bundle, device=device.value if device else None)
+    on_cuda = str(cm.device).startswith("cuda")
+    if loaded is None:
+        measured = dict(cm.benchmark(iters=iterations, warmup=warmup)["after"])
+        method = (
+            "CUDA events" + (", CUDA graph" if measured.get("cuda_graph") else "") if on_cuda else "wall time"
+        )
+    else:
+        measured = _time_runs(cm, bind_inputs(loaded, cm.inputs, inputs or bundle), warmup, iterations)
+        method = "synchronized wall time per run" if on_cuda else "wall time per run"
+    result = {
+        "bundle": str(bundle),
+        "device": str(cm.device),
+        "inputs": str(inputs) if inputs is not None else "random",
+        "warmup": warmup,
+        "iterations": iterations,
+        "method": method,
+        "latency_ms": measured.get("latency_ms"),
+        "peak_memory_bytes": measured.get("peak_memory_bytes"),
+        "note": None if on_cuda else INTERPRETER_NOTE,
+    }
+    if opts.json:
+        print_json(result)
+    else:
+        console().print(bench_table(f"bench {escape(bundle.name)}", result))
 
 
 @app.command()

@@ -79,7 +79,7 @@ def upload(
     out.print(render.models_table([uploaded]))
     dynamic = [str(i.name) for i in uploaded.inputs if i.dynamic]
     hint = " --shape " + " --shape ".join(f"{escape(n)}=..." for n in dynamic) if dynamic else ""
-    out.print(f"start a job with `opfuse submit --model-id {escape(str(uploaded.id))}{hint}`")
+    out.print(f"start a job with `opfuse submit --model-id {escape(str(uploaded.id))}{hint}`", soft_wrap=True)
 
 
 def wait_for(client: OpfuseClient, job: Job, opts: Options, timeout_s: float | None) -> Job:
@@ -177,7 +177,9 @@ def submit(
             out.print(render.job_table(job, uploaded.name))
         else:
             job_id = escape(str(job.id))
-            out.print(f"job [bold]{job_id}[/] queued; follow it with `opfuse status {job_id}`")
+            out.print(
+                f"job [bold]{job_id}[/] queued; follow it with `opfuse status {job_id}`", soft_wrap=True
+            )
     if wait and job.status != "succeeded":
         reason = job.error or "no reason given"
         typer.echo(f"opfuse: error: job {job.id} {job.status}: {render.strip_controls(reason)}", err=True)
