@@ -197,12 +197,12 @@ if typing.TYPE_CHECKING:
 def tiny_model(
     nodes: list[onnx.NodeProto],
     inputs: dict[str, list[int]],
-    outputs: list[str],
+    outputs: dict[str, list[int]],
     inits: dict[str, np.ndarray] | None = None,
     opset: int = 18,
 ) -> onnx.ModelProto:
-    """A model of `nodes`: float32 inputs of the given shapes, outputs whose shapes ONNX infers,
-    and constants `inits` (float arrays as float32, integer arrays as int64)."""
+    """A model of `nodes`: float32 inputs and outputs of the given shapes, and constants `inits`
+    (float arrays as float32, integer arrays as int64)."""
     initializers = [
         numpy_helper.from_array(v.astype(np.int64 if np.issubdtype(v.dtype, np.integer) else np.float32), k)
         for k, v in (inits or {}).items()
@@ -211,7 +211,7 @@ def tiny_model(
         nodes,
         "tiny",
         [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in inputs.items()],
-        [helper.make_tensor_value_info(k, TensorProto.FLOAT, []) for k in outputs],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outputs.items()],
         initializer=initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
