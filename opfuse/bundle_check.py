@@ -53,13 +53,17 @@ def altered(kid: str) -> str:
     )
 
 
-def open_bundle(path: str | os.PathLike[str]) -> CheckedBundle:
-    """Read and check the bundle at `path`; BundleError saying what is wrong otherwise."""
+def open_bundle(path: str | os.PathLike[str], limit: int | None = None) -> CheckedBundle:
+    """Read and check the bundle at `path`; BundleError saying what is wrong otherwise. `limit`:
+    the most bytes its members may unpack to together (the API's OPFUSE_MAX_ARTIFACT_BYTES)."""
     try:
         z = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as exc:
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
         raise BundleError(f"cannot open the bundle: {exc}") from None
     with z:
+        unpacked = sum(i.file_size for i in z.infolist())
+        if limit is not None and unpacked > limit:
+            raise BundleError(f"the bundle unpacks to {unpacked} bytes, over the limit of {limit}")
         manifest = _json(z, "manifest.json")
         if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
             raise BundleError("not an opfuse bundle (manifest.format is not 'opfuse-bundle')")
@@ -208,3 +212,28 @@ def _json(z: zipfile.ZipFile, name: str) -> Any:
         return json.loads(_read(z, name))
     except (ValueError, RecursionError):
         raise BundleError(f"the bundle's {name} is not JSON") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m opfuse.bundle_check BUNDLE [--limit BYTES]`: check a bundle in a process of its
+    own (the API does, so that it imports no more of opfuse than docs/design.md's layering lets it).
+    Prints one JSON line, {"ok": true} or {"ok": false, "problem": "..."}; exit status 0 either way."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m opfuse.bundle_check")
+    parser.add_argument("bundle")
+    parser.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        open_bundle(args.bundle, limit=args.limit)
+    except BundleError as exc:
+        print(json.dumps({"ok": False, "problem": str(exc)}))
+    else:
+        print(json.dumps({"ok": True}))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from service.db import make_engine
 from service.models import Job
 from service.settings import Settings
+from tests.service.bundles import real_bundle
 from tests.service.conftest import Keys, bearer, create_job, upload
 from tests.service.onnx_models import mlp, to_bytes
 
@@ -89,8 +90,8 @@ def test_a_report_with_nul_is_stored_scrubbed(client: TestClient, keys: Keys, mo
     token = _claim(client, keys).json()["lease_token"]
     headers = {**bearer(keys.worker), "Lease-Token": token, "Content-Type": "application/zip"}
     assert client.put(
-        f"/v1/worker/jobs/{job['id']}/artifact", content=b"PK\x05\x06" + bytes(18), headers=headers
-    )
+        f"/v1/worker/jobs/{job['id']}/artifact", content=real_bundle(), headers=headers
+    ).is_success
     report = {"fusion": {"groups": [{"nodes": [f"n{NUL}1"], f"k{NUL}": 1}]}, "speedup": 1.5}
     response = client.post(
         f"/v1/worker/jobs/{job['id']}/complete",

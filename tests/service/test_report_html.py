@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from opfuse.views import CONTENT_SECURITY_POLICY
 from opfuse.views.trace import AFTER_PID, BEFORE_PID
 
+from .bundles import altered, real_bundle
 from .conftest import Keys, bearer, create_job
 from .test_worker import Worker
 
@@ -65,13 +66,14 @@ def report() -> dict[str, Any]:
 
 
 def bundle() -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as z:
-        z.writestr("manifest.json", '{"format": "opfuse-bundle", "version": 1}')
-        z.writestr("report.json", "{}")
-        z.writestr("report.html", WORKER_PAGE)
-        z.writestr("kernels/k0.py", KERNEL)
-    return buffer.getvalue()
+    """A bundle opfuse made (the API checks its kernels before storing it), with a page of the
+    worker's own in place of report.html."""
+    return altered(real_bundle(), lambda name, data: WORKER_PAGE.encode() if name == "report.html" else data)
+
+
+def kernel_source() -> str:
+    with zipfile.ZipFile(io.BytesIO(real_bundle())) as z:
+        return z.read("kernels/k0.py").decode()
 
 
 def finish(client: TestClient, keys: Keys, job_id: str, artifact: bytes) -> None:
@@ -96,7 +98,7 @@ def test_report_page_is_rendered_here_with_the_bundles_kernels(
     page = response.text
     assert page.startswith("<!DOCTYPE html>") and f'content="{html.escape(CONTENT_SECURITY_POLICY)}"' in page
     assert WORKER_PAGE not in page  # rendered from the report JSON, never the bundle's HTML
-    assert html.escape(KERNEL) in page  # the stored bundle's kernel source, as text
+    assert html.escape(kernel_source()) in page  # the stored bundle's kernel source, as text
     assert "<script>alert(1)" not in page and html.escape(HOSTILE) in page
     assert page.count("<script>") == 1
     assert '<svg id="time-chart"' in page and "2.00×" in page
@@ -106,12 +108,15 @@ def test_report_page_is_rendered_here_with_the_bundles_kernels(
 def test_report_page_without_a_readable_bundle_still_renders(
     client: TestClient, keys: Keys, model: dict
 ) -> None:
+    """An empty zip (no kernels in it) no longer gets stored: the API refuses a bundle it cannot
+    check, so a job's page always has the kernels of a bundle opfuse made."""
     job = create_job(client, keys.user, model["id"])
-    finish(client, keys, job["id"], b"PK\x05\x06" + b"\0" * 18)  # an empty zip: no kernels in it
+    worker = Worker(client, keys.worker)
+    token = worker.claim().json()["lease_token"]
+    refused = worker.artifact(job["id"], token, b"PK\x05\x06" + b"\0" * 18)
+    assert refused.status_code == 422 and "the bundle has no manifest.json" in refused.json()["detail"]
     response = client.get(f"/v1/jobs/{job['id']}/report.html", headers=bearer(keys.user))
-    assert response.status_code == 200, response.text
-    assert "generated kernel k0" not in response.text and "not measured" in response.text
-    assert html.escape(HOSTILE) in response.text
+    assert response.status_code == 404 and "failed" in response.json()["detail"]
 
 
 def test_report_page_is_tenant_scoped_and_404_until_success(

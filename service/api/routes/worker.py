@@ -15,10 +15,12 @@ from starlette.concurrency import run_in_threadpool
 from service import queue
 from service.api.deps import MetricsDep, SessionDep, SessionFactoryDep, SettingsDep, WorkerDep
 from service.api.files import blob_response
+from service.artifact_check import artifact_problem, refusal
 from service.blobs import store_blob
+from service.check_budget import CheckBudget
 from service.clock import utcnow
 from service.errors import UnprocessableError
-from service.logging import bind_log_fields
+from service.logging import bind_log_fields, get_logger
 from service.metrics import Metrics
 from service.model_zip import ZIP_MAGIC
 from service.models import Job, Model
@@ -33,10 +35,12 @@ from service.schemas import (
     JobOut,
     ModelOut,
 )
+from service.settings import Settings
 from service.spool import UploadSpool
 from service.uploads import receive_body, require_content_type
 
 router = APIRouter(prefix="/v1/worker", tags=["worker"])
+log = get_logger("worker_api")
 
 LeaseToken = Annotated[str, Header(alias="Lease-Token", min_length=1, description="the token from the claim")]
 
@@ -148,7 +152,12 @@ def _check_lease(session_factory: sessionmaker[Session], job_id: str, lease_toke
 
 
 def _store_artifact(
-    session: Session, job_id: str, lease_token: str, spool: UploadSpool, chunk_bytes: int
+    session: Session,
+    job_id: str,
+    lease_token: str,
+    spool: UploadSpool,
+    settings: Settings,
+    budget: CheckBudget,
 ) -> ArtifactOut:
     if not spool.head.startswith(ZIP_MAGIC):
         raise UnprocessableError(
@@ -156,6 +165,14 @@ def _store_artifact(
         )
     job = queue.leased_job(session, job_id, lease_token)  # the lease may have been lost during the upload
     bind_log_fields(worker_id=job.worker_id)
+    # Checked as opfuse.load checks it: a bundle carrying code opfuse did not generate fails its job.
+    problem = artifact_problem(spool.path, spool.size, settings.max_artifact_bytes, budget)
+    if problem is not None:
+        log.warning("artifact refused", extra={"job_id": job.id, "worker_id": job.worker_id})
+        queue.fail_job(session, job, refusal(problem), False, utcnow())
+        session.commit()  # the job's failure stays; the 422 below rolls back nothing else
+        raise UnprocessableError(f"the bundle was refused: {problem}")
+    chunk_bytes = settings.blob_chunk_bytes
     queue.attach_artifact(job, store_blob(session, spool, chunk_bytes), spool.size)
     return ArtifactOut(sha256=spool.sha256, size_bytes=spool.size)
 
@@ -188,7 +205,13 @@ async def upload_artifact(
             request, spool, settings.max_artifact_bytes, "artifact", "OPFUSE_MAX_ARTIFACT_BYTES"
         )
         return await run_in_threadpool(
-            _store_artifact, session, job_id, lease_token, spool, settings.blob_chunk_bytes
+            _store_artifact,
+            session,
+            job_id,
+            lease_token,
+            spool,
+            settings,
+            request.app.state.check_budget,
         )
 
 
