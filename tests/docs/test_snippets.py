@@ -1,0 +1,293 @@
+"""Every command and code snippet in README.md and docs/ is checked, so the docs cannot drift from
+the code: each `opfuse ...` line of a ```console or ```sh block is parsed by the real CLI (an
+unknown command or flag, a missing argument or a value of the wrong type fails), and each ```python
+block runs against a real `opfuse serve` (API and worker processes, a temp OPFUSE_HOME) in a folder
+holding the files the snippets name.
+
+A ```python block whose first line is a comment naming a file of the repository (`# opfuse/x.py`)
+is an excerpt of that file: its lines must be in the file, in order (a `...` line skips ahead).
+
+A block that cannot run here says so on the line before its fence, with a reason:
+`<!-- snippet: skip: REASON -->` (never run), or `<!-- snippet: needs cuda: REASON -->` (run
+only where torch sees a GPU). Their number is capped: a new one needs a reason good enough to
+raise the cap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import typer
+
+import client.cli as cli
+from client.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature
+from tests.unit.test_cli import small_mlp
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OPFUSE = str(Path(sys.executable).with_name("opfuse"))
+MAX_MARKED = 5
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+_MARKER = re.compile(r"<!--\s*snippet:\s*(skip|needs cuda)\s*:\s*(.*?)\s*-->")
+
+
+@dataclass(frozen=True)
+class Snippet:
+    path: Path
+    line: int
+    lang: str
+    code: str
+    marker: str | None
+    reason: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def _snippets() -> list[Snippet]:
+    found = []
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for m in _FENCE.finditer(text):
+            before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            marker = _MARKER.search(before)
+            found.append(
+                Snippet(
+                    path,
+                    text.count("\n", 0, m.start()) + 1,
+                    m.group(1),
+                    m.group(2),
+                    marker.group(1) if marker else None,
+                    marker.group(2) if marker else "",
+                )
+            )
+    return found
+
+
+SNIPPETS = _snippets()
+
+
+def test_marked_blocks_say_why_and_stay_few() -> None:
+    marked = [s for s in SNIPPETS if s.marker]
+    assert all(s.reason for s in marked), [s.where for s in marked if not s.reason]
+    assert len(marked) <= MAX_MARKED, [f"{s.where}: {s.reason}" for s in marked]
+    # A marker that does not sit right above a fence is a typo that would hide nothing.
+    for path in DOCS:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if "snippet:" in line and "<!--" in line:
+                assert _MARKER.search(line), f"{path.name}:{i + 1}: malformed marker {line!r}"
+                assert i + 1 < len(lines) and lines[i + 1].startswith("```"), f"{path.name}:{i + 1}"
+
+
+# -- console and sh blocks: every opfuse command line parses ---------------------------------------
+
+
+def _shell_lines(snippet: Snippet) -> list[str]:
+    """The command lines of a block: continuations joined; in a console block, the `$ ` lines and
+    the indented lines of a loop they start (the rest is output)."""
+    joined: list[str] = []
+    for raw in snippet.code.replace("\\\n", " ").splitlines():
+        line = raw.rstrip()
+        if snippet.lang == "console":
+            if line.startswith("$ "):
+                joined.append(line[2:])
+            elif line.startswith("  ") and line.strip().startswith("opfuse "):
+                joined.append(line.strip())
+        else:
+            joined.append(line)
+    return joined
+
+
+def _opfuse_argv(line: str) -> list[str] | None:
+    """The arguments of an `opfuse` command on this shell line (None when it runs something else).
+    Shell variables stand for a number (loop counters) or a word; `<job-id>` for a word; the line
+    ends at a pipe, redirection, `&`, `;` or comment."""
+    if not re.match(r"\s*(\w+=\S*\s+)*opfuse(\s|$)", line):
+        return None
+    line = re.sub(r"\$\(([^)]*)\)", "host", line)
+    line = re.sub(r"\$\{?(i|gpu)\}?\b", "0", line)
+    line = re.sub(r"\$\{?\w+\}?", "value", line)
+    line = re.sub(r"<([\w-]+)>", r"\1", line)
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    tokens = list(lex)
+    while tokens and re.fullmatch(r"\w+=\S*", tokens[0]):
+        tokens.pop(0)  # VAR=value before the command
+    if not tokens or tokens[0] != "opfuse":
+        return None
+    argv = []
+    for token in tokens[1:]:
+        if token and all(c in "|&;<>()" for c in token):
+            break
+        argv.append(token)
+    return argv
+
+
+def _parse(argv: list[str]) -> None:
+    """Parse `opfuse ARGV` down to its last subcommand, as the CLI would, without running it."""
+    # typer carries its own copy of click: a group is what resolves subcommands.
+    command: Any = typer.main.get_command(cli.app)
+    ctx = command.make_context("opfuse", list(argv))
+    while hasattr(command, "resolve_command"):
+        rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        if not rest:
+            return
+        name, sub, args = command.resolve_command(ctx, rest)
+        assert sub is not None and name is not None
+        ctx = sub.make_context(name, args, parent=ctx)
+        command = sub
+
+
+COMMANDS = [
+    pytest.param(argv, id=f"{s.where}: opfuse {' '.join(argv)}"[:120])
+    for s in SNIPPETS
+    if s.lang in ("console", "sh", "")
+    for line in _shell_lines(s)
+    if (argv := _opfuse_argv(line)) is not None
+]
+
+
+def test_the_docs_show_commands() -> None:
+    assert len(COMMANDS) > 40  # the extraction itself works: the docs show this many
+
+
+@pytest.mark.parametrize("argv", COMMANDS)
+def test_opfuse_command_line_parses(argv: list[str]) -> None:
+    try:
+        _parse(argv)
+    except Exception as exc:  # typer's UsageError, BadParameter, NoSuchOption, ...
+        message = exc.format_message() if hasattr(exc, "format_message") else repr(exc)
+        pytest.fail(f"opfuse {' '.join(argv)}: {message}")
+
+
+# -- python blocks: run against a real server --------------------------------------------------------
+
+
+@dataclass
+class Served:
+    url: str
+    home: Path
+    workdir: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """`opfuse serve` (the API and one worker) on a free port, the way the docs start it."""
+    workdir = tmp_path_factory.mktemp("docs")
+    home = workdir / ".opfuse"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPFUSE_")}
+    env.update(OPFUSE_HOME=str(home), OPFUSE_PORT=str(port), TRITON_INTERPRET="1")
+    log_path = workdir / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([OPFUSE, "serve"], cwd=workdir, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 90
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            assert proc.poll() is None, f"opfuse serve exited:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"opfuse serve not ready:\n{log_path.read_text()[-4000:]}"
+            try:
+                ready = httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                ready = False
+            if ready and (home / "api_key").is_file():
+                break
+            time.sleep(0.3)
+        for name in ("model.onnx", "mlp.onnx"):  # what the snippets upload: x[batch, 512] → y
+            small_mlp(workdir / name, 512)
+        yield Served(url, home, workdir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _namespace(served: Served) -> dict[str, Any]:
+    """The names the snippets take as given: the user's key, an input array, a webhook delivery."""
+    secret = "whsec-docs"
+    raw_body = b'{"job_id": "j1", "status": "succeeded", "summary": null, "error": null}'
+    now = str(int(time.time()))
+    return {
+        "__name__": "__snippet__",
+        "api_key": (served.home / "api_key").read_text().strip(),
+        "array": np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32),
+        "secret": secret,
+        "raw_body": raw_body,
+        "request_headers": {
+            TIMESTAMP_HEADER: now,
+            DELIVERY_HEADER: "delivery-1",
+            SIGNATURE_HEADER: signature(secret, raw_body, now, "delivery-1"),
+        },
+    }
+
+
+def _excerpt_of(snippet: Snippet) -> Path | None:
+    first = snippet.code.split("\n", 1)[0].strip()
+    m = re.fullmatch(r"#\s*([\w./-]+\.py)", first)
+    return ROOT / m.group(1) if m and (ROOT / m.group(1)).is_file() else None
+
+
+EXCERPTS = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and _excerpt_of(s)]
+PYTHON = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and not _excerpt_of(s)]
+
+
+@pytest.mark.parametrize("snippet", EXCERPTS)
+def test_python_excerpt_matches_its_file(snippet: Snippet) -> None:
+    path = _excerpt_of(snippet)
+    assert path is not None
+    source = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    at = 0
+    for line in snippet.code.splitlines()[1:]:
+        wanted = line.strip()
+        if not wanted or wanted in ("...", "# ..."):
+            continue
+        try:
+            at = source.index(wanted, at) + 1
+        except ValueError:
+            pytest.fail(f"{snippet.where}: {path.relative_to(ROOT)} has no line {wanted!r} (after line {at})")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("snippet", PYTHON)
+def test_python_snippet_runs(snippet: Snippet, served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    if snippet.marker == "skip":
+        pytest.skip(snippet.reason)
+    if snippet.marker == "needs cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(snippet.reason)
+    for var in ("OPFUSE_API_URL", "OPFUSE_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OPFUSE_HOME", str(served.home))
+    monkeypatch.chdir(served.workdir)
+    # The one rewrite: the snippets' local server is the test's (its port is a free one).
+    code = snippet.code.replace("http://127.0.0.1:8000", served.url)
+    exec(compile(code, snippet.where, "exec"), _namespace(served))  # our own docs
