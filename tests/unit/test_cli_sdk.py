@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -210,3 +211,40 @@ def test_discover_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("OPFUSE_API_URL")
     with pytest.raises(ConfigError, match=r"cannot read .*server\.json"):
         discover()
+
+
+def test_records_are_typed_and_keep_the_json() -> None:
+    raw = {
+        "id": "j1",
+        "model_id": "m1",
+        "status": "succeeded",
+        "progress": 1,
+        "created_at": "2025-01-01T00:00:00Z",
+        "summary": {"speedup": 1.5, "kernels_before": 9, "kernels_after": 3},
+        "new_field": {"from": "a newer server"},
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/jobs/j1/report":
+            return httpx.Response(200, json={"after": {"latency_ms": {"p50": 2.0, "p99": 3.0}}})
+        return httpx.Response(200, json=raw)
+
+    with make_client(handler) as client:
+        job = client.get_job("j1")
+        report = client.get_report("j1")
+    assert (job.id, job.model_id, job.status, job.progress, job.done) == ("j1", "m1", "succeeded", 1.0, True)
+    assert job.created_at is not None and (job.created_at.year, job.created_at.utcoffset()) == (
+        2025,
+        timedelta(0),
+    )
+    assert job.summary is not None and (job.summary.speedup, job.summary.kernels_after) == (1.5, 3)
+    assert job.error is None and job.summary.latency_ms_after is None  # not sent: None, not an error
+    # The JSON as the server sent it, unknown fields too; a copy from to_dict, and dict-style reads.
+    assert job.raw == raw and job == raw and dict(job) == raw
+    copy = job.to_dict()
+    copy["summary"]["speedup"] = 0.0
+    assert job.raw["summary"]["speedup"] == 1.5
+    assert job["status"] == "succeeded" and job.get("missing") is None and "new_field" in job
+    assert report.after is not None and (report.after.p50, report.after.p99) == (2.0, 3.0)
+    assert report.before is None and report.groups == () and report.verification.passed is None
+    assert "speedup=1.5" in repr(job)
