@@ -94,13 +94,15 @@ class CompiledModel:
     def _graph_runner(self, env: dict[str, Any]) -> Any:
         """The plan captured as a CUDA graph, or None where it cannot be (the reason is kept)."""
         if self._graph is None:
+            from opfuse.runtime.capture import CaptureBlocked
             from opfuse.runtime.cudagraph import GraphRunner
 
             try:
                 self._graph = GraphRunner(self.executor, env)
             except Exception as exc:  # capture is an optimization: fall back to step-by-step runs
                 self._graph = False
-                self.cuda_graph_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                limit = 600 if isinstance(exc, CaptureBlocked) else 200
+                self.cuda_graph_error = f"{type(exc).__name__}: {str(exc)[:limit]}"
         return self._graph or None
 
     def benchmark(self, iters: int = 50, warmup: int = 5, input_sets: int = 3) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from opfuse.ir.ops import CONV_OPS
 from opfuse.passes.rules import node_label
 from opfuse.profile.costs import profile_steps, roofline
 from opfuse.runtime.bundle import BUNDLE_FORMAT, BUNDLE_VERSION
+from opfuse.runtime.capture import host_blockers
 from opfuse.runtime.plan import Plan
 from opfuse.tuning.cache import kernel_signature
 from opfuse.tuning.configs import BUDGET_SPENT
@@ -170,6 +171,12 @@ def manifest(
     }
 
 
+def cuda_graph_outlook(plan: Plan) -> dict[str, Any]:
+    """Whether the plan can run as one CUDA graph, and what in it touches the host if not."""
+    blockers = host_blockers(plan)
+    return {"capturable": not blockers, "blockers": blockers[:20], "blocker_count": len(blockers)}
+
+
 def assemble(
     loaded: Loaded,
     fused: Fused,
@@ -213,6 +220,7 @@ def assemble(
         },
         "tuning": tuning,
         "memory": {**after.executor.memory.to_json(), "scratch_bytes": after.executor.scratch_bytes()},
+        "cuda_graph": cuda_graph_outlook(plan),
         "timings_s": {k: round(v, 4) for k, v in timings.items()},
     }
     report["fusion"]["coverage"] = explain_unfused(

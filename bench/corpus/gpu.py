@@ -225,6 +225,7 @@ def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup
                 compute_nodes=r.get("compute_nodes"),
                 cuda_graph=r["after"].get("cuda_graph"),
                 cuda_graph_error=r["after"].get("cuda_graph_error"),
+                verification=_verification(r),
             )
             rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
             del cm
@@ -236,6 +237,25 @@ def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup
         torch.cuda.empty_cache()
         append_line(out_path, rec)
         print(json.dumps(rec), flush=True)
+
+
+def _verification(report: dict[str, Any]) -> dict[str, Any]:
+    """What a failed verification needs to be understood: the worst output against its tolerance,
+    the groups rolled back, the note."""
+    ver = report.get("verification") or {}
+    outs = ver.get("outputs") or {}
+    worst = max(outs.items(), key=lambda kv: kv[1].get("rel_l2_err") or 0.0, default=None)
+    out: dict[str, Any] = {"rolled_back": len(ver.get("rolled_back") or [])}
+    if worst is not None:
+        name, o = worst
+        out.update(
+            worst=name, **{k: o.get(k) for k in ("rel_l2_err", "max_abs_err", "rtol", "atol", "passed")}
+        )
+        if "baseline_rel_l2_err" in o:
+            out["baseline_rel_l2_err"] = o["baseline_rel_l2_err"]
+    if ver.get("note"):
+        out["note"] = str(ver["note"])[:300]
+    return out
 
 
 def _torch_compile(

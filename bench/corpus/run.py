@@ -52,6 +52,7 @@ COLUMNS = [
     "fused_coverage",
     "unsupported_ops",
     "rel_l2",
+    "cuda_graph",
     "export_s",
     "compile_s",
     "error",
@@ -121,10 +122,12 @@ def coverage(report: dict[str, Any]) -> float | None:
 
 
 def run_one(
-    module: Any, example: dict[str, Any], exporter: str, workdir: str, verify: bool = True
+    module: Any, example: dict[str, Any], exporter: str, workdir: str, verify: bool = True, audit: bool = True
 ) -> dict[str, Any]:
     """Export, load, compile and verify one model with one exporter; a dict of the file's columns
-    (those the CPU leg fills). Never raises for the model's sake: what failed is in status/error."""
+    (those the CPU leg fills). Never raises for the model's sake: what failed is in status/error.
+    `audit`: run the plan once more under the CUDA-graph capture audit (opfuse/runtime/capture.py)
+    and fill `cuda_graph` ("yes", or what would touch the host mid-run)."""
     import onnx
 
     import opfuse
@@ -174,6 +177,8 @@ def run_one(
         fused_coverage=coverage(r),
         rel_l2=f"{max(errs):.2e}" if errs else None,
     )
+    if audit:
+        out["cuda_graph"] = capture_column(cm, shapes)
     if not verify:
         out["status"] = "compiled"
     elif out["verified"]:
@@ -182,6 +187,26 @@ def run_one(
         bad = [k for k, o in (ver.get("outputs") or {}).items() if not o.get("passed", True)]
         out.update(status="not_verified", error=f"verification failed on {bad or 'its outputs'}")
     return out
+
+
+def capture_column(cm: Any, shapes: dict[str, list[int]]) -> str:
+    """ "yes" where the plan can be one CUDA graph (no static blocker, and the audit of a run here
+    finds no host read or host copy), else the first reason."""
+    import numpy as np
+
+    from opfuse.runtime.capture import audit, host_blockers
+    from opfuse.runtime.executor import Executor
+    from opfuse.verify.reference import random_inputs
+
+    blockers = host_blockers(cm.plan)
+    if blockers:
+        return "no: " + blockers[0][:160]
+    try:
+        feeds = random_inputs(cm.plan.inputs, np.random.default_rng(0))
+        found = audit(Executor(cm.plan, "cpu", host_copies=True), feeds)
+    except Exception as exc:  # the audit is a measurement: its failure is a row's note, not a crash
+        return "audit failed: " + one_line(exc, 160)
+    return "yes" if not found else "no: " + found[0][:160]
 
 
 # --- the results file -----------------------------------------------------------------------------

@@ -6,17 +6,22 @@ from collections.abc import Mapping
 
 import torch
 
+from opfuse.runtime.capture import CaptureBlocked, describe, host_blockers
 from opfuse.runtime.executor import Executor
 
 
 class GraphRunner:
     """Captures `executor` once over static input buffers; each run copies inputs in and replays.
 
-    Capture fails for plans that need the host mid-run (data-dependent shapes); callers fall back
-    to running the plan step by step and say so in the report.
+    A plan that needs the host mid-run (runtime/capture.py's blockers) is refused before any
+    capture, with the reasons; callers fall back to running the plan step by step and say so in
+    the report.
     """
 
     def __init__(self, executor: Executor, env: Mapping[str, torch.Tensor], warmup: int = 2) -> None:
+        blockers = host_blockers(executor.plan)
+        if blockers:
+            raise CaptureBlocked(describe(blockers))
         self.executor = executor
         self.static_in = {k: v.clone() for k, v in env.items()}
         stream = torch.cuda.Stream(executor.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -16,41 +17,16 @@ from opfuse.errors import InputError, ModelError
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.memory import plan_memory
 from opfuse.runtime.ops import run_op
+from opfuse.runtime.ops_registry import host_inputs
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
 
-# Inputs each op reads as host integers (shapes, axes, pads, repeats), by position.
-_REDUCE_OPS = (
-    "ReduceMean",
-    "ReduceSum",
-    "ReduceMax",
-    "ReduceMin",
-    "ReduceProd",
-    "ReduceL1",
-    "ReduceL2",
-    "ReduceLogSum",
-    "ReduceLogSumExp",
-    "ReduceSumSquare",
-)
-HOST_ARGUMENTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,),
-    "Expand": (1,),
-    "Tile": (1,),
-    "Slice": (1, 2, 3, 4),
-    "Squeeze": (1,),
-    "Unsqueeze": (1,),
-    "Split": (1,),
-    "Pad": (1, 3),
-    "Trilu": (1,),
-    "Resize": (1, 2, 3),
-    "TopK": (1,),
-    "OneHot": (1,),
-    **{op: (1,) for op in _REDUCE_OPS},
-}
+# Constants up to this many elements that an op reads on the host get a host copy (runtime/capture.py).
+HOST_COPY_MAX_ELEMENTS = 1024
 
 
 class Executor:
-    def __init__(self, plan: Plan, device: str) -> None:
+    def __init__(self, plan: Plan, device: str, host_copies: bool | None = None) -> None:
         self.plan = plan
         self.device = torch.device(device)
         self.interpret = self.device.type != "cuda"
@@ -71,23 +47,25 @@ class Executor:
         # Shared by this plan's steps of one tiling: they run one after another on one stream, and
         # each launch leaves the counters at 0 (ResNet-50 at batch 1: about 7 MB, not 22 per step).
         self.scratch: dict[Any, Any] = {}
-        # Shape-like arguments (axes, shapes, pads) are read on the host: a host copy keeps that
-        # free of device-to-host syncs, which also lets the whole plan be captured as a CUDA graph.
-        host = {
-            k: from_numpy(v)
-            for k, v in plan.constants.items()
-            if v.dtype.kind in "iu" and v.size <= 1024 and self.device.type != "cpu"
-        }
+        # Inputs an op reads as Python values (axes, shapes, pads, scales: ops_registry.OpEntry.host_inputs)
+        # come from a host copy where they are constants of the plan: no device-to-host sync, so
+        # the whole plan can be captured as a CUDA graph. On the CPU the constants are host tensors
+        # already (`host_copies` forces the copies there: runtime/capture.py's audit uses them).
+        if host_copies is None:
+            host_copies = self.device.type != "cpu"
+        host: dict[str, torch.Tensor] = {}
         self.host_args: list[dict[int, torch.Tensor]] = []
         for step in plan.steps:
-            positions = HOST_ARGUMENTS.get(step.op_type, ()) if step.kind == "op" else ()
-            self.host_args.append(
-                {
-                    i: host[step.inputs[i]]
-                    for i in positions
-                    if i < len(step.inputs) and step.inputs[i] in host
-                }
-            )
+            args: dict[int, torch.Tensor] = {}
+            for i in host_inputs(step.op_type) if step.kind == "op" and host_copies else ():
+                name = step.inputs[i] if i < len(step.inputs) else ""
+                value = plan.constants.get(name) if name else None
+                if value is None or value.size > HOST_COPY_MAX_ELEMENTS:
+                    continue
+                if name not in host:
+                    host[name] = from_numpy(value).to(self.constants[name].dtype)
+                args[i] = host[name]
+            self.host_args.append(args)
         self.dies = plan.last_uses()
         self.step_hook: Callable[[int, Step], Any] | None = None
         # Kernel outputs live in one arena at offsets fixed by liveness (runtime/memory.py).
@@ -159,7 +137,9 @@ class Executor:
                 host_args[j] if j in host_args else (env[x] if x else None) for j, x in enumerate(step.inputs)
             ]
             try:
-                outs = run_op(step.op_type, args, step.attrs, num_outputs=len(step.outputs))
+                outs = run_op(
+                    step.op_type, args, step.attrs, num_outputs=len(step.outputs), device=self.device
+                )
             except InputError as exc:  # the inputs' fault: say which node, and what to fix
                 raise InputError(f"node {step.label!r}: {exc}; fix that input's values") from None
             for name, value in zip(step.outputs, outs, strict=False):
@@ -175,17 +155,23 @@ class Executor:
             module.launch(*ins, *kouts, config=self.configs[step.kernel])
         env.update(zip(step.outputs, kouts, strict=True))
 
-    def run_tensors(self, env: dict[str, torch.Tensor], keep_all: bool = False) -> dict[str, torch.Tensor]:
+    def run_tensors(
+        self, env: dict[str, torch.Tensor], keep_all: bool = False, around: Callable[..., None] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Run every step; buffers are freed after their last use unless `keep_all`.
 
         Kernel outputs go to the arena, except with `keep_all` (every value must survive then).
+        `around(i, step, run, env)` wraps each step's run (runtime/capture.py's audit).
         """
         env = {**self.constants, **env}
         with _matmul_precision(self.plan.precision, self.device):
             for i, step in enumerate(self.plan.steps):
                 if self.step_hook is not None:
                     self.step_hook(i, step)
-                self._run_step(i, step, env, arena=not keep_all)
+                if around is None:
+                    self._run_step(i, step, env, arena=not keep_all)
+                else:
+                    around(i, step, functools.partial(self._run_step, i, step, env, arena=not keep_all), env)
                 if not keep_all:
                     for name in self.dies.get(i, ()):
                         env.pop(name, None)

@@ -29,7 +29,14 @@ from opfuse.runtime import (  # noqa: F401
     ops_reduce,
     ops_shape,
 )
-from opfuse.runtime.ops_registry import NUM_OUTPUTS_KEY, ONNX_TORCH_DTYPES, OP_TABLE, OpImpl, onnx_torch_dtype
+from opfuse.runtime.ops_registry import (
+    DEVICE_KEY,
+    NUM_OUTPUTS_KEY,
+    ONNX_TORCH_DTYPES,
+    OP_TABLE,
+    OpImpl,
+    onnx_torch_dtype,
+)
 
 __all__ = ["ONNX_TORCH_DTYPES", "SUPPORTED_OPS", "VIEW_OPS", "OpImpl", "onnx_torch_dtype", "run_op"]
 
@@ -61,9 +68,14 @@ VIEW_OPS: frozenset[str] = frozenset(
 
 
 def run_op(
-    op_type: str, inputs: list[torch.Tensor | None], attrs: dict[str, Any], num_outputs: int = 1
+    op_type: str,
+    inputs: list[torch.Tensor | None],
+    attrs: dict[str, Any],
+    num_outputs: int = 1,
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
-    """Run one ONNX node (default domain) with torch; returns its `num_outputs` outputs."""
+    """Run one ONNX node (default domain) with torch; returns its `num_outputs` outputs. `device`:
+    where an op whose outputs follow no input (Range, ConstantOfShape) puts them."""
     entry = OP_TABLE.get(op_type)
     if entry is None:
         raise ModelError(
@@ -72,6 +84,8 @@ def run_op(
         )
     if entry.wants_num_outputs:
         attrs = {**attrs, NUM_OUTPUTS_KEY: num_outputs}
+    if entry.wants_device and device is not None:
+        attrs = {**attrs, DEVICE_KEY: device}
     outs = entry.impl(inputs, attrs)
     if len(outs) < num_outputs:
         raise ModelError(

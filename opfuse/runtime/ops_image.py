@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from opfuse.errors import ModelError
 from opfuse.runtime.ops_registry import int_list, normalize_axes, optional, register, required
+from opfuse.runtime.tensors import device_table
 
 Inputs = list[torch.Tensor | None]
 Attrs = dict[str, Any]
@@ -149,13 +150,13 @@ def _resize_axis(
     fill: float,
 ) -> torch.Tensor:
     out, n = index.shape
-    idx = torch.from_numpy(index.reshape(-1)).to(x.device)
+    idx = device_table(index.reshape(-1), x.device)
     gathered = x.index_select(axis, idx)
     gathered = gathered.reshape(*x.shape[:axis], out, n, *x.shape[axis + 1 :])
-    w = torch.from_numpy(weights).to(device=x.device, dtype=x.dtype)
+    w = device_table(weights, x.device, x.dtype)
     y = (gathered * w.reshape(out, n, *([1] * (x.dim() - axis - 1)))).sum(dim=axis + 1)
     if outside is not None and outside.any():
-        mask = torch.from_numpy(outside).to(x.device).reshape(out, *([1] * (x.dim() - axis - 1)))
+        mask = device_table(outside, x.device).reshape(out, *([1] * (x.dim() - axis - 1)))
         y = torch.where(mask, torch.full_like(y, fill), y)
     return y
 
@@ -164,7 +165,7 @@ def _floats(t: torch.Tensor | None) -> list[float] | None:
     return None if t is None or t.numel() == 0 else [float(v) for v in t.reshape(-1).tolist()]
 
 
-@register("Resize")
+@register("Resize", host_inputs=(1, 2, 3))
 def resize(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "Resize")
     roi, scales = _floats(optional(inputs, 1)), _floats(optional(inputs, 2))
@@ -260,7 +261,7 @@ def space_to_depth(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [t.reshape(b, c * bs * bs, h // bs, w // bs)]
 
 
-@register("CenterCropPad")
+@register("CenterCropPad", host_inputs=(1,))
 def center_crop_pad(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, shape = required(inputs, 0, "CenterCropPad"), int_list(required(inputs, 1, "CenterCropPad"))
     axes = normalize_axes(list(attrs.get("axes", range(x.dim()))), x.dim(), "CenterCropPad")
@@ -301,7 +302,7 @@ def grid_sample(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [y.to(x.dtype)]
 
 
-@register("AffineGrid")
+@register("AffineGrid", host_inputs=(1,))
 def affine_grid(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     theta, size = required(inputs, 0, "AffineGrid"), int_list(required(inputs, 1, "AffineGrid"))
     align = attrs.get("align_corners", 0) == 1

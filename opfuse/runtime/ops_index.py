@@ -12,6 +12,7 @@ Constant indices are checked once, at compile time (`passes/indices.py`).
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -41,13 +42,19 @@ def _reduction(attrs: Attrs, op_type: str) -> str:
     return str(reduction)
 
 
+# Whether indices are checked on the host (None: on the CPU, not on a GPU). runtime/capture.py's
+# audit runs the CPU as a GPU would, so it turns the check off.
+HOST_INDEX_CHECKS: ContextVar[bool | None] = ContextVar("opfuse_host_index_checks", default=None)
+
+
 def checked_index(indices: torch.Tensor, size: int, op_type: str, axis: int) -> torch.Tensor:
     """`indices` (any integer type) as int64 in [0, size): ONNX's negative indices count from the
     end. Outside [-size, size-1]: `InputError` on the CPU; clamped into range on a GPU (no sync)."""
     idx = indices.to(torch.int64)
     if size == 0 and idx.numel():  # shapes are static: no sync to know this
         raise InputError(f"{op_type}: indices into axis {axis} of size 0, which has no element to take")
-    if idx.device.type == "cpu":
+    host_check = HOST_INDEX_CHECKS.get()
+    if host_check if host_check is not None else idx.device.type == "cpu":
         bad = (idx < -size) | (idx >= size)
         if bool(bad.any()):
             value = int(idx[bad].reshape(-1)[0])
@@ -112,7 +119,7 @@ def gather_nd(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [gathered.reshape(*indices.shape[:-1], *rest)]
 
 
-@register("TopK")
+@register("TopK", host_inputs=(1,))
 def top_k(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, k_t = required(inputs, 0, "TopK"), required(inputs, 1, "TopK")
     k = int_list(k_t)[0]
@@ -124,7 +131,7 @@ def top_k(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [values.narrow(axis, 0, k), order.narrow(axis, 0, k)]
 
 
-@register("NonZero")
+@register("NonZero", data_dependent_shape=True)
 def non_zero(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     # Only ever run on a compile-time constant (the frontend refuses others): folded away.
     x = required(inputs, 0, "NonZero")
@@ -133,7 +140,7 @@ def non_zero(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [torch.nonzero(x).t().contiguous()]
 
 
-@register("OneHot")
+@register("OneHot", host_inputs=(1,))
 def one_hot(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     indices, depth_t, values = (required(inputs, i, "OneHot") for i in range(3))
     depth = int(depth_t.reshape(-1)[0].item())
@@ -161,12 +168,12 @@ def _running(op_type: str, inputs: Inputs, attrs: Attrs) -> torch.Tensor:
     return torch.flip(y, [axis]) if reverse else y
 
 
-@register("CumSum")
+@register("CumSum", host_inputs=(1,))
 def cum_sum(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [_running("CumSum", inputs, attrs)]
 
 
-@register("CumProd")
+@register("CumProd", host_inputs=(1,))
 def cum_prod(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [_running("CumProd", inputs, attrs)]
 
@@ -201,7 +208,7 @@ def reverse_sequence(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [torch.gather(x, time_axis, src.reshape(shape).expand(x.shape))]
 
 
-@register("Compress")
+@register("Compress", data_dependent_shape=True)
 def compress(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     # Only ever run with a compile-time condition (the frontend refuses others).
     x, condition = required(inputs, 0, "Compress"), required(inputs, 1, "Compress")

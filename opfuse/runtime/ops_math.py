@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from opfuse.errors import ModelError
-from opfuse.runtime.ops_registry import onnx_torch_dtype, register, required
+from opfuse.runtime.ops_registry import onnx_torch_dtype, register, required, target_device
 
 Inputs = list[torch.Tensor | None]
 Attrs = dict[str, Any]
@@ -104,12 +104,12 @@ def _window(op_type: str) -> None:
     def impl(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
         size = int(required(inputs, 0, op_type).reshape(-1)[0].item())
         periodic = attrs.get("periodic", 1) == 1
-        n = torch.arange(size, dtype=torch.float32)
+        n = torch.arange(size, dtype=torch.float32, device=target_device(attrs))
         angle = n * (torch.tensor(6.2831855, dtype=torch.float32) / float(size if periodic else size - 1))
         w = a0 - a1 * torch.cos(angle) + a2 * torch.cos(angle * 2.0)
         return [w.to(onnx_torch_dtype(int(attrs.get("output_datatype", 1))))]
 
-    register(op_type)(impl)
+    register(op_type, host_inputs=(0,), wants_device=True)(impl)
 
 
 for _name in _WINDOWS:

@@ -112,7 +112,7 @@ def _register_reduce(op_type: str, reducer: Reducer) -> None:
             return [noop(x)]
         return [reducer(x, sorted(set(normalize_axes(axes, x.dim(), op_type))), keepdim)]
 
-    register(op_type)(impl)
+    register(op_type, host_inputs=(1,))(impl)
 
 
 for _op, _reducer in {

@@ -21,6 +21,9 @@ OpImpl = Callable[[list[torch.Tensor | None], dict[str, Any]], list[torch.Tensor
 # Reserved attribute key through which `run_op` tells an op how many outputs the node has. ONNX
 # attribute names never start with an underscore, so it cannot clash with a real attribute.
 NUM_OUTPUTS_KEY = "_num_outputs"
+# Likewise the device a plan runs on, for ops whose outputs follow no input to a device (Range,
+# ConstantOfShape, the window functions: their inputs may be host copies, runtime/capture.py).
+DEVICE_KEY = "_device"
 
 
 @dataclass(frozen=True)
@@ -29,22 +32,55 @@ class OpEntry:
     # Split (no `split` input, no `num_outputs` attr), Dropout (mask) and LayerNormalization (mean,
     # inv std) depend on, or can skip work by, knowing how many outputs the node has.
     wants_num_outputs: bool = False
+    # Inputs the kernel reads as Python values (shapes, axes, pads, scales, counts), by position.
+    # The executor hands it a host copy of such an input where it is a constant of the plan, so the
+    # read costs no device-to-host sync and the plan can be captured as a CUDA graph; where it is
+    # computed at run time the plan must touch the host mid-run (runtime/capture.py says so).
+    host_inputs: tuple[int, ...] = ()
+    # The output's shape depends on input values (NonZero, Compress): always a host sync.
+    data_dependent_shape: bool = False
+    wants_device: bool = False
 
 
 OP_TABLE: dict[str, OpEntry] = {}
 
 
-def register(*op_types: str, wants_num_outputs: bool = False) -> Callable[[OpImpl], OpImpl]:
-    """Register `impl` as the kernel of each default-domain ONNX op in `op_types`."""
+def register(
+    *op_types: str,
+    wants_num_outputs: bool = False,
+    host_inputs: tuple[int, ...] = (),
+    data_dependent_shape: bool = False,
+    wants_device: bool = False,
+) -> Callable[[OpImpl], OpImpl]:
+    """Register `impl` as the kernel of each default-domain ONNX op in `op_types` (see OpEntry)."""
 
     def wrap(impl: OpImpl) -> OpImpl:
         for op_type in op_types:
             if op_type in OP_TABLE:
                 raise RuntimeError(f"two torch implementations registered for ONNX op {op_type}")
-            OP_TABLE[op_type] = OpEntry(impl, wants_num_outputs)
+            OP_TABLE[op_type] = OpEntry(
+                impl, wants_num_outputs, host_inputs, data_dependent_shape, wants_device
+            )
         return impl
 
     return wrap
+
+
+def host_inputs(op_type: str) -> tuple[int, ...]:
+    entry = OP_TABLE.get(op_type)
+    return entry.host_inputs if entry is not None else ()
+
+
+def target_device(attrs: dict[str, Any], *inputs: torch.Tensor | None) -> torch.device:
+    """Where an op's new tensor goes: the plan's device where the executor passed it, else the
+    first input's."""
+    device = attrs.get(DEVICE_KEY)
+    if device is not None:
+        return torch.device(device)
+    for t in inputs:
+        if t is not None:
+            return t.device
+    return torch.device("cpu")
 
 
 # ONNX TensorProto.DataType enum -> torch dtype, for the types opfuse handles.

@@ -24,7 +24,9 @@ from opfuse.runtime.ops_registry import (
     optional,
     register,
     required,
+    target_device,
 )
+from opfuse.runtime.tensors import device_table
 
 Inputs = list[torch.Tensor | None]
 Attrs = dict[str, Any]
@@ -44,7 +46,7 @@ def dropout(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [x, torch.ones_like(x, dtype=torch.bool)]
 
 
-@register("Reshape")
+@register("Reshape", host_inputs=(1,))
 def reshape(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, shape = required(inputs, 0, "Reshape"), int_list(required(inputs, 1, "Reshape"))
     if attrs.get("allowzero", 0) == 0:
@@ -71,7 +73,7 @@ def transpose(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [x.permute(list(perm) if perm is not None else list(reversed(range(x.dim()))))]
 
 
-@register("Squeeze")
+@register("Squeeze", host_inputs=(1,))
 def squeeze(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, axes_t = required(inputs, 0, "Squeeze"), optional(inputs, 1)
     if axes_t is None:
@@ -85,7 +87,7 @@ def squeeze(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [x.reshape(kept)]
 
 
-@register("Unsqueeze")
+@register("Unsqueeze", host_inputs=(1,))
 def unsqueeze(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, axes = required(inputs, 0, "Unsqueeze"), int_list(required(inputs, 1, "Unsqueeze"))
     # Axes count in the output's rank.
@@ -104,13 +106,13 @@ def shape(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     # Negative bounds count from the end; out-of-range bounds are clamped, not errors.
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = min(max(end + rank if end < 0 else end, 0), rank)
-    return [torch.tensor(list(x.shape[start:end]), dtype=torch.int64, device=x.device)]
+    return [device_table(np.array(x.shape[start:end], dtype=np.int64), x.device)]
 
 
 @register("Size")
 def size(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "Size")
-    return [torch.tensor(x.numel(), dtype=torch.int64, device=x.device)]
+    return [device_table(np.array(x.numel(), dtype=np.int64), x.device)]
 
 
 @register("Gather")
@@ -142,7 +144,7 @@ def concat(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [torch.cat(xs, dim=normalize_axis(int(attrs["axis"]), xs[0].dim(), "Concat"))]
 
 
-@register("Split", wants_num_outputs=True)
+@register("Split", wants_num_outputs=True, host_inputs=(1,))
 def split(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, split_t = required(inputs, 0, "Split"), optional(inputs, 1)
     axis = normalize_axis(int(attrs.get("axis", 0)), x.dim(), "Split")
@@ -158,7 +160,7 @@ def split(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return list(torch.split(x, -(-x.shape[axis] // parts), dim=axis))
 
 
-@register("Slice")
+@register("Slice", host_inputs=(1, 2, 3, 4))
 def slice_(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x = required(inputs, 0, "Slice")
     starts, ends = int_list(required(inputs, 1, "Slice")), int_list(required(inputs, 2, "Slice"))
@@ -192,20 +194,20 @@ def slice_(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     return [y]
 
 
-@register("Expand")
+@register("Expand", host_inputs=(1,))
 def expand(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, shape = required(inputs, 0, "Expand"), int_list(required(inputs, 1, "Expand"))
     # Bidirectional broadcast: a 1 in `shape` keeps the input's larger dim.
     return [x.expand(torch.broadcast_shapes(x.shape, tuple(shape)))]
 
 
-@register("Tile")
+@register("Tile", host_inputs=(1,))
 def tile(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, repeats = required(inputs, 0, "Tile"), int_list(required(inputs, 1, "Tile"))
     return [x.repeat(repeats)]
 
 
-@register("Trilu")
+@register("Trilu", host_inputs=(1,))
 def trilu(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, k_t = required(inputs, 0, "Trilu"), optional(inputs, 1)
     k = int_list(k_t)[0] if k_t is not None else 0
@@ -229,7 +231,7 @@ def _pad_indices(size: int, begin: int, end: int, mode: str) -> torch.Tensor:
 _TORCH_PAD_MODES = {"reflect": "reflect", "edge": "replicate"}
 
 
-@register("Pad")
+@register("Pad", host_inputs=(1, 2, 3))
 def pad(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     x, pads_t = required(inputs, 0, "Pad"), required(inputs, 1, "Pad")
     value_t, axes_t = optional(inputs, 2), optional(inputs, 3)
@@ -260,7 +262,9 @@ def pad(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
         return [F.pad(x, flat, mode=_TORCH_PAD_MODES[mode])]
     for axis in padded:
         begin, end = per_dim[axis]
-        x = torch.index_select(x, axis, _pad_indices(x.shape[axis], begin, end, mode).to(x.device))
+        x = torch.index_select(
+            x, axis, device_table(_pad_indices(x.shape[axis], begin, end, mode).numpy(), x.device)
+        )
     return [x]
 
 
@@ -292,14 +296,15 @@ def constant(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     )
 
 
-@register("ConstantOfShape")
+@register("ConstantOfShape", host_inputs=(0,), wants_device=True)
 def constant_of_shape(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     shape_t = required(inputs, 0, "ConstantOfShape")
     value = _tensor_from_numpy(attrs["value"]).reshape(-1) if "value" in attrs else torch.zeros(1)
-    return [torch.full(int_list(shape_t), value[0].item(), dtype=value.dtype, device=shape_t.device)]
+    device = target_device(attrs, shape_t)
+    return [torch.full(int_list(shape_t), value[0].item(), dtype=value.dtype, device=device)]
 
 
-@register("Range")
+@register("Range", host_inputs=(0, 1, 2), wants_device=True)
 def range_(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     start, limit, delta = (required(inputs, i, "Range") for i in range(3))
     if start.dtype.is_floating_point:
@@ -312,11 +317,13 @@ def range_(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
             compute = torch.float32
         # start + i * delta; onnxruntime accumulates (value += delta) instead, which drifts by a
         # few ulps over long ranges.
-        steps = torch.arange(n, dtype=compute, device=start.device)
-        return [(start.to(compute) + steps * delta.to(compute)).to(start.dtype)]
+        device = target_device(attrs, start)
+        steps = torch.arange(n, dtype=compute, device=device)
+        begin, step = start.to(device=device, dtype=compute), delta.to(device=device, dtype=compute)
+        return [(begin + steps * step).to(start.dtype)]
     lo, hi, step = int(start.item()), int(limit.item()), int(delta.item())
     if step == 0:
         raise ModelError("Range: delta is 0")
     # torch.arange refuses a limit on the wrong side of start; ONNX gives an empty range.
     n = max(-((lo - hi) // step), 0)
-    return [torch.arange(lo, lo + n * step, step, dtype=start.dtype, device=start.device)]
+    return [torch.arange(lo, lo + n * step, step, dtype=start.dtype, device=target_device(attrs, start))]

@@ -159,7 +159,11 @@ def precompile(
                 must[key] = _request(plan, k, start)
             if cache is None or cached is not None:
                 continue
-            for cand in search.candidates(k):
+            try:
+                cands = search.candidates(k)
+            except Exception:  # tuning this kernel raises again in tune_kernel, per group,
+                continue  # where the group is set aside as unsafe, with the reason
+            for cand in cands:
                 config = {**k.config, **cand}
                 key = (sig, config_key(config))
                 if key not in seen:

@@ -31,6 +31,8 @@ from opfuse.frontend.load import RENAMED_BY_CONVERSION
 from opfuse.frontend.static_values import runtime_shape_inputs
 from opfuse.frontend.unsupported import refusal_reason
 from opfuse.frontend.validate import REFUSED_ELEM_TYPES, SUPPORTED_ELEM_TYPES
+from opfuse.runtime.capture import audit, host_blockers
+from opfuse.runtime.executor import Executor
 from opfuse.runtime.ops import SUPPORTED_OPS
 
 UNSUPPORTED_OP = "unsupported op"
@@ -294,6 +296,7 @@ def _run(case: Any) -> str:
         shapes = {n: list(v.shape) for n, v in feeds.items() if isinstance(v, np.ndarray)}
         cm = opfuse.compile(baked, input_shapes=shapes, device="cpu", verify=False)
         got = cm.run(feeds)
+        problems += capture_problems(cm, feeds)
         if case.name in ORT_EXPECTED:
             outputs = _onnxruntime_outputs(baked, feeds)
         for vi, want in zip(model.graph.output, outputs, strict=True):
@@ -301,6 +304,15 @@ def _run(case: Any) -> str:
             if diff:
                 problems.append(diff)
     return "; ".join(problems)
+
+
+def capture_problems(cm: opfuse.CompiledModel, feeds: dict[str, Any]) -> list[str]:
+    """A plan with no static CUDA-graph blocker must run on a GPU without touching the host: the
+    capture audit (opfuse/runtime/capture.py) of its run here finds nothing."""
+    if host_blockers(cm.plan):
+        return []
+    found = audit(Executor(cm.plan, "cpu", host_copies=True), feeds)
+    return [f"capture audit: {f}" for f in found]
 
 
 def _onnxruntime_outputs(model: onnx.ModelProto, feeds: dict[str, Any]) -> list[np.ndarray]:

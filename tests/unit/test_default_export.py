@@ -123,7 +123,10 @@ def test_resnet18_of_both_exporters(dynamo: bool, tmp_path: Path) -> None:
     model = export(net, (x,), tmp_path / "resnet18.onnx", dynamo=dynamo)
     cm = check(model, (x,), tmp_path)
     kernels, compute = cm.report["kernels"]["after"], cm.report["compute_nodes"]
-    assert kernels <= 0.4 * compute, (kernels, compute)
+    # What the planner fused is held here; a step the runtime runs as several launches (a shortcut
+    # conv left to the library: three, Step.launches) is counted as one.
+    library = sum(s.launches - 1 for s in cm.plan.steps if s.kind == "op" and s.launches > 1)
+    assert kernels - library <= 0.4 * compute, (kernels, library, compute)
 
 
 class GeluMLP(nn.Module):

@@ -27,6 +27,7 @@ REPORT = {
     "tuning",
     "memory",
     "timings_s",
+    "cuda_graph",
     "before",
     "after",
 }
@@ -48,6 +49,7 @@ NESTED = {
         "ridge_flop_per_byte",
     },
     ("memory",): {"arena_bytes", "unshared_bytes", "max_live_bytes", "buffers", "scratch_bytes"},
+    ("cuda_graph",): {"capturable", "blockers", "blocker_count"},
     ("timings_s",): {"load", "fuse", "codegen", "profile", "tune", "verify", "benchmark"},
 }
 MEASURED = {
