@@ -92,33 +92,7 @@ class AnchorEpilogue(FusionRule):
             if not prologue and state.on(PAD_RULE):
                 prologue = input_pad(graph, anchor, taken, consumers, not_fused)
                 rule = f"{rule}+{PAD_RULE}" if prologue else rule
-        out_shape = graph.spec(anchor.outputs[0]).shape
-        members = {anchor.id}
-        frontier = [anchor]
-        pending: dict[str, str] = {}  # refusals that a later join may resolve (cycles)
-        while frontier:
-            node = frontier.pop(0)
-            for o in node.outputs:
-                for u in consumers.get(o, []) if o else []:
-                    if u.id in members or u.id in taken or pointwise_reason(graph, u) is not None:
-                        continue
-                    if graph.spec(u.outputs[0]).shape != out_shape:
-                        continue
-                    merged = members | {u.id}
-                    why, _ = merge_refusal(
-                        graph,
-                        merged,
-                        order,
-                        MAX_EPILOGUE_NODES + 1,
-                        MAX_EPILOGUE_TENSORS,
-                        fixed_tensors=4 if shortcut else 2,
-                    )
-                    if why is not None:
-                        pending[u.id] = why
-                        continue
-                    members = merged
-                    pending.pop(u.id, None)
-                    frontier.append(u)
+        members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             members |= _split_epilogue(graph, anchor, taken, consumers)
         by_id = {x.id: x for x in graph.nodes}
@@ -168,6 +142,39 @@ class AnchorEpilogue(FusionRule):
                 absorbed=absorbed,
             )
         )
+
+    def _epilogue(self, anchor: Node, fixed_tensors: int) -> tuple[set[str], dict[str, str]]:
+        """The anchor and the pointwise consumers of its output's shape that join it, breadth
+        first under the epilogue's caps; and the refusals a later join may resolve (cycles)."""
+        graph, taken, consumers = self.graph, self.taken, self.consumers
+        out_shape = graph.spec(anchor.outputs[0]).shape
+        members = {anchor.id}
+        frontier = [anchor]
+        pending: dict[str, str] = {}
+        while frontier:
+            node = frontier.pop(0)
+            for o in node.outputs:
+                for u in consumers.get(o, []) if o else []:
+                    if u.id in members or u.id in taken or pointwise_reason(graph, u) is not None:
+                        continue
+                    if graph.spec(u.outputs[0]).shape != out_shape:
+                        continue
+                    merged = members | {u.id}
+                    why, _ = merge_refusal(
+                        graph,
+                        merged,
+                        self.order,
+                        MAX_EPILOGUE_NODES + 1,
+                        MAX_EPILOGUE_TENSORS,
+                        fixed_tensors=fixed_tensors,
+                    )
+                    if why is not None:
+                        pending[u.id] = why
+                        continue
+                    members = merged
+                    pending.pop(u.id, None)
+                    frontier.append(u)
+        return members, pending
 
 
 RULE = AnchorEpilogue

@@ -94,7 +94,7 @@ class RowReduction(FusionRule):
 
     def claim(self, c: Candidate) -> None:
         graph, order, not_fused = self.graph, self.order, self.state.not_fused
-        producers, consumers, assigned = self.producers, self.consumers, self.assigned
+        assigned = self.assigned
         anchor = c.nodes[0]
         space = row_space(graph, anchor)
         members = {anchor.id}
@@ -104,15 +104,7 @@ class RowReduction(FusionRule):
         changed = True
         while changed:
             changed = False
-            by_id = {n.id: n for n in graph.nodes if n.id in members}
-            neighbours: list[Node] = []
-            for m in by_id.values():
-                neighbours += [producers[x] for x in m.inputs if x and x in producers]
-                neighbours += [u for o in m.outputs if o for u in consumers.get(o, [])]
-                # Siblings: other readers of the same activation load it once from this kernel.
-                neighbours += [
-                    u for x in m.inputs if x and x not in graph.constants for u in consumers.get(x, [])
-                ]
+            neighbours = self._neighbours(members)
             for cand in sorted({n.id: n for n in neighbours}.values(), key=lambda n: order[n.id]):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
@@ -157,6 +149,19 @@ class RowReduction(FusionRule):
                 split=space.first,
             )
         )
+
+    def _neighbours(self, members: set[str]) -> list[Node]:
+        """The producers, consumers and siblings of the group's nodes (siblings: other readers of
+        the same activation, which load it once from this kernel)."""
+        graph, producers, consumers = self.graph, self.producers, self.consumers
+        neighbours: list[Node] = []
+        for m in [n for n in graph.nodes if n.id in members]:
+            neighbours += [producers[x] for x in m.inputs if x and x in producers]
+            neighbours += [u for o in m.outputs if o for u in consumers.get(o, [])]
+            neighbours += [
+                u for x in m.inputs if x and x not in graph.constants for u in consumers.get(x, [])
+            ]
+        return neighbours
 
     def finish(self) -> None:
         """A row group's Concat is selected; its inputs behind layout ops are read as views."""
