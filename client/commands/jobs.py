@@ -194,6 +194,13 @@ def model_names(client: OpfuseClient) -> dict[str, str]:
         return {}
 
 
+def _model_name(client: OpfuseClient, model_id: str) -> str | None:
+    try:
+        return client.get_model(model_id).name
+    except OpfuseAPIError:
+        return None  # the job's model id is shown alone
+
+
 def status(
     ctx: typer.Context, job: JobArg, api: ApiOpt = None, key: KeyOpt = None, json_out: JsonOpt = False
 ) -> None:
@@ -201,7 +208,7 @@ def status(
     opts = options(ctx, api, key, json_out)
     with opts.client() as client:
         found = client.get_job(job)
-        name = None if opts.json else model_names(client).get(str(found.model_id))
+        name = None if opts.json else _model_name(client, str(found.model_id))
     if opts.json:
         print_json(found)
     else:

@@ -282,6 +282,11 @@ def test_compare_side_by_side(api_url: str, keys: Keys, compiled: dict[int, Comp
     p50 = [float(c) for c in row("p50 after ms")]
     assert p50 == pytest.approx([r["after"]["latency_ms"]["p50"] for r in reports], rel=1e-3)
     assert all(c.startswith("passed") for c in row("verification"))
+    with OpfuseClient(api_url, keys.user) as sdk:
+        queued = sdk.create_job(str(jobs[0].model_id), input_shapes={"x": [3, 16]})
+    text = ok(opfuse_cli(api_url, keys.user, "compare", ids[0], str(queued.id))).stdout
+    assert row("status") == ["succeeded", "queued"] and row("speedup")[1] == "-"
+    assert row("model") == ["mlp16.onnx", "mlp16.onnx"]
     one_line_error(opfuse_cli(api_url, keys.user, "compare", ids[0]), 2, "two or more")
     one_line_error(opfuse_cli(api_url, keys.other, "compare", *ids), 1, "HTTP 404")
 
