@@ -15,7 +15,7 @@ Runs on the channels-last graph right after the layout pass and before `merge_si
 which would otherwise merge the shortcut with the block's first 1x1 conv (they read x at the same
 stride in ResNet-50's layer 1). Two convolutions of one input are `sum_sibling_convs`' case (one
 conv with the kernels summed), not this rule's. The library has no such convolution: the group
-always runs the conv template (`fusion.anchors`, `lowering`), and the per-op kernel
+always runs the conv template (`fusion.rules.anchor_epilogue`, `lowering`), and the per-op kernel
 (`runtime.ops_nn.conv_nhwc`) computes the two convolutions and their sum where the group is not
 fused.
 """

@@ -2,8 +2,8 @@
 its 1x1 downsample shortcut) become one convolution whose output channels are theirs side by side,
 then a Split back into each conv's output: one implicit GEMM over the input instead of two, and one
 launch. The conv kernel writes each part of the Split as a buffer of its own, with the
-activation that follows that part (fusion.anchors: `split_epilogue`), so nothing reads the merged
-tensor.
+activation that follows that part (fusion.rules.anchor_epilogue: `_split_epilogue`), so nothing
+reads the merged tensor.
 
 The merged weight is the convolutions' kernels placed in one window (their bounding box, zeros
 elsewhere), as for `merge_concat_convs`: the NHWC template skips the zero taps of a tile's output
