@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import opfuse
 from opfuse.views import CONTENT_SECURITY_POLICY, kernel_sources_from_zip, render_html, render_trace
 from opfuse.views.html import roofs_for
 from opfuse.views.trace import AFTER_PID, BEFORE_PID
+from tests.browser import chromium, console_problems, full_page_screenshot, requested_urls, screenshot_dir
 from tests.builders import TEST_DEVICE, conv_bn_relu, residual_mlp
 
 HOSTILE = "<script>alert(1)</script>"
@@ -517,50 +517,11 @@ def test_views_import_nothing_but_the_standard_library() -> None:
 
 # -- in a real browser -----------------------------------------------------------------------------
 
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
-    """Debian's headless Chromium through chromedriver, with a fresh profile and nothing running in
-    the background that would reach the network; console and network events are logged."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        message = "needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # .ci/run installs them: in CI a missing browser is a broken setup
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--hide-scrollbars",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        "--window-size=1280,900",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
-    try:
+    with chromium(tmp_path) as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def _screenshot_dir(tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("OPFUSE_SCREENSHOT_DIR") or tmp_path / "screenshots")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
 
 
 def _open_and_check(driver: Any, page: Path, shot: Path) -> None:
@@ -586,20 +547,10 @@ def _open_and_check(driver: Any, page: Path, shot: Path) -> None:
     again = [float(td.get_attribute("data-v")) for td in driver.find_elements(By.CSS_SELECTOR, column)]
     assert again == sorted(again)
     driver.execute_script("document.querySelectorAll('details').forEach(function (d) { d.open = false; })")
-    console = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
-    assert console == [], console
-    urls = []
-    for entry in driver.get_log("performance"):
-        message = json.loads(entry["message"])["message"]
-        if message["method"] == "Network.requestWillBeSent":
-            urls.append(message["params"]["request"]["url"])
-    # data: URLs (the empty favicon) are no request to anywhere.
-    assert set(u for u in urls if not u.startswith("data:")) == {page.as_uri()}, urls
-    driver.execute_script("window.scrollTo(0, 0)")
-    height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1280, min(int(height) + 40, 12000))
-    assert driver.save_screenshot(str(shot))
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert console_problems(driver) == []
+    urls = requested_urls(driver)  # data: URLs (the empty favicon) are no request to anywhere
+    assert set(urls) == {page.as_uri()}, urls
+    full_page_screenshot(driver, shot)
 
 
 def test_pages_in_headless_chromium(
@@ -607,7 +558,7 @@ def test_pages_in_headless_chromium(
 ) -> None:
     """The bundle's report.html of a real compile, and a GPU-like report, as a person sees them;
     the screenshots go to OPFUSE_SCREENSHOT_DIR (default: this test's tmp dir)."""
-    shots = _screenshot_dir(tmp_path)
+    shots = screenshot_dir(tmp_path)
     _, _, bundle = mlp
     page = tmp_path / "report.html"
     with zipfile.ZipFile(bundle) as z:

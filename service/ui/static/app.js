@@ -3,7 +3,7 @@
 "use strict";
 (function () {
   var V = window.opfuseViews, KEY = "opfuse.key", POLL_MS = 1500;
-  var state = { models: [], jobs: [], ticked: [], timer: null };
+  var state = { models: [], jobs: [], ticked: [], timer: null, asked: 0 };
   function $(id) { return document.getElementById(id); }
 
   function notice(text, isError) {
@@ -65,11 +65,18 @@
   function signOut() {
     sessionStorage.removeItem(KEY);
     clearTimeout(state.timer);
-    state = { models: [], jobs: [], ticked: [], timer: null };
+    state = { models: [], jobs: [], ticked: [], timer: null, asked: state.asked };
     $("app").hidden = true;
     $("nav").hidden = true;
     $("signin").hidden = false;
     $("key").value = "";
+    // The next key starts from an unfiltered view, with nothing of this one's left on the page.
+    ["filter-status", "filter-model"].forEach(function (id) { $(id).value = ""; });
+    $("sort").value = "-created_at";
+    ["models-table", "jobs-table", "compare-table"].forEach(function (id) { $(id).tBodies[0].replaceChildren(); });
+    $("report-frame").removeAttribute("srcdoc");
+    $("compare").hidden = true;
+    $("report").hidden = true;
   }
 
   // -- models ----------------------------------------------------------------------------------
@@ -139,7 +146,11 @@
     var query = "/v1/jobs?order_by=" + encodeURIComponent($("sort").value);
     if ($("filter-status").value) { query += "&status=" + encodeURIComponent($("filter-status").value); }
     if ($("filter-model").value) { query += "&model_id=" + encodeURIComponent($("filter-model").value); }
-    state.jobs = await all(query);
+    // A poll and a change of filter can overlap: only the latest answer is drawn.
+    var asked = ++state.asked;
+    var jobs = await all(query);
+    if (asked !== state.asked) { return; }
+    state.jobs = jobs;
     var tbody = $("jobs-table").tBodies[0];
     tbody.replaceChildren.apply(tbody, state.jobs.map(function (job) {
       var model = modelById(job.model_id);

@@ -93,7 +93,7 @@
     ["launches after", "report.kernels.after", String, "low"],
     ["peak memory after", "report.after.peak_memory_bytes", bytes, "low"],
     ["fused groups", "groups", String], ["not fused", "not_fused", String],
-    ["verified", "report.verification.passed", String], ["reference", "report.verification.reference", String],
+    ["verification", "report.verification.passed", function (v) { return v ? "passed" : "failed"; }], ["reference", "report.verification.reference", String],
   ];
 
   function compareRows(tbody, sides) {
@@ -106,7 +106,7 @@
       var best = row[3] && numbers.length === values.length && values[0] !== values[1]
         ? (row[3] === "high" ? Math.max : Math.min).apply(null, numbers) : null;
       return el("tr", {}, [el("th", { text: row[0] })].concat(values.map(function (v) {
-        return el("td", { cls: v === best ? "num better" : "num", text: v === undefined || v === null ? "—" : row[2](v) });
+        return el("td", { cls: best !== null && v === best ? "num better" : "num", text: v === undefined || v === null ? "—" : row[2](v) });
       })));
     });
     tbody.replaceChildren.apply(tbody, [head].concat(rows));
