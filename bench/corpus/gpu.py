@@ -23,17 +23,15 @@ merge logic are tested on the CPU (tests/corpus/test_legs.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fcntl
 import json
 import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -43,25 +41,6 @@ BATCHES = (1, 32)
 PRECISION = "fp16"
 EXPORTER = "dynamo"  # the GPU leg times the default export
 ROW_TIMEOUT_S = 1800.0
-GPU_LOCK_ENV = "OPFUSE_CORPUS_GPU_LOCK"
-
-
-@contextlib.contextmanager
-def gpu_timing() -> Iterator[None]:
-    """Hold the GPU alone while timing. With --jobs N, N rows export and compile at once (CPU
-    work), but every timed section (opfuse's benchmark, torch.compile's replay) takes this lock, so
-    no two timings share the GPU. Tuning inside opfuse.compile is not under the lock: its choices
-    may be made on a busy GPU."""
-    path = os.environ.get(GPU_LOCK_ENV)
-    if not path:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def append_line(path: str, rec: dict[str, Any]) -> None:
@@ -175,12 +154,38 @@ def _fresh(example: dict[str, Any], gen: Any) -> dict[str, Any]:
     return out
 
 
-def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup: int, tune_s: float) -> None:
+def _exported(module: Any, ex: dict[str, Any], name: str, batch: int, export_dir: str) -> str:
+    """The row's default export at this batch, made once under `export_dir` and reused (the
+    timing pass reads what the compile pass wrote: the exporter is deterministic here anyway)."""
+    from bench.corpus.run import export
+
+    where = os.path.join(export_dir, f"{name.replace('/', '--')}-b{batch}")
+    path = os.path.join(where, "m.onnx")
+    if not os.path.exists(os.path.join(where, "done")):
+        os.makedirs(where, exist_ok=True)
+        export(module, ex, path, EXPORTER)
+        open(os.path.join(where, "done"), "w").close()
+    return path
+
+
+def measure_row(
+    name: str,
+    batches: list[int],
+    out_path: str,
+    iters: int,
+    warmup: int,
+    tune_s: float,
+    phase: str,
+    export_dir: str,
+) -> None:
+    """One row's batches. phase "all": compile, verify and time; "compile": compile and verify, and
+    compile torch.compile's peer, timing nothing (rows run in parallel: the caches warm up);
+    "time": the same with warm caches, then the timings (rows run one at a time)."""
+    import onnx
     import torch
 
     import opfuse
     from bench.corpus.models import BY_NAME
-    from bench.corpus.run import export
     from bench.run import _commit, graphed, source_digest, time_cuda
 
     row = BY_NAME[name]
@@ -189,48 +194,49 @@ def measure_row(name: str, batches: list[int], out_path: str, iters: int, warmup
         "model": name,
         "precision": PRECISION,
         "exporter": EXPORTER,
+        "phase": phase,
         "gpu": torch.cuda.get_device_name(0),
         "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
         "opfuse_source": source_digest(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    timed = phase != "compile"
     for batch in batches:
         rec: dict[str, Any] = {**meta, "batch": batch}
         try:
             ex = _batched(example, batch)
-            with tempfile.TemporaryDirectory(prefix="opfuse-corpus-gpu-") as d:
-                path = os.path.join(d, "m.onnx")
-                export(module, ex, path, EXPORTER)
-                import onnx
-
-                proto = onnx.load(path)
-                inits = {i.name for i in proto.graph.initializer}
-                names = [i.name for i in proto.graph.input if i.name not in inits]
-                shapes = {n: list(t.shape) for n, t in zip(names, ex.values(), strict=False)}
-                t0 = time.perf_counter()
-                cm = opfuse.compile(
-                    proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s
-                )
-                rec["compile_s"] = round(time.perf_counter() - t0, 2)
-            with gpu_timing():
-                cm.benchmark(iters=iters, warmup=warmup)
+            proto = onnx.load(_exported(module, ex, name, batch, export_dir))
+            inits = {i.name for i in proto.graph.initializer}
+            names = [i.name for i in proto.graph.input if i.name not in inits]
+            shapes = {n: list(t.shape) for n, t in zip(names, ex.values(), strict=False)}
+            t0 = time.perf_counter()
+            cm = opfuse.compile(
+                proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s
+            )
+            rec["compile_s"] = round(time.perf_counter() - t0, 2)
             r = cm.report
             rec.update(
                 verified=bool(r["verification"]["passed"]),
-                opfuse_ms=r["after"]["latency_ms"]["p50"],
-                stepwise_ms=(r.get("after_stepwise") or {}).get("latency_ms", {}).get("p50"),
-                per_op_ms=r["before"]["latency_ms"]["p50"],
                 kernels_before=r["kernels"].get("before"),
                 kernels_after=r["kernels"]["after"],
                 compute_nodes=r.get("compute_nodes"),
-                cuda_graph=r["after"].get("cuda_graph"),
-                cuda_graph_error=r["after"].get("cuda_graph_error"),
+                cuda_graph_outlook=r.get("cuda_graph"),
                 verification=_verification(r),
             )
-            rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
+            if timed:
+                cm.benchmark(iters=iters, warmup=warmup)
+                rec.update(
+                    opfuse_ms=r["after"]["latency_ms"]["p50"],
+                    stepwise_ms=(r.get("after_stepwise") or {}).get("latency_ms", {}).get("p50"),
+                    per_op_ms=r["before"]["latency_ms"]["p50"],
+                    cuda_graph=r["after"].get("cuda_graph"),
+                    cuda_graph_error=r["after"].get("cuda_graph_error"),
+                )
+                rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
             del cm
-            rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda))
-            rec["ratio_torch_compile"] = _ratio(rec["opfuse_ms"], rec.get("torch_compile_cudagraph_ms"))
+            rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda, timed))
+            if timed:
+                rec["ratio_torch_compile"] = _ratio(rec["opfuse_ms"], rec.get("torch_compile_cudagraph_ms"))
         except Exception as exc:
             traceback.print_exc()
             rec["error"] = one_line(exc, 400)
@@ -259,9 +265,16 @@ def _verification(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _torch_compile(
-    module: Any, example: dict[str, Any], iters: int, warmup: int, graphed: Any, time_cuda: Any
+    module: Any,
+    example: dict[str, Any],
+    iters: int,
+    warmup: int,
+    graphed: Any,
+    time_cuda: Any,
+    timed: bool = True,
 ) -> dict[str, Any]:
-    """torch.compile + CUDA graph of the module itself, fp16, the inputs of bench/run.py's peers."""
+    """torch.compile + CUDA graph of the module itself, fp16, the inputs of bench/run.py's peers
+    (`timed` False: compiled and run once, which fills inductor's caches for the timing pass)."""
     import torch
 
     gen = torch.Generator().manual_seed(3)
@@ -279,9 +292,10 @@ def _torch_compile(
             compiled(*static.values())
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            with gpu_timing():
-                replay = graphed(lambda: compiled(*static.values()))
-                ms = time_cuda(lambda i: replay(), iters, warmup)
+            if not timed:
+                return {"torch_compile_s": round(compile_s, 2)}
+            replay = graphed(lambda: compiled(*static.values()))
+            ms = time_cuda(lambda i: replay(), iters, warmup)
         return {"torch_compile_cudagraph_ms": ms, "torch_compile_s": round(compile_s, 2)}
     except Exception as exc:
         return {"torch_compile_error": one_line(exc, 300)}
@@ -289,8 +303,11 @@ def _torch_compile(
         module.cpu().float()
 
 
-def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespace) -> None:
-    cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path]
+def run_row(
+    name: str, batches: list[int], out_path: str, args: argparse.Namespace, phase: str = "all"
+) -> None:
+    cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path, "--phase", phase]
+    cmd += ["--export-dir", args.export_dir]
     cmd += [
         "--batches",
         ",".join(map(str, batches)),
@@ -306,7 +323,7 @@ def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespa
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
     }
     env.pop("TRITON_INTERPRET", None)
-    if args.jobs > 1:
+    if phase == "compile" and args.jobs > 1:
         env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
     try:
         rc = subprocess.run(cmd, env=env, cwd=root, timeout=args.timeout, check=False).returncode
@@ -318,7 +335,9 @@ def run_row(name: str, batches: list[int], out_path: str, args: argparse.Namespa
     got = read_done([out_path])
     for b in batches:
         if (name, b) not in got:
-            append_line(out_path, {"model": name, "batch": b, "precision": PRECISION, "error": why})
+            append_line(
+                out_path, {"model": name, "batch": b, "precision": PRECISION, "phase": phase, "error": why}
+            )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -333,8 +352,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
     ap.add_argument(
-        "--jobs", type=int, default=1, help="rows at once: they compile in parallel and take turns timing"
+        "--jobs",
+        type=int,
+        default=1,
+        help="N > 1: first compile N rows at once (no timing; caches warm up), then time them one at a time",
     )
+    ap.add_argument(
+        "--export-dir", default="", help="where exports are kept for reuse (default: --out + '.exports')"
+    )
+    ap.add_argument("--phase", default="all", choices=["all", "compile", "time"], help=argparse.SUPPRESS)
     ap.add_argument("--stop-after", type=float, default=0.0, help="start no row after this many seconds")
     ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row (all its batches)")
     ap.add_argument("--merge", nargs="+", metavar="JSONL", help="fill expected.csv's GPU columns and exit")
@@ -349,6 +375,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--batches: each batch must be at least 1")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    args.export_dir = args.export_dir or args.out + ".exports"
     return args
 
 
@@ -359,7 +386,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"filled the GPU columns of {n} rows of {args.expected}")
         return
     if args.worker:
-        measure_row(args.worker, args.batches, args.out, args.iters, args.warmup, args.tune_budget)
+        measure_row(
+            args.worker,
+            args.batches,
+            args.out,
+            args.iters,
+            args.warmup,
+            args.tune_budget,
+            args.phase,
+            args.export_dir,
+        )
         return
     from bench.corpus.models import select
 
@@ -372,21 +408,35 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/corpus/gpu.py measures on a CUDA GPU; on the CPU run bench/corpus/run.py")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    plan = pending(shard(names, args.shard), args.batches, read_done([args.out]), args.force)
-    print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
-    if args.jobs > 1:
-        os.environ.setdefault(GPU_LOCK_ENV, os.path.abspath(args.out) + ".gpu-lock")
+    names = shard(names, args.shard)
     start = time.monotonic()
 
-    def one(item: tuple[int, tuple[str, list[int]]]) -> None:
-        i, (name, batches) = item
-        if args.stop_after and time.monotonic() - start > args.stop_after:
-            return
-        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches}", flush=True)
-        run_row(name, batches, args.out, args)
+    def in_time(share: float = 1.0) -> bool:
+        return not args.stop_after or time.monotonic() - start < share * args.stop_after
 
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        list(pool.map(one, enumerate(plan)))
+    if args.jobs > 1:  # compile in parallel first, then time one row at a time on warm caches
+        compile_out = args.out + ".compile"
+        todo = pending(names, args.batches, {**read_done([compile_out]), **read_done([args.out])}, args.force)
+        print(f"{len(todo)} rows to compile, {args.jobs} at once -> {compile_out}", flush=True)
+
+        def one(item: tuple[int, tuple[str, list[int]]]) -> None:
+            i, (name, batches) = item
+            if in_time(0.5):  # the first half of --stop-after compiles, the rest times
+                print(f"--- compile [{i + 1}/{len(todo)}] {name} batches {batches}", flush=True)
+                run_row(name, batches, compile_out, args, "compile")
+
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(one, enumerate(todo)))
+        compiled = read_done([compile_out])
+        names = [n for n in names if any((n, b) in compiled for b in args.batches)]
+    plan = pending(names, args.batches, read_done([args.out]), args.force)
+    phase = "time" if args.jobs > 1 else "all"
+    print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
+    for i, (name, batches) in enumerate(plan):
+        if not in_time():
+            break
+        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches}", flush=True)
+        run_row(name, batches, args.out, args, phase)
 
 
 if __name__ == "__main__":
