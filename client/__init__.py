@@ -9,6 +9,7 @@ from __future__ import annotations
 from client.records import ApiKey, Job, Model, Report
 from client.sdk import (
     ArtifactIntegrityError,
+    ArtifactSignatureError,
     LeaseLostError,
     OpfuseAPIError,
     OpfuseClient,
@@ -20,6 +21,7 @@ from client.sdk import (
 __all__ = [
     "ApiKey",
     "ArtifactIntegrityError",
+    "ArtifactSignatureError",
     "Job",
     "LeaseLostError",
     "Model",

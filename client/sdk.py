@@ -14,6 +14,7 @@ What it returns are typed records (client.records): attributes, the JSON in `.ra
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -79,6 +80,7 @@ class Download:
     path: Path
     sha256: str
     size_bytes: int
+    signature: str | None = None  # the server's Opfuse-Signature, verified where the call checks it
 
 
 class OpfuseClientError(Exception):
@@ -114,6 +116,10 @@ class ModelFileError(OpfuseClientError):
 
 class ArtifactIntegrityError(OpfuseClientError):
     """A downloaded file's sha256 does not match the ETag the server sent."""
+
+
+class ArtifactSignatureError(ArtifactIntegrityError):
+    """A downloaded bundle is unsigned or its Opfuse-Signature is not the API's (docs/api.md)."""
 
 
 def _detail(response: httpx.Response) -> str:
@@ -162,8 +168,12 @@ class OpfuseClient:
         timeout: float = 30.0,
         *,
         transport: httpx.BaseTransport | None = None,
+        signing_key: str | None = None,
     ) -> None:
+        """`signing_key`: your tenant's bundle-signing key (hex, GET /v1/signing-key); when None,
+        the first download asks the API for it."""
         self.api_url = api_url.rstrip("/")
+        self._signing_key = bytes.fromhex(signing_key) if signing_key else None
         self._http = httpx.Client(
             base_url=self.api_url,
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "opfuse-sdk/0.1"},
@@ -225,9 +235,17 @@ class OpfuseClient:
             query["cursor"] = cursor
 
     def _stream_to_file(
-        self, method: str, path: str, dest: str | os.PathLike[str], *, lease: bool = False, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        dest: str | os.PathLike[str],
+        *,
+        lease: bool = False,
+        check: Callable[[Download], None] | None = None,
+        **kwargs: Any,
     ) -> Download:
-        """Stream a response body into `dest` (atomically) and check it against the ETag, if any."""
+        """Stream a response body into `dest` (atomically) and check it against the ETag, if any;
+        `check` sees the download (in its temporary place) before it lands at `dest`."""
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
@@ -237,6 +255,7 @@ class OpfuseClient:
             with self._http.stream(method, path, **kwargs) as response:
                 self._raise_for_status(response, method, path, lease=lease)
                 expected = _etag_sha256(response)
+                signature = response.headers.get("Opfuse-Signature")
                 with part.open("wb") as f:
                     for chunk in response.iter_bytes(_CHUNK):
                         f.write(chunk)
@@ -257,8 +276,15 @@ class OpfuseClient:
                 f"the download of {path} is damaged: its sha256 is {sha} but the server's ETag says "
                 f"{expected}; download it again"
             )
+        got = Download(path=part, sha256=sha, size_bytes=size, signature=signature)
+        if check is not None:
+            try:
+                check(got)
+            except BaseException:
+                part.unlink(missing_ok=True)
+                raise
         os.replace(part, dest)
-        return Download(path=dest, sha256=sha, size_bytes=size)
+        return Download(path=dest, sha256=sha, size_bytes=size, signature=signature)
 
     # -- models -----------------------------------------------------------------------------
 
@@ -386,9 +412,37 @@ class OpfuseClient:
         """A finished job's report as one self-contained HTML page (works offline)."""
         return self._request("GET", f"/v1/jobs/{job_id}/report.html").text
 
-    def download_artifact(self, job_id: str, path: str | os.PathLike[str]) -> Download:
-        """Stream the job's bundle to `path`; its sha256 is checked against the server's ETag."""
-        return self._stream_to_file("GET", f"/v1/jobs/{job_id}/artifact", path)
+    def signing_key(self) -> bytes:
+        """Your tenant's bundle-signing key: the one given to the client, else the API's answer."""
+        if self._signing_key is None:
+            self._signing_key = bytes.fromhex(str(self._json("GET", "/v1/signing-key")["key"]))
+        return self._signing_key
+
+    def download_artifact(
+        self, job_id: str, path: str | os.PathLike[str], *, verify_signature: bool = True
+    ) -> Download:
+        """Stream the job's bundle to `path`; its sha256 is checked against the server's ETag and
+        its Opfuse-Signature against your tenant's signing key (ArtifactSignatureError, nothing
+        saved, when it does not match). `verify_signature=False` skips the signature only."""
+        key = self.signing_key() if verify_signature else None
+
+        def check(got: Download) -> None:
+            if key is None:
+                return
+            message = f"opfuse-artifact-v1\n{job_id}\n{got.sha256}".encode()
+            expected = "hmac-sha256=" + hmac.new(key, message, hashlib.sha256).hexdigest()
+            if got.signature is None:
+                raise ArtifactSignatureError(
+                    f"the bundle of job {job_id} came without the API's signature (Opfuse-Signature); "
+                    "it was not saved: download it from the opfuse API itself"
+                )
+            if not hmac.compare_digest(got.signature, expected):
+                raise ArtifactSignatureError(
+                    f"the bundle of job {job_id} does not carry this API's signature for your tenant: "
+                    "it was altered on its way or does not come from this server; it was not saved"
+                )
+
+        return self._stream_to_file("GET", f"/v1/jobs/{job_id}/artifact", path, check=check)
 
     def cancel_job(self, job_id: str) -> Job:
         return Job.from_dict(self._json("POST", f"/v1/jobs/{job_id}/cancel"))

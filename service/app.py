@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from service import maintenance, webhooks
-from service.api.routes import admin, health, jobs, models, worker
+from service.api.routes import admin, health, jobs, models, signing, worker
 from service.body_limits import BodyLimitsMiddleware
 from service.check_budget import CheckBudget
 from service.db import make_engine, make_session_factory, upgrade_to_head
@@ -30,6 +30,7 @@ from service.middleware import RequestContextMiddleware
 from service.queue import ClaimHealth
 from service.rate_limit import FailedAuthLimiter, RateLimiter
 from service.settings import Settings
+from service.signing import load_signing_key
 from service.storable import scrub, storable_json
 from service.ui import docs as ui_docs
 from service.ui import routes as ui_routes
@@ -129,8 +130,9 @@ def create_app(settings: Settings | None = None, *, run_migrations: bool = True)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_min)
     app.state.auth_failures = FailedAuthLimiter(settings.auth_failures_per_min)
     app.state.check_budget = CheckBudget(settings.check_budget_bytes)
+    app.state.signing_key = load_signing_key(settings)
     app.state.claim_health = ClaimHealth()
-    routers = (models.router, jobs.router, admin.router, worker.router, health.router)
+    routers = (models.router, jobs.router, admin.router, worker.router, health.router, signing.router)
     for router in (*routers, ui_routes.router, ui_docs.router):
         app.include_router(router)
     app.add_exception_handler(ServiceError, _service_error)

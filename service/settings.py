@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     # Bytes of uploaded models parsed and checked at once (a check holds ~3.5x the model).
     check_budget_bytes: int = Field(default=32 * MiB, ge=MiB)
 
+    # Bundles are signed with a key derived per tenant from this one (service/signing.py); unset:
+    # a key made on first start and kept in `home`/signing.key (0600).
+    signing_key: SecretStr | None = Field(default=None, min_length=32)
+
     # Webhooks.
     webhook_secret: SecretStr | None = None
     webhook_allow_private: bool = False

@@ -34,7 +34,7 @@ def download(
     key: KeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Download a finished job's bundle (checked against the server's sha256)."""
+    """Download a finished job's bundle (checked against the server's sha256 and signature)."""
     opts = options(ctx, api, key, json_out)
     dest = output or Path(f"{job}.opfuse.zip")
     with opts.client() as client:

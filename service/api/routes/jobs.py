@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import jobs
+from service import jobs, signing
 from service.api.deps import SessionDep, SessionFactoryDep, SettingsDep, UserDep
 from service.api.files import blob_response
 from service.blobs import BlobCorruptError, open_blob
@@ -150,7 +150,12 @@ def get_report_html(
 @router.get(
     "/{job_id}/artifact",
     response_class=Response,
-    responses={200: {"content": {"application/zip": {}}, "description": "the bundle; ETag is its sha256"}},
+    responses={
+        200: {
+            "content": {"application/zip": {}},
+            "description": "the bundle; ETag is its sha256, Opfuse-Signature its signature (docs/api.md)",
+        }
+    },
 )
 def get_artifact(
     job_id: str,
@@ -165,9 +170,15 @@ def get_artifact(
         raise NotFoundError(
             f"job '{job_id}' has no artifact (it is {job.status}); a job has one once it succeeded"
         )
-    return blob_response(
+    response = blob_response(
         request, session, session_factory, job.artifact_blob_key, "application/zip", f"{job.id}.opfuse.zip"
     )
+    # Signed as stored: the sha256 the API computed when it received and checked the bundle.
+    key = signing.tenant_key(request.app.state.signing_key, job.tenant_id)
+    response.headers[signing.HEADER] = signing.signature(
+        key, job.id, job.artifact_sha256 or job.artifact_blob_key
+    )
+    return response
 
 
 @router.post("/{job_id}/cancel")
