@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from opfuse.runtime.executor import HOST_COPY_MAX_ELEMENTS
 from opfuse.runtime.ops_index import HOST_INDEX_CHECKS
 from opfuse.runtime.ops_registry import OP_TABLE
 from opfuse.runtime.plan import Plan
@@ -57,6 +58,12 @@ def host_blockers(plan: Plan) -> list[str]:
                 reasons.append(
                     f"node {step.label!r} ({step.op_type}) reads input {i} ({name!r}) on the host, "
                     "and it is computed at run time"
+                )
+            elif name and plan.constants[name].size > HOST_COPY_MAX_ELEMENTS:
+                reasons.append(
+                    f"node {step.label!r} ({step.op_type}) reads input {i} ({name!r}) on the host, "
+                    f"a constant of {plan.constants[name].size} elements (host copies stop at "
+                    f"{HOST_COPY_MAX_ELEMENTS})"
                 )
     return reasons
 
