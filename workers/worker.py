@@ -17,28 +17,22 @@ child is killed and its job handed back (retryable) for another worker.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import random
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
-from client.config import ConfigError, opfuse_home, read_key_file, resolve_url
+from client.config import ConfigError
 from client.sdk import (
     Claim,
     LeaseLostError,
@@ -55,102 +49,13 @@ from workers.child import (
     start_forkserver,
     warm_forkserver,
 )
-from workers.devices import DeviceChoice, choose_device
-from workers.limits import GiB, ModelLimits, default_job_memory_bytes
+from workers.config import PIPELINE_ARGV, WorkerConfig, build_parser, worker_config
+from workers.devices import choose_device
+from workers.job_dirs import make_job_dir, remove_job_dir, sweep_stale_job_dirs
 from workers.logs import JobLog, setup_logging
 from workers.pipeline import limits_json
 
 T = TypeVar("T")
-
-DEFAULT_JOB_TIMEOUT_S = 1800.0
-DEFAULT_API_RETRY_S = 120.0
-PIPELINE_ARGV = (sys.executable, "-m", "workers.pipeline")
-
-
-@dataclass
-class WorkerConfig:
-    api_url: str
-    api_key: str
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    gpu: int | None = None
-    device: DeviceChoice | None = None  # default: choose_device(gpu), probed at start
-    job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S
-    # None: no limit. Default: min(32 GiB, 75% of the host's memory), a worker runs one job at once.
-    job_memory_bytes: int | None = field(default_factory=default_job_memory_bytes)
-    model_limits: ModelLimits = field(default_factory=ModelLimits)
-    api_retry_s: float = DEFAULT_API_RETRY_S  # how long a job's API calls are retried in an outage
-    once: bool = False
-    idle_min_s: float = 0.5  # claim backoff while the queue is empty
-    idle_max_s: float = 5.0
-    heartbeat_s: float | None = None  # default: a third of the lease
-    pipeline_argv: Sequence[str] = PIPELINE_ARGV
-    # Fork each job's child from a forkserver that imported torch and opfuse once (a worker process
-    # of its own: `opfuse worker` turns this on); else start `pipeline_argv` as a new process.
-    forkserver: bool = False
-    work_root: Path | None = None  # where per-job temp dirs go; default the system temp dir
-
-
-JOB_DIR_PREFIX = "opfuse-job-"
-JOB_DIR_LOCK = ".owner.lock"
-# A job dir without its lock file yet is a worker between mkdtemp and locking: left alone this long.
-UNLOCKED_JOB_DIR_GRACE_S = 60.0
-
-
-def make_job_dir(job_id: str, root: Path | None) -> tuple[Path, int]:
-    """A fresh job directory (mode 0700: the model is the user's) and the fd of the lock that marks
-    it as this process's while it runs. The kernel drops the lock when the process dies, however
-    it dies, so `sweep_stale_job_dirs` knows a dead worker's directory from a live one's."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"{JOB_DIR_PREFIX}{job_id[:12]}-", dir=root))
-    try:
-        fd = os.open(workdir / JOB_DIR_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
-    return workdir, fd
-
-
-def remove_job_dir(workdir: Path, lock_fd: int | None) -> None:
-    shutil.rmtree(workdir, ignore_errors=True)
-    if lock_fd is not None:
-        os.close(lock_fd)
-
-
-def sweep_stale_job_dirs(root: Path | None) -> list[Path]:
-    """Remove the job directories in `root` (default: the temp dir) that no live process holds: a
-    worker killed mid-job (SIGKILL, OOM, power) left them with the tenant's model inside. Another
-    live worker's directories are kept (their lock is held); so are other users'."""
-    base = Path(tempfile.gettempdir()) if root is None else root
-    removed: list[Path] = []
-    try:
-        candidates = sorted(base.glob(f"{JOB_DIR_PREFIX}*"))
-    except OSError:
-        return removed
-    for path in candidates:
-        try:
-            info = path.lstat()
-        except OSError:
-            continue
-        if not path.is_dir() or path.is_symlink() or info.st_uid != os.geteuid():
-            continue
-        try:
-            fd = os.open(path / JOB_DIR_LOCK, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if time.time() - info.st_mtime > UNLOCKED_JOB_DIR_GRACE_S:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live worker's job
-        finally:
-            os.close(fd)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
 
 
 def _lease_seconds(expires_at: str | None) -> float | None:
@@ -558,80 +463,6 @@ def install_signal_handlers(worker: Worker) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def resolve_worker_key(key: str | None, key_file: str | None) -> str | None:
-    """--key, then --key-file, then OPFUSE_WORKER_KEY, then $OPFUSE_HOME/worker_key."""
-    if key:
-        return key
-    if key_file:
-        return read_key_file(key_file)
-    if os.environ.get("OPFUSE_WORKER_KEY"):
-        return os.environ["OPFUSE_WORKER_KEY"]
-    default = opfuse_home() / "worker_key"
-    return read_key_file(default) if default.is_file() else None
-
-
-def worker_config(
-    api: str | None,
-    key: str | None,
-    key_file: str | None,
-    worker_id: str | None,
-    gpu: int | None,
-    *,
-    once: bool = False,
-    job_timeout_s: float | None = None,
-    job_memory_gb: float | None = None,
-    max_nodes: int | None = None,
-    max_depth: int | None = None,
-    api_retry_s: float | None = None,
-) -> WorkerConfig:
-    """A WorkerConfig from command-line values (None: the default), its device chosen (the GPU
-    probed); ConfigError says what is missing or wrong."""
-    job_timeout_s = DEFAULT_JOB_TIMEOUT_S if job_timeout_s is None else job_timeout_s
-    api_retry_s = DEFAULT_API_RETRY_S if api_retry_s is None else api_retry_s
-    api_url, _ = resolve_url(api)
-    api_key = resolve_worker_key(key, key_file)
-    if api_key is None:
-        raise ConfigError(
-            "no worker key: pass --key or --key-file, set OPFUSE_WORKER_KEY, or run where "
-            f"{opfuse_home()}/worker_key exists (`opfuse serve` writes it)"
-        )
-    for flag, value in (("--job-timeout", job_timeout_s), ("--api-retry", api_retry_s)):
-        if value <= 0:
-            raise ConfigError(f"{flag} must be a positive number of seconds, got {value:g}")
-    if job_memory_gb is not None and job_memory_gb < 0:
-        raise ConfigError(f"--job-memory-gb must be 0 (no limit) or more, got {job_memory_gb:g}")
-    if job_memory_gb and job_memory_gb < 2:
-        raise ConfigError(
-            f"--job-memory-gb {job_memory_gb:g} is too small: a job's process needs about 2 GB to "
-            "load torch and triton; give 2 or more (0: no limit)"
-        )
-    limits = ModelLimits()
-    for flag, count in (("--max-nodes", max_nodes), ("--max-depth", max_depth)):
-        if count is not None and count < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {count}")
-    limits = ModelLimits(
-        max_nodes=max_nodes if max_nodes is not None else limits.max_nodes,
-        max_depth=max_depth if max_depth is not None else limits.max_depth,
-    )
-    config = WorkerConfig(
-        api_url=api_url,
-        api_key=api_key,
-        gpu=gpu,
-        device=choose_device(gpu),
-        once=once,
-        forkserver=True,
-        job_timeout_s=job_timeout_s,
-        job_memory_bytes=default_job_memory_bytes()
-        if job_memory_gb is None
-        else int(job_memory_gb * GiB) or None,
-        model_limits=limits,
-        api_retry_s=api_retry_s,
-    )
-    if worker_id:
-        config.worker_id = worker_id
-    return config
-
-
 def run_worker(config: WorkerConfig) -> int:
     """Run a worker in this process until SIGTERM/SIGINT (or one job with `once`)."""
     setup_logging()
@@ -641,42 +472,6 @@ def run_worker(config: WorkerConfig) -> int:
         return worker.run()
     finally:
         worker.client.close()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workers.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--api", help="API URL (default: OPFUSE_API_URL or $OPFUSE_HOME/server.json)")
-    parser.add_argument("--key", help="worker API key (scope worker)")
-    parser.add_argument(
-        "--key-file", help="file holding the worker API key (default $OPFUSE_HOME/worker_key)"
-    )
-    parser.add_argument("--worker-id", help="a name for this worker in the job records (default host-pid)")
-    parser.add_argument("--gpu", type=int, help="GPU index to use (default: the first, or CPU if none)")
-    parser.add_argument(
-        "--once", action="store_true", help="run one job and exit (at once if none is queued)"
-    )
-    parser.add_argument(
-        "--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S, help="wall-time limit per job, seconds"
-    )
-    parser.add_argument(
-        "--job-memory-gb",
-        type=float,
-        default=None,
-        help="memory limit of each job's process, GB (0: none; default: min(32, 75%% of the host's memory))",
-    )
-    parser.add_argument(
-        "--max-nodes", type=int, help=f"largest model accepted, nodes ({ModelLimits.max_nodes})"
-    )
-    parser.add_argument(
-        "--max-depth", type=int, help=f"deepest graph accepted, chained nodes ({ModelLimits.max_depth})"
-    )
-    parser.add_argument(
-        "--api-retry",
-        type=float,
-        default=DEFAULT_API_RETRY_S,
-        help="how long to retry a job's API calls while the API is unreachable, seconds",
-    )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

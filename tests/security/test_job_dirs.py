@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 HOLDER = """
 import sys, time
 from pathlib import Path
-from workers.worker import make_job_dir
+from workers.job_dirs import make_job_dir
 workdir, _fd = make_job_dir(sys.argv[2], Path(sys.argv[1]))
 (workdir / "model.onnx").write_bytes(b"the tenant's model")
 print(workdir, flush=True)
@@ -49,7 +49,8 @@ def _holder(root: Path, job_id: str) -> tuple[subprocess.Popen[str], Path]:
 def test_a_killed_workers_job_dir_is_swept_at_the_next_start(
     tmp_path: Path, api_url: str, keys: Keys
 ) -> None:
-    from workers.worker import Worker, WorkerConfig
+    from workers.config import WorkerConfig
+    from workers.worker import Worker
 
     root = tmp_path / "work"
     root.mkdir()
@@ -68,14 +69,14 @@ def test_a_killed_workers_job_dir_is_swept_at_the_next_start(
     finally:
         alive.kill()
         alive.wait(30)
-    from workers.worker import sweep_stale_job_dirs
+    from workers.job_dirs import sweep_stale_job_dirs
 
     assert sweep_stale_job_dirs(root) == [alive_dir]  # dead now: swept too
     assert list(root.iterdir()) == []
 
 
 def test_an_unlocked_dir_is_kept_while_young_and_foreign_names_untouched(tmp_path: Path) -> None:
-    from workers.worker import JOB_DIR_PREFIX, UNLOCKED_JOB_DIR_GRACE_S, sweep_stale_job_dirs
+    from workers.job_dirs import JOB_DIR_PREFIX, UNLOCKED_JOB_DIR_GRACE_S, sweep_stale_job_dirs
 
     young = tmp_path / f"{JOB_DIR_PREFIX}young"
     old = tmp_path / f"{JOB_DIR_PREFIX}old"
@@ -91,7 +92,7 @@ def test_an_unlocked_dir_is_kept_while_young_and_foreign_names_untouched(tmp_pat
 
 
 def test_a_job_dir_is_removed_on_every_way_out_of_a_job(tmp_path: Path) -> None:
-    from workers.worker import make_job_dir, remove_job_dir, sweep_stale_job_dirs
+    from workers.job_dirs import make_job_dir, remove_job_dir, sweep_stale_job_dirs
 
     workdir, fd = make_job_dir("c" * 32, tmp_path)
     assert sweep_stale_job_dirs(tmp_path) == []  # held by this live process

@@ -20,7 +20,7 @@ def _meminfo_total() -> int:
 
 
 def test_the_default_job_limit_fits_this_host() -> None:
-    from workers.worker import WorkerConfig, worker_config
+    from workers.config import WorkerConfig, worker_config
 
     host = _meminfo_total()
     default = WorkerConfig(api_url="http://127.0.0.1:9", api_key="opf_x").job_memory_bytes

@@ -24,7 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import opfuse
 from client.sdk import Claim, Job, OpfuseClient
-from workers.worker import Worker, WorkerConfig
+from workers.config import WorkerConfig
+from workers.worker import Worker
 
 REPO = Path(__file__).resolve().parents[2]
 HIDDEN = 16

@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from client.config import ConfigError
 from opfuse.errors import ModelError
 from service.targets import GPU_KINDS, TARGETS, device_kind, serves
+from workers.config import worker_config
 from workers.devices import choose_device
 from workers.limits import (
     GiB,
@@ -29,7 +30,6 @@ from workers.limits import (
     read_model_proto,
     time_limit,
 )
-from workers.worker import worker_config
 
 REPO = Path(__file__).resolve().parents[2]
 
