@@ -90,6 +90,70 @@ def _nbytes(plan: Plan, name: str) -> int:
     return spec.numel * _ITEMSIZE.get(spec.dtype, 4)
 
 
+def _matmul_flops(op_type: str, a: tuple[int, ...], b: tuple[int, ...], attrs: dict[str, Any]) -> int:
+    """2·M·N·K (times the batch) of a MatMul or Gemm with operands of shapes `a` and `b`."""
+    if not a or not b:
+        return 0
+    if op_type == "Gemm" and len(a) == 2 and len(b) == 2:
+        m, k = (a[1], a[0]) if attrs.get("transA", 0) else a
+        n = b[0] if attrs.get("transB", 0) else b[1]
+        return 2 * m * n * k
+    k = a[-1]
+    rows = a[-2] if len(a) > 1 else 1
+    cols = b[-1] if len(b) > 1 else 1
+    batch = np.broadcast_shapes(a[:-2], b[:-2]) if len(a) > 2 or len(b) > 2 else ()
+    return 2 * int(np.prod(batch, dtype=np.int64)) * rows * cols * k
+
+
+def _conv_flops(inputs: list[str], out_numel: int, shape: Any) -> int:
+    """2·(output elements)·K, K = the weight's elements per output channel; a summed 1x1 shortcut
+    (inputs 3, 4) adds its input channels to K."""
+    if len(inputs) < 2 or not shape(inputs[1]):
+        return 0
+    k = sum(int(np.prod(shape(x)[1:], dtype=np.int64)) for x in inputs[1::3] if x and shape(x))
+    return 2 * out_numel * k
+
+
+_MATMULS = ("MatMul", "Gemm")
+_CONVS = ("Conv", "opfuse.ConvNHWC")
+
+
+def _spec_nodes(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The nodes of a kernel's spec (opfuse.codegen.spec's tagged JSON) as plain dicts: op_type,
+    inputs, outputs, attrs; [] when the kernel has no spec."""
+    part = (spec or {}).get("part")
+    nodes = part.get("v", {}).get("nodes", []) if isinstance(part, dict) else []
+    out = []
+    for node in nodes:
+        fields = node.get("v", {}) if isinstance(node, dict) else {}
+        attrs = fields.get("attrs", {})
+        attrs = attrs.get("v", {}) if isinstance(attrs, dict) and "$" in attrs else attrs
+        out.append({**fields, "attrs": attrs if isinstance(attrs, dict) else {}})
+    return out
+
+
+def _kernel_flops(plan: Plan, step: Step, out_numel: int, shape: Any) -> int:
+    """A generated kernel's FLOPs: its GEMM or conv anchor's multiply-adds, plus one FLOP per
+    output element for each other node (the epilogue, or a pointwise or row kernel's ops)."""
+    kernel = plan.kernels[step.kernel]
+    nodes = _spec_nodes(kernel.spec)
+    if not nodes:  # a kernel without a spec: count its nodes from the source's node comments
+        return out_numel * max(1, len(kernel.source.split("  # n")) - 1)
+    flops = 0
+    for node in nodes:
+        op_type, inputs = str(node.get("op_type", "")), [str(x) for x in node.get("inputs", [])]
+        if op_type in _MATMULS and len(inputs) >= 2:
+            flops += _matmul_flops(op_type, shape(inputs[0]), shape(inputs[1]), node["attrs"])
+        elif op_type in _CONVS:
+            # The anchor's own output is inside the kernel; its epilogue keeps the element count.
+            outputs = [str(x) for x in node.get("outputs", [])]
+            own = shape(outputs[0]) if outputs else ()
+            flops += _conv_flops(inputs, int(np.prod(own, dtype=np.int64)) if own else out_numel, shape)
+        else:
+            flops += out_numel
+    return flops
+
+
 def _flops(plan: Plan, step: Step) -> int:
     def shape(name: str) -> tuple[int, ...]:
         spec = plan.values.get(name)
@@ -97,20 +161,12 @@ def _flops(plan: Plan, step: Step) -> int:
 
     out = shape(step.outputs[0]) if step.outputs and step.outputs[0] else ()
     out_numel = int(np.prod(out, dtype=np.int64)) if out else 1
-    if step.kind == "op" and step.op_type in ("MatMul", "Gemm"):
-        a = shape(step.inputs[0])
-        k = a[-1] if a else 1
-        if step.op_type == "Gemm" and step.attrs.get("transA", 0) and len(a) == 2:
-            k = a[0]
-        return 2 * out_numel * k
-    if step.kind == "op" and step.op_type in ("Conv", "opfuse.ConvNHWC"):
-        w = shape(step.inputs[1])
-        # A summed 1x1 shortcut (inputs 3, 4) adds its input channels to K.
-        k = sum(int(np.prod(shape(x)[1:], dtype=np.int64)) for x in step.inputs[1::3] if x and shape(x))
-        return 2 * out_numel * k if w else 0
+    if step.kind == "op" and step.op_type in _MATMULS:
+        return _matmul_flops(step.op_type, shape(step.inputs[0]), shape(step.inputs[1]), step.attrs)
+    if step.kind == "op" and step.op_type in _CONVS:
+        return _conv_flops(step.inputs, out_numel, shape)
     if step.kind == "kernel":
-        group_ops = len(plan.kernels[step.kernel].source.split("  # n")) - 1
-        return out_numel * max(1, group_ops)
+        return _kernel_flops(plan, step, out_numel, shape)
     return out_numel
 
 
