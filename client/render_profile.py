@@ -19,6 +19,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
+def _si(value: float | None) -> str:
+    """A count with an SI prefix: 32, 1.02k, 3.4M, 1.1G."""
+    if value is None:
+        return "-"
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{prefix}"
+    return f"{value:.3g}"
+
+
 def steps_table(title: str, steps: Sequence[ProfileOp], top: int | None) -> Table:
     """Steps largest first, like trtexec's --dumpProfile: time, share of the total, bytes, bound."""
     ranked = sorted(steps, key=lambda s: -(s.time_ms or 0.0))
@@ -31,7 +41,7 @@ def steps_table(title: str, steps: Sequence[ProfileOp], top: int | None) -> Tabl
         Column("time ms", justify="right"),
         Column("share", justify="right"),
         Column("bytes", justify="right"),
-        Column("GFLOP", justify="right"),
+        Column("FLOPs", justify="right"),
         "bound",
     ]
     rows = (
@@ -42,13 +52,13 @@ def steps_table(title: str, steps: Sequence[ProfileOp], top: int | None) -> Tabl
             _ms(s.time_ms),
             f"{100 * (s.time_ms or 0.0) / total:.1f}%" if total > 0 else "-",
             fmt_bytes(s.bytes),
-            fmt_num(None if s.flops is None else s.flops / 1e9),
+            _si(s.flops),
             escape(str(s.bound or "-")),
         ]
         for i, s in enumerate(shown, 1)
     )
     left = len(ranked) - len(shown)
-    caption = f"total {total:.4g} ms over {len(ranked)} steps" + (
+    caption = f"total {total:.4g} ms over {len(ranked)} step{'s' if len(ranked) != 1 else ''}" + (
         f"; {left} smaller not shown (--top 0 shows all)" if left else ""
     )
     return listing(title, columns, rows, caption=caption)
@@ -82,7 +92,7 @@ def _verdict(report: Report) -> str:
 
 def compare_table(pairs: Sequence[tuple[Job, Report | None, str | None]]) -> Table:
     """Jobs side by side, one column each: latency, launches, memory, verification, groups."""
-    table = Table(title="compare", title_justify="left")
+    table = Table(title="compare", title_justify="left", caption_justify="left")
     table.add_column("", style="bold")
     for job, _, _ in pairs:
         table.add_column(escape(str(job.id)), overflow="fold")
