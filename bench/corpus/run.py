@@ -47,6 +47,7 @@ COLUMNS = [
     "verified",
     "gpu_only_verify",
     "compute_nodes",
+    "anchors",
     "launches",
     "launches_per_node",
     "fused_coverage",
@@ -81,6 +82,8 @@ STATUSES = (
     "not_run",
 )
 ROW_TIMEOUT_S = 900.0
+# Compute-bound ops: the launch target is at most these plus a tenth of the compute nodes.
+ANCHOR_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "Einsum", "opfuse.ConvNHWC"})
 
 
 def one_line(exc: BaseException, limit: int = 240) -> str:
@@ -172,6 +175,7 @@ def run_one(
         compiled=True,
         verified=bool(ver.get("passed")) if verify else False,
         compute_nodes=compute,
+        anchors=sum(1 for op in (r.get("profile") or {}).get("ops", []) if op.get("op_type") in ANCHOR_OPS),
         launches=launches,
         launches_per_node=round(launches / compute, 4) if compute and launches is not None else None,
         fused_coverage=coverage(r),
@@ -436,6 +440,18 @@ def summary(path: str) -> str:
     if lpn:
         geo = math.exp(sum(math.log(max(v, 1e-9)) for v in lpn) / len(lpn))
         lines.append(f"launches per compute node, geomean over {len(lpn)} verified rows: {geo:.3f}")
+    over = [
+        f"{r['model']}[{r['exporter'][0]}] {r['launches']}>{r['anchors']}+{0.1 * int(r['compute_nodes']):.0f}"
+        for r in ran
+        if r["launches"]
+        and r["anchors"]
+        and r["compute_nodes"]
+        and int(r["launches"]) > int(r["anchors"]) + 0.1 * int(r["compute_nodes"])
+    ]
+    if over:
+        lines.append(
+            f"launches above anchors + 10% of compute nodes: {len(over)} rows: " + ", ".join(over[:8])
+        )
     cov = [float(r["fused_coverage"]) for r in ran if r["verified"] == "true" and r["fused_coverage"]]
     if cov:
         lines.append(f"fused coverage, mean over {len(cov)} verified rows: {sum(cov) / len(cov):.3f}")
