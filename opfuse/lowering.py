@@ -5,13 +5,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from opfuse.codegen.registry import TEMPLATES
+from opfuse.codegen.registry import TEMPLATES, template_only
 from opfuse.codegen.source import fixed_header
 from opfuse.codegen.spec import Part, render_part
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.rows import row_space
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
@@ -33,25 +33,6 @@ def has_pool_prologue(g: Group) -> bool:
     """A GEMM computing a global average pool on its A tiles (fusion.anchors.pooled_gemms): its
     alternative is the split form, the row kernel and then the GEMM's template."""
     return g.kind == "gemm" and bool(g.prologue)
-
-
-def template_only(g: Group) -> bool:
-    """A group only its template runs, with no library alternative for tuning to measure: merged
-    sibling convs (a Split in the epilogue: the template alone stores the parts) and a conv that
-    sums a shortcut (passes/shortcut_conv.py: the library has no conv with a second K loop)."""
-    return any(n.op_type == "Split" for n in g.nodes) or (g.kind == "conv" and has_shortcut(g.nodes[0]))
-
-
-def split_form(g: Group) -> str | None:
-    """What tuning measures a group against when that is not the library's kernel (its "vendor"
-    variant in this module: two kernels), said as the report's `vendor_form`; None otherwise."""
-    if has_window_prologue(g):
-        return "split: the prologue's kernel, then the anchor's"
-    if has_reduction_prologue(g):
-        return "split: the library's depthwise conv, then the row kernel"
-    if has_pool_prologue(g):
-        return "split: the row kernel, then the GEMM's template"
-    return None
 
 
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:

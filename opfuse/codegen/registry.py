@@ -1,9 +1,11 @@
 """The template registry: for each group kind, the template that writes its one kernel, the check
-of the anchor it can compute, and whether the library's kernel is its alternative.
+of the anchor it can compute, the launch configs tuning tries for its kernels, and its
+alternatives (the library's kernel, the split form).
 
-`lowering.build_plan` renders a group through its kind's `Template`; tuning asks the registry
-which kinds have a library alternative to measure. A new template is one module of `codegen/`
-and one entry here.
+`lowering.build_plan` renders a group through its kind's `Template`; tuning asks the registry for
+a kernel's candidates (`opfuse.tuning.candidates`) and for what a group is measured against
+(`split_form`, `has_library_alternative`, `template_only`). A new template is one module of
+`codegen/` and one entry here (docs/design.md, "Codegen").
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from opfuse.codegen.gemm import generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.rowwise import generate_rowwise
+from opfuse.codegen.tuning_space import (
+    Candidates,
+    conv_candidates,
+    fixed,
+    gemm_candidates,
+    rowwise_candidates,
+)
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut
 from opfuse.ir.rows import row_op_reason
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
 
@@ -50,9 +60,15 @@ class Template:
     # None where the template computes the group's first node (its anchor, or any node of a
     # pointwise group), else why not; None for kinds whose matcher checks everything itself.
     check: Callable[[Graph, Node], str | None] | None
+    # The launch configs tuning times for a kernel of the template (codegen.tuning_space).
+    candidates: Candidates
     # The library's kernel (one per-op step for the anchor, the epilogue as one pointwise kernel
     # after it) is the alternative tuning measures the template against.
     library: bool = False
+    # The split form, for a group computing a prologue on its tiles: what tuning measures the one
+    # kernel against instead of the library's (two kernels), said as the report's `vendor_form`;
+    # None where the group has no split form.
+    split: Callable[[GroupLike], str | None] | None = None
 
 
 def _gemm(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSource:
@@ -98,16 +114,34 @@ def _pointwise(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSo
     return generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
 
 
+def _conv_split(g: GroupLike) -> str | None:
+    """A depthwise conv or max pool computed on the input tiles: the prologue's own kernel (with
+    its activation), then the anchor's template, as without the prologue rule."""
+    if g.prologue and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
+        return "split: the prologue's kernel, then the anchor's"
+    return None
+
+
+def _rowwise_split(g: GroupLike) -> str | None:
+    """A depthwise conv on the row tiles (fusion.anchors.depthwise_reductions)."""
+    return "split: the library's depthwise conv, then the row kernel" if g.prologue else None
+
+
+def _gemm_split(g: GroupLike) -> str | None:
+    """A global average pool on the A tiles (fusion.anchors.pooled_gemms)."""
+    return "split: the row kernel, then the GEMM's template" if g.prologue else None
+
+
 TEMPLATES: dict[str, Template] = {
     t.kind: t
     for t in (
-        Template("gemm", _gemm, gemm_anchor_reason, library=True),
-        Template("conv", _conv, conv_anchor_reason, library=True),
-        Template("pool", _pool, pool_reason, library=True),
-        Template("attention", _attention, None),
-        Template("chain", _chain, None),
-        Template("rowwise", _rowwise, row_op_reason),
-        Template("pointwise", _pointwise, pointwise_reason),
+        Template("gemm", _gemm, gemm_anchor_reason, gemm_candidates, library=True, split=_gemm_split),
+        Template("conv", _conv, conv_anchor_reason, conv_candidates, library=True, split=_conv_split),
+        Template("pool", _pool, pool_reason, fixed("pool"), library=True),
+        Template("attention", _attention, None, fixed("attention")),
+        Template("chain", _chain, None, fixed("chain")),
+        Template("rowwise", _rowwise, row_op_reason, rowwise_candidates, split=_rowwise_split),
+        Template("pointwise", _pointwise, pointwise_reason, fixed("pointwise")),
     )
 }
 
@@ -123,3 +157,17 @@ def template(kind: str) -> Template:
 def has_library_alternative(kind: str) -> bool:
     """Whether tuning may measure a group of this kind against the library's kernel."""
     return kind in TEMPLATES and TEMPLATES[kind].library
+
+
+def split_form(g: GroupLike) -> str | None:
+    """The split form tuning measures group `g` against instead of the library's kernel (its
+    "vendor" variant: two kernels), said as the report's `vendor_form`; None where it has none."""
+    t = TEMPLATES.get(g.kind)
+    return t.split(g) if t is not None and t.split is not None else None
+
+
+def template_only(g: GroupLike) -> bool:
+    """A group only its template runs, with no library alternative for tuning to measure: merged
+    sibling convs (a Split in the epilogue: the template alone stores the parts) and a conv that
+    sums a shortcut (passes/shortcut_conv.py: the library has no conv with a second K loop)."""
+    return any(n.op_type == "Split" for n in g.nodes) or (g.kind == "conv" and has_shortcut(g.nodes[0]))

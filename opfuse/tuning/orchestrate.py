@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opfuse.codegen.registry import has_library_alternative
+from opfuse.codegen.registry import has_library_alternative, split_form, template_only
 from opfuse.fusion.groups import Group
-from opfuse.lowering import split_form, template_only
 from opfuse.report import tuning_summary
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import Plan

@@ -1,0 +1,155 @@
+"""The launch configs tuning tries for each template's kernels, around the kernel's own start config
+(codegen picks it from the shapes): the template registry's `candidates` of each entry.
+
+Each function takes the kernel (its kind, start config and source) and lists the overrides timed;
+`opfuse.tuning.candidates` asks the registry for them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from opfuse.codegen.rowwise import rows_per_program
+from opfuse.ir.rows import MIN_TILED_COLUMNS
+
+
+class KernelLike(Protocol):
+    """What the candidates read of a kernel (runtime.plan.KernelInfo has these fields)."""
+
+    kind: str
+    config: dict[str, Any]
+    source: str
+
+
+Candidates = Callable[[KernelLike], list[dict[str, Any]]]
+
+
+# Variations tried around each kernel's own starting config (codegen picks it from the shapes).
+CANDIDATES: dict[str, list[dict[str, Any]]] = {
+    "gemm": [
+        {},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        # Large tiles for big GEMMs on Hopper (8 warps: two warpgroups of wgmma), and a deep K
+        # tile for few rows and long K (a decoder's MLP at batch 1). Where one does not fit in
+        # shared memory (float32 operands) it fails to compile and loses.
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    ],
+    "conv": [
+        {},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    ],
+    # Max pooling (codegen/pool.py): [pixels, channels] tiles, channels contiguous.
+    "pool": [
+        {},
+        {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+        {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    ],
+    # Two chained GEMVs (codegen/chain.py): rows are the batch; the column tile sets how many
+    # programs share the work, each computing the hidden vector again.
+    "chain": [
+        {},
+        {"BLOCK_N": 32, "BLOCK_K": 64},
+        {"BLOCK_N": 128, "BLOCK_K": 64},
+        {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64},
+    ],
+    "attention": [
+        {},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+    ],
+    "pointwise": [{"BLOCK": b, "num_warps": w} for b, w in [(1024, 4), (2048, 8), (4096, 8), (512, 4)]],
+    "rowwise": [{"num_warps": w} for w in (2, 4, 8, 16)],
+}
+
+
+# The depthwise template (no tensor cores, one multiply-add per tap and channel): the conv tiles
+# with its runtime window loop (the default form, measured on the H200), and smaller tiles with
+# the loop unrolled (UNROLL: its loads issue together, more registers held), for enough programs
+# at batch 1.
+DEPTHWISE_CANDIDATES: list[dict[str, Any]] = [
+    *CANDIDATES["conv"],
+    *(
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": 1, "UNROLL": True}
+        for m, n, w in [(32, 64, 4), (16, 64, 2), (32, 32, 2), (64, 32, 4)]
+    ),
+]
+# Rows per program a row kernel of short rows tries, as tiles of this many elements: one row per
+# program (the default, as measured on the H200 for the zoo), or a tile of 1024 or 2048
+# (ConvNeXt-T's LayerNorm over 96 channels at batch 32 moved 0.6 TB/s one row per program).
+ROW_TILES = (1024, 2048)
+
+
+# Split-K (codegen/conv.py), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the
+# H200's 132 SMs): its K loop shared among 2, 4 or 8 programs per tile, at most SPLIT_K_PROGRAMS
+# programs in all and at least SPLIT_K_MIN_K of K each.
+SPLIT_K_TILES = 128
+SPLIT_K_PROGRAMS = 512
+SPLIT_K_MIN_K = 256
+
+
+def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
+    found = re.search(r"; M=(\d+) N=(\d+) K=(\d+)$", k.source, re.MULTILINE)  # the template's header
+    if k.kind != "conv" or "SPLIT_K" not in k.config or found is None:
+        return []
+    m, n, kk = (int(v) for v in found.groups())
+    out: list[dict[str, Any]] = []
+    for bm, bn in ((64, 64), (32, 64)):
+        tiles = -(-m // bm) * -(-n // bn)
+        for split in (2, 4, 8):
+            if tiles < SPLIT_K_TILES and tiles * split <= SPLIT_K_PROGRAMS and kk // split >= SPLIT_K_MIN_K:
+                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
+    return out
+
+
+def fixed(kind: str) -> Candidates:
+    """The same candidates for every kernel of a template (CANDIDATES[kind])."""
+    return lambda k: CANDIDATES[kind]
+
+
+def gemm_candidates(k: KernelLike) -> list[dict[str, Any]]:
+    """A GEMM that pools its A operand (BLOCK_P: pooled_gemm) also tries 16 and 32 pixels per step."""
+    if "BLOCK_P" in k.config:
+        return CANDIDATES["gemm"] + [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]]
+    return CANDIDATES["gemm"]
+
+
+def conv_candidates(k: KernelLike) -> list[dict[str, Any]]:
+    """The depthwise template (the only one with UNROLL) has its own (DEPTHWISE_CANDIDATES); a
+    conv whose tiles are too few for the GPU (SPLIT_K) also tries split-K."""
+    if "UNROLL" in k.config:
+        return DEPTHWISE_CANDIDATES
+    if "SPLIT_K" in k.config:
+        return CANDIDATES["conv"] + split_k_candidates(k)
+    return CANDIDATES["conv"]
+
+
+def rowwise_candidates(k: KernelLike) -> list[dict[str, Any]]:
+    """A row kernel that may hold several rows per program (BLOCK_M in its config) tries one, and
+    tiles of ROW_TILES elements, with 4 and 8 warps each (2 more for one row); a strided one
+    (BLOCK_I) also half and a quarter of its columns per program, never under MIN_TILED_COLUMNS."""
+    if "BLOCK_I" in k.config:
+        # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
+        # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).
+        bi = int(k.config["BLOCK_I"])
+        narrower = [b for b in (bi // 2, bi // 4) if b >= MIN_TILED_COLUMNS]
+        return CANDIDATES["rowwise"] + [{"BLOCK_I": b, "num_warps": w} for b in narrower for w in (4, 8)]
+    if "BLOCK_M" not in k.config:
+        return CANDIDATES["rowwise"]
+    block = int(k.config["BLOCK_R"])
+    found = re.search(r"^ROWS = (\d+)$", k.source, re.MULTILINE)  # the generated module's row count
+    rows = int(found.group(1)) if found else 1 << 30
+    sizes = sorted({rows_per_program(rows, block, tile) for tile in ROW_TILES} - {1})
+    one = [{"BLOCK_M": 1, "num_warps": w} for w in (2, 4, 8, 16)]
+    return one + [{"BLOCK_M": m, "num_warps": w} for m in sizes for w in (4, 8)]
