@@ -9,6 +9,7 @@ head split and merge (Reshape/Transpose) into indexing.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from opfuse.codegen.epilogue import dot_precision
 from opfuse.codegen.fragments import KernelSource, module_imports, module_title, node_comment
@@ -42,34 +43,63 @@ def _literal(value: float) -> str:
     return float_literal(value)
 
 
-def generate_attention(
-    kernel_id: str, m: AttentionMatch, nodes: list[Node], graph: Graph, group_id: str, precision: str
-) -> KernelSource:
+@dataclass(frozen=True)
+class _Geometry:
+    """The attention's sizes and each operand's strides, broadcast to [B, H, rows, columns]."""
+
+    b: int
+    h: int
+    sq: int
+    sk: int
+    d: int
+    dv: int
+    qst: list[int]
+    kst: list[int]  # Kᵀ: [B, H, D, Sk]
+    vst: list[int]
+    ost: list[int]
+
+    @property
+    def dp(self) -> int:
+        return max(16, next_pow2(self.d))
+
+    @property
+    def dvp(self) -> int:
+        return max(16, next_pow2(self.dv))
+
+
+def _geometry(m: AttentionMatch) -> _Geometry:
     qs, qst = _four_d(m.q.shape, m.q.strides)
-    ks, kst = _four_d(m.k.shape, m.k.strides)  # Kᵀ: [B, H, D, Sk]
+    ks, kst = _four_d(m.k.shape, m.k.strides)
     vs, vst = _four_d(m.v.shape, m.v.strides)
     os_, ost = _four_d(m.out.shape, m.out.strides)
     b, h, sq, d = os_[0], os_[1], qs[2], qs[3]
     sk, dv = ks[3], vs[3]
-    space = [b, h, sq, sk]
-    qst = _broadcast(qs, qst, [b, h, sq, d])
-    kst = _broadcast(ks, kst, [b, h, d, sk])
-    vst = _broadcast(vs, vst, [b, h, sk, dv])
+    return _Geometry(
+        b, h, sq, sk, d, dv,
+        _broadcast(qs, qst, [b, h, sq, d]),
+        _broadcast(ks, kst, [b, h, d, sk]),
+        _broadcast(vs, vst, [b, h, sk, dv]),
+        ost,
+    )  # fmt: skip
+
+
+def generate_attention(
+    kernel_id: str, m: AttentionMatch, nodes: list[Node], graph: Graph, group_id: str, precision: str
+) -> KernelSource:
+    g = _geometry(m)
     dtype = graph.spec(m.q.base).dtype
-    dp, dvp = max(16, next_pow2(d)), max(16, next_pow2(dv))
     extra = [x for x in (m.mask, m.cond) if x]
     args = ["q", "k", "v", *(["mask"] if m.mask else []), *(["cond"] if m.cond else []), "o"]
-    prec = dot_precision(dtype, precision)
     fn = "fused_attention"
     buf = SourceBuffer()
     module_title(buf, f"flash-attention kernel {kernel_id} for group {group_id}.")
-    buf.line(f"# batch {b}, heads {h}, queries {sq}, keys {sk}, head dim {d}, value dim {dv}")
+    buf.line(f"# batch {g.b}, heads {g.h}, queries {g.sq}, keys {g.sk}, head dim {g.d}, value dim {g.dv}")
     for n in nodes:
         buf.line(node_comment(n))
     module_imports(buf)
     config = {"BLOCK_M": 64, "BLOCK_N": 64, "UPCAST": False, "num_warps": 4, "num_stages": 2}
     buf.line(f"CONFIG = {config!r}")
-    bm, bn = min(128, max(16, next_pow2(sq))), min(128, max(16, next_pow2(sk)))
+    bm, bn = min(128, max(16, next_pow2(g.sq))), min(128, max(16, next_pow2(g.sk)))
     upcast = dtype == "bfloat16"  # the CPU interpreter multiplies bfloat16 tiles wrongly
     buf.line(f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "UPCAST": {upcast}}}')
     buf.line()
@@ -79,85 +109,98 @@ def generate_attention(
         f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):"
     )
     with buf.indent():
-        buf.line("pid_m = tl.program_id(0)")
-        buf.line("bh = tl.program_id(1).to(tl.int64)")
-        buf.line(f"b = bh // {h}")
-        buf.line(f"h = bh % {h}")
-        buf.line("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        buf.line(f"rd = tl.arange(0, {dp})")
-        buf.line(f"rdv = tl.arange(0, {dvp})")
-        buf.line(
-            f"q_tile = tl.load(q + {m.q.offset} + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
-            f"mask=(rm[:, None] < {sq}) & (rd[None, :] < {d}), other=0.0)"
-        )
-        buf.line("if UPCAST:")
+        _query_tile(buf, m, g)
+        buf.line(f"for n0 in range(0, {g.sk}, BLOCK_N):")
         with buf.indent():
-            buf.line("q_tile = q_tile.to(tl.float32)")
-        buf.line('m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)')
-        buf.line("l_i = tl.zeros([BLOCK_M], tl.float32)")
-        buf.line(f"acc = tl.zeros([BLOCK_M, {dvp}], tl.float32)")
-        buf.line(f"for n0 in range(0, {sk}, BLOCK_N):")
-        with buf.indent():
-            buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
-            buf.line(
-                f"k_tile = tl.load(k + {m.k.offset} + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
-                f"mask=(rd[:, None] < {d}) & (rn[None, :] < {sk}), other=0.0)"
-            )
-            buf.line(
-                f"v_tile = tl.load(v + {m.v.offset} + b * {vst[0]} + h * {vst[1]} + rn[:, None] * {vst[2]} + rdv[None, :] * {vst[3]}, "
-                f"mask=(rn[:, None] < {sk}) & (rdv[None, :] < {dv}), other=0.0)"
-            )
-            buf.line("if UPCAST:")
-            with buf.indent():
-                buf.line('s = tl.dot(q_tile, k_tile.to(tl.float32), input_precision="ieee")')
-            buf.line("else:")
-            with buf.indent():
-                buf.line(f"s = tl.dot(q_tile, k_tile{prec})")
-            buf.line(f"s = s * {float_literal(m.scale)}")
-            tile_mask = f"(rm[:, None] < {sq}) & (rn[None, :] < {sk})"
-            if m.mask:
-                ms = _mask_strides(graph, m.mask, space)
-                buf.line(
-                    f"s = s + tl.load(mask + b * {ms[0]} + h * {ms[1]} + rm[:, None] * {ms[2]} + rn[None, :] * {ms[3]}, "
-                    f"mask={tile_mask}, other=0.0).to(tl.float32)"
-                )
-            if m.cond:
-                cs = _mask_strides(graph, m.cond, space)
-                buf.line(
-                    f"keep = tl.load(cond + b * {cs[0]} + h * {cs[1]} + rm[:, None] * {cs[2]} + rn[None, :] * {cs[3]}, "
-                    f"mask={tile_mask}, other=0)"
-                )
-                buf.line(f"s = tl.where(keep != 0, s, {_literal(m.fill)})")
-            buf.line(f's = tl.where(rn[None, :] < {sk}, s, float("-inf"))')
-            buf.line("m_new = tl.maximum(m_i, tl.max(s, 1))")
-            buf.line('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far')
-            buf.line("p = tl.exp(s - m_safe[:, None])")
-            buf.line("alpha = tl.exp(m_i - m_safe)")
-            buf.line("l_i = l_i * alpha + tl.sum(p, 1)")
-            buf.line("if UPCAST:")
-            with buf.indent():
-                buf.line(
-                    'acc = acc * alpha[:, None] + tl.dot(p, v_tile.to(tl.float32), input_precision="ieee")'
-                )
-            buf.line("else:")
-            with buf.indent():
-                buf.line(f"acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile{prec})")
-            buf.line("m_i = m_new")
+            _key_block(buf, m, g, graph, dot_precision(dtype, precision))
         if m.nan_guard:
             buf.line(
                 "out = tl.where(l_i[:, None] > 0.0, acc / l_i[:, None], 0.0)  # fully masked rows give 0"
             )
         else:
             buf.line("out = acc / l_i[:, None]")
+        ost = g.ost
         buf.line(
             f"tl.store(o + b * {ost[0]} + h * {ost[1]} + rm[:, None] * {ost[2]} + rdv[None, :] * {ost[3]}, "
-            f"out.to(o.dtype.element_ty), mask=(rm[:, None] < {sq}) & (rdv[None, :] < {dv}))"
+            f"out.to(o.dtype.element_ty), mask=(rm[:, None] < {g.sq}) & (rdv[None, :] < {g.dv}))"
         )
     buf.line()
     buf.line()
     buf.line(f"def launch({', '.join(args)}, config=None):")
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
-        buf.line(f'{fn}[(triton.cdiv({sq}, c["BLOCK_M"]), {b * h})]({", ".join(args)}, **c)')
+        buf.line(f'{fn}[(triton.cdiv({g.sq}, c["BLOCK_M"]), {g.b * g.h})]({", ".join(args)}, **c)')
     inputs = [m.q.base, m.k.base, m.v.base, *extra]
     return KernelSource(kernel_id, "attention", buf.getvalue(), inputs, [m.out.base], config)
+
+
+def _query_tile(buf: SourceBuffer, m: AttentionMatch, g: _Geometry) -> None:
+    """The program's (batch, head) and query rows, their Q tile, and the online softmax's state."""
+    qst = g.qst
+    buf.line("pid_m = tl.program_id(0)")
+    buf.line("bh = tl.program_id(1).to(tl.int64)")
+    buf.line(f"b = bh // {g.h}")
+    buf.line(f"h = bh % {g.h}")
+    buf.line("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+    buf.line(f"rd = tl.arange(0, {g.dp})")
+    buf.line(f"rdv = tl.arange(0, {g.dvp})")
+    buf.line(
+        f"q_tile = tl.load(q + {m.q.offset} + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
+        f"mask=(rm[:, None] < {g.sq}) & (rd[None, :] < {g.d}), other=0.0)"
+    )
+    buf.line("if UPCAST:")
+    with buf.indent():
+        buf.line("q_tile = q_tile.to(tl.float32)")
+    buf.line('m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)')
+    buf.line("l_i = tl.zeros([BLOCK_M], tl.float32)")
+    buf.line(f"acc = tl.zeros([BLOCK_M, {g.dvp}], tl.float32)")
+
+
+def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph, prec: str) -> None:
+    """One block of keys: the K and V tiles, the scores (scaled, masked), the online softmax's
+    update of the running maximum, sum and output."""
+    kst, vst, sq, sk = g.kst, g.vst, g.sq, g.sk
+    space = [g.b, g.h, sq, sk]
+    buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
+    buf.line(
+        f"k_tile = tl.load(k + {m.k.offset} + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
+        f"mask=(rd[:, None] < {g.d}) & (rn[None, :] < {sk}), other=0.0)"
+    )
+    buf.line(
+        f"v_tile = tl.load(v + {m.v.offset} + b * {vst[0]} + h * {vst[1]} + rn[:, None] * {vst[2]} + rdv[None, :] * {vst[3]}, "
+        f"mask=(rn[:, None] < {sk}) & (rdv[None, :] < {g.dv}), other=0.0)"
+    )
+    buf.line("if UPCAST:")
+    with buf.indent():
+        buf.line('s = tl.dot(q_tile, k_tile.to(tl.float32), input_precision="ieee")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line(f"s = tl.dot(q_tile, k_tile{prec})")
+    buf.line(f"s = s * {float_literal(m.scale)}")
+    tile_mask = f"(rm[:, None] < {sq}) & (rn[None, :] < {sk})"
+    if m.mask:
+        ms = _mask_strides(graph, m.mask, space)
+        buf.line(
+            f"s = s + tl.load(mask + b * {ms[0]} + h * {ms[1]} + rm[:, None] * {ms[2]} + rn[None, :] * {ms[3]}, "
+            f"mask={tile_mask}, other=0.0).to(tl.float32)"
+        )
+    if m.cond:
+        cs = _mask_strides(graph, m.cond, space)
+        buf.line(
+            f"keep = tl.load(cond + b * {cs[0]} + h * {cs[1]} + rm[:, None] * {cs[2]} + rn[None, :] * {cs[3]}, "
+            f"mask={tile_mask}, other=0)"
+        )
+        buf.line(f"s = tl.where(keep != 0, s, {_literal(m.fill)})")
+    buf.line(f's = tl.where(rn[None, :] < {sk}, s, float("-inf"))')
+    buf.line("m_new = tl.maximum(m_i, tl.max(s, 1))")
+    buf.line('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows masked so far')
+    buf.line("p = tl.exp(s - m_safe[:, None])")
+    buf.line("alpha = tl.exp(m_i - m_safe)")
+    buf.line("l_i = l_i * alpha + tl.sum(p, 1)")
+    buf.line("if UPCAST:")
+    with buf.indent():
+        buf.line('acc = acc * alpha[:, None] + tl.dot(p, v_tile.to(tl.float32), input_precision="ieee")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line(f"acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile{prec})")
+    buf.line("m_i = m_new")

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from opfuse.codegen.epilogue import dot_precision, emit_dot, emit_launch, emit_loads, emit_nodes, emit_stores
+from opfuse.codegen.epilogue import (
+    dot_precision,
+    dot_step,
+    emit_dot,
+    emit_launch,
+    emit_loads,
+    emit_nodes,
+    emit_stores,
+)
 from opfuse.codegen.fragments import (
     KernelSource,
     kernel_head,
@@ -83,58 +91,85 @@ def generate_chain(
         "UPCAST": False,
     }
     kernel_head(buf, "fused_chain", args, config, m, n, c, dtype)
-    regs: dict[str, str] = {}
-
     with buf.indent():
-        buf.line("rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
-        buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
-        buf.line(f"rh = tl.arange(0, {width})")
-        buf.line("rk = tl.arange(0, BLOCK_K)")
-        buf.line(f"row_ok = rm < {m}")
-        buf.line(f"h_ok = rh < {hidden}")
-        buf.line(f"acc = tl.zeros((BLOCK_M, {width}), dtype=tl.float32)")
-        buf.line(f"for k0 in range(0, {c}, BLOCK_K):")
-        with buf.indent():
-            buf.line("kk = k0 + rk")
-            buf.line(f"k_ok = kk < {c}")
-            buf.line(
-                f"a_tile = tl.load(x + rm[:, None] * {c} + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
-            )
-            buf.line(
-                f"b_tile = tl.load(w1 + rh[None, :] * {c} + kk[:, None], mask=k_ok[:, None] & h_ok[None, :], other=0.0)"
-            )
-            emit_dot(buf, "acc", "a_tile", "b_tile", prec)
-        buf.line("mask = row_ok[:, None] & h_ok[None, :]")
-        if b1:
-            emit_loads(buf, [b1], lambda name: ("rh[None, :]", "h_ok[None, :]"), regs)
-            buf.line(f"acc = acc + {regs[b1]}")
-        regs.update(lit1)
-        regs[first.outputs[0]] = "acc"
-        emit_nodes(buf, graph, epilogues[0], regs)
-        h_value = epilogues[0][-1].outputs[0] if epilogues[0] else first.outputs[0]
-        # Padding columns are zero (an epilogue may map 0 elsewhere), rounded as a stored h would be.
-        buf.line(f"h = tl.where(mask, {regs[h_value]}, 0.0).to(x.dtype.element_ty)")
-        buf.line(f"col_ok = rn < {n}")
-        buf.line(
-            f"w_tile = tl.load(w2 + rn[None, :] * {hidden} + rh[:, None], mask=h_ok[:, None] & col_ok[None, :], other=0.0)"
-        )
-        buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-        emit_dot(buf, "acc", "h", "w_tile", prec)
-        buf.line("cols = rn[None, :]")
-        buf.line("mask = row_ok[:, None] & col_ok[None, :]")
-        regs2: dict[str, str] = {}
-        if b2:
-            # The second bias is the kernel's last tensor input: its register is named after it.
-            buf.line(
-                f"xb = tl.load(in{len(biases) - 1} + cols, mask=col_ok[None, :], other=0.0).to(tl.float32)"
-            )
-            buf.line("acc = acc + xb")
-        regs2.update(lit2)
-        regs2[second.outputs[0]] = "acc"
-        emit_nodes(buf, graph, epilogues[1], regs2)
-        buf.line(f"dst = rm[:, None] * {n} + cols")
-        emit_stores(buf, outputs, regs2, "dst")
+        _hidden_tile(buf, graph, first, epilogues[0], b1, lit1, (m, c, hidden, width), prec)
+        _output_tile(buf, graph, second, epilogues[1], outputs, b2, len(biases), lit2, (n, hidden), prec)
     emit_launch(buf, "fused_chain", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     return KernelSource(
         kernel_id, "chain", buf.getvalue(), [x_name, w1_name, w2_name, *biases], list(outputs), config
     )
+
+
+def _hidden_tile(
+    buf: SourceBuffer,
+    graph: Graph,
+    first: Node,
+    epilogue: list[Node],
+    b1: str,
+    literals: dict[str, str],
+    dims: tuple[int, int, int, int],
+    prec: str,
+) -> None:
+    """The first GEMV over the program's rows and every hidden column (`h`, in registers), its bias
+    and epilogue, rounded as a stored h would be."""
+    m, c, hidden, width = dims
+    regs: dict[str, str] = {}
+    buf.line("rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
+    buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
+    buf.line(f"rh = tl.arange(0, {width})")
+    buf.line("rk = tl.arange(0, BLOCK_K)")
+    buf.line(f"row_ok = rm < {m}")
+    buf.line(f"h_ok = rh < {hidden}")
+    buf.line(f"acc = tl.zeros((BLOCK_M, {width}), dtype=tl.float32)")
+    buf.line(f"for k0 in range(0, {c}, BLOCK_K):")
+    with buf.indent():
+        buf.line("kk = k0 + rk")
+        buf.line(f"k_ok = kk < {c}")
+        buf.line(
+            f"a_tile = tl.load(x + rm[:, None] * {c} + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
+        )
+        dot_step(buf, f"w1 + rh[None, :] * {c} + kk[:, None]", "k_ok[:, None] & h_ok[None, :]", prec)
+    buf.line("mask = row_ok[:, None] & h_ok[None, :]")
+    if b1:
+        emit_loads(buf, [b1], lambda name: ("rh[None, :]", "h_ok[None, :]"), regs)
+        buf.line(f"acc = acc + {regs[b1]}")
+    regs.update(literals)
+    regs[first.outputs[0]] = "acc"
+    emit_nodes(buf, graph, epilogue, regs)
+    h_value = epilogue[-1].outputs[0] if epilogue else first.outputs[0]
+    # Padding columns are zero (an epilogue may map 0 elsewhere), rounded as a stored h would be.
+    buf.line(f"h = tl.where(mask, {regs[h_value]}, 0.0).to(x.dtype.element_ty)")
+
+
+def _output_tile(
+    buf: SourceBuffer,
+    graph: Graph,
+    second: Node,
+    epilogue: list[Node],
+    outputs: list[str],
+    b2: str,
+    biases: int,
+    literals: dict[str, str],
+    dims: tuple[int, int],
+    prec: str,
+) -> None:
+    """The second GEMV, h times the program's output columns, its bias, epilogue and stores."""
+    n, hidden = dims
+    buf.line(f"col_ok = rn < {n}")
+    buf.line(
+        f"w_tile = tl.load(w2 + rn[None, :] * {hidden} + rh[:, None], mask=h_ok[:, None] & col_ok[None, :], other=0.0)"
+    )
+    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+    emit_dot(buf, "acc", "h", "w_tile", prec)
+    buf.line("cols = rn[None, :]")
+    buf.line("mask = row_ok[:, None] & col_ok[None, :]")
+    regs: dict[str, str] = {}
+    if b2:
+        # The second bias is the kernel's last tensor input: its register is named after it.
+        buf.line(f"xb = tl.load(in{biases - 1} + cols, mask=col_ok[None, :], other=0.0).to(tl.float32)")
+        buf.line("acc = acc + xb")
+    regs.update(literals)
+    regs[second.outputs[0]] = "acc"
+    emit_nodes(buf, graph, epilogue, regs)
+    buf.line(f"dst = rm[:, None] * {n} + cols")
+    emit_stores(buf, outputs, regs, "dst")

@@ -89,48 +89,11 @@ def generate_pointwise(
             isinstance(v, ResizeGather) and v.extent() >= 2**31 - 1 for v in views.values()
         )
         index_type = "tl.int64" if wide else "tl.int32"
-        reads: dict[str, tuple[int, tuple[int, ...], tuple[int, ...] | None, str]] = {}
-        for i, name in enumerate(tensor_inputs):
-            if name in selected_only:
-                continue
-            view = views.get(name)
-            if isinstance(view, ResizeGather):
-                lines: list[str] = []
-                value = resize_load(f"r{i}", f"in{i}", view, lines, index_type)
-                for text in lines:
-                    buf.line(text)
-                buf.line(f"x{i} = {value}")
-                regs[name] = f"x{i}"
-                continue
-            in_shape = tuple(view.shape if view is not None else graph.spec(name).shape)
-            strides = tuple(view.strides) if view is not None else None
-            idx = broadcast_index(in_shape, shape, strides)
-            offset = f" + {view.offset}" if view is not None and view.offset else ""  # a Split output
-            if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}{offset}).to(tl.float32)")
-            else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other=0.0).to(tl.float32)")
-            regs[name] = f"x{i}"
-            reads[name] = (i, in_shape, strides, offset)
+        reads = _pointwise_loads(buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs)
         for name, lit in literals.items():
             regs[name] = lit
         for j, n in enumerate(group_nodes):
-            if n.op_type in WINDOW_OPS:
-                x = window_input(n)
-                address = functools.partial(_address, *reads[x], shape)
-                expr = _emit_window(buf, n, f"v{j}", regs[x], address, shape)
-                buf.line(f"v{j} = {expr}  # {n.op_type}")
-                regs[n.outputs[0]] = f"v{j}"
-                continue
-            if n.op_type == "Concat":
-                emit_concat(buf, graph, n, f"v{j}", slot, views, index_type)
-                regs[n.outputs[0]] = f"v{j}"
-                continue
-            args_expr = [regs[x] if x else "" for x in n.inputs]
-            consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
-            expr = EMITTERS[n.op_type](args_expr, n, consts)
-            buf.line(f"v{j} = {expr}  # {n.op_type}")
-            regs[n.outputs[0]] = f"v{j}"
+            _pointwise_node(buf, graph, n, f"v{j}", regs, reads, shape, slot, views, index_type)
         for i, name in enumerate(outputs):
             buf.line(f"tl.store(out{i} + offs, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
     buf.line()
@@ -143,6 +106,75 @@ def generate_pointwise(
     return KernelSource(
         kernel_id, "pointwise", buf.getvalue(), passed, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )
+
+
+_Read = tuple[int, tuple[int, ...], tuple[int, ...] | None, str]  # slot, shape, strides, offset
+
+
+def _pointwise_loads(
+    buf: SourceBuffer,
+    graph: Graph,
+    tensor_inputs: list[str],
+    selected_only: set[str],
+    views: dict[str, Any],
+    shape: tuple[int, ...],
+    index_type: str,
+    regs: dict[str, str],
+) -> dict[str, _Read]:
+    """Each tensor input loaded once at the output's offsets (broadcast, through a folded view,
+    or gathered from a Resize's input), but those only a Concat's selection reads; returns how
+    each was read, for the window ops that read it again at other offsets."""
+    reads: dict[str, _Read] = {}
+    for i, name in enumerate(tensor_inputs):
+        if name in selected_only:
+            continue
+        view = views.get(name)
+        if isinstance(view, ResizeGather):
+            lines: list[str] = []
+            value = resize_load(f"r{i}", f"in{i}", view, lines, index_type)
+            for text in lines:
+                buf.line(text)
+            buf.line(f"x{i} = {value}")
+            regs[name] = f"x{i}"
+            continue
+        in_shape = tuple(view.shape if view is not None else graph.spec(name).shape)
+        strides = tuple(view.strides) if view is not None else None
+        idx = broadcast_index(in_shape, shape, strides)
+        offset = f" + {view.offset}" if view is not None and view.offset else ""  # a Split output
+        if idx is None:
+            buf.line(f"x{i} = tl.load(in{i}{offset}).to(tl.float32)")
+        else:
+            buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other=0.0).to(tl.float32)")
+        regs[name] = f"x{i}"
+        reads[name] = (i, in_shape, strides, offset)
+    return reads
+
+
+def _pointwise_node(
+    buf: SourceBuffer,
+    graph: Graph,
+    n: Node,
+    v: str,
+    regs: dict[str, str],
+    reads: dict[str, _Read],
+    shape: tuple[int, ...],
+    slot: dict[str, int],
+    views: dict[str, Any],
+    index_type: str,
+) -> None:
+    """Node `n` as register `v`: a window op (LRN), a Concat's selection, or its emitter."""
+    if n.op_type in WINDOW_OPS:
+        x = window_input(n)
+        address = functools.partial(_address, *reads[x], shape)
+        expr = _emit_window(buf, n, v, regs[x], address, shape)
+        buf.line(f"{v} = {expr}  # {n.op_type}")
+    elif n.op_type == "Concat":
+        emit_concat(buf, graph, n, v, slot, views, index_type)
+    else:
+        args_expr = [regs[x] if x else "" for x in n.inputs]
+        consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
+        buf.line(f"{v} = {EMITTERS[n.op_type](args_expr, n, consts)}  # {n.op_type}")
+    regs[n.outputs[0]] = v
 
 
 def _address(

@@ -17,6 +17,7 @@ each output. Values are either full (the row space's shape) or reduced (one per 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,10 +34,12 @@ from opfuse.codegen.fragments import (
 )
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.rows import TILE, RowSpace, row_space
+from opfuse.ir.support import conv_params
 
 NEG_INF = 'float("-inf")'
 
@@ -125,10 +128,9 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
     would be (fp32 multiply-adds over the window). Tiled (a pool over H, W): image `outer`, pixels
     `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image, height,
     width flattened), channels `cols`."""
-    from opfuse.ir.support import conv_params
-
     d = conv_params(graph, dw)
-    taps = d["KH"] * d["KW"]
+    win = Window.of(d)
+    taps = win.taps
     x, w = ptr[dw.inputs[0]], ptr[dw.inputs[1]]
     if tiled:
         img, pixel, chan, tile, chan_ok = "outer", "rr", "ii", "(BLOCK_R, BLOCK_I)", "imask"
@@ -140,10 +142,7 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
     buf.line(f"dacc = tl.zeros({tile}, dtype=tl.float32)")
     buf.line(f"for t in tl.static_range(0, {taps}):")
     with buf.indent():
-        buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (t // {d['KW']}) * {d['DH']}")
-        buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (t % {d['KW']}) * {d['DW']}")
-        mask = "mask" if tiled else "cmask"
-        buf.line(f"ok = {mask} & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})")
+        win.emit_tap(buf, win.origin("oh", "ow"), "t", "mask" if tiled else "cmask", ("ih", "iw", "ok"))
         buf.line(
             f"xv = tl.load({x} + (({img} * {d['H']} + ih) * {d['W']} + iw) * {d['C']} + {chan}, mask=ok, other=0.0)"
         )
@@ -154,6 +153,38 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
             f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + {chan}, mask={chan_ok}, other=0.0).to(tl.float32)"
         )
     buf.line(f"dwv = dacc.to({x}.dtype.element_ty).to(tl.float32)")
+
+
+@dataclass
+class _RowKernel:
+    """One row group as the template writes it: its row space, layout and loads."""
+
+    graph: Graph
+    nodes: list[Node]
+    space: RowSpace
+    tiled: bool  # the strided layout: an R x BLOCK_I tile per program
+    multi: bool  # the trailing layout: BLOCK_M rows per program
+    views: dict[str, Any]
+    literals: dict[str, str]
+    tensor_inputs: list[str]
+    window: Node | None  # a depthwise conv computed on the tile
+    window_args: list[str]  # its input, weight and bias
+
+    @property
+    def block(self) -> int:
+        return next_pow2(self.space.r)
+
+    @property
+    def mask(self) -> str:
+        return "rmask" if self.tiled else "cmask"
+
+    @property
+    def slot(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.tensor_inputs)}
+
+    def reduce(self, op: str, expr: str, pad: str) -> str:
+        keep = ", keep_dims=True" if self.tiled or self.multi else ""
+        return f"{op}(tl.where({self.mask}, {expr}, {pad}), axis={1 if self.multi else 0}{keep})"
 
 
 def generate_rowwise(
@@ -178,193 +209,39 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     window = prologue[0] if prologue else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
-    window_args: list[str] = []  # the depthwise conv's input, weight and bias
-    if window is not None:
-        window_args = [x for x in window.inputs[:3] if x]
-    multi = not tiled and not space.groups  # the trailing layout: BLOCK_M rows per program
-    rows, r, inner = space.outer, space.r, space.inner
-    block = next_pow2(r)
-    fn = "fused_rowwise"
+    window_args = [x for x in window.inputs[:3] if x] if window is not None else []
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
     }
     axes_only -= {x for n in nodes if n.op_type not in ROW_REDUCTIONS for x in n.inputs}
-    read = {x for n in nodes for x in n.inputs if x}
     # A Concat (a normalization's input) loads its inputs at offsets of their own, rows whole.
     selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x}
-    selected_only = selected - {x for n in nodes if n.op_type != "Concat" for x in n.inputs if x}
     assert not selected or not tiled, "a Concat in a row kernel over strided columns"
     literals, tensor_inputs = split_literals(
         graph, inputs, skip=axes_only, tensors=set(window_args) | selected
     )
-    slot = {name: i for i, name in enumerate(tensor_inputs)}
+    rk = _RowKernel(
+        graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
+        window_args,
+    )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
-    module_title(buf, f"row kernel {kernel_id} for group {group_id}.")
-    if tiled:
-        what = f"{rows} x {inner} columns of {r} elements at stride {inner}"
-    elif space.groups:
-        what = f"{rows} rows of {r} elements ({space.groups} groups of channels per item)"
-    else:
-        what = f"{rows} rows of {r} elements"
-    buf.line(f"# {len(nodes) + len(prologue or [])} ONNX nodes over {what} (shape {list(full)}):")
-    for n in prologue or []:
-        buf.line(node_comment(n, "prologue: depthwise conv on the tiles"))
-    for n in nodes:
-        buf.line(node_comment(n))
-    concat_comments(buf, graph, nodes, slot)
-    module_imports(buf)
-    buf.line(f"ROWS = {rows}")
-    buf.line(f"R = {r}")
-    config: dict[str, int]
-    if tiled:
-        # Columns are contiguous: a block of them per program keeps loads coalesced on the GPU;
-        # the interpreter takes wide blocks (fewer programs to step through).
-        bi = min(next_pow2(inner), max(1, TILE // block))
-        config = {"BLOCK_R": block, "BLOCK_I": bi, "num_warps": 4 if block * bi <= 2048 else 8}
-        interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
-        buf.line(f"INNER = {inner}")
-    elif multi:
-        # BLOCK_M rows per program: one by default; short rows (ConvNeXt's 96 channels) may share
-        # a program where the tuner measures it faster (opfuse.tune.candidates).
-        config = {"BLOCK_M": 1, "BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
-        interp = {"BLOCK_M": rows_per_program(rows, block, 1 << 16), "BLOCK_R": block}
-    else:
-        config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
-        interp = {"BLOCK_R": block}
-    buf.line(f"CONFIG = {config}".replace("'", '"'))
-    buf.line(f"INTERPRETER_CONFIG = {interp}".replace("'", '"'))
-    buf.line()
-    buf.line()
-    buf.line("@triton.jit")
-    if tiled:
-        consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr"
-    elif multi:
-        consts = "BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr"
-    else:
-        consts = "BLOCK_R: tl.constexpr"
-    buf.line(f"def {fn}({', '.join(args)}, {consts}):")
+    _row_header(buf, rk, kernel_id, group_id, prologue or [])
+    config = _row_configs(buf, rk, args)
     regs: dict[str, str] = {}
-    mask = "rmask" if tiled else "cmask"
-
-    def reduce(op: str, expr: str, pad: str) -> str:
-        keep = ", keep_dims=True" if tiled or multi else ""
-        return f"{op}(tl.where({mask}, {expr}, {pad}), axis={1 if multi else 0}{keep})"
-
     with buf.indent():
-        if tiled:
-            blocks = f"(({inner} + BLOCK_I - 1) // BLOCK_I)"
-            buf.line("pid = tl.program_id(0).to(tl.int64)")
-            buf.line(f"outer = pid // {blocks}")
-            buf.line(f"ii = (pid % {blocks}) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]")
-            buf.line("rr = tl.arange(0, BLOCK_R)[:, None]")
-            buf.line(f"rmask = rr < {r}")
-            buf.line(f"imask = ii < {inner}")
-            buf.line("mask = rmask & imask")
-        elif multi:
-            buf.line("row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
-            buf.line("cols = tl.arange(0, BLOCK_R)[None, :]")
-            buf.line(f"rowmask = row < {rows}")
-            buf.line(f"cmask = (cols < {r}) & rowmask")
-        else:
-            buf.line("row = tl.program_id(0).to(tl.int64)")
-            buf.line("cols = tl.arange(0, BLOCK_R)")
-            buf.line(f"cmask = cols < {r}")
-        per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
-        group_params = {x for n in nodes if n.op_type == "GroupNormalization" for x in n.inputs[1:3] if x}
+        _row_indices(buf, rk)
         if window is not None:
             ptr = {x: f"in{tensor_inputs.index(x)}" for x in window_args}
             _depthwise_tile(buf, graph, window, ptr, tiled)
             regs[window.outputs[0]] = "dwv"
-        for i, name in enumerate(tensor_inputs):
-            if name in window_args and name not in read:
-                continue  # the depthwise conv's operands only
-            if name in selected_only:
-                continue  # loaded by the Concat's selection
-            regs[name] = f"x{i}"
-            shape = graph.spec(name).shape
-            if name in per_channel:  # InstanceNormalization scale/bias: one value per channel (axis 1)
-                buf.line(f"x{i} = tl.load(in{i} + (row % {full[1]})).to(tl.float32)")
-                continue
-            if name in group_params and shape != (full[1],):  # opset 18: one value per group
-                buf.line(f"x{i} = tl.load(in{i} + (row % {space.groups})).to(tl.float32)")
-                continue
-            if name in group_params:  # opset 21: one value per channel
-                shape = (full[1],) + (1,) * (len(full) - 2)
-            if tiled:
-                idx, load_mask = _tiled_input_expr(space.load_shape(shape), space)
-            elif space.groups:
-                idx, vector = _group_input_expr(shape, space)
-                load_mask = "cmask" if vector else None
-            elif name in views:
-                idx, load_mask = _view_row_expr(views[name], full, space.first), "cmask"
-            else:
-                idx, vector = row_input_index(space.load_shape(shape), full, space.first)
-                load_mask = "cmask" if vector else ("rowmask" if multi and idx is not None else None)
-            if idx is None:
-                buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
-            elif load_mask:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}, mask={load_mask}, other=0.0).to(tl.float32)")
-            else:
-                buf.line(f"x{i} = tl.load(in{i} + {idx}).to(tl.float32)")
+        _row_loads(buf, rk, regs)
         regs.update(literals)
         for j, n in enumerate(nodes):
-            a = [regs.get(x, "") if x else "" for x in n.inputs]
-            v = f"v{j}"
-            if n.op_type in EMITTERS:
-                scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
-                buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.op_type}")
-            elif n.op_type == "Concat":  # the full-shaped tile: rows lie contiguous, R apart
-                emit_concat(buf, graph, n, v, slot, views, "tl.int64", f"(row * {r} + cols)", "cmask")
-            elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
-                buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.op_type}")
-                if n.op_type != "ReduceSum":
-                    buf.line(f"{v} = {v} / {r}.0")
-            elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
-                op, pad = ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", NEG_INF)
-                buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.op_type}")
-            elif n.op_type in ("Softmax", "LogSoftmax"):
-                buf.line(f"{v}_max = {reduce('tl.max', a[0], NEG_INF)}  # {n.op_type}")
-                buf.line(f"{v}_exp = tl.exp({a[0]} - {v}_max)")
-                buf.line(f"{v}_sum = {reduce('tl.sum', f'{v}_exp', '0.0')}")
-                if n.op_type == "Softmax":
-                    buf.line(f"{v} = {v}_exp / {v}_sum")
-                else:
-                    buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
-            elif n.op_type == "RMSNormalization":  # x / sqrt(mean(x²) + eps) * scale, in float32
-                eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
-                buf.line(f"{v}_ms = {reduce('tl.sum', f'{a[0]} * {a[0]}', '0.0')} / {r}.0  # {n.op_type}")
-                buf.line(f"{v} = ({a[0]} * (1.0 / tl.sqrt({v}_ms + {eps}))) * {a[1]}")
-            elif n.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
-                eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
-                buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.op_type}")
-                buf.line(f"{v}_diff = tl.where({mask}, {a[0]} - {v}_mean, 0.0)")
-                buf.line(
-                    f"{v}_rstd = 1.0 / tl.sqrt({reduce('tl.sum', f'{v}_diff * {v}_diff', '0.0')} / {r}.0 + {eps})"
-                )
-                expr = f"{v}_diff * {v}_rstd"
-                if len(a) > 1 and a[1]:
-                    expr = f"({expr}) * {a[1]}"
-                if len(a) > 2 and a[2]:
-                    expr = f"{expr} + {a[2]}"
-                buf.line(f"{v} = {expr}")
-            else:  # pragma: no cover - the planner admits only the ops above
-                raise AssertionError(n.op_type)
-            regs[n.outputs[0]] = v
-        for i, name in enumerate(outputs):
-            whole = graph.spec(name).numel == rows * r * inner
-            value = f"{regs[name]}.to(out{i}.dtype.element_ty)"
-            if tiled and whole:
-                buf.line(f"tl.store(out{i} + outer * {r * inner} + rr * {inner} + ii, {value}, mask=mask)")
-            elif tiled:
-                buf.line(f"tl.store(out{i} + outer * {inner} + ii, {value}, mask=imask)")
-            elif whole and r != 1:
-                buf.line(f"tl.store(out{i} + row * {r} + cols, {value}, mask=cmask)")
-            elif multi:
-                buf.line(f"tl.store(out{i} + row, {value}, mask=rowmask)")
-            else:
-                buf.line(f"tl.store(out{i} + row, {value})")
+            _row_node(buf, rk, n, f"v{j}", [regs.get(x, "") if x else "" for x in n.inputs])
+            regs[n.outputs[0]] = f"v{j}"
+        _row_stores(buf, rk, outputs, regs)
     buf.line()
     buf.line()
     buf.line(f"def launch({', '.join(args)}, config=None):")
@@ -372,10 +249,191 @@ def generate_rowwise(
         buf.line("c = CONFIG if config is None else config")
         if tiled:
             grid = '(ROWS * triton.cdiv(INNER, c["BLOCK_I"]),)'
-        elif multi:
+        elif rk.multi:
             grid = '(triton.cdiv(ROWS, c["BLOCK_M"]),)'
         else:
             grid = "(ROWS,)"
-        buf.line(f"{fn}[{grid}]({', '.join(args)}, **c)")
+        buf.line(f"fused_rowwise[{grid}]({', '.join(args)}, **c)")
     passed = [views[x].base if x in views else x for x in tensor_inputs]
     return KernelSource(kernel_id, "rowwise", buf.getvalue(), passed, list(outputs), config)
+
+
+def _row_header(
+    buf: SourceBuffer, rk: _RowKernel, kernel_id: str, group_id: str, prologue: list[Node]
+) -> None:
+    space = rk.space
+    rows, r, inner = space.outer, space.r, space.inner
+    module_title(buf, f"row kernel {kernel_id} for group {group_id}.")
+    if rk.tiled:
+        what = f"{rows} x {inner} columns of {r} elements at stride {inner}"
+    elif space.groups:
+        what = f"{rows} rows of {r} elements ({space.groups} groups of channels per item)"
+    else:
+        what = f"{rows} rows of {r} elements"
+    buf.line(f"# {len(rk.nodes) + len(prologue)} ONNX nodes over {what} (shape {list(space.full)}):")
+    for n in prologue:
+        buf.line(node_comment(n, "prologue: depthwise conv on the tiles"))
+    for n in rk.nodes:
+        buf.line(node_comment(n))
+    concat_comments(buf, rk.graph, rk.nodes, rk.slot)
+    module_imports(buf)
+
+
+def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str, int]:
+    """ROWS, R (INNER), CONFIG, INTERPRETER_CONFIG and the kernel's signature."""
+    rows, r, inner, block = rk.space.outer, rk.space.r, rk.space.inner, rk.block
+    buf.line(f"ROWS = {rows}")
+    buf.line(f"R = {r}")
+    config: dict[str, int]
+    if rk.tiled:
+        # Columns are contiguous: a block of them per program keeps loads coalesced on the GPU;
+        # the interpreter takes wide blocks (fewer programs to step through).
+        bi = min(next_pow2(inner), max(1, TILE // block))
+        config = {"BLOCK_R": block, "BLOCK_I": bi, "num_warps": 4 if block * bi <= 2048 else 8}
+        interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
+        buf.line(f"INNER = {inner}")
+        consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr"
+    elif rk.multi:
+        # BLOCK_M rows per program: one by default; short rows (ConvNeXt's 96 channels) may share
+        # a program where the tuner measures it faster (codegen.tuning_space.rowwise_candidates).
+        config = {"BLOCK_M": 1, "BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
+        interp = {"BLOCK_M": rows_per_program(rows, block, 1 << 16), "BLOCK_R": block}
+        consts = "BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr"
+    else:
+        config = {"BLOCK_R": block, "num_warps": 4 if block <= 2048 else 8}
+        interp = {"BLOCK_R": block}
+        consts = "BLOCK_R: tl.constexpr"
+    buf.line(f"CONFIG = {config}".replace("'", '"'))
+    buf.line(f"INTERPRETER_CONFIG = {interp}".replace("'", '"'))
+    buf.line()
+    buf.line()
+    buf.line("@triton.jit")
+    buf.line(f"def fused_rowwise({', '.join(args)}, {consts}):")
+    return config
+
+
+def _row_indices(buf: SourceBuffer, rk: _RowKernel) -> None:
+    """The program's rows (or columns and outer index) and their masks."""
+    rows, r, inner = rk.space.outer, rk.space.r, rk.space.inner
+    if rk.tiled:
+        blocks = f"(({inner} + BLOCK_I - 1) // BLOCK_I)"
+        buf.line("pid = tl.program_id(0).to(tl.int64)")
+        buf.line(f"outer = pid // {blocks}")
+        buf.line(f"ii = (pid % {blocks}) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]")
+        buf.line("rr = tl.arange(0, BLOCK_R)[:, None]")
+        buf.line(f"rmask = rr < {r}")
+        buf.line(f"imask = ii < {inner}")
+        buf.line("mask = rmask & imask")
+    elif rk.multi:
+        buf.line("row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]")
+        buf.line("cols = tl.arange(0, BLOCK_R)[None, :]")
+        buf.line(f"rowmask = row < {rows}")
+        buf.line(f"cmask = (cols < {r}) & rowmask")
+    else:
+        buf.line("row = tl.program_id(0).to(tl.int64)")
+        buf.line("cols = tl.arange(0, BLOCK_R)")
+        buf.line(f"cmask = cols < {r}")
+
+
+def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
+    """Each tensor input loaded once, `x{i}`, at its index in the row space."""
+    graph, nodes, space, full = rk.graph, rk.nodes, rk.space, rk.space.full
+    read = {x for n in nodes for x in n.inputs if x}
+    selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x}
+    selected_only = selected - {x for n in nodes if n.op_type != "Concat" for x in n.inputs if x}
+    per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
+    group_params = {x for n in nodes if n.op_type == "GroupNormalization" for x in n.inputs[1:3] if x}
+    for i, name in enumerate(rk.tensor_inputs):
+        if name in rk.window_args and name not in read:
+            continue  # the depthwise conv's operands only
+        if name in selected_only:
+            continue  # loaded by the Concat's selection
+        regs[name] = f"x{i}"
+        shape = graph.spec(name).shape
+        if name in per_channel:  # InstanceNormalization scale/bias: one value per channel (axis 1)
+            buf.line(f"x{i} = tl.load(in{i} + (row % {full[1]})).to(tl.float32)")
+            continue
+        if name in group_params and shape != (full[1],):  # opset 18: one value per group
+            buf.line(f"x{i} = tl.load(in{i} + (row % {space.groups})).to(tl.float32)")
+            continue
+        if name in group_params:  # opset 21: one value per channel
+            shape = (full[1],) + (1,) * (len(full) - 2)
+        if rk.tiled:
+            idx, load_mask = _tiled_input_expr(space.load_shape(shape), space)
+        elif space.groups:
+            idx, vector = _group_input_expr(shape, space)
+            load_mask = "cmask" if vector else None
+        elif name in rk.views:
+            idx, load_mask = _view_row_expr(rk.views[name], full, space.first), "cmask"
+        else:
+            idx, vector = row_input_index(space.load_shape(shape), full, space.first)
+            load_mask = "cmask" if vector else ("rowmask" if rk.multi and idx is not None else None)
+        if idx is None:
+            buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")
+        elif load_mask:
+            buf.line(f"x{i} = tl.load(in{i} + {idx}, mask={load_mask}, other=0.0).to(tl.float32)")
+        else:
+            buf.line(f"x{i} = tl.load(in{i} + {idx}).to(tl.float32)")
+
+
+def _row_node(buf: SourceBuffer, rk: _RowKernel, n: Node, v: str, a: list[str]) -> None:
+    """Node `n` as register `v`, from its inputs' registers `a`: a pointwise op, the Concat's
+    selection, a reduction or a normalization over the row."""
+    graph, r, reduce = rk.graph, rk.space.r, rk.reduce
+    if n.op_type in EMITTERS:
+        scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
+        buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.op_type}")
+    elif n.op_type == "Concat":  # the full-shaped tile: rows lie contiguous, R apart
+        emit_concat(buf, graph, n, v, rk.slot, rk.views, "tl.int64", f"(row * {r} + cols)", "cmask")
+    elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
+        buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.op_type}")
+        if n.op_type != "ReduceSum":
+            buf.line(f"{v} = {v} / {r}.0")
+    elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
+        op, pad = ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", NEG_INF)
+        buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.op_type}")
+    elif n.op_type in ("Softmax", "LogSoftmax"):
+        buf.line(f"{v}_max = {reduce('tl.max', a[0], NEG_INF)}  # {n.op_type}")
+        buf.line(f"{v}_exp = tl.exp({a[0]} - {v}_max)")
+        buf.line(f"{v}_sum = {reduce('tl.sum', f'{v}_exp', '0.0')}")
+        if n.op_type == "Softmax":
+            buf.line(f"{v} = {v}_exp / {v}_sum")
+        else:
+            buf.line(f"{v} = {a[0]} - {v}_max - tl.log({v}_sum)")
+    elif n.op_type == "RMSNormalization":  # x / sqrt(mean(x²) + eps) * scale, in float32
+        eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
+        buf.line(f"{v}_ms = {reduce('tl.sum', f'{a[0]} * {a[0]}', '0.0')} / {r}.0  # {n.op_type}")
+        buf.line(f"{v} = ({a[0]} * (1.0 / tl.sqrt({v}_ms + {eps}))) * {a[1]}")
+    elif n.op_type in ("LayerNormalization", "InstanceNormalization", "GroupNormalization"):
+        eps = float_literal(float(n.attrs.get("epsilon", 1e-5)))
+        buf.line(f"{v}_mean = {reduce('tl.sum', a[0], '0.0')} / {r}.0  # {n.op_type}")
+        buf.line(f"{v}_diff = tl.where({rk.mask}, {a[0]} - {v}_mean, 0.0)")
+        buf.line(
+            f"{v}_rstd = 1.0 / tl.sqrt({reduce('tl.sum', f'{v}_diff * {v}_diff', '0.0')} / {r}.0 + {eps})"
+        )
+        expr = f"{v}_diff * {v}_rstd"
+        if len(a) > 1 and a[1]:
+            expr = f"({expr}) * {a[1]}"
+        if len(a) > 2 and a[2]:
+            expr = f"{expr} + {a[2]}"
+        buf.line(f"{v} = {expr}")
+    else:  # pragma: no cover - the planner admits only the ops above
+        raise AssertionError(n.op_type)
+
+
+def _row_stores(buf: SourceBuffer, rk: _RowKernel, outputs: list[str], regs: dict[str, str]) -> None:
+    """Each output stored once: full-shaped ones over the tile, reduced ones one per row or column."""
+    rows, r, inner = rk.space.outer, rk.space.r, rk.space.inner
+    for i, name in enumerate(outputs):
+        whole = rk.graph.spec(name).numel == rows * r * inner
+        value = f"{regs[name]}.to(out{i}.dtype.element_ty)"
+        if rk.tiled and whole:
+            buf.line(f"tl.store(out{i} + outer * {r * inner} + rr * {inner} + ii, {value}, mask=mask)")
+        elif rk.tiled:
+            buf.line(f"tl.store(out{i} + outer * {inner} + ii, {value}, mask=imask)")
+        elif whole and r != 1:
+            buf.line(f"tl.store(out{i} + row * {r} + cols, {value}, mask=cmask)")
+        elif rk.multi:
+            buf.line(f"tl.store(out{i} + row, {value}, mask=rowmask)")
+        else:
+            buf.line(f"tl.store(out{i} + row, {value})")
