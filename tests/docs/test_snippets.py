@@ -1,6 +1,7 @@
 """Every command and code snippet in README.md and docs/ is checked, so the docs cannot drift from
 the code: each `opfuse ...` line of a ```console or ```sh block is parsed by the real CLI (an
-unknown command or flag, a missing argument or a value of the wrong type fails), and each ```python
+unknown command or flag, a missing argument or a value of the wrong type fails), each `curl` line
+names a route the API serves with that method (its OpenAPI schema), and each ```python
 block runs against a real `opfuse serve` (API and worker processes, a temp OPFUSE_HOME) in a folder
 holding the files the snippets name.
 
@@ -175,6 +176,64 @@ def test_opfuse_command_line_parses(argv: list[str]) -> None:
     except Exception as exc:  # typer's UsageError, BadParameter, NoSuchOption, ...
         message = exc.format_message() if hasattr(exc, "format_message") else repr(exc)
         pytest.fail(f"opfuse {' '.join(argv)}: {message}")
+
+
+# -- curl lines: the route and method exist ---------------------------------------------------------
+
+
+def _curl_request(line: str) -> tuple[str, str] | None:
+    """(method, path) of a `curl` command line; None when the line runs something else."""
+    if not re.match(r"\s*(\w+=\S*\s+)*curl\s", line):
+        return None
+    tokens = shlex.split(line, comments=True)
+    method, url = "", ""
+    for i, token in enumerate(tokens):
+        if token in ("-X", "--request"):
+            method = tokens[i + 1]
+        elif token in ("-d", "--data", "--data-binary") and not method:
+            method = "POST"
+        elif re.search(r"/(v1/|healthz|readyz|metrics)", token):
+            url = token
+    path = re.sub(r"^(\$\w+|\w+://[^/]+)", "", url).split("?")[0]
+    return (method or "GET").lower(), path
+
+
+CURLS = [
+    pytest.param(request, id=f"{s.where}: {request[0].upper()} {request[1]}")
+    for s in SNIPPETS
+    if s.lang in ("console", "sh", "")
+    for line in _shell_lines(s)
+    if (request := _curl_request(line)) is not None
+]
+
+
+@pytest.fixture(scope="module")
+def api_routes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    """The API's routes (OpenAPI paths) and their methods."""
+    from service.app import create_app
+    from service.settings import Settings
+
+    home = tmp_path_factory.mktemp("routes")
+    settings = Settings(_env_file=None, home=home, database_url=f"sqlite:///{home / 'x.db'}")  # type: ignore[call-arg]
+    schema = create_app(settings, run_migrations=False).openapi()
+    return {path: set(ops) for path, ops in schema["paths"].items()}
+
+
+def test_the_docs_show_curl_lines() -> None:
+    assert len(CURLS) > 15
+
+
+@pytest.mark.parametrize("request_line", CURLS)
+def test_curl_line_names_a_route(request_line: tuple[str, str], api_routes: dict[str, set[str]]) -> None:
+    method, path = request_line
+    concrete = re.sub(r"\$\{?\w+\}?", "X", path)
+    for route, methods in api_routes.items():
+        if re.fullmatch(
+            re.sub(r"\{\w+\}", "[^/]+", re.escape(route).replace(r"\{", "{").replace(r"\}", "}")), concrete
+        ):
+            assert method in methods, f"{method.upper()} {path}: {route} takes {sorted(methods)}"
+            return
+    pytest.fail(f"{method.upper()} {path}: the API has no such route")
 
 
 # -- python blocks: run against a real server --------------------------------------------------------
