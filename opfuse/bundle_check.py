@@ -116,6 +116,7 @@ def check_kernels(
         steps = list(plan["steps"])
     except (KeyError, TypeError, ValueError):
         raise BundleError("plan.json lacks its values, kernels or steps") from None
+    _check_shapes(plan, values, constants)
     sources: dict[str, str] = {}
     made: dict[str, tuple[str, list[str], list[str], str]] = {}  # id -> kind, inputs, outputs, group
     for k in records:
@@ -157,6 +158,25 @@ def check_kernels(
         )
     _check_steps(steps, made)
     return sources
+
+
+def _check_shapes(
+    plan: dict[str, Any], values: Mapping[str, TensorSpec], constants: Mapping[str, np.ndarray]
+) -> None:
+    """The buffers kernels are rendered for are the ones the runtime fills: a graph input or
+    output, or a constant, has the shape plan.json's `values` gives it (kernels index by those)."""
+    try:
+        ends = [TensorSpec.from_json(d) for d in [*plan["inputs"], *plan["outputs"]]]
+    except (KeyError, TypeError, ValueError):
+        raise BundleError("plan.json lacks its inputs or outputs") from None
+    shapes = {t.name: tuple(t.shape) for t in ends}
+    shapes.update({name: tuple(arr.shape) for name, arr in constants.items()})
+    for name, shape in shapes.items():
+        if name in values and tuple(values[name].shape) != shape:
+            raise BundleError(
+                f"plan.json gives {name[:60]!r} the shape {list(values[name].shape)}, but the bundle "
+                f"holds it as {list(shape)}: the bundle was altered; recompile"
+            )
 
 
 def _check_config(kid: str, config: Any) -> None:

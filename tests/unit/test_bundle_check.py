@@ -138,6 +138,17 @@ def test_plan_fields_other_than_the_spec_implies_are_refused(mlp: Plan) -> None:
     _refused(mlp, foreign_op, "that is no op name")
 
 
+def test_a_value_shape_other_than_the_input_it_names_is_refused(mlp: Plan) -> None:
+    """Kernels rendered for a bigger input than the one the runtime is fed would read past it."""
+
+    def grow(plan_json: dict[str, Any], files: dict[str, bytes]) -> None:
+        name = plan_json["inputs"][0]["name"]
+        value = next(v for v in plan_json["values"] if v["name"] == name)
+        value["shape"] = [d * 4 for d in value["shape"]]
+
+    _refused(mlp, grow, "gives 'x' the shape")
+
+
 def test_a_spec_reading_a_constant_the_bundle_lacks_is_refused() -> None:
     plan = plan_model(conv_bn_relu(), {"x": [2, 4, 8, 8]}, "fp32").plan
     plan_json, files, constants = _bundle_parts(plan)
