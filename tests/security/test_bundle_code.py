@@ -108,3 +108,32 @@ def test_a_bundle_altered_after_download_is_refused_by_load_without_running_the_
     path.write_bytes(real_bundle())
     loaded = opfuse.load(path, device="cpu")
     assert loaded.plan.kernels
+
+
+def test_a_module_planted_in_the_kernel_folder_is_not_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels are imported from files named by their source's digest: a file put there first
+    (a guessable name) is replaced by the rendered source, and a folder others can write to is
+    refused."""
+    import hashlib
+    import os
+    import tempfile
+
+    from opfuse.runtime import kernels
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    marker = tmp_path / "planted-ran"
+    source = "VALUE = 41 + 1\n"
+    folder = tmp_path / f"opfuse-kernels-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:32]
+    (folder / f"k_{digest}.py").write_bytes(_planted_line(marker) + source.encode())
+    module = kernels.load_kernel_module(source, interpret=True)
+    assert module.VALUE == 42
+    assert not marker.exists()
+    folder.chmod(0o777)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    with pytest.raises(RuntimeError, match="only it can write to"):
+        kernels.load_kernel_module(source, interpret=True)
