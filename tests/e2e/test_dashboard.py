@@ -7,6 +7,7 @@ OPFUSE_SCREENSHOT_DIR (default: the test's tmp dir), for people to look at."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 import zipfile
@@ -24,7 +25,17 @@ from tests.e2e.test_e2e import Served, served  # noqa: F401 (the fixture: a real
 
 pytestmark = pytest.mark.e2e
 
-JOB_SECONDS = 300  # a tiny model's job in the interpreter, on a shared machine
+JOB_SECONDS = 300
+# A file dropped on the drop zone, as the browser hands it to the page (WebDriver cannot drag files
+# from the desktop): a DataTransfer holding the file, in a drop event.
+DROP = """
+var bytes = Uint8Array.from(atob(arguments[0]), function (c) { return c.charCodeAt(0); });
+var data = new DataTransfer();
+data.items.add(new File([bytes], arguments[1]));
+var zone = document.getElementById("drop");
+zone.dispatchEvent(new DragEvent("dragover", {dataTransfer: data, bubbles: true, cancelable: true}));
+zone.dispatchEvent(new DragEvent("drop", {dataTransfer: data, bubbles: true, cancelable: true}));
+"""  # a tiny model's job in the interpreter, on a shared machine
 
 
 def _wait(
@@ -158,6 +169,29 @@ def test_dashboard_from_sign_in_to_download(served: Served, tmp_path: Path) -> N
         assert a["notice"].startswith("uploaded mlp_a.onnx")
         b = _upload(driver, [external, external_dir / "mlp_b.onnx.data"], before + 1)
         assert a["id"] != b["id"]
+        # Dropped on the drop zone: a zip of a model with its external data, as a person packs it.
+        dropped_dir = tmp_path / "dropped"
+        dropped_dir.mkdir()
+        onnx.save(
+            residual_mlp(hidden=16, ffn=32, seed=13),
+            dropped_dir / "mlp_c.onnx",
+            save_as_external_data=True,
+            location="weights.bin",
+            size_threshold=0,
+        )
+        packed = tmp_path / "mlp_c.zip"
+        with zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as z:
+            for member in ("mlp_c.onnx", "weights.bin"):
+                z.write(dropped_dir / member, member)
+        _by_id(driver, "model-name").send_keys("dropped")
+        driver.execute_script(DROP, base64.b64encode(packed.read_bytes()).decode(), packed.name)
+        _wait(
+            "the dropped model's row",
+            lambda: len(_rows(driver, "models-table")) == before + 3,
+            describe=lambda: _by_id(driver, "notice").text,
+        )
+        assert _by_id(driver, "notice").text.startswith("uploaded dropped (")
+        _by_id(driver, "model-name").clear()
         job_a = _start_job(driver, a["id"], "2x16")
         job_b = _start_job(driver, b["id"], "3x16")
         _wait("a job row", lambda: _status(driver, job_b) is not None, 10)
