@@ -5,34 +5,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from opfuse.codegen.registry import TEMPLATES, template_only
+from opfuse.codegen.registry import TEMPLATES, split_of, template_only
 from opfuse.codegen.source import fixed_header
 from opfuse.codegen.spec import Part, render_part
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV
-from opfuse.ir.rows import row_space
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
-
-
-def has_window_prologue(g: Group) -> bool:
-    """A conv group computing a depthwise conv or max pool on its input tiles: its alternative
-    to the one kernel is the split form (two template kernels), not the library."""
-    return g.kind == "conv" and bool(g.prologue) and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC)
-
-
-def has_reduction_prologue(g: Group) -> bool:
-    """A row group computing a depthwise conv on its tiles (fusion.anchors.depthwise_reductions):
-    its alternative is the split form, the conv as the library's kernel and then the row kernel."""
-    return g.kind == "rowwise" and bool(g.prologue)
-
-
-def has_pool_prologue(g: Group) -> bool:
-    """A GEMM computing a global average pool on its A tiles (fusion.anchors.pooled_gemms): its
-    alternative is the split form, the row kernel and then the GEMM's template."""
-    return g.kind == "gemm" and bool(g.prologue)
 
 
 def _topological(steps: list[Step], rank: list[int], available: set[str]) -> list[Step]:
@@ -126,31 +106,21 @@ def build_plan(
         vendor = variants.get(g.id, g.variant) == "vendor" and not (
             g.variant == "template" and template_only(g)
         )
-        if vendor and has_window_prologue(g):
-            # A depthwise conv or max pool computed on the input tiles: the alternative measured
-            # against the one kernel is the split form, the prologue's own kernel (with its
-            # activation) and then the anchor's template, as without the prologue rule.
-            head = g.prologue
-            ins, outs = group_boundary(graph, head)
-            kind = "pool" if head[0].op_type == MAX_POOL_NHWC else "conv"
-            add_kernel(Part(g.id, kind, head, ins, outs), g, head)
-            ins, outs = group_boundary(graph, g.nodes)
-            add_kernel(Part(g.id, "conv", g.nodes, ins, outs, views=g.views), g, g.nodes)
-            continue
-        if vendor and has_reduction_prologue(g):
-            for n in g.prologue:  # the library's depthwise conv, as without the rule
-                steps.append(_op_step(n, g.id))
-                rank.append(order[n.id])
-            ins, outs = group_boundary(graph, g.nodes)
-            add_kernel(Part(g.id, "rowwise", g.nodes, ins, outs, g.full, g.split, views=g.views), g, g.nodes)
-            continue
-        if vendor and has_pool_prologue(g):
-            pool = g.prologue[-1]
-            space = row_space(graph, pool)
-            ins, outs = group_boundary(graph, g.prologue)
-            add_kernel(Part(g.id, "rowwise", g.prologue, ins, outs, space.full, space.first), g, g.prologue)
-            ins, outs = group_boundary(graph, g.nodes)
-            add_kernel(Part(g.id, "gemm", g.nodes, ins, outs, views=g.views), g, g.nodes)
+        split = split_of(g) if vendor else None
+        if split is not None:
+            # The alternative measured against the one kernel where that is not the library's:
+            # the template's split form, its steps as without the prologue rule.
+            for piece in split.pieces(graph):
+                if piece.kind is None:  # the library's per-op steps
+                    for n in piece.nodes:
+                        steps.append(_op_step(n, g.id))
+                        rank.append(order[n.id])
+                    continue
+                ins, outs = group_boundary(graph, piece.nodes)
+                part = Part(
+                    g.id, piece.kind, piece.nodes, ins, outs, piece.full, piece.split, views=piece.views
+                )
+                add_kernel(part, g, piece.nodes)
             continue
         template = TEMPLATES.get(g.kind, TEMPLATES["pointwise"])
         if vendor and template.library:

@@ -11,7 +11,7 @@ a kernel's candidates (`opfuse.tuning.candidates`) and for what a group is measu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opfuse.codegen.attention import generate_attention
@@ -31,7 +31,7 @@ from opfuse.codegen.tuning_space import (
 )
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut
-from opfuse.ir.rows import row_op_reason
+from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
 
 
@@ -66,9 +66,27 @@ class Template:
     # after it) is the alternative tuning measures the template against.
     library: bool = False
     # The split form, for a group computing a prologue on its tiles: what tuning measures the one
-    # kernel against instead of the library's (two kernels), said as the report's `vendor_form`;
-    # None where the group has no split form.
-    split: Callable[[GroupLike], str | None] | None = None
+    # kernel against instead of the library's (two kernels); None where the group has none.
+    split: Callable[[GroupLike], SplitForm | None] | None = None
+
+
+@dataclass(frozen=True)
+class SplitPiece:
+    """One step of a split form: a kernel of template `kind` computing `nodes` (as a group of its
+    own: `full` and `split` a row kernel's space, `views` the folded inputs), or, kind None,
+    the library's per-op steps of `nodes`."""
+
+    kind: str | None
+    nodes: list[Node]
+    full: tuple[int, ...] = ()
+    split: int = -1
+    views: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SplitForm:
+    form: str  # what it is, as the report's `vendor_form` says it
+    pieces: Callable[[Graph], list[SplitPiece]]  # its steps, in order (lowering.build_plan)
 
 
 def _gemm(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSource:
@@ -114,22 +132,46 @@ def _pointwise(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSo
     return generate_pointwise(kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.views)
 
 
-def _conv_split(g: GroupLike) -> str | None:
+def _conv_split(g: GroupLike) -> SplitForm | None:
     """A depthwise conv or max pool computed on the input tiles: the prologue's own kernel (with
     its activation), then the anchor's template, as without the prologue rule."""
-    if g.prologue and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
-        return "split: the prologue's kernel, then the anchor's"
-    return None
+    if not (g.prologue and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC)):
+        return None
+    head = "pool" if g.prologue[0].op_type == MAX_POOL_NHWC else "conv"
+    return SplitForm(
+        "split: the prologue's kernel, then the anchor's",
+        lambda graph: [SplitPiece(head, g.prologue), SplitPiece("conv", g.nodes, views=g.views)],
+    )
 
 
-def _rowwise_split(g: GroupLike) -> str | None:
-    """A depthwise conv on the row tiles (fusion.anchors.depthwise_reductions)."""
-    return "split: the library's depthwise conv, then the row kernel" if g.prologue else None
+def _rowwise_split(g: GroupLike) -> SplitForm | None:
+    """A depthwise conv on the row tiles (fusion.anchors.depthwise_reductions): the library's
+    depthwise conv, as without the rule, then the row kernel."""
+    if not g.prologue:
+        return None
+    return SplitForm(
+        "split: the library's depthwise conv, then the row kernel",
+        lambda graph: [
+            SplitPiece(None, g.prologue),
+            SplitPiece("rowwise", g.nodes, g.full, g.split, g.views),
+        ],
+    )
 
 
-def _gemm_split(g: GroupLike) -> str | None:
-    """A global average pool on the A tiles (fusion.anchors.pooled_gemms)."""
-    return "split: the row kernel, then the GEMM's template" if g.prologue else None
+def _gemm_split(g: GroupLike) -> SplitForm | None:
+    """A global average pool on the A tiles (fusion.anchors.pooled_gemms): the pool's row kernel,
+    then the GEMM's template."""
+    if not g.prologue:
+        return None
+
+    def pieces(graph: Graph) -> list[SplitPiece]:
+        space = row_space(graph, g.prologue[-1])
+        return [
+            SplitPiece("rowwise", g.prologue, space.full, space.first),
+            SplitPiece("gemm", g.nodes, views=g.views),
+        ]
+
+    return SplitForm("split: the row kernel, then the GEMM's template", pieces)
 
 
 TEMPLATES: dict[str, Template] = {
@@ -159,11 +201,17 @@ def has_library_alternative(kind: str) -> bool:
     return kind in TEMPLATES and TEMPLATES[kind].library
 
 
-def split_form(g: GroupLike) -> str | None:
-    """The split form tuning measures group `g` against instead of the library's kernel (its
-    "vendor" variant: two kernels), said as the report's `vendor_form`; None where it has none."""
+def split_of(g: GroupLike) -> SplitForm | None:
+    """Group `g`'s split form: its "vendor" variant where that is not the library's kernel."""
     t = TEMPLATES.get(g.kind)
     return t.split(g) if t is not None and t.split is not None else None
+
+
+def split_form(g: GroupLike) -> str | None:
+    """The split form tuning measures group `g` against instead of the library's kernel (two
+    kernels), said as the report's `vendor_form`; None where it has none."""
+    form = split_of(g)
+    return form.form if form is not None else None
 
 
 def template_only(g: GroupLike) -> bool:
