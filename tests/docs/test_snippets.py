@@ -1,7 +1,10 @@
 """Every command and code snippet in README.md and docs/ is checked, so the docs cannot drift from
 the code: each `opfuse ...` line of a ```console or ```sh block is parsed by the real CLI (an
 unknown command or flag, a missing argument or a value of the wrong type fails), each `curl` line
-names a route the API serves with that method (its OpenAPI schema), and each ```python
+names a route the API serves with that method (its OpenAPI schema), the `opfuse` lines that read
+or fetch (status, jobs, models, report, profile, compare, download, upload, version) run against a
+real server with the docs' placeholder ids (`9a0e...`, `4f1c...`) replaced by a real job's and
+model's, and each ```python
 block runs against a real `opfuse serve` (API and worker processes, a temp OPFUSE_HOME) in a folder
 holding the files the snippets name.
 
@@ -315,6 +318,48 @@ def _excerpt_of(snippet: Snippet) -> Path | None:
 
 EXCERPTS = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and _excerpt_of(s)]
 PYTHON = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and not _excerpt_of(s)]
+
+# The commands that only read or fetch: the ones run against the server (the others change the
+# fleet, need a GPU or start processes: they are parsed above).
+RUNNABLE = {"status", "jobs", "models", "report", "profile", "compare", "download", "upload", "version"}
+
+
+def _runnable(argv: list[str]) -> bool:
+    return bool(argv) and argv[0] in RUNNABLE | {"--json"} and "delete" not in argv
+
+
+RUNS = [param for param in COMMANDS if _runnable(list(param.values[0]))]  # type: ignore[call-overload]
+
+
+@pytest.fixture(scope="module")
+def finished(served: Served) -> dict[str, str]:
+    """A job that succeeded on the served worker, and its model: the ids the docs' placeholders
+    stand for."""
+    from client.sdk import OpfuseClient
+
+    with OpfuseClient(served.url, (served.home / "api_key").read_text().strip()) as sdk:
+        model = sdk.upload_model(served.workdir / "mlp.onnx")
+        job = sdk.create_job(str(model.id), input_shapes={"x": [8, 512]})
+        job = sdk.wait_job(str(job.id), poll_s=0.5, timeout_s=600)
+    assert job.status == "succeeded", job.error
+    return {"9a0e...": str(job.id), "7c41...": str(job.id), "job-id": str(job.id), "4f1c...": str(model.id)}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("argv", RUNS)
+def test_opfuse_command_line_runs(
+    argv: list[str], served: Served, finished: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    for var in ("OPFUSE_API_URL", "OPFUSE_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OPFUSE_HOME", str(served.home))
+    monkeypatch.chdir(served.workdir)
+    args = [finished.get(a, a) for a in argv]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, f"opfuse {' '.join(args)}: {result.output}"
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("snippet", EXCERPTS)
