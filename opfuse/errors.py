@@ -24,3 +24,13 @@ class InputError(OpfuseError):
     Raised by `CompiledModel.run` where the check costs nothing (the CPU): the message names the
     node, the value and the valid range. Map it to a client error (the caller's data is wrong).
     """
+
+
+# What a report says where opfuse's own code raised and it carried on without the part that failed.
+BUG_NOTE = "this is a bug in opfuse: please report it with the model"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from opfuse.errors import BUG_NOTE, describe
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.explain import explain_concat_copies, explain_resizes
 from opfuse.fusion.groups import Group
-from opfuse.fusion.rules.base import FusionRule, PlanState, run_rule
+from opfuse.fusion.rules.base import FusionRule, PlanState, RuleFault, run_rule
 from opfuse.graph import Graph
 from opfuse.passes.rules import NotFired
 
@@ -67,7 +68,16 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
     state = PlanState(graph, frozenset(disabled))
     for loaded in fusion_rules():
         if any(state.on(name) for name in loaded.names):
-            run_rule(loaded.rule(state))
+            saved = state.snapshot()
+            try:
+                run_rule(loaded.rule(state))
+            except RuleFault as fault:  # one rule's bug: the plan goes on without that rule's groups
+                state = saved
+                reason = (
+                    f"the {loaded.names[0]} rule raised {describe(fault.cause)}, so what it would "
+                    f"have fused runs unfused or in other rules' groups; {BUG_NOTE}"
+                )
+                state.not_fused.append(NotFired(loaded.names[0], fault.nodes, reason))
     groups = [*state.fused(), *state.pointwise]
     if state.on(names.LAYOUT_VIEWS):
         explain_concat_copies(graph, groups, state.not_fused, state.concat_reasons)

@@ -6,6 +6,8 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
+from opfuse.errors import BUG_NOTE, describe
+
 ProgressFn = Callable[[str, float], None]
 
 # The stages in the order they run, as reported to the worker protocol (DESIGN.md §3, Job.stage).
@@ -13,13 +15,7 @@ ProgressFn = Callable[[str, float], None]
 # saves the bundle (workers/pipeline.py).
 STAGES = ("loading", "fusing", "codegen", "profiling", "tuning", "verifying", "benchmarking", "packaging")
 
-BUG_NOTE = "this is a bug in opfuse: please report it with the model"
-
-
-def describe(exc: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+__all__ = ["BUG_NOTE", "STAGES", "CompileContext", "ProgressFn", "describe"]
 
 
 class CompileContext:

@@ -138,3 +138,28 @@ def test_a_model_error_still_fails_the_compile(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(registry, "generate_rowwise", generate_rowwise)
     with pytest.raises(ModelError, match="the model's own fault"):
         opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
+
+
+def test_a_fusion_rule_that_raises_leaves_only_its_own_groups_unfused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One rule's bug costs that rule's groups, not the plan: the row rule raises on its first
+    candidate, the GEMM's epilogue is still fused, the plan verifies, and not_fused names the
+    rule, the candidate's nodes and the exception."""
+    from opfuse.fusion.rules import row_reduction
+
+    def claim(self: Any, c: Any) -> None:
+        raise KeyError(FAULT)
+
+    monkeypatch.setattr(row_reduction.RULE, "claim", claim)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=0)
+    report = cm.report
+    assert report["verification"]["passed"] is True
+    kinds = [g["kind"] for g in report["fusion"]["groups"]]
+    assert "gemm" in kinds and "rowwise" not in kinds, kinds
+    (entry,) = [nf for nf in report["fusion"]["not_fused"] if FAULT in nf["reason"]]
+    assert entry["rule"] == "row_reduction" and entry["nodes"], entry
+    assert "KeyError" in entry["reason"] and "bug in opfuse" in entry["reason"]
+    x = np.random.default_rng(11).standard_normal((8, 16)).astype(np.float32)
+    ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
+    np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)

@@ -17,10 +17,12 @@ A rule object lives for one `plan_fusion` call: what it keeps between its steps 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from opfuse.errors import ModelError
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group
 from opfuse.graph import Graph, Node
@@ -50,6 +52,36 @@ class PlanState:
 
     def on(self, name: str) -> bool:
         return names.enabled(name, self.disabled)
+
+    def snapshot(self) -> PlanState:
+        """A copy to go back to if a rule fails half-way: the groups and their lists copied (a
+        group in two lists stays one group), the graph and its nodes shared (rules only read them)."""
+        memo: dict[int, Group] = {}
+
+        def copy(g: Group) -> Group:
+            if id(g) not in memo:
+                memo[id(g)] = dataclasses.replace(
+                    g,
+                    nodes=list(g.nodes),
+                    inputs=list(g.inputs),
+                    outputs=list(g.outputs),
+                    views=dict(g.views),
+                    absorbed=list(g.absorbed),
+                    prologue=list(g.prologue),
+                )
+            return memo[id(g)]
+
+        return PlanState(
+            self.graph,
+            self.disabled,
+            list(self.not_fused),
+            [copy(g) for g in self.rows],
+            [copy(g) for g in self.anchors],
+            [copy(g) for g in self.lone],
+            [copy(g) for g in self.pointwise],
+            set(self.in_rows),
+            dict(self.concat_reasons),
+        )
 
     def fused(self) -> list[Group]:
         return [*self.rows, *self.anchors]
@@ -100,12 +132,30 @@ class FusionRule:
         self.state.not_fused.append(NotFired(rule, [node_label(n) for n in nodes], reason))
 
 
+class RuleFault(Exception):
+    """A fusion rule raised (an opfuse bug): the candidate it was on, for the report."""
+
+    def __init__(self, nodes: list[str], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.nodes, self.cause = nodes, cause
+
+
 def run_rule(rule: FusionRule) -> None:
-    """Every candidate of `rule`, checked, then claimed or its refusal recorded; then `finish`."""
-    for c in rule.match():
-        reason = rule.check(c)
-        if reason is None:
-            rule.claim(c)
-        elif reason != QUIET:
-            rule.state.not_fused.append(NotFired(c.rule, c.labels(), reason))
-    rule.finish()
+    """Every candidate of `rule`, checked, then claimed or its refusal recorded; then `finish`.
+    An exception other than a ModelError (the model's own fault) comes out as a RuleFault naming
+    the candidate's nodes."""
+    current: list[str] = []
+    try:
+        for c in rule.match():
+            current = c.labels()
+            reason = rule.check(c)
+            if reason is None:
+                rule.claim(c)
+            elif reason != QUIET:
+                rule.state.not_fused.append(NotFired(c.rule, c.labels(), reason))
+            current = []
+        rule.finish()
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise RuleFault(current, exc) from exc
