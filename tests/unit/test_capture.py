@@ -157,7 +157,9 @@ def test_the_audit_sees_a_host_table_copied_mid_run() -> None:
             "device_table",
             lambda v, device, dtype=None: torch.from_numpy(np.array(v)).to(device=device, dtype=dtype),
         )
-        cm = opfuse.compile(_upsample(cubic=True), input_shapes={"x": [2, 3, 8, 8]}, device="cpu", verify=False)
+        cm = opfuse.compile(
+            _upsample(cubic=True), input_shapes={"x": [2, 3, 8, 8]}, device="cpu", verify=False
+        )
         x = np.random.default_rng(5).standard_normal((2, 3, 8, 8)).astype(np.float32)
         found = _audit(cm, {"x": x})
     finally:
