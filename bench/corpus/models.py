@@ -144,7 +144,7 @@ _TIMM: list[tuple[str, Any, dict[str, Any], bool, bool]] = [
     ("ghostnet_050", 64, {}, False, False),
     ("ghostnetv2_100", 64, {}, False, False),
     ("repghostnet_050", 64, {}, False, False),
-    ("lcnet_050", 32, {}, True, False),  # 32 px: a ci row, run by every make test
+    ("lcnet_050", 64, {}, True, False),
     ("fbnetc_100", 64, {}, False, False),
     ("spnasnet_100", 64, {}, False, False),
     ("tinynet_e", 64, {}, False, False),
@@ -593,9 +593,9 @@ _TV: list[tuple[str, Callable[[], Built], bool, bool]] = [
     ("densenet121", _tv("densenet121", num_classes=10), False, False),
     ("googlenet", _tv("googlenet", num_classes=10, aux_logits=False, init_weights=True), False, False),
     ("inception_v3", _tv("inception_v3", 96, num_classes=10, aux_logits=False, init_weights=True), False, False),
-    ("shufflenet_v2_x0_5", _tv("shufflenet_v2_x0_5", 32, num_classes=10), True, False),  # 32 px: a ci row
+    ("shufflenet_v2_x0_5", _tv("shufflenet_v2_x0_5", num_classes=10), True, False),
     ("mobilenet_v2", _tv("mobilenet_v2", num_classes=10), False, False),
-    ("mobilenet_v3_small", _tv("mobilenet_v3_small", 32, num_classes=10), True, False),  # 32 px: a ci row
+    ("mobilenet_v3_small", _tv("mobilenet_v3_small", num_classes=10), True, False),
     ("mobilenet_v3_large", _tv("mobilenet_v3_large", num_classes=10), False, False),
     ("mnasnet0_5", _tv("mnasnet0_5", num_classes=10), False, False),
     ("efficientnet_b0", _tv("efficientnet_b0", num_classes=10), False, False),
