@@ -248,3 +248,49 @@ def claimed(plan: FusionPlan) -> list[tuple[str, str, list[str]]]:
 def refusals(plan: FusionPlan, rule: str) -> list[tuple[list[str], str]]:
     """The plan's refusals by `rule`: (the nodes it names, why)."""
     return [(r.nodes, r.reason) for r in plan.not_fused if r.rule == rule]
+
+
+# -- graph-level tests of one rewrite pass (tests/unit/passes/) ---------------------------------------
+
+
+def run_graph(graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The graph's outputs for `feeds`, each node run by opfuse's per-op runtime (the unfused
+    "before" kernels, internal opfuse.* ops included), in the graph's order."""
+    import torch
+
+    from opfuse.runtime.ops import run_op
+    from opfuse.runtime.tensors import from_numpy, to_numpy
+
+    env = {k: from_numpy(np.asarray(v)) for k, v in {**graph.constants, **feeds}.items()}
+    with torch.no_grad():
+        for n in graph.nodes:
+            outs = run_op(n.op_type, [env[x] if x else None for x in n.inputs], n.attrs, len(n.outputs))
+            env.update({name: t for name, t in zip(n.outputs, outs, strict=False) if name})
+    return {o.name: to_numpy(env[o.name]) for o in graph.outputs}
+
+
+def assert_computes_as_onnxruntime(
+    model: onnx.ModelProto, graph: Graph, seed: int = 0, atol: float = 1e-4, rtol: float = 1e-4
+) -> None:
+    """The rewritten `graph` gives, element for element, what onnxruntime gives on the original
+    `model` for random float inputs (the model's own static input shapes)."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(seed)
+    feeds = {
+        i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input
+        if i.name not in {init.name for init in model.graph.initializer}
+    }
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+    got = run_graph(graph, feeds)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        assert got[name].shape == want.shape, name
+        np.testing.assert_allclose(got[name].astype(np.float32), want, atol=atol, rtol=rtol, err_msg=name)
+
+
+def ops(graph: Graph) -> list[str]:
+    """The graph's op types in order."""
+    return [n.op_type for n in graph.nodes]

@@ -1,0 +1,42 @@
+"""`gather_to_slice` (opfuse/passes/gather_slice.py) on a tiny graph: q, k, v picked out of a packed
+projection."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import helper
+
+from opfuse.frontend import rule_registry as names
+from opfuse.passes.gather_slice import gather_to_slice
+from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model
+
+n = helper.make_node
+
+
+def gather(indices: np.ndarray, out: list[int]) -> object:
+    return tiny_model(
+        [n("Gather", ["x", "i"], ["y"], name="pick", axis=1)], {"x": [2, 4, 3]}, {"y": out}, {"i": indices}
+    )
+
+
+def test_a_scalar_index_is_a_slice_then_a_reshape() -> None:
+    model = gather(np.array(2), [2, 3])
+    graph = graph_of(model)
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["Slice", "Reshape"] and log.fired == {names.GATHER_TO_SLICE: 1}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_consecutive_indices_are_one_slice() -> None:
+    model = gather(np.array([1, 2, 3]), [2, 3, 3])
+    graph = graph_of(model)
+    run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["Slice"]
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_indices_out_of_order_stay_a_gather() -> None:
+    graph = graph_of(gather(np.array([2, 0]), [2, 2, 3]))
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["Gather"]
+    assert [(r.nodes, r.reason) for r in log.not_fired] == [(["pick"], "the indices are not consecutive")]
