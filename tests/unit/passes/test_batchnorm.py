@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -12,7 +13,7 @@ from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pa
 n = helper.make_node
 
 
-def conv_bn(extra_use: bool = False) -> object:
+def conv_bn(extra_use: bool = False) -> onnx.ModelProto:
     nodes = [
         n("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
         n("BatchNormalization", ["c", "s", "t", "m", "v"], ["y"], name="bn", epsilon=1e-5),

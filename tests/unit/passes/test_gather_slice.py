@@ -4,6 +4,7 @@ projection."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -13,7 +14,7 @@ from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pa
 n = helper.make_node
 
 
-def gather(indices: np.ndarray, out: list[int]) -> object:
+def gather(indices: np.ndarray, out: list[int]) -> onnx.ModelProto:
     return tiny_model(
         [n("Gather", ["x", "i"], ["y"], name="pick", axis=1)], {"x": [2, 4, 3]}, {"y": out}, {"i": indices}
     )

@@ -4,6 +4,7 @@ written as Reshape -> Gemm -> Reshape."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -13,7 +14,7 @@ from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pa
 n = helper.make_node
 
 
-def flattened_linear(alpha: float = 1.0) -> object:
+def flattened_linear(alpha: float = 1.0) -> onnx.ModelProto:
     return tiny_model(
         [
             n("Reshape", ["x", "flat"], ["f"], name="flatten"),
