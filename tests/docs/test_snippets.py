@@ -1,12 +1,17 @@
 """Every command and code snippet in README.md and docs/ is checked, so the docs cannot drift from
 the code: each `opfuse ...` line of a ```console or ```sh block is parsed by the real CLI (an
 unknown command or flag, a missing argument or a value of the wrong type fails), each `curl` line
-names a route the API serves with that method (its OpenAPI schema), the `opfuse` lines that read
-or fetch (status, jobs, models, report, profile, compare, download, upload, version) run against a
-real server with the docs' placeholder ids (`9a0e...`, `4f1c...`) replaced by a real job's and
-model's, and each ```python
+names a route the API serves with that method (its OpenAPI schema), and each ```python
 block runs against a real `opfuse serve` (API and worker processes, a temp OPFUSE_HOME) in a folder
 holding the files the snippets name.
+
+Every `opfuse` line also runs (but `serve` and `worker`, which run until stopped: PARSE_ONLY),
+in-process against that server, each in a folder of its own holding what the docs' commands name:
+tiny stand-ins under the docs' model names (mlp.onnx, lin.onnx with its .data, resnet.onnx,
+bert.onnx), input arrays, and bundles. The placeholder ids (`9a0e...`, `4f1c...`, `<job-id>`)
+stand for a job the worker finished and its model; a command that deletes, cancels or revokes gets
+an object made for it (a model, a job no worker here takes, a key) and its effect is checked.
+Every run must exit 0 without a traceback and write the files it names (`-o`, `--html`, `--trace`).
 
 A ```python block whose first line is a comment naming a file of the repository (`# opfuse/x.py`)
 is an excerpt of that file: its lines must be in the file, in order (a `...` line skips ahead).
@@ -38,6 +43,7 @@ import pytest
 import typer
 
 import client.cli as cli
+from client.sdk import OpfuseAPIError
 from client.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature
 from tests.unit.test_cli import small_mlp
 
@@ -319,25 +325,100 @@ def _excerpt_of(snippet: Snippet) -> Path | None:
 EXCERPTS = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and _excerpt_of(s)]
 PYTHON = [pytest.param(s, id=s.where) for s in SNIPPETS if s.lang == "python" and not _excerpt_of(s)]
 
-# The commands that only read or fetch: the ones run against the server (the others change the
-# fleet, need a GPU or start processes: they are parsed above).
-RUNNABLE = {"status", "jobs", "models", "report", "profile", "compare", "download", "upload", "version"}
+# Doc commands that are parsed but not run, and why: every other command the docs show runs below.
+# A new entry needs a reason as good as these.
+PARSE_ONLY = {
+    "serve": "runs the API and a worker until stopped: the `served` fixture starts `opfuse serve` itself",
+    "worker": "polls an API until stopped (the docs' hosts are not this one): `opfuse serve` runs the fixture's",
+}
+RUNS = [p for p in COMMANDS if p.values[0] and p.values[0][0] not in PARSE_ONLY]  # type: ignore[index]
 
 
-def _runnable(argv: list[str]) -> bool:
-    return bool(argv) and argv[0] in RUNNABLE | {"--json"} and "delete" not in argv
+def test_only_long_running_commands_only_parse() -> None:
+    shown = {p.values[0][0] for p in COMMANDS if p.values[0]}  # type: ignore[index]
+    assert shown - {p.values[0][0] for p in RUNS} == set(PARSE_ONLY)  # type: ignore[index]
+    assert len(PARSE_ONLY) <= 2, PARSE_ONLY
 
 
-RUNS = [param for param in COMMANDS if _runnable(list(param.values[0]))]  # type: ignore[call-overload]
+def _save(
+    path: Path, nodes: list[Any], inputs: list[Any], outputs: list[Any], inits: list[Any], **kw: Any
+) -> None:
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(
+        helper.make_graph(nodes, path.stem, inputs, outputs, inits),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    model.ir_version = 9
+    onnx.save(model, path, **kw)
+
+
+def _stand_ins(folder: Path) -> None:
+    """Tiny models under the names the docs' commands use, with the inputs those commands shape:
+    mlp.onnx and model.onnx x[batch, 512]; lin.onnx a Linear(512, 512) with its weights in
+    lin.onnx.data (what torch.onnx.export writes); resnet.onnx input[batch, 3, 224, 224] (one
+    strided conv); bert.onnx input_ids and attention_mask [batch, 128] (int64)."""
+    from onnx import TensorProto, numpy_helper
+    from onnx.helper import make_node, make_tensor_value_info
+
+    rng = np.random.default_rng(7)
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    for name in ("mlp.onnx", "model.onnx"):
+        small_mlp(folder / name, 512)
+    weight = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32) * 0.05, "w")
+    bias = numpy_helper.from_array(rng.standard_normal(512).astype(np.float32), "b")
+    _save(
+        folder / "lin.onnx",
+        [make_node("MatMul", ["x", "w"], ["m"]), make_node("Add", ["m", "b"], ["y"])],
+        [make_tensor_value_info("x", f32, [8, 512])],
+        [make_tensor_value_info("y", f32, [8, 512])],
+        [weight, bias],
+        save_as_external_data=True,
+        location="lin.onnx.data",
+        size_threshold=0,
+    )
+    kernel = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "k")
+    half = numpy_helper.from_array(np.array(0.5, dtype=np.float32), "half")
+    _save(
+        folder / "resnet.onnx",
+        [
+            make_node("Conv", ["input", "k"], ["c"], strides=[8, 8], kernel_shape=[3, 3]),
+            make_node("Relu", ["c"], ["r"]),
+            make_node("Mul", ["r", "half"], ["output"]),
+        ],
+        [make_tensor_value_info("input", f32, ["batch", 3, 224, 224])],
+        [make_tensor_value_info("output", f32, ["batch", 4, 28, 28])],
+        [kernel, half],
+    )
+    _save(
+        folder / "bert.onnx",
+        [
+            make_node("Cast", ["input_ids"], ["ids"], to=f32),
+            make_node("Cast", ["attention_mask"], ["mask"], to=f32),
+            make_node("Mul", ["ids", "mask"], ["masked"]),
+            make_node("Mul", ["masked", "half"], ["hidden"]),
+        ],
+        [make_tensor_value_info(n, i64, ["batch", 128]) for n in ("input_ids", "attention_mask")],
+        [make_tensor_value_info("hidden", f32, ["batch", 128])],
+        [half],
+    )
+    np.savez(folder / "in.npz", x=rng.standard_normal((2, 512)).astype(np.float32))
+    np.save(folder / "x.npy", rng.standard_normal((2, 512)).astype(np.float32))
+    np.savez(folder / "inputs.npz", x=rng.standard_normal((8, 512)).astype(np.float32))
+
+
+def _sdk(served: Served, key: str | None = None) -> Any:
+    from client.sdk import OpfuseClient
+
+    return OpfuseClient(served.url, key or (served.home / "api_key").read_text().strip())
 
 
 @pytest.fixture(scope="module")
 def finished(served: Served) -> dict[str, str]:
     """A job that succeeded on the served worker, and its model: the ids the docs' placeholders
     stand for."""
-    from client.sdk import OpfuseClient
-
-    with OpfuseClient(served.url, (served.home / "api_key").read_text().strip()) as sdk:
+    with _sdk(served) as sdk:
         model = sdk.upload_model(served.workdir / "mlp.onnx")
         job = sdk.create_job(str(model.id), input_shapes={"x": [8, 512]})
         job = sdk.wait_job(str(job.id), poll_s=0.5, timeout_s=600)
@@ -345,21 +426,134 @@ def finished(served: Served) -> dict[str, str]:
     return {"9a0e...": str(job.id), "7c41...": str(job.id), "job-id": str(job.id), "4f1c...": str(model.id)}
 
 
+@pytest.fixture(scope="module")
+def files(served: Served, finished: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the commands name: the stand-in models, the inputs, and the bundles they run
+    (mlp.opfuse.zip compiled here for x[2, 512] like docs/cli.md; model.opfuse.zip the finished
+    job's, downloaded like the README)."""
+    import opfuse
+
+    folder = tmp_path_factory.mktemp("files")
+    _stand_ins(folder)
+    opfuse.compile(str(folder / "mlp.onnx"), input_shapes={"x": [2, 512]}, device="cpu").save(
+        folder / "mlp.opfuse.zip"
+    )
+    with _sdk(served) as sdk:
+        sdk.download_artifact(finished["job-id"], folder / "model.opfuse.zip")
+    return folder
+
+
+def _fresh(argv: list[str], finished: dict[str, str], served: Served, workdir: Path) -> tuple[list[str], Any]:
+    """The command with the docs' placeholders bound, and a check of its effect (given its stdout).
+    Commands that delete, cancel or revoke get an object of their own, so no order matters."""
+    sdk = _sdk(served)
+    words = [a for a in argv if not a.startswith("-")]
+    ids = dict(finished)
+    check: Any = lambda output: None  # noqa: E731
+    if words[:2] == ["models", "delete"]:
+        model = small_mlp(workdir / "doomed.onnx", 512)
+        model.doc_string = workdir.name  # other bytes: a model of its own
+        (workdir / "doomed.onnx").write_bytes(model.SerializeToString())
+        doomed = str(sdk.upload_model(workdir / "doomed.onnx").id)
+        assert doomed != finished["4f1c..."]
+        ids["4f1c..."] = doomed
+
+        def check(output: str) -> None:
+            with pytest.raises(OpfuseAPIError) as gone:
+                sdk.get_model(doomed)
+            assert gone.value.status == 404
+
+    elif words[:1] == ["cancel"]:
+        # No worker here serves an H200: the job stays queued until canceled.
+        queued = str(sdk.create_job(finished["4f1c..."], {"x": [8, 512]}, target="h200").id)
+        ids["9a0e..."] = queued
+
+        def check(output: str) -> None:
+            assert sdk.get_job(queued).status == "canceled"
+
+    elif words[:2] == ["keys", "revoke"]:
+        key = sdk.create_key()
+        ids[words[2]] = str(key.id)
+
+        def check(output: str) -> None:
+            with _sdk(served, key.key) as revoked, pytest.raises(OpfuseAPIError) as refused:
+                revoked.list_models()
+            assert refused.value.status == 401
+
+    elif words[:2] == ["keys", "create"]:
+
+        def check(output: str) -> None:
+            made = output.strip().splitlines()[0]  # stdout: the key alone
+            assert made.startswith("opf_"), output
+            if "worker" not in argv:  # a user or admin key reads its tenant's models
+                with _sdk(served, made) as fresh:
+                    fresh.list_models()
+
+    elif words[:1] == ["submit"] and "--wait" not in argv:
+
+        def check(output: str) -> None:
+            queued = re.search(r"job (\S+) queued", output)
+            assert queued, output
+            try:  # free the one worker for the jobs that wait
+                sdk.cancel_job(queued.group(1))
+            except OpfuseAPIError:
+                pass  # it finished first
+
+    def checked(output: str) -> None:
+        try:
+            check(output)
+        finally:
+            sdk.close()
+
+    return [ids.get(a, a) for a in argv], checked
+
+
+def _written(args: list[str]) -> list[str]:
+    """The files the command says it writes (-o, --html FILE, --trace FILE)."""
+    flags = ("-o", "--output", "--html", "--trace")  # `report --html` alone is a flag
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a in flags and not args[i + 1].startswith("-")]
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("argv", RUNS)
 def test_opfuse_command_line_runs(
-    argv: list[str], served: Served, finished: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    argv: list[str],
+    served: Served,
+    finished: dict[str, str],
+    files: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each command runs in a folder of its own holding the files the docs name, against the
+    served API (its key and URL from $OPFUSE_HOME, as a user's local server)."""
+    import shutil
+
     from typer.testing import CliRunner
 
     for var in ("OPFUSE_API_URL", "OPFUSE_API_KEY"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OPFUSE_HOME", str(served.home))
-    monkeypatch.chdir(served.workdir)
-    args = [finished.get(a, a) for a in argv]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the CLI sets itself on a machine without a GPU
+    shutil.copytree(files, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    args, check = _fresh(list(argv), finished, served, tmp_path)
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, f"opfuse {' '.join(args)}: {result.output}"
     assert "Traceback" not in result.output
+    for name in _written(args):
+        assert (tmp_path / name).is_file(), f"opfuse {' '.join(args)} wrote no {name}"
+    if args[:1] == ["run"] and "-o" in args:
+        _outputs_match_onnxruntime(tmp_path, args)
+    check(result.stdout)
+
+
+def _outputs_match_onnxruntime(folder: Path, args: list[str]) -> None:
+    import onnxruntime as ort
+
+    inputs = dict(np.load(folder / args[args.index("--inputs" if "--inputs" in args else "-i") + 1]))
+    want = ort.InferenceSession(str(folder / "mlp.onnx")).run(None, inputs)[0]
+    got = np.load(folder / args[args.index("-o") + 1])["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("snippet", EXCERPTS)
