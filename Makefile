@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+# Two test processes (CI's machine has two cores), each file's tests in one of them so that a
+# module's fixtures (a served API, a compiled model) are made once. PYTEST_ARGS= runs it serially.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: run test lint typecheck unit venv clean corpus
 
