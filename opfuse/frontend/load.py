@@ -9,6 +9,7 @@ import onnx
 from onnx import shape_inference
 
 from opfuse.errors import ModelError
+from opfuse.frontend.batch_statistics import write_out_batch_statistics
 from opfuse.frontend.control_flow import fold_compile_time_values
 from opfuse.frontend.external_data import has_external_data, inline_external_data
 from opfuse.frontend.inspect import WEIGHT_BYTES, WEIGHT_TYPES, check_model, parse_model
@@ -216,6 +217,7 @@ def load_and_specialize(
     drop_initializer_inputs(model, list((input_shapes or {}).keys()))
     specialize_shapes(model, input_shapes)
     model = convert_opset(model)
+    write_out_batch_statistics(model)  # weight standardization's training-mode BatchNormalization
     check_inference_mode(model)
     check_node_versions(model)
     del model.graph.value_info[:]
