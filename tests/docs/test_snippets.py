@@ -7,10 +7,11 @@ holding the files the snippets name.
 
 Every `opfuse` line also runs (but `serve` and `worker`, which run until stopped: PARSE_ONLY),
 in-process against that server, each in a folder of its own holding what the docs' commands name:
-tiny stand-ins under the docs' model names (mlp.onnx, lin.onnx with its .data, resnet.onnx,
-bert.onnx), input arrays, and bundles. The placeholder ids (`9a0e...`, `4f1c...`, `<job-id>`)
-stand for a job the worker finished and its model; a command that deletes, cancels or revokes gets
-an object made for it (a model, a job no worker here takes, a key) and its effect is checked.
+tiny stand-ins under the docs' model names (mlp.onnx, resnet.onnx, bert.onnx), what the docs'
+`python -c` lines make (lin.onnx with its .data by torch.onnx.export, in.npz, x.npy), bundles.
+The placeholder ids (`9a0e...`, `4f1c...`, `<job-id>`) stand for a job the worker finished and
+its model; a command that deletes, cancels or revokes gets an object made for it (a model, a job
+no worker here takes, a key) and its effect is checked.
 Every run must exit 0 without a traceback and write the files it names (`-o`, `--html`, `--trace`).
 
 A ```python block whose first line is a comment naming a file of the repository (`# opfuse/x.py`)
@@ -356,9 +357,9 @@ def _save(
 
 def _stand_ins(folder: Path) -> None:
     """Tiny models under the names the docs' commands use, with the inputs those commands shape:
-    mlp.onnx and model.onnx x[batch, 512]; lin.onnx a Linear(512, 512) with its weights in
-    lin.onnx.data (what torch.onnx.export writes); resnet.onnx input[batch, 3, 224, 224] (one
-    strided conv); bert.onnx input_ids and attention_mask [batch, 128] (int64)."""
+    mlp.onnx and model.onnx x[batch, 512]; resnet.onnx input[batch, 3, 224, 224] (one strided
+    conv); bert.onnx input_ids and attention_mask [batch, 128] (int64); the README's inputs.npz.
+    (lin.onnx, in.npz and x.npy are made by the docs' own `python -c` lines.)"""
     from onnx import TensorProto, numpy_helper
     from onnx.helper import make_node, make_tensor_value_info
 
@@ -366,18 +367,6 @@ def _stand_ins(folder: Path) -> None:
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     for name in ("mlp.onnx", "model.onnx"):
         small_mlp(folder / name, 512)
-    weight = numpy_helper.from_array(rng.standard_normal((512, 512)).astype(np.float32) * 0.05, "w")
-    bias = numpy_helper.from_array(rng.standard_normal(512).astype(np.float32), "b")
-    _save(
-        folder / "lin.onnx",
-        [make_node("MatMul", ["x", "w"], ["m"]), make_node("Add", ["m", "b"], ["y"])],
-        [make_tensor_value_info("x", f32, [8, 512])],
-        [make_tensor_value_info("y", f32, [8, 512])],
-        [weight, bias],
-        save_as_external_data=True,
-        location="lin.onnx.data",
-        size_threshold=0,
-    )
     kernel = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3, "k")
     half = numpy_helper.from_array(np.array(0.5, dtype=np.float32), "half")
     _save(
@@ -403,8 +392,6 @@ def _stand_ins(folder: Path) -> None:
         [make_tensor_value_info("hidden", f32, ["batch", 128])],
         [half],
     )
-    np.savez(folder / "in.npz", x=rng.standard_normal((2, 512)).astype(np.float32))
-    np.save(folder / "x.npy", rng.standard_normal((2, 512)).astype(np.float32))
     np.savez(folder / "inputs.npz", x=rng.standard_normal((8, 512)).astype(np.float32))
 
 
@@ -426,15 +413,28 @@ def finished(served: Served) -> dict[str, str]:
     return {"9a0e...": str(job.id), "7c41...": str(job.id), "job-id": str(job.id), "4f1c...": str(model.id)}
 
 
+# The docs' `python -c` lines that make the files their next commands use (console blocks).
+PYTHON_LINES = [
+    line for s in SNIPPETS if s.lang == "console" for line in _shell_lines(s) if line.startswith("python -c ")
+]
+
+
 @pytest.fixture(scope="module")
 def files(served: Served, finished: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the commands name: the stand-in models, the inputs, and the bundles they run
-    (mlp.opfuse.zip compiled here for x[2, 512] like docs/cli.md; model.opfuse.zip the finished
-    job's, downloaded like the README)."""
+    """What the commands name: the stand-in models, what the docs' `python -c` lines make, and
+    the bundles the commands run (mlp.opfuse.zip compiled here for x[2, 512] like docs/cli.md;
+    model.opfuse.zip the finished job's, downloaded like the README)."""
     import opfuse
 
     folder = tmp_path_factory.mktemp("files")
     _stand_ins(folder)
+    assert len(PYTHON_LINES) >= 3, PYTHON_LINES
+    for line in PYTHON_LINES:  # torch.onnx.export's lin.onnx + lin.onnx.data, in.npz, x.npy
+        done = subprocess.run(
+            [sys.executable, *shlex.split(line)[1:]], cwd=folder, capture_output=True, text=True
+        )
+        assert done.returncode == 0 and "Traceback" not in done.stderr, f"{line}\n{done.stderr[-3000:]}"
+    assert {"lin.onnx", "lin.onnx.data", "in.npz", "x.npy"} <= {p.name for p in folder.iterdir()}
     opfuse.compile(str(folder / "mlp.onnx"), input_shapes={"x": [2, 512]}, device="cpu").save(
         folder / "mlp.opfuse.zip"
     )
