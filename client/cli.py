@@ -90,16 +90,6 @@ app = typer.Typer(
 )
 
 
-app = typer.Typer(
-    name="opfuse",
-    cls=OpfuseGroup,
-    help="opfuse: fuse ONNX models into verified Triton kernels, as a service or locally.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
 def _client(opts: Options) -> OpfuseClient:
     """How the commands reach the API (tests replace it to point at their own server)."""
     return connect_from_discovery(opts)
