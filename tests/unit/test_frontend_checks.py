@@ -240,11 +240,25 @@ def test_nonzero_of_run_time_data_is_refused_but_of_a_constant_runs() -> None:
 
 
 def test_training_mode_batchnorm_is_refused() -> None:
+    """Where its running statistics are read (a training step's state update). One whose only
+    output read is Y is written out instead (tests/unit/test_batch_statistics.py)."""
     c = np.ones(3, dtype=np.float32)
     m = model(
-        [n("BatchNormalization", ["x", "c", "c", "c", "c"], ["y"], name="bn", training_mode=1)],
+        [
+            n(
+                "BatchNormalization",
+                ["x", "c", "c", "c", "c"],
+                ["y", "mean", "var"],
+                name="bn",
+                training_mode=1,
+            )
+        ],
         inputs={"x": (TensorProto.FLOAT, [2, 3, 4])},
-        outputs={"y": (TensorProto.FLOAT, [2, 3, 4])},
+        outputs={
+            "y": (TensorProto.FLOAT, [2, 3, 4]),
+            "mean": (TensorProto.FLOAT, [3]),
+            "var": (TensorProto.FLOAT, [3]),
+        },
         inits={"c": c},
     )
     msg = refused(m)
