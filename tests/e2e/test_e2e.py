@@ -91,7 +91,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     env.update(OPFUSE_HOME=str(home), OPFUSE_PORT=str(port), TRITON_INTERPRET="1")
     log_path = workdir / "serve.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([OPFUSE, "serve"], cwd=workdir, env=env, stdout=log, stderr=log)
+        # A process group of its own: teardown ends the server and everything it started.
+        proc = subprocess.Popen(
+            [OPFUSE, "serve"], cwd=workdir, env=env, stdout=log, stderr=log, start_new_session=True
+        )
     served = Served(proc, home, workdir, f"http://127.0.0.1:{port}", log_path)
     try:
         deadline = time.monotonic() + 90
@@ -107,9 +110,23 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             time.sleep(0.3)
         yield served
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to `opfuse serve` (it stops its API and worker), then SIGKILL to whatever of its
+    process group is left, so that no server or worker outlives the tests that started it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
