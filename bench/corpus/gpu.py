@@ -94,28 +94,63 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _yes_no(rec: dict[str, Any], key: str) -> str:
+    if not rec:
+        return ""
+    if "error" in rec:
+        return "err"
+    v = rec.get(key)
+    return "" if v is None else ("yes" if v else "no")
+
+
+def _captured(rec: dict[str, Any]) -> bool | None:
+    """Whether the fused plan ran as one CUDA graph: the timed run's word, else the compile
+    phase's capture."""
+    if "cuda_graph" in rec:
+        return bool(rec["cuda_graph"])
+    if "captured" in rec:
+        return bool(rec["captured"])
+    return None
+
+
 def gpu_columns(recs: dict[int, dict[str, Any]]) -> dict[str, str]:
-    """A row's GPU columns from its per-batch records ({batch: record})."""
+    """A row's GPU columns from its per-batch records ({batch: record}). A record of the compile
+    phase alone (`--compile-only`: compiled, verified and captured, not timed) gives the
+    verification, graph and compile-time columns and leaves the timing columns empty."""
     b1, b32 = recs.get(1, {}), recs.get(32, {})
 
-    def pair(key: str) -> str:
-        vals = [_fmt(r.get(key)) if "error" not in r else "err" for r in (b1, b32)]
+    def pair(vals: list[str]) -> str:
         return "" if not any(vals) else "/".join(v or "-" for v in vals)
 
+    def num(key: str, digits: int = 3) -> str:
+        return pair([_fmt(r.get(key), digits) if "error" not in r else "err" for r in (b1, b32)])
+
+    def one(r: dict[str, Any]) -> str:
+        return "err" if "error" in r else _fmt(r.get("opfuse_ms"), 4)
+
+    graph = [{**r, "g": _captured(r)} for r in (b1, b32)]
     any_rec = b1 or b32
     return {
-        "ms_b1": _fmt(b1.get("opfuse_ms"), 4) if "error" not in b1 else "err",
-        "ms_b32": _fmt(b32.get("opfuse_ms"), 4) if "error" not in b32 else "err",
-        "ratio_torch_compile": pair("ratio_torch_compile"),
-        "ratio_per_op": pair("ratio_per_op"),
+        "ms_b1": one(b1) if b1 else "",
+        "ms_b32": one(b32) if b32 else "",
+        "ratio_torch_compile": num("ratio_torch_compile"),
+        "ratio_per_op": num("ratio_per_op"),
+        "gpu_verified": pair([_yes_no(r, "verified") for r in (b1, b32)]),
+        "gpu_graph": pair([_yes_no(r, "g") for r in graph]),
+        "gpu_compile_s": num("compile_s", 1),
         "gpu_date": str(any_rec.get("date", "")),
         "gpu_commit": str(any_rec.get("commit", "")),
     }
 
 
+TIMING_COLUMNS = ("ms_b1", "ms_b32", "ratio_torch_compile", "ratio_per_op")
+
+
 def merge(paths: list[str], out: str = EXPECTED) -> int:
-    """Fill the GPU columns of `out`'s default-exporter rows from the JSON lines in `paths`;
-    returns how many rows it filled. The CPU columns are left as they are."""
+    """Fill the GPU columns of `out`'s default-exporter rows from the JSON lines in `paths` (a
+    later file's line for the same row and batch wins: pass the `.compile` file first); returns
+    how many rows it filled. The CPU columns are left as they are, and so are a row's earlier
+    timings where the new lines hold none (a `--compile-only` run)."""
     by_model: dict[str, dict[int, dict[str, Any]]] = {}
     for (model, batch), rec in read_done(paths).items():
         by_model.setdefault(model, {})[batch] = rec
@@ -127,7 +162,11 @@ def merge(paths: list[str], out: str = EXPECTED) -> int:
             if key not in rows:
                 print(f"{model}: not a row of {out} (skipped)", file=sys.stderr)
                 continue
-            rows[key].update(gpu_columns(recs))
+            cols = gpu_columns(recs)
+            timed = any(cols[c] and cols[c] != "err" for c in TIMING_COLUMNS)
+            if not timed and any(rows[key].get(c) for c in TIMING_COLUMNS):
+                cols = {c: v for c, v in cols.items() if c in ("gpu_verified", "gpu_graph", "gpu_compile_s")}
+            rows[key].update(cols)
             filled += 1
         write_rows(out, rows)
     return filled
@@ -168,6 +207,11 @@ def _exported(module: Any, ex: dict[str, Any], name: str, batch: int, export_dir
     return path
 
 
+def _compile_record(out_path: str, name: str, batch: int) -> dict[str, Any]:
+    """The compile phase's line for this row and batch (`--jobs`), or {}."""
+    return read_done([out_path + ".compile"]).get((name, batch), {}) if out_path else {}
+
+
 def measure_row(
     name: str,
     batches: list[int],
@@ -177,10 +221,14 @@ def measure_row(
     tune_s: float,
     phase: str,
     export_dir: str,
+    peer: bool = True,
 ) -> None:
-    """One row's batches. phase "all": compile, verify and time; "compile": compile and verify, and
-    compile torch.compile's peer, timing nothing (rows run in parallel: the caches warm up);
-    "time": the same with warm caches, then the timings (rows run one at a time)."""
+    """One row's batches. phase "all": compile, verify and time; "compile": compile, verify and
+    capture the CUDA graph once, and compile torch.compile's peer (`peer`), timing nothing (rows
+    run in parallel: the caches warm up); "time": compile again with warm caches, then the timings
+    (rows run one at a time). The timing pass does not verify again where the compile phase
+    verified the same plan with no group rolled back (same plan: the same launches; its line
+    carries that verification); otherwise it verifies as "all" does."""
     import onnx
     import torch
 
@@ -203,15 +251,23 @@ def measure_row(
     timed = phase != "compile"
     for batch in batches:
         rec: dict[str, Any] = {**meta, "batch": batch}
+        t_row = time.perf_counter()
         try:
             ex = _batched(example, batch)
             proto = onnx.load(_exported(module, ex, name, batch, export_dir))
             inits = {i.name for i in proto.graph.initializer}
             names = [i.name for i in proto.graph.input if i.name not in inits]
             shapes = {n: list(t.shape) for n, t in zip(names, ex.values(), strict=False)}
+            before = _compile_record(out_path, name, batch) if phase == "time" else {}
+            reuse = bool(before.get("verified")) and not (before.get("verification") or {}).get("rolled_back")
             t0 = time.perf_counter()
             cm = opfuse.compile(
-                proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s
+                proto,
+                input_shapes=shapes,
+                precision=PRECISION,
+                device="cuda",
+                tune_budget_s=tune_s,
+                verify=not reuse,
             )
             rec["compile_s"] = round(time.perf_counter() - t0, 2)
             r = cm.report
@@ -223,6 +279,19 @@ def measure_row(
                 cuda_graph_outlook=r.get("cuda_graph"),
                 verification=_verification(r),
             )
+            if reuse:  # the compile phase's verification of this plan stands, and its compile time
+                same = before.get("kernels_after") == rec["kernels_after"]
+                rec.update(
+                    verified=same,
+                    verification={**before.get("verification", {}), "in": "compile phase"},
+                    compile_s=before.get("compile_s"),
+                    warm_compile_s=rec["compile_s"],
+                )
+                if not same:
+                    rec["verification"]["note"] = (
+                        f"the timed plan has {rec['kernels_after']} launches, the verified one "
+                        f"{before.get('kernels_after')}: not the plan that was verified"
+                    )
             if timed:
                 cm.benchmark(iters=iters, warmup=warmup)
                 rec.update(
@@ -233,13 +302,22 @@ def measure_row(
                     cuda_graph_error=r["after"].get("cuda_graph_error"),
                 )
                 rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
+            else:  # capture once: the plan runs as one CUDA graph, or the reason it cannot
+                import numpy as np
+
+                from opfuse.verify.reference import random_inputs
+
+                cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))
+                rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)
             del cm
-            rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda, timed))
+            if timed or peer:
+                rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda, timed))
             if timed:
                 rec["ratio_torch_compile"] = _ratio(rec["opfuse_ms"], rec.get("torch_compile_cudagraph_ms"))
         except Exception as exc:
             traceback.print_exc()
             rec["error"] = one_line(exc, 400)
+        rec["wall_s"] = round(time.perf_counter() - t_row, 1)
         torch.cuda.empty_cache()
         append_line(out_path, rec)
         print(json.dumps(rec), flush=True)
@@ -304,8 +382,16 @@ def _torch_compile(
 
 
 def run_row(
-    name: str, batches: list[int], out_path: str, args: argparse.Namespace, phase: str = "all"
+    name: str,
+    batches: list[int],
+    out_path: str,
+    args: argparse.Namespace,
+    phase: str = "all",
+    deadline: float | None = None,
 ) -> None:
+    """The row in a subprocess of its own, killed after --timeout seconds (a line per batch says
+    so) or at `deadline` (time.monotonic(): the end of the call's share for this phase), which
+    records nothing, so the next run takes the row again."""
     cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path, "--phase", phase]
     cmd += ["--export-dir", args.export_dir]
     cmd += [
@@ -317,6 +403,8 @@ def run_row(
         str(args.warmup),
     ]
     cmd += ["--tune-budget", str(args.tune_budget)]
+    if args.compile_only:
+        cmd.append("--compile-only")
     root = os.path.dirname(os.path.dirname(HERE))
     env = {
         **os.environ,
@@ -325,10 +413,16 @@ def run_row(
     env.pop("TRITON_INTERPRET", None)
     if phase == "compile" and args.jobs > 1:
         env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
+    limit, cut = args.timeout, False
+    if deadline is not None and deadline - time.monotonic() < limit:
+        limit, cut = max(1.0, deadline - time.monotonic()), True
     try:
-        rc = subprocess.run(cmd, env=env, cwd=root, timeout=args.timeout, check=False).returncode
+        rc = subprocess.run(cmd, env=env, cwd=root, timeout=limit, check=False).returncode
         why = f"the row's process exited with status {rc}" if rc else ""
     except subprocess.TimeoutExpired:
+        if cut:
+            print(f"{name}: stopped at the end of the {phase} phase (--stop-after); not recorded", flush=True)
+            return
         why = f"not finished in {args.timeout:.0f} s (--timeout)"
     if not why:
         return
@@ -359,6 +453,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--export-dir", default="", help="where exports are kept for reuse (default: --out + '.exports')"
+    )
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile, verify and capture each row on the GPU (N at once with --jobs N), time nothing",
+    )
+    ap.add_argument(
+        "--new-only", action="store_true", help="only the rows --expected has no GPU figures for yet"
     )
     ap.add_argument("--phase", default="all", choices=["all", "compile", "time"], help=argparse.SUPPRESS)
     ap.add_argument("--stop-after", type=float, default=0.0, help="start no row after this many seconds")
@@ -395,6 +497,7 @@ def main(argv: list[str] | None = None) -> None:
             args.tune_budget,
             args.phase,
             args.export_dir,
+            peer=not args.compile_only,
         )
         return
     from bench.corpus.models import select
@@ -408,34 +511,49 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/corpus/gpu.py measures on a CUDA GPU; on the CPU run bench/corpus/run.py")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if args.new_only:
+        done_rows = read_rows(args.expected)
+        names = [n for n in names if not (done_rows.get((n, EXPORTER)) or {}).get("gpu_commit")]
     names = shard(names, args.shard)
     start = time.monotonic()
+    stop = args.stop_after or math.inf
+    # --stop-after S: with --jobs and timing, rows start compiling in the first half of S and are
+    # cut at 0.6 S; the timings start before S. --compile-only: rows start before S.
+    parallel = args.compile_only or args.jobs > 1
+    compile_start, compile_end = (stop, None) if args.compile_only else (0.5 * stop, 0.6 * stop)
 
-    def in_time(share: float = 1.0) -> bool:
-        return not args.stop_after or time.monotonic() - start < share * args.stop_after
+    def elapsed() -> float:
+        return time.monotonic() - start
 
-    if args.jobs > 1:  # compile in parallel first, then time one row at a time on warm caches
+    ok: set[tuple[str, int]] | None = None
+    if parallel:  # compile in parallel first, then time one row at a time on warm caches
         compile_out = args.out + ".compile"
         todo = pending(names, args.batches, {**read_done([compile_out]), **read_done([args.out])}, args.force)
         print(f"{len(todo)} rows to compile, {args.jobs} at once -> {compile_out}", flush=True)
+        deadline = None if compile_end is None or math.isinf(compile_end) else start + compile_end
 
         def one(item: tuple[int, tuple[str, list[int]]]) -> None:
             i, (name, batches) = item
-            if in_time(0.5):  # the first half of --stop-after compiles, the rest times
+            if elapsed() < compile_start:
                 print(f"--- compile [{i + 1}/{len(todo)}] {name} batches {batches}", flush=True)
-                run_row(name, batches, compile_out, args, "compile")
+                run_row(name, batches, compile_out, args, "compile", deadline)
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(one, enumerate(todo)))
+        if args.compile_only:
+            return
         compiled = read_done([compile_out])
-        names = [n for n in names if any((n, b) in compiled for b in args.batches)]
+        ok = {k for k, rec in compiled.items() if "error" not in rec}
     plan = pending(names, args.batches, read_done([args.out]), args.force)
+    if ok is not None:  # time what compiled; a compile's error is that batch's line
+        plan = [(n, [b for b in bs if (n, b) in ok]) for n, bs in plan]
+        plan = [(n, bs) for n, bs in plan if bs]
     phase = "time" if args.jobs > 1 else "all"
     print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
     for i, (name, batches) in enumerate(plan):
-        if not in_time():
+        if elapsed() >= stop:
             break
-        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches}", flush=True)
+        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches} at {elapsed():.0f} s", flush=True)
         run_row(name, batches, args.out, args, phase)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPECTED = os.path.join(HERE, "expected.csv")
 EXPORTERS = ("dynamo", "torchscript")
-# The file's columns, in order. The GPU leg (bench/corpus/gpu.py) fills the last six.
+# The file's columns, in order. The GPU leg (bench/corpus/gpu.py) fills the last nine.
 COLUMNS = [
     "model",
     "family",
@@ -62,10 +62,13 @@ COLUMNS = [
     "ms_b32",
     "ratio_torch_compile",
     "ratio_per_op",
+    "gpu_verified",
+    "gpu_graph",
+    "gpu_compile_s",
     "gpu_date",
     "gpu_commit",
 ]
-GPU_COLUMNS = COLUMNS[-6:]
+GPU_COLUMNS = COLUMNS[-9:]
 # status: ok (compiled and verified), compiled (gpu_only_verify: compiled, verified on the GPU),
 # not_verified (compiled, verification failed), export_failed, unsupported (opfuse refused an op it
 # lacks), model_error (opfuse refused the model for another reason), crash (the compile raised

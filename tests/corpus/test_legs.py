@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,10 +118,31 @@ def test_gpu_merge_fills_the_default_exporters_gpu_columns(tmp_path: Path) -> No
     bert = got[("transformers/bert", "dynamo")]
     assert bert["ms_b1"] == "err" and bert["ms_b32"] == "" and bert["ratio_torch_compile"] == "err/-"
     assert got[("timm/test_vit", "torchscript")]["ms_b1"] == ""  # the GPU leg times the default export
+    assert vit["gpu_verified"] == "" and vit["gpu_graph"] == ""  # these lines did not say
+    # A compile-only run (verified and captured, not timed) fills its columns and keeps the timings.
+    compiled = tmp_path / "gpu.jsonl.compile"
+    comp = {**base, "commit": "def5678", "verified": True, "compile_s": 12.34}
+    compiled.write_text(
+        json.dumps({**comp, "batch": 1, "captured": True})
+        + "\n"
+        + json.dumps({**comp, "batch": 32, "verified": False, "captured": False})
+        + "\n"
+    )
+    assert gpu.merge([str(compiled)], str(expected)) == 1
+    vit = _rows(expected)[("timm/test_vit", "dynamo")]
+    assert (vit["gpu_verified"], vit["gpu_graph"], vit["gpu_compile_s"]) == ("yes/no", "yes/no", "12.3/12.3")
+    assert vit["ms_b1"] == "0.2500" and vit["gpu_commit"] == "abc1234"  # the timings' commit
+    # The timed lines win over the compile phase's when both files are merged, compile file first.
+    timed = {**base, "batch": 1, "opfuse_ms": 0.2, "verified": True, "cuda_graph": True, "commit": "def5678"}
+    lines.write_text(json.dumps(timed) + "\n")
+    assert gpu.merge([str(compiled), str(lines)], str(expected)) == 1
+    vit = _rows(expected)[("timm/test_vit", "dynamo")]
+    assert (vit["ms_b1"], vit["ms_b32"], vit["gpu_verified"]) == ("0.2000", "", "yes/no")
+    assert vit["gpu_commit"] == "def5678"
     # The CPU leg rewriting a row keeps what the GPU leg measured.
     cpu.update(str(expected), [{"model": "timm/test_vit", "family": "timm", "exporter": "dynamo", "status": "ok", "launches": 8}])  # fmt: skip
     vit = _rows(expected)[("timm/test_vit", "dynamo")]
-    assert vit["launches"] == "8" and vit["ms_b1"] == "0.2500"
+    assert vit["launches"] == "8" and vit["ms_b1"] == "0.2000" and vit["gpu_graph"] == "yes/no"
 
 
 def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) -> None:
@@ -174,3 +196,43 @@ def test_gpu_leg_jobs_compile_first_and_share_the_output(tmp_path: Path) -> None
     for t in threads:
         t.join()
     assert set(gpu.read_done([out])) == {(f"m{i}", 1) for i in range(6)}  # no line torn
+
+
+def test_gpu_leg_times_only_what_compiled_and_compile_only_times_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    calls: list[tuple[str, tuple[int, ...], str]] = []
+
+    def fake_row(name, batches, out_path, args, phase="all", deadline=None):  # type: ignore[no-untyped-def]
+        calls.append((name, tuple(batches), phase))
+        for b in batches:
+            rec = {"model": name, "batch": b, "phase": phase}
+            if phase == "compile" and name == "transformers/bert" and b == 32:
+                rec["error"] = "ModelError: x"
+            gpu.append_line(out_path, rec)
+
+    monkeypatch.setattr(gpu, "run_row", fake_row)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = str(tmp_path / "g.jsonl")
+    rows = "timm/test_vit,transformers/bert"
+    gpu.main(["--rows", rows, "--jobs", "2", "--out", out])
+    compiles = sorted(c for c in calls if c[2] == "compile")
+    assert compiles == [("timm/test_vit", (1, 32), "compile"), ("transformers/bert", (1, 32), "compile")]
+    times = sorted(c for c in calls if c[2] == "time")  # bert's batch 32 did not compile: not timed
+    assert times == [("timm/test_vit", (1, 32), "time"), ("transformers/bert", (1,), "time")]
+    calls.clear()
+    gpu.main(["--rows", rows, "--jobs", "2", "--out", out])  # all done: nothing runs again
+    assert calls == []
+    gpu.main(["--rows", rows, "--compile-only", "--out", str(tmp_path / "c.jsonl")])
+    assert sorted(calls) == compiles and os.path.exists(str(tmp_path / "c.jsonl.compile"))
+    # --new-only: rows --expected already has GPU figures for are left out.
+    expected = tmp_path / "expected.csv"
+    cpu.update(str(expected), [], models.select(rows.split(",")))
+    line = {"model": "timm/test_vit", "batch": 1, "opfuse_ms": 0.2, "commit": "abc1234"}
+    (tmp_path / "m.jsonl").write_text(json.dumps(line) + "\n")
+    gpu.merge([str(tmp_path / "m.jsonl")], str(expected))
+    calls.clear()
+    gpu.main(["--rows", rows, "--compile-only", "--new-only", "--expected", str(expected), "--out", str(tmp_path / "n.jsonl")])  # fmt: skip
+    assert [c[0] for c in calls] == ["transformers/bert"]
