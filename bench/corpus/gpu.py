@@ -207,120 +207,44 @@ def _exported(module: Any, ex: dict[str, Any], name: str, batch: int, export_dir
     return path
 
 
-def _compile_record(out_path: str, name: str, batch: int) -> dict[str, Any]:
-    """The compile phase's line for this row and batch (`--jobs`), or {}."""
-    return read_done([out_path + ".compile"]).get((name, batch), {}) if out_path else {}
+class _Batch:
+    """One batch of a row, prepared: its line so far, opfuse's compiled model and torch.compile's
+    graph replay (None where either failed: the line says why)."""
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+        self.cm: Any = None
+        self.peer: Any = None
 
 
-def measure_row(
-    name: str,
-    batches: list[int],
-    out_path: str,
-    iters: int,
-    warmup: int,
-    tune_s: float,
-    phase: str,
-    export_dir: str,
-    peer: bool = True,
-) -> None:
-    """One row's batches. phase "all": compile, verify and time; "compile": compile, verify and
-    capture the CUDA graph once, and compile torch.compile's peer (`peer`), timing nothing (rows
-    run in parallel: the caches warm up); "time": compile again with warm caches, then the timings
-    (rows run one at a time). The timing pass does not verify again where the compile phase
-    verified the same plan with no group rolled back (same plan: the same launches; its line
-    carries that verification); otherwise it verifies as "all" does."""
+def _prepare(module: Any, example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed: bool) -> None:
+    """Compile and verify with opfuse (fp16, on the GPU) and capture its CUDA graph once; nothing
+    is timed here."""
+    import numpy as np
     import onnx
-    import torch
 
     import opfuse
-    from bench.corpus.models import BY_NAME
-    from bench.run import _commit, graphed, source_digest, time_cuda
+    from opfuse.verify.reference import random_inputs
 
-    row = BY_NAME[name]
-    module, example = row.build()
-    meta = {
-        "model": name,
-        "precision": PRECISION,
-        "exporter": EXPORTER,
-        "phase": phase,
-        "gpu": torch.cuda.get_device_name(0),
-        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
-        "opfuse_source": source_digest(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    timed = phase != "compile"
-    for batch in batches:
-        rec: dict[str, Any] = {**meta, "batch": batch}
-        t_row = time.perf_counter()
-        try:
-            ex = _batched(example, batch)
-            proto = onnx.load(_exported(module, ex, name, batch, export_dir))
-            inits = {i.name for i in proto.graph.initializer}
-            names = [i.name for i in proto.graph.input if i.name not in inits]
-            shapes = {n: list(t.shape) for n, t in zip(names, ex.values(), strict=False)}
-            before = _compile_record(out_path, name, batch) if phase == "time" else {}
-            reuse = bool(before.get("verified")) and not (before.get("verification") or {}).get("rolled_back")
-            t0 = time.perf_counter()
-            cm = opfuse.compile(
-                proto,
-                input_shapes=shapes,
-                precision=PRECISION,
-                device="cuda",
-                tune_budget_s=tune_s,
-                verify=not reuse,
-            )
-            rec["compile_s"] = round(time.perf_counter() - t0, 2)
-            r = cm.report
-            rec.update(
-                verified=bool(r["verification"]["passed"]),
-                kernels_before=r["kernels"].get("before"),
-                kernels_after=r["kernels"]["after"],
-                compute_nodes=r.get("compute_nodes"),
-                cuda_graph_outlook=r.get("cuda_graph"),
-                verification=_verification(r),
-            )
-            if reuse:  # the compile phase's verification of this plan stands, and its compile time
-                same = before.get("kernels_after") == rec["kernels_after"]
-                rec.update(
-                    verified=same,
-                    verification={**before.get("verification", {}), "in": "compile phase"},
-                    compile_s=before.get("compile_s"),
-                    warm_compile_s=rec["compile_s"],
-                )
-                if not same:
-                    rec["verification"]["note"] = (
-                        f"the timed plan has {rec['kernels_after']} launches, the verified one "
-                        f"{before.get('kernels_after')}: not the plan that was verified"
-                    )
-            if timed:
-                cm.benchmark(iters=iters, warmup=warmup)
-                rec.update(
-                    opfuse_ms=r["after"]["latency_ms"]["p50"],
-                    stepwise_ms=(r.get("after_stepwise") or {}).get("latency_ms", {}).get("p50"),
-                    per_op_ms=r["before"]["latency_ms"]["p50"],
-                    cuda_graph=r["after"].get("cuda_graph"),
-                    cuda_graph_error=r["after"].get("cuda_graph_error"),
-                )
-                rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
-            else:  # capture once: the plan runs as one CUDA graph, or the reason it cannot
-                import numpy as np
-
-                from opfuse.verify.reference import random_inputs
-
-                cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))
-                rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)
-            del cm
-            if timed or peer:
-                rec.update(_torch_compile(module, ex, iters, warmup, graphed, time_cuda, timed))
-            if timed:
-                rec["ratio_torch_compile"] = _ratio(rec["opfuse_ms"], rec.get("torch_compile_cudagraph_ms"))
-        except Exception as exc:
-            traceback.print_exc()
-            rec["error"] = one_line(exc, 400)
-        rec["wall_s"] = round(time.perf_counter() - t_row, 1)
-        torch.cuda.empty_cache()
-        append_line(out_path, rec)
-        print(json.dumps(rec), flush=True)
+    proto = onnx.load(path)
+    inits = {i.name for i in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    shapes = {n: list(t.shape) for n, t in zip(names, example.values(), strict=False)}
+    t0 = time.perf_counter()
+    cm = opfuse.compile(proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s)
+    b.rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    r = cm.report
+    b.rec.update(
+        verified=bool(r["verification"]["passed"]),
+        kernels_before=r["kernels"].get("before"),
+        kernels_after=r["kernels"]["after"],
+        compute_nodes=r.get("compute_nodes"),
+        cuda_graph_outlook=r.get("cuda_graph"),
+        verification=_verification(r),
+    )
+    cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
+    b.rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)
+    b.cm = cm if timed else None
 
 
 def _verification(report: dict[str, Any]) -> dict[str, Any]:
@@ -342,43 +266,159 @@ def _verification(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _torch_compile(
-    module: Any,
-    example: dict[str, Any],
+def _time(b: _Batch, iters: int, warmup: int) -> None:
+    """The timings, with the GPU to this process alone: opfuse's fused plan (its CUDA graph), its
+    step-by-step run and its per-op plan (CompiledModel.benchmark), and torch.compile's graph."""
+    from bench.run import time_cuda
+
+    rec = b.rec
+    if b.cm is not None:
+        r = b.cm.benchmark(iters=iters, warmup=warmup)
+        rec.update(
+            opfuse_ms=r["after"]["latency_ms"]["p50"],
+            stepwise_ms=(r.get("after_stepwise") or {}).get("latency_ms", {}).get("p50"),
+            per_op_ms=r["before"]["latency_ms"]["p50"],
+            cuda_graph=r["after"].get("cuda_graph"),
+            cuda_graph_error=r["after"].get("cuda_graph_error"),
+        )
+        rec["ratio_per_op"] = _ratio(rec["opfuse_ms"], rec["per_op_ms"])
+    if b.peer is not None:
+        replay = b.peer
+        rec["torch_compile_cudagraph_ms"] = time_cuda(lambda i: replay(), iters, warmup)
+    rec["ratio_torch_compile"] = _ratio(rec.get("opfuse_ms"), rec.get("torch_compile_cudagraph_ms"))
+
+
+def measure_row(
+    name: str,
+    batches: list[int],
+    out_path: str,
     iters: int,
     warmup: int,
-    graphed: Any,
-    time_cuda: Any,
-    timed: bool = True,
-) -> dict[str, Any]:
-    """torch.compile + CUDA graph of the module itself, fp16, the inputs of bench/run.py's peers
-    (`timed` False: compiled and run once, which fills inductor's caches for the timing pass)."""
+    tune_s: float,
+    phase: str,
+    export_dir: str,
+    sync_dir: str = "",
+) -> None:
+    """One row's batches, in three steps: export each batch; compile, verify and capture each with
+    opfuse, then compile and capture torch.compile's peer of the module (fp16, the same inputs);
+    then time them all. phase "compile" stops before the peer and the timings (--compile-only).
+    With `sync_dir` (--jobs: rows of a wave compile at once), the row says it is ready and waits
+    for its turn before timing, so the timings never share the GPU with another row's work."""
     import torch
 
+    from bench.corpus.models import BY_NAME
+    from bench.run import _commit, source_digest
+
+    row = BY_NAME[name]
+    module, example = row.build()
+    meta = {
+        "model": name,
+        "precision": PRECISION,
+        "exporter": EXPORTER,
+        "phase": phase,
+        "gpu": torch.cuda.get_device_name(0),
+        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "opfuse_source": source_digest(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    timed = phase != "compile"
+    prepared: list[_Batch] = []
+    for batch in batches:  # the exports first: the exporter wants the module on the CPU in fp32
+        b = _Batch({**meta, "batch": batch})
+        b.rec["t0"] = time.perf_counter()
+        try:
+            ex = _batched(example, batch)
+            path = _exported(module, ex, name, batch, export_dir)
+            _prepare(module, ex, b, path, tune_s, timed)
+        except Exception as exc:
+            traceback.print_exc()
+            b.rec["error"] = one_line(exc, 400)
+        prepared.append(b)
+    if timed:
+        m = module.cuda().half()
+        for b in prepared:
+            if b.cm is not None:
+                b.rec.update(_peer(m, _batched(example, b.rec["batch"]), b))
+    if sync_dir:
+        _wait_turn(sync_dir, name)
+    for b in prepared:
+        if timed and "error" not in b.rec:
+            try:
+                _time(b, iters, warmup)
+            except Exception as exc:
+                traceback.print_exc()
+                b.rec["error"] = one_line(exc, 400)
+        b.rec["wall_s"] = round(time.perf_counter() - b.rec.pop("t0"), 1)
+        append_line(out_path, b.rec)
+        print(json.dumps(b.rec), flush=True)
+    torch.cuda.empty_cache()
+
+
+def _slug(name: str) -> str:
+    return name.replace("/", "--")
+
+
+def _wait_turn(sync_dir: str, name: str) -> None:
+    """Say this row is ready to be timed, and wait until the wave's scheduler says go."""
+    open(os.path.join(sync_dir, _slug(name) + ".ready"), "w").close()
+    go = os.path.join(sync_dir, _slug(name) + ".go")
+    parent = os.getppid()
+    while not os.path.exists(go):
+        if os.getppid() != parent:  # the scheduler is gone: nobody will say go
+            raise SystemExit(f"{name}: the wave's scheduler exited before this row's turn")
+        time.sleep(0.05)
+
+
+def _peer(m: Any, example: dict[str, Any], b: _Batch) -> dict[str, Any]:
+    """torch.compile (default mode, static shapes) of the fp16 module, captured as a CUDA graph on
+    inputs of bench/run.py's kind; the replay is kept on `b` for the timings."""
+    import torch
+
+    from bench.run import graphed
+
     gen = torch.Generator().manual_seed(3)
-    m = module.cuda().half()
-
-    def cast(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: (v.cuda().half() if v.is_floating_point() else v.cuda()) for k, v in d.items()}
-
-    static = cast(_fresh(example, gen))
+    static = {
+        k: (v.cuda().half() if v.is_floating_point() else v.cuda()) for k, v in _fresh(example, gen).items()
+    }
     try:
         with torch.no_grad():
-            torch._dynamo.reset()
             t0 = time.perf_counter()
-            compiled = torch.compile(m)
+            compiled = torch.compile(m, dynamic=False)
             compiled(*static.values())
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            if not timed:
-                return {"torch_compile_s": round(compile_s, 2)}
-            replay = graphed(lambda: compiled(*static.values()))
-            ms = time_cuda(lambda i: replay(), iters, warmup)
-        return {"torch_compile_cudagraph_ms": ms, "torch_compile_s": round(compile_s, 2)}
+            b.peer = graphed(lambda: compiled(*static.values()))
+        return {"torch_compile_s": round(compile_s, 2)}
     except Exception as exc:
         return {"torch_compile_error": one_line(exc, 300)}
-    finally:
-        module.cpu().float()
+
+
+def _command(name: str, batches: list[int], out_path: str, args: argparse.Namespace, phase: str) -> list[str]:
+    cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path, "--phase", phase]
+    cmd += ["--export-dir", args.export_dir, "--batches", ",".join(map(str, batches))]
+    cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--tune-budget", str(args.tune_budget)]
+    return cmd
+
+
+def _env(args: argparse.Namespace, parallel: bool) -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(HERE))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    env.pop("TRITON_INTERPRET", None)
+    if parallel and args.jobs > 1:
+        env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
+    return env
+
+
+def _failed(out_path: str, name: str, batches: list[int], phase: str, why: str) -> None:
+    got = read_done([out_path])
+    for b in batches:
+        if (name, b) not in got:
+            append_line(
+                out_path, {"model": name, "batch": b, "precision": PRECISION, "phase": phase, "error": why}
+            )
 
 
 def run_row(
@@ -390,53 +430,81 @@ def run_row(
     deadline: float | None = None,
 ) -> None:
     """The row in a subprocess of its own, killed after --timeout seconds (a line per batch says
-    so) or at `deadline` (time.monotonic(): the end of the call's share for this phase), which
-    records nothing, so the next run takes the row again."""
-    cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path, "--phase", phase]
-    cmd += ["--export-dir", args.export_dir]
-    cmd += [
-        "--batches",
-        ",".join(map(str, batches)),
-        "--iters",
-        str(args.iters),
-        "--warmup",
-        str(args.warmup),
-    ]
-    cmd += ["--tune-budget", str(args.tune_budget)]
-    if args.compile_only:
-        cmd.append("--compile-only")
+    so) or at `deadline` (time.monotonic(): the end of the call's --stop-after), which records
+    nothing, so the next run takes the row again."""
     root = os.path.dirname(os.path.dirname(HERE))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
-    }
-    env.pop("TRITON_INTERPRET", None)
-    if phase == "compile" and args.jobs > 1:
-        env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
     limit, cut = args.timeout, False
     if deadline is not None and deadline - time.monotonic() < limit:
         limit, cut = max(1.0, deadline - time.monotonic()), True
+    cmd, env = _command(name, batches, out_path, args, phase), _env(args, phase == "compile")
     try:
         rc = subprocess.run(cmd, env=env, cwd=root, timeout=limit, check=False).returncode
         why = f"the row's process exited with status {rc}" if rc else ""
     except subprocess.TimeoutExpired:
         if cut:
-            print(f"{name}: stopped at the end of the {phase} phase (--stop-after); not recorded", flush=True)
+            print(f"{name}: stopped at --stop-after; not recorded", flush=True)
             return
         why = f"not finished in {args.timeout:.0f} s (--timeout)"
-    if not why:
-        return
-    got = read_done([out_path])
-    for b in batches:
-        if (name, b) not in got:
-            append_line(
-                out_path, {"model": name, "batch": b, "precision": PRECISION, "phase": phase, "error": why}
-            )
+    if why:
+        _failed(out_path, name, batches, phase, why)
+
+
+TIME_LIMIT_S = 180.0  # a ready row's timings
+
+
+def run_wave(wave: list[tuple[str, list[int]]], out_path: str, args: argparse.Namespace) -> None:
+    """Rows compiled at once, each in its own process (--timeout seconds to get ready), then
+    timed one at a time while the others wait: nothing else runs on the GPU during a timing."""
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(HERE))
+    sync = tempfile.mkdtemp(prefix="opfuse-wave-")
+    env = _env(args, True)
+    procs = {
+        name: subprocess.Popen(
+            [*_command(name, batches, out_path, args, "wave"), "--sync-dir", sync], env=env, cwd=root
+        )
+        for name, batches in wave
+    }
+    start, ready = time.monotonic(), []
+    waiting = dict(wave)
+    while waiting:
+        for name in list(waiting):
+            if os.path.exists(os.path.join(sync, _slug(name) + ".ready")):
+                ready.append(name)
+            elif procs[name].poll() is not None:
+                rc = procs[name].returncode
+                _failed(out_path, name, waiting[name], "wave", f"the row's process exited with status {rc}")
+            elif time.monotonic() - start > args.timeout:
+                procs[name].kill()
+                procs[name].wait()
+                why = f"not ready to time in {args.timeout:.0f} s (--timeout)"
+                _failed(out_path, name, waiting[name], "wave", why)
+            else:
+                continue
+            del waiting[name]
+        time.sleep(0.1)
+    batches_of = dict(wave)
+    for name in ready:
+        print(f"--- time {name} at {time.monotonic() - start:.0f} s into the wave", flush=True)
+        open(os.path.join(sync, _slug(name) + ".go"), "w").close()
+        try:
+            rc = procs[name].wait(timeout=TIME_LIMIT_S)
+            if rc:
+                _failed(
+                    out_path, name, batches_of[name], "wave", f"the row's process exited with status {rc}"
+                )
+        except subprocess.TimeoutExpired:
+            procs[name].kill()
+            procs[name].wait()
+            _failed(out_path, name, batches_of[name], "wave", f"timings not done in {TIME_LIMIT_S:.0f} s")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="", help="comma-separated names or globs (default: every row)")
+    ap.add_argument(
+        "--rows", default="", help="comma-separated names or globs, or @FILE (one a line); default every row"
+    )
     ap.add_argument("--family", default=None, help="timm, transformers or torchvision")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--shard", default="", help="i/n: every n-th row from the i-th (one process per GPU)")
@@ -449,7 +517,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--jobs",
         type=int,
         default=1,
-        help="N > 1: first compile N rows at once (no timing; caches warm up), then time them one at a time",
+        help="N > 1: rows in waves of N: compile N at once, then time them one at a time",
     )
     ap.add_argument(
         "--export-dir", default="", help="where exports are kept for reuse (default: --out + '.exports')"
@@ -462,7 +530,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--new-only", action="store_true", help="only the rows --expected has no GPU figures for yet"
     )
-    ap.add_argument("--phase", default="all", choices=["all", "compile", "time"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="all", choices=["all", "compile", "wave"], help=argparse.SUPPRESS)
+    ap.add_argument("--sync-dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--stop-after", type=float, default=0.0, help="start no row after this many seconds")
     ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row (all its batches)")
     ap.add_argument("--merge", nargs="+", metavar="JSONL", help="fill expected.csv's GPU columns and exit")
@@ -497,13 +566,17 @@ def main(argv: list[str] | None = None) -> None:
             args.tune_budget,
             args.phase,
             args.export_dir,
-            peer=not args.compile_only,
+            args.sync_dir,
         )
         return
     from bench.corpus.models import select
 
     try:
-        names = [r.name for r in interleave(select(args.rows.split(","), family=args.family))]
+        patterns = args.rows.split(",")
+        if args.rows.startswith("@"):  # a file of names or globs, one a line
+            with open(args.rows[1:]) as f:
+                patterns = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        names = [r.name for r in interleave(select(patterns, family=args.family))]
     except KeyError as exc:
         raise SystemExit(str(exc.args[0])) from None
     import torch
@@ -517,44 +590,38 @@ def main(argv: list[str] | None = None) -> None:
     names = shard(names, args.shard)
     start = time.monotonic()
     stop = args.stop_after or math.inf
-    # --stop-after S: with --jobs and timing, rows start compiling in the first half of S and are
-    # cut at 0.6 S; the timings start before S. --compile-only: rows start before S.
-    parallel = args.compile_only or args.jobs > 1
-    compile_start, compile_end = (stop, None) if args.compile_only else (0.5 * stop, 0.6 * stop)
 
     def elapsed() -> float:
         return time.monotonic() - start
 
-    ok: set[tuple[str, int]] | None = None
-    if parallel:  # compile in parallel first, then time one row at a time on warm caches
-        compile_out = args.out + ".compile"
-        todo = pending(names, args.batches, {**read_done([compile_out]), **read_done([args.out])}, args.force)
-        print(f"{len(todo)} rows to compile, {args.jobs} at once -> {compile_out}", flush=True)
-        deadline = None if compile_end is None or math.isinf(compile_end) else start + compile_end
+    if args.compile_only:  # N rows at once, nothing timed; rows start before --stop-after
+        out = args.out + ".compile"
+        todo = pending(names, args.batches, read_done([out]), args.force)
+        print(f"{len(todo)} rows to compile, {args.jobs} at once -> {out}", flush=True)
 
         def one(item: tuple[int, tuple[str, list[int]]]) -> None:
             i, (name, batches) = item
-            if elapsed() < compile_start:
+            if elapsed() < stop:
                 print(f"--- compile [{i + 1}/{len(todo)}] {name} batches {batches}", flush=True)
-                run_row(name, batches, compile_out, args, "compile", deadline)
+                run_row(name, batches, out, args, "compile")
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(one, enumerate(todo)))
-        if args.compile_only:
-            return
-        compiled = read_done([compile_out])
-        ok = {k for k, rec in compiled.items() if "error" not in rec}
+        return
     plan = pending(names, args.batches, read_done([args.out]), args.force)
-    if ok is not None:  # time what compiled; a compile's error is that batch's line
-        plan = [(n, [b for b in bs if (n, b) in ok]) for n, bs in plan]
-        plan = [(n, bs) for n, bs in plan if bs]
-    phase = "time" if args.jobs > 1 else "all"
-    print(f"{len(plan)} rows to measure -> {args.out}", flush=True)
-    for i, (name, batches) in enumerate(plan):
+    print(f"{len(plan)} rows to measure, {args.jobs} at once -> {args.out}", flush=True)
+    for i in range(0, len(plan), args.jobs):  # a wave starts before --stop-after
         if elapsed() >= stop:
             break
-        print(f"--- [{i + 1}/{len(plan)}] {name} batches {batches} at {elapsed():.0f} s", flush=True)
-        run_row(name, batches, args.out, args, phase)
+        wave = plan[i : i + args.jobs]
+        print(
+            f"--- [{i + 1}-{i + len(wave)}/{len(plan)}] at {elapsed():.0f} s: {[n for n, _ in wave]}",
+            flush=True,
+        )
+        if args.jobs == 1:
+            run_row(*wave[0], args.out, args, "all")
+        else:
+            run_wave(wave, args.out, args)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def test_gpu_leg_jobs_compile_first_and_share_the_output(tmp_path: Path) -> None
     assert set(gpu.read_done([out])) == {(f"m{i}", 1) for i in range(6)}  # no line torn
 
 
-def test_gpu_leg_times_only_what_compiled_and_compile_only_times_nothing(
+def test_gpu_leg_runs_waves_of_jobs_and_compile_only_times_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
@@ -208,25 +208,25 @@ def test_gpu_leg_times_only_what_compiled_and_compile_only_times_nothing(
     def fake_row(name, batches, out_path, args, phase="all", deadline=None):  # type: ignore[no-untyped-def]
         calls.append((name, tuple(batches), phase))
         for b in batches:
-            rec = {"model": name, "batch": b, "phase": phase}
-            if phase == "compile" and name == "transformers/bert" and b == 32:
-                rec["error"] = "ModelError: x"
-            gpu.append_line(out_path, rec)
+            gpu.append_line(out_path, {"model": name, "batch": b, "phase": phase})
+
+    def fake_wave(wave, out_path, args):  # type: ignore[no-untyped-def]
+        for name, batches in wave:
+            fake_row(name, batches, out_path, args, "wave")
 
     monkeypatch.setattr(gpu, "run_row", fake_row)
+    monkeypatch.setattr(gpu, "run_wave", fake_wave)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = str(tmp_path / "g.jsonl")
     rows = "timm/test_vit,transformers/bert"
     gpu.main(["--rows", rows, "--jobs", "2", "--out", out])
-    compiles = sorted(c for c in calls if c[2] == "compile")
-    assert compiles == [("timm/test_vit", (1, 32), "compile"), ("transformers/bert", (1, 32), "compile")]
-    times = sorted(c for c in calls if c[2] == "time")  # bert's batch 32 did not compile: not timed
-    assert times == [("timm/test_vit", (1, 32), "time"), ("transformers/bert", (1,), "time")]
+    assert sorted(calls) == [("timm/test_vit", (1, 32), "wave"), ("transformers/bert", (1, 32), "wave")]
     calls.clear()
     gpu.main(["--rows", rows, "--jobs", "2", "--out", out])  # all done: nothing runs again
     assert calls == []
     gpu.main(["--rows", rows, "--compile-only", "--out", str(tmp_path / "c.jsonl")])
-    assert sorted(calls) == compiles and os.path.exists(str(tmp_path / "c.jsonl.compile"))
+    assert sorted(c[2] for c in calls) == ["compile", "compile"]
+    assert os.path.exists(str(tmp_path / "c.jsonl.compile"))
     # --new-only: rows --expected already has GPU figures for are left out.
     expected = tmp_path / "expected.csv"
     cpu.update(str(expected), [], models.select(rows.split(",")))
@@ -236,3 +236,67 @@ def test_gpu_leg_times_only_what_compiled_and_compile_only_times_nothing(
     calls.clear()
     gpu.main(["--rows", rows, "--compile-only", "--new-only", "--expected", str(expected), "--out", str(tmp_path / "n.jsonl")])  # fmt: skip
     assert [c[0] for c in calls] == ["transformers/bert"]
+
+
+# A stand-in for a row's process in a wave: it follows measure_row's protocol (ready, wait for go,
+# then its lines) and logs when it timed, so the test sees that no two timings overlap.
+_ROW = """
+import json, os, sys, time
+name, out, sync, log, mode = sys.argv[1:6]
+slug = name.replace("/", "--")
+if mode == "crash":
+    sys.exit(3)
+time.sleep(0.2 if mode == "fast" else 0.6)
+if mode == "hang":
+    time.sleep(60)
+with open(log, "a") as f:
+    f.write(f"ready {name} {time.monotonic()}\\n")
+open(os.path.join(sync, slug + ".ready"), "w").close()
+while not os.path.exists(os.path.join(sync, slug + ".go")):
+    time.sleep(0.01)
+with open(log, "a") as f:
+    f.write(f"start {name} {time.monotonic()}\\n")
+time.sleep(0.2)
+with open(log, "a") as f:
+    f.write(f"end {name} {time.monotonic()}\\n")
+with open(out, "a") as f:
+    f.write(json.dumps({"model": name, "batch": 1, "opfuse_ms": 0.1}) + "\\n")
+"""
+
+
+def test_a_wave_times_its_rows_one_at_a_time_and_records_the_ones_that_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    script, log, out = tmp_path / "row.py", tmp_path / "log.txt", str(tmp_path / "g.jsonl")
+    script.write_text(_ROW)
+    modes = {"a/fast": "fast", "b/slow": "slow", "c/crash": "crash", "d/hang": "hang"}
+    log.write_text("")
+
+    def command(name, batches, out_path, args, phase):  # type: ignore[no-untyped-def]
+        return [sys.executable, str(script), name, out_path, "SYNC", str(log), modes[name]]
+
+    real_popen = gpu.subprocess.Popen
+
+    def popen(cmd, **kw):  # type: ignore[no-untyped-def]
+        sync = cmd[-1]  # run_wave appends --sync-dir DIR
+        return real_popen([c if c != "SYNC" else sync for c in cmd[:-2]], **kw)
+
+    monkeypatch.setattr(gpu, "_command", command)
+    monkeypatch.setattr(gpu.subprocess, "Popen", popen)
+    args = gpu.parse(["--jobs", "4", "--timeout", "5", "--out", out])
+    gpu.run_wave([(n, [1]) for n in modes], out, args)
+    got = gpu.read_done([out])
+    assert got[("a/fast", 1)]["opfuse_ms"] == 0.1 and got[("b/slow", 1)]["opfuse_ms"] == 0.1
+    assert "exited with status 3" in got[("c/crash", 1)]["error"]
+    assert "not ready to time in 5 s" in got[("d/hang", 1)]["error"]
+    events = [line.split() for line in log.read_text().splitlines()]
+    spans = {name: float(t) for kind, name, t in events if kind == "start"}
+    ends = {name: float(t) for kind, name, t in events if kind == "end"}
+    assert set(spans) == {"a/fast", "b/slow"}
+    first, second = sorted(spans, key=spans.get)  # type: ignore[arg-type]
+    assert ends[first] <= spans[second]  # one timing at a time
+    # No timing starts while a row of the wave is still compiling (the slow one readies last).
+    readies = {name: float(t) for kind, name, t in events if kind == "ready"}
+    assert min(spans.values()) >= max(readies.values())
