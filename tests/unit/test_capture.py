@@ -5,6 +5,9 @@ records every host read of a device value and every host table carried into devi
 makes a CUDA-graph capture fail. The models here are what the corpus's GPU leg saw fall back to
 step-by-step runs: an upsampling Resize (segmentation heads, FPNs) and RoBERTa's position ids
 (a CumSum over a mask of the token ids).
+
+On the CPU (`make test`) the audit stands in for the capture; on the GPU (OPFUSE_TEST_DEVICE=cuda)
+the same tests capture the plan for real and check what the capture says.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import opfuse
 from opfuse.runtime.capture import audit, host_blockers
 from opfuse.runtime.executor import Executor
+from tests.builders import TEST_DEVICE
 
 
 def _model(nodes: list[onnx.NodeProto], inputs: list, outputs: list, inits: list) -> onnx.ModelProto:
@@ -26,7 +30,12 @@ def _model(nodes: list[onnx.NodeProto], inputs: list, outputs: list, inits: list
 
 
 def _audit(cm: opfuse.CompiledModel, feeds: dict[str, np.ndarray]) -> list[str]:
-    return audit(Executor(cm.plan, "cpu", host_copies=True), feeds)
+    """What keeps the plan from being one CUDA graph: on the CPU the audit's findings, on the GPU
+    the capture's own error (none where the plan was captured)."""
+    if TEST_DEVICE == "cpu":
+        return audit(Executor(cm.plan, "cpu", host_copies=True), feeds)
+    cm.run(feeds)  # captures the plan, or keeps why it could not
+    return [] if cm.cuda_graph_error is None else [cm.cuda_graph_error]
 
 
 def _upsample(cubic: bool = False) -> onnx.ModelProto:
@@ -78,7 +87,7 @@ def _positions(axis_is_input: bool = False) -> onnx.ModelProto:
 @pytest.mark.parametrize("cubic", [False, True])
 def test_an_upsampling_resize_needs_no_host_mid_run(cubic: bool) -> None:
     model = _upsample(cubic)
-    cm = opfuse.compile(model, input_shapes={"x": [2, 3, 8, 8]}, device="cpu")
+    cm = opfuse.compile(model, input_shapes={"x": [2, 3, 8, 8]}, device=TEST_DEVICE)
     assert any(s.op_type == "Resize" for s in cm.plan.steps) == cubic
     assert cm.report["cuda_graph"] == {"capturable": True, "blockers": [], "blocker_count": 0}
     x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
@@ -91,7 +100,7 @@ def test_an_upsampling_resize_needs_no_host_mid_run(cubic: bool) -> None:
 
 def test_roberta_position_ids_read_their_constant_axis_from_a_host_copy() -> None:
     model = _positions()
-    cm = opfuse.compile(model, input_shapes={"ids": [2, 6]}, device="cpu")
+    cm = opfuse.compile(model, input_shapes={"ids": [2, 6]}, device=TEST_DEVICE)
     assert cm.report["cuda_graph"]["capturable"] is True
     ids = np.random.default_rng(3).integers(0, 5, size=(2, 6)).astype(np.int64)
     assert _audit(cm, {"ids": ids}) == []
@@ -125,7 +134,7 @@ def test_a_value_computed_at_run_time_and_read_on_the_host_is_named_by_both_chec
     """The audit can fail: the static check names the node, the report says the plan cannot be
     one CUDA graph and why, and the audit sees the same read when the plan runs."""
     model = _pad_by_input()
-    cm = opfuse.compile(model, input_shapes={"x": [3, 4], "fill": []}, device="cpu")
+    cm = opfuse.compile(model, input_shapes={"x": [3, 4], "fill": []}, device=TEST_DEVICE)
     blockers = host_blockers(cm.plan)
     assert len(blockers) == 1 and "'pad' (Pad) reads input 2 ('fill') on the host" in blockers[0]
     assert cm.report["cuda_graph"] == {"capturable": False, "blockers": blockers, "blocker_count": 1}
@@ -136,7 +145,10 @@ def test_a_value_computed_at_run_time_and_read_on_the_host_is_named_by_both_chec
     }
     found = _audit(cm, feeds)
     assert found and all("'pad' (Pad)" in f for f in found), found
-    assert "reads a device value on the host" in found[0]
+    if TEST_DEVICE == "cpu":
+        assert "reads a device value on the host" in found[0]
+    else:  # refused before any capture, with the static check's reason
+        assert found[0].startswith("CaptureBlocked") and "reads input 2 ('fill') on the host" in found[0]
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, feeds
     )
@@ -158,11 +170,20 @@ def test_the_audit_sees_a_host_table_copied_mid_run() -> None:
             lambda v, device, dtype=None: torch.from_numpy(np.array(v)).to(device=device, dtype=dtype),
         )
         cm = opfuse.compile(
-            _upsample(cubic=True), input_shapes={"x": [2, 3, 8, 8]}, device="cpu", verify=False
+            _upsample(cubic=True), input_shapes={"x": [2, 3, 8, 8]}, device=TEST_DEVICE, verify=False
         )
         x = np.random.default_rng(5).standard_normal((2, 3, 8, 8)).astype(np.float32)
         found = _audit(cm, {"x": x})
+        got = cm.run({"x": x})["y"]  # on the GPU: step by step, after the capture failed
     finally:
         mp.undo()
-    assert found and all("'up' (Resize)" in f for f in found), found
-    assert any("copies a host tensor" in f for f in found)
+    if TEST_DEVICE == "cpu":
+        assert found and all("'up' (Resize)" in f for f in found), found
+        assert any("copies a host tensor" in f for f in found)
+    else:  # the copy is no static blocker: the capture itself fails, and the run falls back
+        assert len(found) == 1 and "CaptureBlocked" not in found[0], found
+    model = _upsample(cubic=True)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    np.testing.assert_allclose(got, want[0], rtol=1e-4, atol=1e-5)

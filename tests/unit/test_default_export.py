@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import opfuse
+from bench.corpus.run import ANCHOR_OPS
 from opfuse.runtime.bundle import default_domain_opset
 from tests.builders import TEST_DEVICE
 
@@ -126,7 +127,12 @@ def test_resnet18_of_both_exporters(dynamo: bool, tmp_path: Path) -> None:
     # What the planner fused is held here; a step the runtime runs as several launches (a shortcut
     # conv left to the library: three, Step.launches) is counted as one.
     library = sum(s.launches - 1 for s in cm.plan.steps if s.kind == "op" and s.launches > 1)
-    assert kernels - library <= 0.4 * compute, (kernels, library, compute)
+    if TEST_DEVICE == "cpu":
+        assert kernels - library <= 0.4 * compute, (kernels, library, compute)
+    else:  # fp32 on the GPU keeps dense convolutions NCHW, in the library (passes/layout.py's
+        # FP32_DENSE_RULE), and pools as their own kernels: the corpus's bound, anchors + 10%.
+        anchors = sum(1 for op in cm.report["profile"]["ops"] if op.get("op_type") in ANCHOR_OPS)
+        assert kernels - library <= anchors + 0.1 * compute, (kernels, library, anchors, compute)
 
 
 class GeluMLP(nn.Module):
