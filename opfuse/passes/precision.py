@@ -13,6 +13,17 @@ PRECISIONS = tuple(COMPUTE_DTYPES)
 _KEEP_FLOAT32 = {("Resize", 1), ("Resize", 2)}
 
 
+def round_to_bfloat16(arr: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32: numpy has no
+    bfloat16. A bf16 constant holds the same value wherever it is read: uploaded as a tensor, in a
+    kernel's source as a literal, and in the bundle's model.onnx (a BFLOAT16 initializer), so a
+    bundle's kernels render again from it to the byte."""
+    a = np.ascontiguousarray(arr, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(a), a, rounded).reshape(np.shape(arr))  # ascontiguousarray makes 0-d 1-d
+
+
 def apply_precision(
     graph: Graph, precision: str, cast: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
 ) -> None:
@@ -26,14 +37,11 @@ def apply_precision(
     }
     for name, arr in list(graph.constants.items()):
         if arr.dtype == np.float32 and name not in keep:
-            # numpy has no bfloat16: the runtime casts bf16 constants on upload; keep values exact here.
-            if target != "float16":
-                continue
             seen = cast.get(id(arr)) if cast is not None else None
             if seen is not None and seen[0] is arr:
                 graph.constants[name] = seen[1]
                 continue
-            graph.constants[name] = arr.astype(np.float16)
+            graph.constants[name] = arr.astype(np.float16) if target == "float16" else round_to_bfloat16(arr)
             if cast is not None:  # the float32 array is kept alive with it: ids stay unique
                 cast[id(arr)] = (arr, graph.constants[name])
     for name, spec in list(graph.values.items()):

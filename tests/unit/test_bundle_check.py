@@ -173,3 +173,36 @@ def test_the_check_imports_neither_torch_nor_triton() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_kernels_render_again_in_every_precision(precision: str) -> None:
+    """A literal in a kernel (the LayerNorm's epsilon, 1e-5) is the constant's value in the
+    compile's precision, as the bundle stores it: a bf16 bundle loads again."""
+    plan = plan_model(residual_mlp(), {"x": [4, 32]}, precision).plan
+    plan_json, files, constants = _bundle_parts(plan)
+    assert check_kernels(plan_json, files, constants) == {k.id: k.source for k in plan.kernels.values()}
+    if precision == "bf16":
+        assert any("1.0013580322265625e-05" in k.source for k in plan.kernels.values())
+
+
+def test_bfloat16_rounding_is_to_nearest_even_as_onnx_and_torch_round() -> None:
+    import numpy as np
+    import torch
+    from onnx import helper, numpy_helper
+
+    from opfuse.passes.precision import round_to_bfloat16
+
+    rng = np.random.default_rng(7)
+    x = np.concatenate(
+        [
+            rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4000),
+            np.array([1e-5, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -0.0, np.inf, -np.inf, 3.4e38], np.float32),
+        ]
+    ).astype(np.float32)
+    got = round_to_bfloat16(x)
+    want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(got, want)
+    t = helper.make_tensor("t", 16, x.shape, x.tolist())  # what the bundle writer stores
+    np.testing.assert_array_equal(numpy_helper.to_array(t).astype(np.float32), got)
+    assert np.isnan(round_to_bfloat16(np.array([np.nan], np.float32)))[0]
