@@ -3,8 +3,9 @@
 `Verifier` checks a plan on fresh random inputs against onnxruntime (or, where onnxruntime cannot
 run the model, opfuse's unfused float32 plan: `UnfusedReference`); where the fused plan fails, the
 unfused plan at the same precision is checked the same way (`precision_bound`), and the groups that
-fail on their own are found by halving (`bisect_bad`) and rolled back. `first_run` runs a fused plan
-for the first time, leaving unfused a group whose kernel fails to compile or raises.
+fail (on their own, or together) are found by halving (`bisect_bad`) and rolled back. `first_run`
+runs a fused plan for the first time, leaving unfused a group whose kernel fails to compile or
+raises.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from opfuse.pipeline.builder import PlanBuilder
 
 VERIFY_TRIALS = 2
+KEPT_FAILURES = 2  # inputs a check failed on, run again by every later check
 
 
 class UnfusedReference:
@@ -71,6 +73,8 @@ class Verifier:
         self.reference: Any = None
         # (feeds, reference outputs) computed ahead: the first check's trials.
         self.ready: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        # (feeds, reference outputs) a check failed on: every later check runs them first.
+        self.kept: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
         feeds = [random_inputs(inputs, rng) for _ in range(VERIFY_TRIALS)]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -105,24 +109,33 @@ class Verifier:
             raise self._error
 
     def check(self, plan: Plan) -> tuple[bool, dict[str, OutputCheck]]:
-        """Fresh random inputs for every check; the worst result per output is kept."""
+        """Fresh random inputs for every check, after the inputs an earlier check failed on (at
+        most KEPT_FAILURES): a miss that only some inputs show (a token id whose embedding row is
+        zero) is seen again by the unfused plan's check and by each step of the bisection, so the
+        group behind it is found. The worst result per output is kept."""
         self._wait()
         worst: dict[str, OutputCheck] = {}
         executor = Executor(plan, self.device)
+        cases = list(self.kept)
         for _ in range(VERIFY_TRIALS):
             if self.ready:
-                feeds, ref = self.ready.pop()
+                cases.append(self.ready.pop())
             else:
                 feeds = random_inputs(self.inputs, self.rng)
-                ref = self.reference.run(feeds)
+                cases.append((feeds, self.reference.run(feeds)))
+        for feeds, ref in cases:
             out = executor.run(feeds)
+            missed = False
             for name, r in ref.items():
                 rtol = self.bound.get(name, self.tol[0])
                 c = compare_outputs(np.asarray(out[name]), r, rtol, self.tol[1], scale_free=self.scale_free)
+                missed = missed or not c.passed
                 if name not in worst or (not c.passed) or c.rel_l2_err > worst[name].rel_l2_err:
                     if name in worst and not worst[name].passed and c.passed:
                         continue
                     worst[name] = c
+            if missed and len(self.kept) < KEPT_FAILURES and all(f is not feeds for f, _ in self.kept):
+                self.kept.append((feeds, ref))
         return all(c.passed for c in worst.values()), worst
 
     def verify_with_rollback(self, builder: PlanBuilder, plan: Plan) -> tuple[Plan, dict[str, Any]]:
@@ -265,10 +278,33 @@ def precision_bound(base: dict[str, OutputCheck], rtol: float) -> tuple[dict[str
 
 
 def bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
-    """The groups that fail on their own, found by halving the set of fused groups."""
+    """Groups to roll back so that the rest passes: first those that fail on their own, found by
+    halving the set of fused groups; then, while the rest still fails (groups that are right
+    alone and wrong together: one sanitizes a NaN the other makes), the group whose addition
+    makes a prefix of the rest fail, found by halving the prefix. Each round rolls back one
+    group and the rest shrinks, so it ends; where nothing fails it costs one check."""
     if not ids or not fails(ids):
+        return []
+    found = _failing_alone(ids, fails, True)
+    rest = [i for i in ids if i not in found]
+    while rest and (not found or fails(rest)):  # nothing alone: the whole set fails together
+        lo, hi = 1, len(rest)  # rest[:hi] fails; rest[:0] (nothing fused) passes
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fails(rest[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        found.append(rest.pop(hi - 1))
+    return found
+
+
+def _failing_alone(
+    ids: list[str], fails: Callable[[list[str]], bool], failing: bool | None = None
+) -> list[str]:
+    if not ids or not (fails(ids) if failing is None else failing):
         return []
     if len(ids) == 1:
         return list(ids)
     mid = len(ids) // 2
-    return bisect_bad(ids[:mid], fails) + bisect_bad(ids[mid:], fails)
+    return _failing_alone(ids[:mid], fails) + _failing_alone(ids[mid:], fails)

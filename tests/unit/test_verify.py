@@ -163,6 +163,58 @@ def test_a_wrong_kernel_is_rolled_back_under_the_unfused_plans_error_too(
     assert [g["id"] for g in cm.report["fusion"]["groups"] if g["id"] not in v["rolled_back"]] != []
 
 
+def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GEMM group's kernel is wrong only on the first inputs verification draws (a token id
+    whose embedding row is zero, say); every later draw is fine. The inputs it failed on are run
+    again by the unfused plan's check and by the bisection, so the group is found and rolled back
+    rather than the compile ending unverified (or passing on luckier inputs)."""
+    import opfuse
+    from opfuse.runtime import executor as ex
+    from opfuse.verify import rollback
+    from tests.builders import TEST_DEVICE
+
+    model = _two_group_model()
+    probe = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
+    draws: list[dict[str, np.ndarray]] = []
+    real_inputs = rollback.random_inputs
+
+    def inputs(specs: Any, rng: Any) -> dict[str, np.ndarray]:
+        feeds = real_inputs(specs, rng)
+        feeds["x"][0, 0] = 7.0 if not draws else -7.0  # the first draw is the one the kernel gets wrong
+        draws.append(feeds)
+        return feeds
+
+    marked: list[bool] = []
+    run, run_step = ex.Executor.run, ex.Executor._run_step
+
+    def tracked(self: ex.Executor, feeds: Any) -> Any:
+        marked.append(bool(np.asarray(feeds["x"])[0, 0] == 7.0))
+        return run(self, feeds)
+
+    def wrong_there(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
+        run_step(self, i, step, env, arena)
+        if marked and marked[-1] and step.kind == "kernel" and step.group == gemm:
+            for o in step.outputs:
+                env[o].mul_(1.3)
+
+    monkeypatch.setattr(rollback, "random_inputs", inputs)
+    monkeypatch.setattr(ex.Executor, "run", tracked)
+    monkeypatch.setattr(ex.Executor, "_run_step", wrong_there)
+    cm = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["rolled_back"] == [gemm], v
+    assert sum(marked) >= 3  # the failing inputs ran again: unfused check, bisection, final check
+    x = np.random.default_rng(9).standard_normal((8, 32)).astype(np.float32)
+    x[0, 0] = 7.0
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(cm.run({"x": x})["y"], sess.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+
+
 def test_an_unfused_plan_far_off_the_reference_is_not_a_precision_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -245,3 +297,26 @@ def test_a_failure_while_preparing_the_reference_reaches_the_caller(monkeypatch:
     monkeypatch.setattr(UnfusedReference, "__init__", no_fallback)
     with pytest.raises(RuntimeError, match="fallback reference failed too"):
         opfuse.compile(residual_mlp(), {"x": [4, 32]}, device=TEST_DEVICE)
+
+
+def test_bisection_finds_groups_wrong_alone_and_groups_wrong_only_together() -> None:
+    from opfuse.verify.rollback import bisect_bad
+
+    ids = [f"g{i}" for i in range(9)]
+    checked: list[list[str]] = []
+
+    def fails_with(bad_alone: set[str], pairs: list[set[str]]) -> Any:
+        def fails(subset: list[str]) -> bool:
+            checked.append(subset)
+            return bool(bad_alone & set(subset)) or any(p <= set(subset) for p in pairs)
+
+        return fails
+
+    assert bisect_bad(ids, fails_with(set(), [])) == [] and len(checked) == 1
+    assert sorted(bisect_bad(ids, fails_with({"g2", "g7"}, []))) == ["g2", "g7"]
+    for pairs in ([{"g1", "g6"}], [{"g0", "g1"}, {"g4", "g8"}], [{"g3", "g5", "g8"}]):
+        fails = fails_with({"g2"}, pairs)
+        rolled = bisect_bad(ids, fails)
+        rest = [i for i in ids if i not in rolled]
+        assert "g2" in rolled and not fails(rest), (pairs, rolled)
+        assert len(rolled) == 1 + len(pairs), (pairs, rolled)  # one group of each combination
