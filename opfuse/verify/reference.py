@@ -25,10 +25,46 @@ class OnnxRuntimeReference:
             model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
         )
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.model, self.options = model, opts
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         outs = self.session.run(self.output_names, dict(feeds))
         return {name: np.asarray(v) for name, v in zip(self.output_names, outs, strict=True)}
+
+    def sensitivity(
+        self, feeds: Mapping[str, np.ndarray], step: float, rng: np.random.Generator
+    ) -> dict[str, float]:
+        """How far each output moves (relative L2) when every float weight of the model moves by
+        `step` of itself, with a random sign: the model's own amplification of one rounding
+        step. A deep network with random weights can turn float32's 1e-7 into 1e-3 at its
+        outputs; two correct float32 implementations differ by about that much there."""
+        import onnxruntime as ort
+        from onnx import numpy_helper
+
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
+        for t in model.graph.initializer:
+            if t.data_type in floats:
+                a = numpy_helper.to_array(t)
+                if a.size > 1:  # scalars are epsilons, scales and such: not weights
+                    signs = rng.choice(np.array([-1.0, 1.0]), size=a.shape)
+                    t.CopyFrom(numpy_helper.from_array((a * (1.0 + step * signs)).astype(a.dtype), t.name))
+        session = ort.InferenceSession(
+            model.SerializeToString(), self.options, providers=["CPUExecutionProvider"]
+        )
+        moved = session.run(self.output_names, dict(feeds))
+        base = self.run(feeds)
+        out: dict[str, float] = {}
+        for name, m in zip(self.output_names, moved, strict=True):
+            r = np.asarray(base[name], dtype=np.float64)
+            d = np.asarray(m, dtype=np.float64)
+            if r.dtype.kind != "f" or r.shape != d.shape:
+                continue
+            ok = np.isfinite(r) & np.isfinite(d)
+            ref_norm = float(np.linalg.norm(r[ok]))
+            out[name] = float(np.linalg.norm(r[ok] - d[ok]) / ref_norm) if ref_norm > 0 else 0.0
+        return out
 
 
 def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -320,3 +320,47 @@ def test_bisection_finds_groups_wrong_alone_and_groups_wrong_only_together() -> 
         rest = [i for i in ids if i not in rolled]
         assert "g2" in rolled and not fails(rest), (pairs, rolled)
         assert len(rolled) == 1 + len(pairs), (pairs, rolled)  # one group of each combination
+
+
+def _cancelling(n: int = 256) -> Any:
+    """y = x @ A - x @ B with B within 1e-4 of A: |y| is 1e-4 of its terms, so one float32
+    rounding step of the weights moves y by about 1e-3 of itself."""
+    from onnx import helper
+
+    from tests.unit.test_fusion import make_model
+
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((n, n)) / np.sqrt(n)
+    nodes = [
+        helper.make_node("MatMul", ["x", "a"], ["p"]),
+        helper.make_node("MatMul", ["x", "b"], ["q"]),
+        helper.make_node("Sub", ["p", "q"], ["y"]),
+    ]
+    consts = {"a": a, "b": a * (1 + 1e-4 * rng.standard_normal((n, n)))}
+    return make_model(nodes, {"x": [4, n]}, {"y": [4, n]}, consts)
+
+
+def test_the_reference_sensitivity_tells_an_amplifying_model_from_a_wrong_op() -> None:
+    from opfuse.verify.reference import OnnxRuntimeReference
+    from opfuse.verify.rollback import ROUNDING_STEP
+    from tests.builders import residual_mlp
+
+    rng = np.random.default_rng(12)
+    x = {"x": rng.standard_normal((4, 256)).astype(np.float32)}
+    moved = OnnxRuntimeReference(_cancelling()).sensitivity(x, ROUNDING_STEP["fp32"], rng)
+    assert 1e-4 < moved["y"] < 1e-1, moved
+    x = {"x": rng.standard_normal((4, 32)).astype(np.float32)}
+    calm = OnnxRuntimeReference(residual_mlp()).sensitivity(x, ROUNDING_STEP["fp32"], rng)
+    assert 0 < calm["y"] < 1e-5, calm
+
+
+def test_an_unfused_plan_past_the_limit_is_bounded_only_within_the_references_own_sensitivity() -> None:
+    from opfuse.verify.compare import OutputCheck
+    from opfuse.verify.rollback import PRECISION_BOUND_FACTOR, precision_bound
+
+    base = {"y": OutputCheck(0.1, 2e-3, 1e-4, 1e-5, False, "")}
+    assert precision_bound(base, 1e-4) == ({}, "output 'y': relative L2 error 0.002")  # past 5 rtols
+    bound, why = precision_bound(base, 1e-4, {"y": 8e-4})  # the model moves 8e-4 by itself
+    assert bound == {"y": PRECISION_BOUND_FACTOR * 2e-3} and "moving by 0.0008" in why
+    bound, why = precision_bound(base, 1e-4, {"y": 1e-7})  # a calm model: an op is wrong
+    assert bound == {} and "moves by 1e-07" in why
