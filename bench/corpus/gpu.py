@@ -1,6 +1,7 @@
 """The corpus's GPU leg: opfuse against torch.compile + CUDA graph, fp16, batch 1 and 32, on one GPU.
 
     PYTHONPATH=. python -m bench.corpus.gpu --out bench/out/corpus-gpu.jsonl            # every row
+    PYTHONPATH=. python -m bench.corpus.gpu --jobs 8 --out bench/out/corpus-gpu.jsonl   # waves of 8
     for i in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$i PYTHONPATH=. python -m bench.corpus.gpu \\
         --shard $i/4 --out bench/out/corpus-gpu.$i.jsonl & done; wait                  # four GPUs
     PYTHONPATH=. python -m bench.corpus.gpu --merge bench/out/corpus-gpu.*.jsonl        # fill expected.csv
@@ -12,9 +13,9 @@ opfuse's fused plan, opfuse's own per-op plan (the report's "before"), and torch
 graph of the same module in fp16. One JSON line per row and batch is appended as soon as it is
 measured, so a run cut short keeps its rows; rows already in the output are skipped (--force
 reruns them). Each row runs in a subprocess of its own with a time limit: a crash, a hang or a
-poisoned CUDA context stops that row only. `--merge` fills the GPU columns of expected.csv (ms_b1,
-ms_b32, ratio_torch_compile and ratio_per_op as "batch 1/batch 32", gpu_date, gpu_commit) for the
-default exporter's rows.
+poisoned CUDA context stops that row only. `--jobs N`: rows compile N at once, then are timed one
+at a time while the others wait (`run_wave`); `--compile-only` times nothing. `--merge` fills the
+GPU columns of expected.csv (bench/corpus/README.md) for the default exporter's rows.
 
 This module imports nothing that needs a GPU until a row runs: its argument parsing, resume and
 merge logic are tested on the CPU (tests/corpus/test_legs.py).
