@@ -414,12 +414,25 @@ def _env(args: argparse.Namespace, parallel: bool) -> dict[str, str]:
 
 
 def _failed(out_path: str, name: str, batches: list[int], phase: str, why: str) -> None:
+    """A line for each batch the row's process did not write, with the commit and date of the
+    run (the merge files the row as run, with this error)."""
     got = read_done([out_path])
+    meta = {"precision": PRECISION, "phase": phase, "date": time.strftime("%Y-%m-%d")}
+    meta["commit"] = os.environ.get("OPFUSE_COMMIT") or _git_commit()
     for b in batches:
         if (name, b) not in got:
-            append_line(
-                out_path, {"model": name, "batch": b, "precision": PRECISION, "phase": phase, "error": why}
-            )
+            append_line(out_path, {"model": name, "batch": b, **meta, "error": why})
+
+
+def _git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(HERE))
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        return done.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def run_row(

@@ -291,6 +291,7 @@ def test_a_wave_times_its_rows_one_at_a_time_and_records_the_ones_that_fail(
     assert got[("a/fast", 1)]["opfuse_ms"] == 0.1 and got[("b/slow", 1)]["opfuse_ms"] == 0.1
     assert "exited with status 3" in got[("c/crash", 1)]["error"]
     assert "not ready to time in 5 s" in got[("d/hang", 1)]["error"]
+    assert got[("d/hang", 1)]["commit"] and got[("d/hang", 1)]["date"]  # the merge files it as run
     events = [line.split() for line in log.read_text().splitlines()]
     spans = {name: float(t) for kind, name, t in events if kind == "start"}
     ends = {name: float(t) for kind, name, t in events if kind == "end"}
