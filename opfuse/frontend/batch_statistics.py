@@ -12,6 +12,8 @@ A training-mode node whose running statistics are read is left for check_inferen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -32,15 +34,26 @@ def _used(model: onnx.ModelProto) -> set[str]:
     return used
 
 
-def _rank_and_type(model: onnx.ModelProto, name: str) -> tuple[int, int] | None:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return len(init.dims), init.data_type
-    inferred = onnx.shape_inference.infer_shapes(model)
-    for vi in [*inferred.graph.input, *inferred.graph.value_info]:
-        if vi.name == name and vi.type.tensor_type.HasField("shape"):
-            return len(vi.type.tensor_type.shape.dim), vi.type.tensor_type.elem_type
-    return None
+def _ranks(model: onnx.ModelProto) -> Callable[[str], tuple[int, int] | None]:
+    """name -> (rank, element type) of a value of `model`; shapes are inferred once, on the first
+    name that is not an initializer."""
+    inits = {i.name: (len(i.dims), i.data_type) for i in model.graph.initializer}
+    table: dict[str, tuple[int, int]] | None = None
+
+    def lookup(name: str) -> tuple[int, int] | None:
+        nonlocal table
+        if name in inits:
+            return inits[name]
+        if table is None:
+            inferred = onnx.shape_inference.infer_shapes(model)
+            table = {
+                vi.name: (len(vi.type.tensor_type.shape.dim), vi.type.tensor_type.elem_type)
+                for vi in [*inferred.graph.input, *inferred.graph.value_info]
+                if vi.type.tensor_type.HasField("shape")
+            }
+        return table.get(name)
+
+    return lookup
 
 
 def write_out_batch_statistics(model: onnx.ModelProto) -> int:
@@ -48,7 +61,7 @@ def write_out_batch_statistics(model: onnx.ModelProto) -> int:
     returns how many were written out."""
     if default_opset(model) < 18:  # ReduceMean takes its axes as an input from opset 18
         return 0
-    used = _used(model)
+    used, rank_and_type = _used(model), _ranks(model)
     nodes: list[onnx.NodeProto] = []
     count = 0
     for node in model.graph.node:
@@ -57,7 +70,7 @@ def write_out_batch_statistics(model: onnx.ModelProto) -> int:
             and node.domain in ("", "ai.onnx")
             and any(a.name == "training_mode" and a.i == 1 for a in node.attribute)
         )
-        shape = _rank_and_type(model, node.input[0]) if training else None
+        shape = rank_and_type(node.input[0]) if training else None
         if not training or shape is None or any(o in used for o in node.output[1:] if o) or shape[0] < 2:
             nodes.append(node)
             continue
