@@ -25,11 +25,8 @@ raise the cap.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import typer
@@ -46,11 +42,11 @@ import typer
 import client.cli as cli
 from client.sdk import OpfuseAPIError
 from client.webhooks import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, signature
+from tests.serving import opfuse_serve
 from tests.unit.test_cli import small_mlp
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-OPFUSE = str(Path(sys.executable).with_name("opfuse"))
 MAX_MARKED = 5
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -256,46 +252,15 @@ class Served:
     workdir: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """`opfuse serve` (the API and one worker) on a free port, the way the docs start it."""
     workdir = tmp_path_factory.mktemp("docs")
     home = workdir / ".opfuse"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPFUSE_")}
-    env.update(OPFUSE_HOME=str(home), OPFUSE_PORT=str(port), TRITON_INTERPRET="1")
-    log_path = workdir / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([OPFUSE, "serve"], cwd=workdir, env=env, stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 90
-        url = f"http://127.0.0.1:{port}"
-        while True:
-            assert proc.poll() is None, f"opfuse serve exited:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"opfuse serve not ready:\n{log_path.read_text()[-4000:]}"
-            try:
-                ready = httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                ready = False
-            if ready and (home / "api_key").is_file():
-                break
-            time.sleep(0.3)
+    with opfuse_serve(workdir, home) as (_, url, _log):
         for name in ("model.onnx", "mlp.onnx"):  # what the snippets upload: x[batch, 512] → y
             small_mlp(workdir / name, 512)
         yield Served(url, home, workdir)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _namespace(served: Served) -> dict[str, Any]:

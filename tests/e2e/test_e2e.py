@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,10 +21,9 @@ import onnx
 import pytest
 
 from tests.builders import conv_bn_relu, residual_mlp
+from tests.serving import OPFUSE, opfuse_serve
 
 pytestmark = pytest.mark.e2e
-
-OPFUSE = str(Path(sys.executable).with_name("opfuse"))
 
 
 @dataclass
@@ -51,12 +48,6 @@ class Served:
         result = self.cli(*args, "--json", timeout=timeout)
         assert result.returncode == 0, f"opfuse {' '.join(args)} failed:\n{result.stderr}"
         return json.loads(result.stdout)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _children(pid: int) -> list[int]:
@@ -86,47 +77,8 @@ def _alive(pid: int) -> bool:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     workdir = tmp_path_factory.mktemp("e2e")
     home = workdir / "home"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OPFUSE_")}
-    env.update(OPFUSE_HOME=str(home), OPFUSE_PORT=str(port), TRITON_INTERPRET="1")
-    log_path = workdir / "serve.log"
-    with log_path.open("wb") as log:
-        # A process group of its own: teardown ends the server and everything it started.
-        proc = subprocess.Popen(
-            [OPFUSE, "serve"], cwd=workdir, env=env, stdout=log, stderr=log, start_new_session=True
-        )
-    served = Served(proc, home, workdir, f"http://127.0.0.1:{port}", log_path)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"opfuse serve exited early:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"opfuse serve not ready:\n{log_path.read_text()[-4000:]}"
-            try:
-                ready = httpx.get(f"{served.url}/readyz", timeout=2).status_code == 200
-            except httpx.TransportError:
-                ready = False
-            if ready and (home / "api_key").is_file():
-                break
-            time.sleep(0.3)
-        yield served
-    finally:
-        _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM to `opfuse serve` (it stops its API and worker), then SIGKILL to whatever of its
-    process group is left, so that no server or worker outlives the tests that started it."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    with opfuse_serve(workdir, home) as (proc, url, log_path):
+        yield Served(proc, home, workdir, url, log_path)
 
 
 def _rel_l2(out: np.ndarray, ref: np.ndarray) -> float:
