@@ -364,3 +364,23 @@ def test_an_unfused_plan_past_the_limit_is_bounded_only_within_the_references_ow
     assert bound == {"y": PRECISION_BOUND_FACTOR * 2e-3} and "moving by 0.0008" in why
     bound, why = precision_bound(base, 1e-4, {"y": 1e-7})  # a calm model: an op is wrong
     assert bound == {} and "moves by 1e-07" in why
+
+
+def test_a_sensitivity_measurement_that_raises_leaves_the_compile_unverified_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The unfused plan 30% off (past 5 rtols) asks for the reference's sensitivity; where that
+    second onnxruntime session raises, the compile still ends, unverified, with the reason."""
+    import opfuse
+    from opfuse.verify.reference import OnnxRuntimeReference
+    from tests.builders import TEST_DEVICE
+
+    def broken(self: Any, feeds: Any, step: float, rng: Any) -> dict[str, float]:
+        raise RuntimeError("no second session")
+
+    monkeypatch.setattr(OnnxRuntimeReference, "sensitivity", broken)
+    _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
+    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is False and "no fusion is to blame" in v["note"], v
+    assert "sensitivity could not be measured: RuntimeError: no second session" in v["note"], v["note"]
