@@ -28,6 +28,7 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -480,6 +481,23 @@ def run_wave(wave: list[tuple[str, list[int]]], out_path: str, args: argparse.Na
         )
         for name, batches in wave
     }
+    try:
+        _run_wave(wave, procs, sync, out_path, args)
+    finally:  # a scheduler that stops early (KeyboardInterrupt, a kill) leaves no row behind
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(sync, ignore_errors=True)
+
+
+def _run_wave(
+    wave: list[tuple[str, list[int]]],
+    procs: dict[str, subprocess.Popen[bytes]],
+    sync: str,
+    out_path: str,
+    args: argparse.Namespace,
+) -> None:
     start, ready = time.monotonic(), []
     waiting = dict(wave)
     while waiting:

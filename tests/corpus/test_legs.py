@@ -279,14 +279,18 @@ def test_a_wave_times_its_rows_one_at_a_time_and_records_the_ones_that_fail(
 
     real_popen = gpu.subprocess.Popen
 
+    syncs: list[str] = []
+
     def popen(cmd, **kw):  # type: ignore[no-untyped-def]
         sync = cmd[-1]  # run_wave appends --sync-dir DIR
+        syncs.append(sync)
         return real_popen([c if c != "SYNC" else sync for c in cmd[:-2]], **kw)
 
     monkeypatch.setattr(gpu, "_command", command)
     monkeypatch.setattr(gpu.subprocess, "Popen", popen)
     args = gpu.parse(["--jobs", "4", "--timeout", "5", "--out", out])
     gpu.run_wave([(n, [1]) for n in modes], out, args)
+    assert syncs and not os.path.exists(syncs[0])  # the wave's sync folder is gone
     got = gpu.read_done([out])
     assert got[("a/fast", 1)]["opfuse_ms"] == 0.1 and got[("b/slow", 1)]["opfuse_ms"] == 0.1
     assert "exited with status 3" in got[("c/crash", 1)]["error"]
