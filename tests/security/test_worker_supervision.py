@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import onnx
 
-from tests.e2e.test_e2e import OPFUSE, _alive, _children, _free_port
+from tests.e2e.test_e2e import _alive, _children
 from tests.service.onnx_models import mlp
+from tests.serving import OPFUSE, free_port
 
 
 def _worker_pid(serve_pid: int) -> int | None:
@@ -40,7 +41,7 @@ def _wait_for(what: str, check, timeout_s: float, log: Path):  # type: ignore[no
 
 
 def test_a_killed_worker_is_restarted_and_jobs_still_complete(tmp_path: Path) -> None:
-    home, port, log_path = tmp_path / "home", _free_port(), tmp_path / "serve.log"
+    home, port, log_path = tmp_path / "home", free_port(), tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPFUSE_")}
     env.update(OPFUSE_HOME=str(home), OPFUSE_PORT=str(port), TRITON_INTERPRET="1")
     with log_path.open("wb") as log:
