@@ -37,7 +37,17 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bench.corpus.run import EXPECTED, HERE, interleave, locked, one_line, read_rows, shard, write_rows
+from bench.corpus.run import (
+    EXPECTED,
+    HERE,
+    _commit,
+    interleave,
+    locked,
+    one_line,
+    read_rows,
+    shard,
+    write_rows,
+)
 
 BATCHES = (1, 32)
 PRECISION = "fp16"
@@ -219,7 +229,7 @@ class _Batch:
         self.peer: Any = None
 
 
-def _prepare(module: Any, example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed: bool) -> None:
+def _prepare(example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed: bool) -> None:
     """Compile and verify with opfuse (fp16, on the GPU) and capture its CUDA graph once; nothing
     is timed here."""
     import numpy as np
@@ -309,7 +319,7 @@ def measure_row(
     import torch
 
     from bench.corpus.models import BY_NAME
-    from bench.run import _commit, source_digest
+    from bench.run import source_digest
 
     row = BY_NAME[name]
     module, example = row.build()
@@ -325,13 +335,13 @@ def measure_row(
     }
     timed = phase != "compile"
     prepared: list[_Batch] = []
-    for batch in batches:  # the exports first: the exporter wants the module on the CPU in fp32
+    for batch in batches:  # opfuse's side first: the exporter wants the module on the CPU in fp32
         b = _Batch({**meta, "batch": batch})
         b.rec["t0"] = time.perf_counter()
         try:
             ex = _batched(example, batch)
             path = _exported(module, ex, name, batch, export_dir)
-            _prepare(module, ex, b, path, tune_s, timed)
+            _prepare(ex, b, path, tune_s, timed)
         except Exception as exc:
             traceback.print_exc()
             b.rec["error"] = one_line(exc, 400)
@@ -419,21 +429,10 @@ def _failed(out_path: str, name: str, batches: list[int], phase: str, why: str) 
     run (the merge files the row as run, with this error)."""
     got = read_done([out_path])
     meta = {"precision": PRECISION, "phase": phase, "date": time.strftime("%Y-%m-%d")}
-    meta["commit"] = os.environ.get("OPFUSE_COMMIT") or _git_commit()
+    meta["commit"] = os.environ.get("OPFUSE_COMMIT") or _commit() or "unknown"
     for b in batches:
         if (name, b) not in got:
             append_line(out_path, {"model": name, "batch": b, **meta, "error": why})
-
-
-def _git_commit() -> str:
-    root = os.path.dirname(os.path.dirname(HERE))
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        )
-        return done.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def run_row(

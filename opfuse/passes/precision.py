@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from opfuse.graph import Graph, TensorSpec
@@ -14,14 +15,11 @@ _KEEP_FLOAT32 = {("Resize", 1), ("Resize", 2)}
 
 
 def round_to_bfloat16(arr: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest bfloat16 (ties to even), kept as float32: numpy has no
-    bfloat16. A bf16 constant holds the same value wherever it is read: uploaded as a tensor, in a
-    kernel's source as a literal, and in the bundle's model.onnx (a BFLOAT16 initializer), so a
-    bundle's kernels render again from it to the byte."""
-    a = np.ascontiguousarray(arr, dtype=np.float32)
-    bits = a.view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    return np.where(np.isnan(a), a, rounded).reshape(np.shape(arr))  # ascontiguousarray makes 0-d 1-d
+    """float32 values rounded to the nearest bfloat16 (ml_dtypes: ties to even, as torch and onnx
+    round), kept as float32: numpy has no bfloat16. A bf16 constant holds the same value wherever
+    it is read: uploaded as a tensor, in a kernel's source as a literal, and in the bundle's
+    model.onnx (a BFLOAT16 initializer), so a bundle's kernels render again from it to the byte."""
+    return np.asarray(arr, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def apply_precision(

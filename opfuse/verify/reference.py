@@ -32,9 +32,14 @@ class OnnxRuntimeReference:
         return {name: np.asarray(v) for name, v in zip(self.output_names, outs, strict=True)}
 
     def sensitivity(
-        self, feeds: Mapping[str, np.ndarray], step: float, rng: np.random.Generator
+        self,
+        feeds: Mapping[str, np.ndarray],
+        base: Mapping[str, np.ndarray],
+        step: float,
+        rng: np.random.Generator,
     ) -> dict[str, float]:
-        """How far each output moves (relative L2) when every float weight of the model moves by
+        """How far each output moves (relative L2 from `base`, this reference's outputs on `feeds`)
+        when every float weight of the model moves by
         `step` of itself, with a random sign: the model's own amplification of one rounding
         step. A deep network with random weights can turn float32's 1e-7 into 1e-3 at its
         outputs; two correct float32 implementations differ by about that much there."""
@@ -54,7 +59,6 @@ class OnnxRuntimeReference:
             model.SerializeToString(), self.options, providers=["CPUExecutionProvider"]
         )
         moved = session.run(self.output_names, dict(feeds))
-        base = self.run(feeds)
         out: dict[str, float] = {}
         for name, m in zip(self.output_names, moved, strict=True):
             r = np.asarray(base[name], dtype=np.float64)

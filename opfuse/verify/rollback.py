@@ -167,7 +167,7 @@ class Verifier:
                     # its weights tells them apart (a deep CNN with random weights, in fp32).
                     step = ROUNDING_STEP.get(builder.precision, ROUNDING_STEP["fp32"])
                     try:
-                        self.sensitivity = self.reference.sensitivity(self.kept[0][0], step, self.rng)
+                        self.sensitivity = self.reference.sensitivity(*self.kept[0], step, self.rng)
                     except Exception as exc:  # a second session that fails: no bound, and why
                         note = f"the reference's sensitivity could not be measured: {describe(exc)}"
                     else:
@@ -323,7 +323,9 @@ def bisect_bad(ids: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
         return []
     found = _failing_alone(ids, fails, True)
     rest = [i for i in ids if i not in found]
-    while rest and (not found or fails(rest)):  # nothing alone: the whole set fails together
+    known_failing = not found  # nothing fails alone, so `rest` (all of ids) fails together
+    while rest and (known_failing or fails(rest)):
+        known_failing = False
         lo, hi = 1, len(rest)  # rest[:hi] fails; rest[:0] (nothing fused) passes
         while lo < hi:
             mid = (lo + hi) // 2

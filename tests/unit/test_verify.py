@@ -347,10 +347,12 @@ def test_the_reference_sensitivity_tells_an_amplifying_model_from_a_wrong_op() -
 
     rng = np.random.default_rng(12)
     x = {"x": rng.standard_normal((4, 256)).astype(np.float32)}
-    moved = OnnxRuntimeReference(_cancelling()).sensitivity(x, ROUNDING_STEP["fp32"], rng)
+    ref = OnnxRuntimeReference(_cancelling())
+    moved = ref.sensitivity(x, ref.run(x), ROUNDING_STEP["fp32"], rng)
     assert 1e-4 < moved["y"] < 1e-1, moved
     x = {"x": rng.standard_normal((4, 32)).astype(np.float32)}
-    calm = OnnxRuntimeReference(residual_mlp()).sensitivity(x, ROUNDING_STEP["fp32"], rng)
+    ref = OnnxRuntimeReference(residual_mlp())
+    calm = ref.sensitivity(x, ref.run(x), ROUNDING_STEP["fp32"], rng)
     assert 0 < calm["y"] < 1e-5, calm
 
 
@@ -375,7 +377,7 @@ def test_a_sensitivity_measurement_that_raises_leaves_the_compile_unverified_and
     from opfuse.verify.reference import OnnxRuntimeReference
     from tests.builders import TEST_DEVICE
 
-    def broken(self: Any, feeds: Any, step: float, rng: Any) -> dict[str, float]:
+    def broken(self: Any, feeds: Any, base: Any, step: float, rng: Any) -> dict[str, float]:
         raise RuntimeError("no second session")
 
     monkeypatch.setattr(OnnxRuntimeReference, "sensitivity", broken)
