@@ -419,8 +419,12 @@ def _env(args: argparse.Namespace, parallel: bool) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
     }
     env.pop("TRITON_INTERPRET", None)
-    if parallel and args.jobs > 1:
-        env.setdefault("OPFUSE_COMPILE_WORKERS", str(max(1, (os.cpu_count() or 2) // args.jobs)))
+    if args.jobs > 1:  # N rows share the host's cores: each gets its share, in every pool
+        share = str(max(1, (os.cpu_count() or 2) // args.jobs))
+        env.setdefault("OPFUSE_REFERENCE_THREADS", share)
+        env.setdefault("OMP_NUM_THREADS", share)
+        if parallel:
+            env.setdefault("OPFUSE_COMPILE_WORKERS", share)
     return env
 
 

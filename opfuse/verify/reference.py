@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -21,6 +22,11 @@ class OnnxRuntimeReference:
         # The reference runs the graph as written: no ORT fusions between it and the user's model.
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         opts.log_severity_level = 3
+        threads = reference_threads()
+        if threads:  # several compiles share the host: a bounded pool that sleeps when idle
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(
             model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
         )
@@ -69,6 +75,17 @@ class OnnxRuntimeReference:
             ref_norm = float(np.linalg.norm(r[ok]))
             out[name] = float(np.linalg.norm(r[ok] - d[ok]) / ref_norm) if ref_norm > 0 else 0.0
         return out
+
+
+def reference_threads() -> int:
+    """$OPFUSE_REFERENCE_THREADS: the threads onnxruntime's reference may use; 0 or unset leaves
+    onnxruntime's default (one per physical core, spinning while it waits for work), which suits
+    one compile to a host and oversubscribes a host that runs several."""
+    env = os.environ.get("OPFUSE_REFERENCE_THREADS", "").strip()
+    try:
+        return max(0, int(env)) if env else 0
+    except ValueError:
+        raise ValueError(f"OPFUSE_REFERENCE_THREADS must be a whole number, not {env!r}") from None
 
 
 def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str, np.ndarray]:

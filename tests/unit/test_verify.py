@@ -356,6 +356,25 @@ def test_the_reference_sensitivity_tells_an_amplifying_model_from_a_wrong_op() -
     assert 0 < calm["y"] < 1e-5, calm
 
 
+def test_the_reference_thread_bound_gives_the_same_outputs_and_a_bad_value_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OPFUSE_REFERENCE_THREADS bounds onnxruntime's pool (several compiles on one host); the
+    outputs are those of the default session, element for element."""
+    from opfuse.verify.reference import OnnxRuntimeReference
+
+    model = _cancelling(64)
+    x = {"x": np.random.default_rng(13).standard_normal((4, 64)).astype(np.float32)}
+    default = OnnxRuntimeReference(model)
+    monkeypatch.setenv("OPFUSE_REFERENCE_THREADS", "1")
+    bounded = OnnxRuntimeReference(model)
+    assert bounded.options.intra_op_num_threads == 1 and default.options.intra_op_num_threads == 0
+    np.testing.assert_allclose(bounded.run(x)["y"], default.run(x)["y"], rtol=1e-6, atol=1e-7)
+    monkeypatch.setenv("OPFUSE_REFERENCE_THREADS", "two")
+    with pytest.raises(ValueError, match="OPFUSE_REFERENCE_THREADS must be a whole number"):
+        OnnxRuntimeReference(model)
+
+
 def test_an_unfused_plan_past_the_limit_is_bounded_only_within_the_references_own_sensitivity() -> None:
     from opfuse.verify.compare import OutputCheck
     from opfuse.verify.rollback import PRECISION_BOUND_FACTOR, precision_bound
