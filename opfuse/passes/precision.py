@@ -22,6 +22,27 @@ def round_to_bfloat16(arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+FP16_TINY = float(np.finfo(np.float16).smallest_subnormal)  # 2**-24
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+def to_float16(arr: np.ndarray) -> np.ndarray:
+    """float32 values as float16, except that a nonzero value never becomes zero and a finite one
+    never becomes infinite: those go to the nearest float16 of the same sign that is neither
+    (2**-24, 65504). An epsilon of 1e-12 (F.normalize's clamp, a LayerNorm written out) is zero in
+    float16, and x / max(|x|, eps) is 0/0 where a row of x is zero (torchvision's swin_v2_t: the
+    zero padding of its shifted windows gives NaN in PyTorch's own float16)."""
+    arr = np.asarray(arr, dtype=np.float32)
+    out = arr.astype(np.float16)
+    under = (out == 0) & (arr != 0)
+    over = np.isinf(out) & np.isfinite(arr)
+    if under.any() or over.any():
+        out = out.copy() if out.base is not None else out
+        out[under] = np.copysign(FP16_TINY, arr[under]).astype(np.float16)
+        out[over] = np.copysign(FP16_MAX, arr[over]).astype(np.float16)
+    return out
+
+
 def apply_precision(
     graph: Graph, precision: str, cast: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
 ) -> None:
@@ -39,7 +60,7 @@ def apply_precision(
             if seen is not None and seen[0] is arr:
                 graph.constants[name] = seen[1]
                 continue
-            graph.constants[name] = arr.astype(np.float16) if target == "float16" else round_to_bfloat16(arr)
+            graph.constants[name] = to_float16(arr) if target == "float16" else round_to_bfloat16(arr)
             if cast is not None:  # the float32 array is kept alive with it: ids stay unique
                 cast[id(arr)] = (arr, graph.constants[name])
     for name, spec in list(graph.values.items()):

@@ -51,3 +51,44 @@ def test_fp32_leaves_the_graph_as_it_was() -> None:
         graph.constants[k].dtype == v.dtype and np.array_equal(graph.constants[k], v)
         for k, v in before.items()
     )
+
+
+def test_fp16_keeps_a_nonzero_constant_nonzero_and_a_finite_one_finite() -> None:
+    from opfuse.passes.precision import FP16_MAX, FP16_TINY, to_float16
+
+    a = np.array([1e-12, -3e-9, 0.0, 1.5, -2e5, 7e4, np.inf, -np.inf, 1e-6], np.float32)
+    got = to_float16(a)
+    want = np.array([FP16_TINY, -FP16_TINY, 0.0, 1.5, -FP16_MAX, FP16_MAX, np.inf, -np.inf, 1e-6])
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, want.astype(np.float16))
+    assert np.signbit(got[1]) and not np.signbit(got[0])
+    w = weights(64, 64)  # ordinary weights: exactly numpy's float16
+    np.testing.assert_array_equal(to_float16(w), w.astype(np.float16))
+
+
+def test_an_epsilon_below_float16_keeps_a_zero_row_finite_in_fp16() -> None:
+    """y = x / max(||x||, 1e-12) over rows, as F.normalize exports: a zero row of x is 0 in float32
+    (onnxruntime) and stays 0 in fp16, not 0/0; the other rows match onnxruntime."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    model = tiny_model(
+        [
+            n("ReduceL2", ["x", "axes"], ["norm"], keepdims=1),
+            n("Max", ["norm", "eps"], ["den"]),
+            n("Div", ["x", "den"], ["y"]),
+        ],
+        {"x": [6, 32]},
+        {"y": [6, 32]},
+        {"axes": np.array([1], np.int64), "eps": np.array(1e-12, np.float32)},
+    )
+    x = np.random.default_rng(5).standard_normal((6, 32)).astype(np.float32)
+    x[2] = 0.0
+    (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    cm = opfuse.compile(model, {"x": [6, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True, cm.report["verification"]
+    got = np.asarray(cm.run({"x": x.astype(np.float16)})["y"], dtype=np.float32)
+    assert np.isfinite(got).all() and (got[2] == 0).all(), got[2]
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
