@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import opfuse
+from bench.corpus.run import commit
 from bench.zoo import ZOO, build, export_onnx
 
 TUNE_BUDGET_S = 60.0  # set by main(): --tune-budget
@@ -309,7 +310,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "opfuse": opfuse.__version__,
-        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "commit": commit(),
         "opfuse_source": source_digest(),  # names the code even where git's HEAD is stale
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
@@ -425,18 +426,6 @@ def source_digest() -> str:
             with open(path, "rb") as f:
                 h.update(f.read())
     return h.hexdigest()[:12]
-
-
-def _commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from typing import Any
 from bench.corpus.run import (
     EXPECTED,
     HERE,
-    _commit,
+    commit,
     interleave,
     locked,
     one_line,
@@ -329,7 +329,7 @@ def measure_row(
         "exporter": EXPORTER,
         "phase": phase,
         "gpu": torch.cuda.get_device_name(0),
-        "commit": os.environ.get("OPFUSE_COMMIT") or _commit(),
+        "commit": commit(),
         "opfuse_source": source_digest(),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -433,7 +433,7 @@ def _failed(out_path: str, name: str, batches: list[int], phase: str, why: str) 
     run (the merge files the row as run, with this error)."""
     got = read_done([out_path])
     meta = {"precision": PRECISION, "phase": phase, "date": time.strftime("%Y-%m-%d")}
-    meta["commit"] = os.environ.get("OPFUSE_COMMIT") or _commit() or "unknown"
+    meta["commit"] = commit()
     for b in batches:
         if (name, b) not in got:
             append_line(out_path, {"model": name, "batch": b, **meta, "error": why})

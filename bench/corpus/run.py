@@ -326,13 +326,26 @@ def todo(
     return out
 
 
-def _commit() -> str:
-    try:
+def commit() -> str:
+    """$OPFUSE_COMMIT (a snapshot outside git), else git's HEAD of this checkout, marked
+    "+changes" where opfuse/ differs from it (uncommitted work, or a copy of the working tree
+    whose .git lags behind it, as on the device machine); "unknown" without either. A record's
+    opfuse_source digest names the source exactly."""
+    if os.environ.get("OPFUSE_COMMIT"):
+        return os.environ["OPFUSE_COMMIT"]
+    root = os.path.dirname(os.path.dirname(HERE))
+
+    def git(*args: str) -> str:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False, cwd=HERE
+            ["git", *args], capture_output=True, text=True, check=False, cwd=root
         ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = head and git("status", "--porcelain", "--untracked-files=no", "--", "opfuse")
     except OSError:
-        return ""
+        return "unknown"
+    return (head + "+changes" if changed else head) or "unknown"
 
 
 # --- one model in a subprocess --------------------------------------------------------------------
@@ -514,13 +527,13 @@ def main(argv: list[str] | None = None) -> None:
     update(args.out, [], ROWS)
     plan = shard(todo(interleave(rows), exporters, read_rows(args.out), args.force), args.shard)
     print(f"{len(plan)} rows to run ({sum(len(e) for _, e in plan)} row-exporters) -> {args.out}", flush=True)
-    commit = os.environ.get("OPFUSE_COMMIT") or _commit()  # OPFUSE_COMMIT: a snapshot outside git
+    commit_id = commit()
     for i, (row, left) in enumerate(plan):
         t0 = time.perf_counter()
         print(f"--- [{i + 1}/{len(plan)}] {row.name} {','.join(left)}", flush=True)
         results = run_row(row, left, args.timeout * len(left), sys.stdout)
         for res in results:
-            res["cpu_commit"] = commit
+            res["cpu_commit"] = commit_id
         update(args.out, results)
         said = ", ".join(f"{r['exporter']}: {r['status']}" for r in results)
         print(f"    {said} ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -305,3 +305,35 @@ def test_a_wave_times_its_rows_one_at_a_time_and_records_the_ones_that_fail(
     # No timing starts while a row of the wave is still compiling (the slow one readies last).
     readies = {name: float(t) for kind, name, t in events if kind == "ready"}
     assert min(spans.values()) >= max(readies.values())
+
+
+def test_a_record_names_its_commit_and_marks_a_source_that_differs_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a checkout whose opfuse/ differs from its HEAD (the device machine's copy of the
+    working tree; uncommitted work) says so, so no record claims a commit it did not run."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setenv("OPFUSE_COMMIT", "abc1234")
+    assert cpu.commit() == "abc1234"
+    monkeypatch.delenv("OPFUSE_COMMIT")
+    root = tmp_path / "checkout"
+    (root / "opfuse").mkdir(parents=True)
+    (root / "bench" / "corpus").mkdir(parents=True)
+    (root / "opfuse" / "a.py").write_text("x = 1\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    monkeypatch.setattr(cpu, "HERE", str(root / "bench" / "corpus"))
+    assert cpu.commit() == head
+    (root / "bench" / "corpus" / "expected.csv").write_text("rows\n")  # the corpus's own output: not opfuse
+    assert cpu.commit() == head
+    (root / "opfuse" / "a.py").write_text("x = 2\n")
+    assert cpu.commit() == head + "+changes"
+    shutil.rmtree(root / ".git")
+    assert cpu.commit() == "unknown"
