@@ -211,7 +211,7 @@ _TIMM: list[tuple[str, Any, dict[str, Any], bool, bool]] = [
     ("coatnet_nano_rw_224", 64, {"img_size": 64}, False, False),
     ("efficientvit_b0", 64, {}, False, False),
     ("efficientvit_m0", 64, {"img_size": 64}, False, False),
-    ("tiny_vit_5m_224", 64, {"img_size": 64}, False, False),
+    ("tiny_vit_5m_224", 64, {}, False, False),  # timm 1.0 takes no img_size: windows pad
     ("gcvit_xxtiny", 64, {"img_size": 64}, False, False),
     ("davit_tiny", 64, {}, False, False),
     ("focalnet_tiny_srf", 64, {}, False, False),
@@ -230,7 +230,7 @@ _TIMM: list[tuple[str, Any, dict[str, Any], bool, bool]] = [
     ("gernet_s", 64, {}, False, False),
     ("regnetz_b16", 64, {}, False, False),
     ("botnet26t_256", 64, {"img_size": 64}, False, False),
-    ("halonet26t", 64, {"img_size": 64}, False, False),
+    ("halonet26t", 256, {}, False, True),  # 8-px halo blocks at stride 32: 256 px at least
     ("lambda_resnet26t", 64, {"img_size": 64}, False, False),
     ("mambaout_femto", 64, {}, False, False),
     ("starnet_s1", 64, {}, False, False),
