@@ -161,3 +161,27 @@ def test_out_of_range_indices_are_clamped_on_the_gpu_and_the_model_runs_on() -> 
     np.testing.assert_array_equal(
         np.asarray(cm.run({"data": data, "ids": ok})["y"]), sess.run(None, {"data": data, "ids": ok})[0]
     )
+
+
+def test_profiling_a_step_that_launches_nothing_warns_of_no_empty_graph() -> None:
+    """A Reshape runs as a view: its profile capture holds no kernel. torch's "CUDA Graph is
+    empty" warning said nothing about the plan and filled every corpus log; the step's time is
+    ~0 without it."""
+    import warnings
+
+    from onnx import helper
+
+    from tests.builders import tiny_model
+
+    n = helper.make_node
+    model = tiny_model(
+        [n("Relu", ["x"], ["r"]), n("Reshape", ["r", "shape"], ["v"]), n("Sigmoid", ["v"], ["y"])],
+        {"x": [8, 64]},
+        {"y": [16, 32]},
+        {"shape": np.array([16, 32], np.int64)},
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cm = opfuse.compile(model, input_shapes={"x": [8, 64]}, device="cuda", tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    assert not [w for w in seen if "CUDA Graph is empty" in str(w.message)], [str(w.message) for w in seen]
