@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from opfuse.graph import Graph, Node
@@ -99,6 +99,78 @@ def creates_cycle(graph: Graph, members: set[str], order: dict[str, int]) -> Nod
                 if c.id in members:
                     return n
                 frontier.append(c)
+    return None
+
+
+def _quotient_is_acyclic(graph: Graph, groups: list[Group]) -> bool:
+    """Whether the plan's steps, each group one step and every other node its own, can be put in
+    order: Kahn's algorithm on the graph with each group contracted to one vertex."""
+    rep = {n.id: n.id for n in graph.nodes}
+    for g in groups:
+        for n in (*g.prologue, *g.nodes, *g.absorbed):
+            rep[n.id] = f"group:{g.id}"
+    producer = {o: n.id for n in graph.nodes for o in n.outputs if o}
+    edges: dict[str, set[str]] = {v: set() for v in rep.values()}
+    indegree = dict.fromkeys(edges, 0)
+    for n in graph.nodes:
+        for i in n.inputs:
+            p = producer.get(i) if i else None
+            if p is None:
+                continue
+            a, b = rep[p], rep[n.id]
+            if a != b and b not in edges[a]:
+                edges[a].add(b)
+                indegree[b] += 1
+    ready = [v for v, d in indegree.items() if d == 0]
+    placed = 0
+    while ready:
+        v = ready.pop()
+        placed += 1
+        for w in edges[v]:
+            indegree[w] -= 1
+            if indegree[w] == 0:
+                ready.append(w)
+    return placed == len(edges)
+
+
+def without_group_cycles(
+    graph: Graph, groups: list[Group]
+) -> tuple[list[Group], list[tuple[Group, list[Node]]]]:
+    """The groups that can run together, and those left out. Each group is convex on its own (no
+    path leaves it and comes back: creates_cycle), yet two can still need each other: A feeds B
+    through one node, B feeds A through another (the multi-resolution fuse layers of HRNet, each
+    branch's conv epilogue summing the others' outputs). Then no order of kernels exists. The
+    groups are taken in plan order; one that would close such a cycle with those taken before it
+    keeps the longest head of its nodes that closes none (an anchor and the first ops of its
+    epilogue), or is left out. Returned with the kept groups: (the group as planned, the nodes it
+    lost). One pass when there is no cycle."""
+    if _quotient_is_acyclic(graph, groups):
+        return groups, []
+    kept: list[Group] = []
+    cut: list[tuple[Group, list[Node]]] = []
+    for g in groups:
+        if _quotient_is_acyclic(graph, [*kept, g]):
+            kept.append(g)
+            continue
+        head = _acyclic_head(graph, kept, g)
+        if head is not None:
+            kept.append(head)
+        cut.append((g, g.nodes[len(head.nodes) :] if head is not None else [*g.prologue, *g.nodes]))
+    return kept, cut
+
+
+def _acyclic_head(graph: Graph, kept: list[Group], g: Group) -> Group | None:
+    """The longest head of `g`'s nodes (in graph order, so closed under its own inputs) that
+    forms no cycle with `kept`: two nodes at least, nothing folded into it (a head cannot keep
+    views or Resizes whose readers it dropped). None where no such head exists."""
+    if g.kind not in ("gemm", "conv", "pointwise") or g.views or g.absorbed or g.match is not None:
+        return None
+    for k in range(len(g.nodes) - 1, 1, -1):
+        nodes = g.nodes[:k]
+        ins, outs = group_boundary(graph, [*g.prologue, *nodes])
+        head = replace(g, nodes=nodes, inputs=ins, outputs=outs)
+        if _quotient_is_acyclic(graph, [*kept, head]):
+            return head
     return None
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from opfuse.errors import BUG_NOTE, describe
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.explain import explain_concat_copies, explain_resizes
-from opfuse.fusion.groups import Group
+from opfuse.fusion.groups import Group, without_group_cycles
 from opfuse.fusion.rules.base import FusionRule, PlanState, RuleFault, run_rule
 from opfuse.graph import Graph
-from opfuse.passes.rules import NotFired
+from opfuse.passes.rules import NotFired, node_label
 
 __all__ = ["FUSION_RULES", "FusionPlan", "Group", "LoadedRule", "PlanState", "fusion_rules", "plan_fusion"]
 
@@ -78,7 +78,18 @@ def plan_fusion(graph: Graph, disabled: set[str] | frozenset[str] = frozenset())
                     f"have fused runs unfused or in other rules' groups; {BUG_NOTE}"
                 )
                 state.not_fused.append(NotFired(loaded.names[0], fault.nodes, reason))
-    groups = [*state.fused(), *state.pointwise]
+    groups, cyclic = without_group_cycles(graph, [*state.fused(), *state.pointwise])
+    for g, lost in cyclic:
+        kept = len(lost) < len(g.prologue) + len(g.nodes)
+        state.not_fused.append(
+            NotFired(
+                g.rule,
+                [node_label(n) for n in lost],
+                f"beside the groups fused before it, group {g.id}'s kernel would wait on its own output "
+                "through another kernel (each group is convex alone, together they form a cycle); "
+                + ("these nodes of its epilogue run unfused" if kept else "its nodes run unfused"),
+            )
+        )
     if state.on(names.LAYOUT_VIEWS):
         explain_concat_copies(graph, groups, state.not_fused, state.concat_reasons)
     if state.on(names.RESIZE_GATHER):

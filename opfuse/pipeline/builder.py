@@ -107,4 +107,8 @@ def faulty_groups(ids: list[str], build: Callable[[list[str]], Any]) -> dict[str
             return True
         return False
 
-    return {gid: errors.get(gid, "generating its kernel raised") for gid in bisect_bad(ids, fails)}
+    bad = bisect_bad(ids, fails)
+    for gid in bad:  # the bisection may infer a group without building it alone: its error, once
+        if gid not in errors:
+            fails([gid])
+    return {gid: errors.get(gid, "generating its kernel raised (only beside other groups)") for gid in bad}

@@ -163,3 +163,21 @@ def test_a_fusion_rule_that_raises_leaves_only_its_own_groups_unfused(
     x = np.random.default_rng(11).standard_normal((8, 16)).astype(np.float32)
     ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
     np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_whose_codegen_raises_only_beside_another_is_named_so() -> None:
+    """Each group builds alone; "b" and "c" together raise (they wait on each other). The group
+    the bisection leaves out says it raised only beside other groups; one that raises alone
+    keeps its own error."""
+    from opfuse.pipeline.builder import faulty_groups
+
+    def build(subset: list[str]) -> None:
+        if "d" in subset:
+            raise ValueError("no template for d")
+        if "b" in subset and "c" in subset:
+            raise RuntimeError("fusion produced a cyclic plan")
+
+    found = faulty_groups(["a", "b", "c", "d"], build)
+    assert found.pop("d") == "generating its kernel raised ValueError: no template for d", found
+    assert list(found.values()) == ["generating its kernel raised (only beside other groups)"], found
+    assert set(found) <= {"b", "c"}, found
