@@ -33,13 +33,11 @@ def to_float16(arr: np.ndarray) -> np.ndarray:
     float16, and x / max(|x|, eps) is 0/0 where a row of x is zero (torchvision's swin_v2_t: the
     zero padding of its shifted windows gives NaN in PyTorch's own float16)."""
     arr = np.asarray(arr, dtype=np.float32)
-    out = arr.astype(np.float16)
+    out = arr.astype(np.float16)  # a new array: fixed in place
     under = (out == 0) & (arr != 0)
     over = np.isinf(out) & np.isfinite(arr)
-    if under.any() or over.any():
-        out = out.copy() if out.base is not None else out
-        out[under] = np.copysign(FP16_TINY, arr[under]).astype(np.float16)
-        out[over] = np.copysign(FP16_MAX, arr[over]).astype(np.float16)
+    out[under] = np.copysign(FP16_TINY, arr[under]).astype(np.float16)
+    out[over] = np.copysign(FP16_MAX, arr[over]).astype(np.float16)
     return out
 
 
