@@ -10,6 +10,8 @@ import sys
 import tempfile
 from types import ModuleType
 
+from opfuse.runtime import bounds
+
 _loaded: dict[tuple[str, bool], ModuleType] = {}
 
 
@@ -70,6 +72,8 @@ def load_kernel_module(source: str, interpret: bool) -> ModuleType:
     if interpret:
         ensure_interpreter()
         spec.loader.exec_module(module)
+        if bounds.enabled():
+            bounds.install()
     else:
         previous = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "0"

@@ -1,0 +1,156 @@
+"""Bounds checks for generated kernels in Triton's interpreter (OPFUSE_CHECK_BOUNDS=1).
+
+On the GPU a kernel that reads or writes outside its tensors fails only where the address leaves
+mapped memory ("illegal memory access", often in a later, innocent call), or silently reads a
+neighbour's bytes. In the interpreter every load, store and atomic is a numpy array of addresses,
+so each can be checked: with the checks on, every element a kernel touches (its mask's lanes only)
+must lie inside one of the tensors passed to that launch, each tensor's own extent (a view of the
+executor's arena covers its own bytes, not the arena's). A touch outside raises `OutOfBounds`,
+naming the kernel, the access and the nearest tensor, and is kept in `violations`. The test
+suite turns the checks on and fails a test that left a violation (tests/conftest.py), so every
+kernel every test runs in its own process is checked, at the interpreter's configs and,
+in tests that ask for them (OPFUSE_INTERPRET_GPU_CONFIGS), at the GPU's.
+
+This patches the interpreter of the pinned Triton (pyproject.toml) and only in the process that
+calls `install()`; compiled kernels are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+_state = threading.local()
+_installed = False
+# Every violation this process saw, in order: the kernel's launch raises too, but a caller may
+# catch that (a fused group that fails runs unfused), so the test suite also reads this list.
+violations: list[str] = []
+
+
+class OutOfBounds(RuntimeError):
+    """A generated kernel touched memory outside the tensors of its launch."""
+
+
+def enabled() -> bool:
+    return os.environ.get("OPFUSE_CHECK_BOUNDS") == "1"
+
+
+def _extent(t: Any) -> tuple[int, int] | None:
+    """[first byte, one past the last byte] of a tensor view, from its sizes and strides."""
+    if not hasattr(t, "data_ptr") or not hasattr(t, "stride"):
+        return None
+    size = t.element_size()
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    lo = hi = 0
+    for n, s in zip(t.shape, t.stride(), strict=True):
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    start = t.data_ptr() + lo * size
+    return (start, t.data_ptr() + (hi + 1) * size)
+
+
+def _ranges(names: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, int, str]]:
+    out = []
+    for i, a in enumerate(args):
+        e = _extent(a)
+        if e is not None:
+            out.append((*e, names[i] if i < len(names) else f"argument {i}"))
+    for k, a in kwargs.items():
+        e = _extent(a)
+        if e is not None:
+            out.append((*e, k))
+    return sorted(out)
+
+
+def check(addresses: np.ndarray, mask: np.ndarray | None, itemsize: int, what: str) -> None:
+    """Raise OutOfBounds where an active lane's element is not inside one tensor of the launch."""
+    ranges = getattr(_state, "ranges", None)
+    if ranges is None:
+        return
+    a = np.asarray(addresses, dtype=np.uint64).reshape(-1)
+    if mask is not None:
+        m = np.broadcast_to(np.asarray(mask, dtype=bool), np.asarray(addresses).shape).reshape(-1)
+        a = a[m]
+    if a.size == 0:
+        return
+    starts = np.array([r[0] for r in ranges], dtype=np.uint64)
+    ends = np.array([r[1] for r in ranges], dtype=np.uint64)
+    i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
+    ok = i >= 0
+    j = np.where(ok, i, 0)
+    ok &= a + np.uint64(itemsize) <= ends[j]
+    # Ranges may overlap (two views of one buffer): an element inside any earlier range is fine.
+    if not ok.all():
+        for k in np.nonzero(~ok)[0]:
+            addr = int(a[k])
+            if not any(s <= addr and addr + itemsize <= e for s, e, _ in ranges):
+                message = _describe(addr, itemsize, what, ranges, int((~ok).sum()))
+                violations.append(message)
+                raise OutOfBounds(message)
+
+
+def _describe(addr: int, itemsize: int, what: str, ranges: list[tuple[int, int, str]], bad: int) -> str:
+    kernel = getattr(_state, "kernel", "a kernel")
+    near = min(ranges, key=lambda r: min(abs(addr - r[0]), abs(addr - r[1])))
+    s, e, name = near
+    return (
+        f"{kernel}: {'an' if what[0] in 'aeiou' else 'a'} {what} of {bad} element(s) outside every tensor of the launch; one is at "
+        f"element {(addr - s) // itemsize} of {name!r}, which has {(e - s) // itemsize} elements of "
+        f"{itemsize} bytes"
+    )
+
+
+def install() -> None:
+    """Check every load, store and atomic of the interpreter in this process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from triton.runtime import interpreter as ti
+
+    builder_cls = ti.InterpreterBuilder
+    grid_cls = ti.GridExecutor
+    call = grid_cls.__call__
+
+    def grid_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_state, "ranges", None), getattr(_state, "kernel", None)
+        _state.ranges = _ranges(list(self.arg_names), args, kwargs)
+        _state.kernel = getattr(self.fn, "__name__", "a kernel")
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _state.ranges, _state.kernel = previous
+
+    load = builder_cls.create_masked_load
+    store = builder_cls.create_masked_store
+    rmw = builder_cls.create_atomic_rmw
+    cas = builder_cls.create_atomic_cas
+
+    def masked_load(self: Any, ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
+        size = np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
+        check(ptrs.data, mask.data, size, "load")
+        return load(self, ptrs, mask, other, *rest)
+
+    def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:
+        check(ptrs.data, mask.data, value.data.dtype.itemsize, "store")
+        return store(self, ptrs, value, mask, *rest)
+
+    def atomic_rmw(self: Any, op: Any, ptr: Any, val: Any, mask: Any, *rest: Any) -> Any:
+        check(ptr.data, mask.data, val.data.dtype.itemsize, "atomic")
+        return rmw(self, op, ptr, val, mask, *rest)
+
+    def atomic_cas(self: Any, ptr: Any, cmp: Any, val: Any, *rest: Any) -> Any:
+        check(ptr.data, None, val.data.dtype.itemsize, "atomic compare-and-swap")
+        return cas(self, ptr, cmp, val, *rest)
+
+    grid_cls.__call__ = grid_call
+    builder_cls.create_masked_load = masked_load
+    builder_cls.create_masked_store = masked_store
+    builder_cls.create_atomic_rmw = atomic_rmw
+    builder_cls.create_atomic_cas = atomic_cas
+    _installed = True

@@ -1,0 +1,94 @@
+"""The interpreter's bounds checks (opfuse/runtime/bounds.py): a kernel that touches memory outside
+the tensors of its launch raises, naming the kernel and the tensor, and is recorded; masked-off
+lanes and reads inside a view pass."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the checks patch Triton's interpreter"
+)
+
+
+@pytest.fixture
+def checked() -> Iterator[Any]:
+    """The checker, with what a test's deliberate violations add to its record removed again (the
+    suite fails a test that leaves one: tests/conftest.py)."""
+    from opfuse.runtime import bounds
+
+    bounds.install()
+    seen = len(bounds.violations)
+    yield bounds
+    del bounds.violations[seen:]
+
+
+def _copy_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x, y, n, shift, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        if MASKED:
+            tl.store(y + o, tl.load(x + o + shift, mask=o < n), mask=o < n)
+        else:
+            tl.store(y + o, tl.load(x + o + shift))
+
+    return copy
+
+
+def _add_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count(c, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.atomic_add(c + o, 1, mask=o < n)
+
+    return count
+
+
+def test_masked_lanes_and_reads_inside_a_view_pass(checked: Any) -> None:
+    copy = _copy_kernel()
+    rng = np.random.default_rng(0)
+    base = torch.from_numpy(rng.standard_normal(40).astype(np.float32))
+    view = base[7:17]  # a view of a larger buffer, as kernel outputs are views of the arena
+    out = torch.empty(10)
+    copy[(1,)](view, out, 10, 0, BLOCK=16, MASKED=True)
+    assert torch.equal(out, view)
+    before = len(checked.violations)
+    copy[(1,)](view, out, 10, 0, BLOCK=16, MASKED=True)
+    assert len(checked.violations) == before
+
+
+@pytest.mark.parametrize("shift", [0, -3])
+def test_a_load_outside_its_tensor_raises_even_inside_the_same_buffer(checked: Any, shift: int) -> None:
+    copy = _copy_kernel()
+    base = torch.from_numpy(np.random.default_rng(1).standard_normal(64).astype(np.float32))
+    view = base[8:18]  # the bytes either side belong to the buffer, not to this tensor
+    out = torch.empty(16)
+    before = len(checked.violations)
+    masked = shift != 0  # shifted: only the first lanes fall before the view
+    with pytest.raises(Exception, match="copy: a load of .* outside every tensor") as info:
+        copy[(1,)](view, out, 10, shift, BLOCK=16, MASKED=masked)
+    assert "'x', which has 10 elements of 4 bytes" in str(info.value)
+    assert len(checked.violations) == before + 1
+    expected = "element -3 of 'x'" if shift else "element 10 of 'x'"
+    assert expected in checked.violations[-1]
+
+
+def test_an_atomic_outside_its_tensor_raises(checked: Any) -> None:
+    count = _add_kernel()
+    c = torch.zeros(8, dtype=torch.int32)
+    count[(1,)](c, 8, BLOCK=8)
+    assert c.tolist() == [1] * 8
+    with pytest.raises(Exception, match="count: an atomic"):
+        count[(1,)](c, 12, BLOCK=16)
