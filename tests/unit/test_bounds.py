@@ -77,7 +77,7 @@ def test_a_load_outside_its_tensor_raises_even_inside_the_same_buffer(checked: A
     out = torch.empty(16)
     before = len(checked.violations)
     masked = shift != 0  # shifted: only the first lanes fall before the view
-    with pytest.raises(Exception, match="copy: a load of .* outside every tensor") as info:
+    with pytest.raises(Exception, match=r"copy: a load of .* outside every tensor") as info:
         copy[(1,)](view, out, 10, shift, BLOCK=16, MASKED=masked)
     assert "'x', which has 10 elements of 4 bytes" in str(info.value)
     assert len(checked.violations) == before + 1
