@@ -49,6 +49,7 @@ SUM_SIBLING_CONVS = "sum_sibling_convs"
 MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
+POINTWISE_BEFORE_VIEWS = "pointwise_before_views"
 FOLD_CHANNEL_SHUFFLE = "fold_channel_shuffle"
 MERGE_PROJECTIONS = "merge_projections"
 CHANNELS_LAST = "channels_last"
@@ -197,6 +198,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         GEMM_TO_MATMUL,
         GRAPH_PASS,
         "A linear layer written as Reshape → Gemm → Reshape becomes MatMul + Add on the unflattened tensor.",
+    ),
+    _r(
+        POINTWISE_BEFORE_VIEWS,
+        GRAPH_PASS,
+        "A pointwise op after a view (Reshape, Flatten, Squeeze, Unsqueeze, Transpose) whose only reader "
+        "it is runs before the view, so it joins the producer's epilogue: view(x) → f becomes f(x) → view "
+        "(constants only where they broadcast alike on both sides).",
     ),
     _r(
         FOLD_CHANNEL_SHUFFLE,

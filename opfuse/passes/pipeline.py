@@ -23,6 +23,7 @@ from opfuse.passes.group_norm import group_norm
 from opfuse.passes.indices import check_constant_indices
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
+from opfuse.passes.pointwise_views import pointwise_before_views
 from opfuse.passes.projections import merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
@@ -57,6 +58,7 @@ PASSES: tuple[Pass, ...] = (
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
+    GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views),
     GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
     GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),
     GraphRule(names.CHANNELS_LAST, _channels_last, options=(names.FP32_DENSE_NCHW,)),

@@ -1,0 +1,150 @@
+"""`pointwise_before_views` (opfuse/passes/pointwise_views.py): pointwise ops move above the views
+before them, exactly, and only where their constants broadcast alike on both sides."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from opfuse.frontend import rule_registry as names
+from opfuse.passes.pointwise_views import pointwise_before_views
+from tests.builders import (
+    assert_computes_as_onnxruntime,
+    claimed,
+    graph_of,
+    ops,
+    planned,
+    run_pass,
+    tiny_model,
+    weights,
+)
+
+n = helper.make_node
+
+
+def levit_linear() -> onnx.ModelProto:
+    """LeViT's Linear + BatchNorm1d as exported: MatMul, flatten the tokens, BatchNormalization
+    over the channels, unflatten, Hardswish, then the next MatMul."""
+    c = 8
+    var = np.abs(weights(c, seed=4)) + 0.5
+    return tiny_model(
+        [
+            n("MatMul", ["x", "w"], ["h"], name="fc1"),
+            n("Reshape", ["h", "flat"], ["h2"], name="flatten"),
+            n("BatchNormalization", ["h2", "s", "b", "m", "v"], ["bn"], name="bn"),
+            n("Reshape", ["bn", "unflat"], ["bn3"], name="unflatten"),
+            n("HardSwish", ["bn3"], ["act"], name="act"),
+            n("MatMul", ["act", "w2"], ["y"], name="fc2"),
+        ],
+        {"x": [2, 5, 6]},
+        {"y": [2, 5, 3]},
+        {
+            "w": weights(6, c, seed=1),
+            "flat": np.array([10, c]),
+            "s": weights(c, seed=2) + 1.0,
+            "b": weights(c, seed=3),
+            "m": weights(c, seed=5),
+            "v": var,
+            "unflat": np.array([2, 5, c]),
+            "w2": weights(c, 3, seed=6),
+        },
+    )
+
+
+def test_a_batchnorm_and_activation_behind_views_join_the_gemm_epilogue() -> None:
+    model = levit_linear()
+    graph, plan = planned(model)
+    kinds = [(kind, nodes) for kind, _, nodes in claimed(plan)]
+    # The first MatMul's epilogue takes the normalization and the activation; the views follow.
+    assert ("gemm", ["fc1", "bn", "bn", "act"]) in kinds, kinds
+    assert ops(graph).index("HardSwish") < ops(graph).index("Reshape")
+    assert_computes_as_onnxruntime(model, graph)
+    _, without = planned(model, disabled=(names.POINTWISE_BEFORE_VIEWS,))
+    assert all(nodes != ["fc1", "bn", "bn", "act"] for _, _, nodes in claimed(without))
+
+
+def test_the_compiled_linear_runs_in_two_launches_and_matches_onnxruntime() -> None:
+    import onnxruntime as ort
+
+    import opfuse
+
+    model = levit_linear()
+    cm = opfuse.compile(model, device="cpu")
+    assert cm.report["verification"]["passed"] is True
+    # fc1 with the normalization and the activation, then fc2; without the move, the
+    # normalization and the activation run as kernels of their own.
+    assert cm.report["kernels"]["after"] == 2
+    off = opfuse.compile(model, device="cpu", fusion_disable=[names.POINTWISE_BEFORE_VIEWS])
+    assert off.report["kernels"]["after"] == 4
+    x = np.random.default_rng(7).standard_normal((2, 5, 6)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )[0]
+    got = cm.run({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_activation_climbs_a_transpose_and_a_reshape_with_its_scalar() -> None:
+    model = tiny_model(
+        [
+            n("MatMul", ["q", "k"], ["s"], name="scores"),
+            n("Transpose", ["s"], ["t"], perm=[0, 2, 1, 3], name="transpose"),
+            n("Reshape", ["t", "shape"], ["r"], name="merge_heads"),
+            n("Mul", ["r", "half"], ["m"], name="scale"),
+            n("Relu", ["m"], ["y"], name="act"),
+        ],
+        {"q": [2, 3, 4, 5], "k": [2, 3, 5, 6]},
+        {"y": [2, 4, 18]},
+        {"shape": np.array([2, 4, 18]), "half": np.array(0.5)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, _pass())
+    assert ops(graph) == ["MatMul", "Mul", "Relu", "Transpose", "Reshape"]
+    assert log.fired == {names.POINTWISE_BEFORE_VIEWS: 4}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_constants_that_would_broadcast_differently_keep_the_op_after_the_view() -> None:
+    model = tiny_model(
+        [
+            n("Transpose", ["x"], ["t"], perm=[0, 2, 1], name="transpose"),
+            n("Add", ["t", "bias"], ["a"], name="bias"),  # per column of the transposed tensor
+            n("Reshape", ["x", "shape"], ["r"], name="flatten"),
+            n("Mul", ["r", "rows"], ["y2"], name="per_row"),  # varies along a dim the view merges
+        ],
+        {"x": [2, 3, 4]},
+        {"a": [2, 4, 3], "y2": [6, 4]},
+        {"bias": weights(3, seed=1), "shape": np.array([6, 4]), "rows": weights(6, 1, seed=2)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, _pass())
+    assert ops(graph) == ["Transpose", "Add", "Reshape", "Mul"]
+    assert log.fired == {}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_view_with_other_readers_or_that_is_an_output_stays_before_the_op() -> None:
+    model = tiny_model(
+        [
+            n("Reshape", ["x", "shape"], ["r"], name="flatten"),
+            n("Relu", ["r"], ["a"], name="act"),
+            n("Sigmoid", ["r"], ["b"], name="gate"),
+            n("Transpose", ["x"], ["t"], perm=[1, 0, 2], name="transpose"),
+            n("Tanh", ["t"], ["c"], name="tanh"),
+        ],
+        {"x": [2, 3, 4]},
+        {"a": [6, 4], "b": [6, 4], "t": [3, 2, 4], "c": [3, 2, 4]},
+        {"shape": np.array([6, 4])},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, _pass())
+    assert ops(graph) == ["Reshape", "Relu", "Sigmoid", "Transpose", "Tanh"]
+    assert log.fired == {}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def _pass():  # type: ignore[no-untyped-def]
+    from opfuse.passes.rules import GraphRule
+
+    return GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views)
