@@ -79,20 +79,21 @@ def check(addresses: np.ndarray, mask: np.ndarray | None, itemsize: int, what: s
         a = a[m]
     if a.size == 0:
         return
-    starts = np.array([r[0] for r in ranges], dtype=np.uint64)
-    ends = np.array([r[1] for r in ranges], dtype=np.uint64)
+    starts, ends = _state.starts, _state.ends
+    end = a + np.uint64(itemsize)
+    # The range that starts last at or before each address; ranges may overlap (two views of one
+    # buffer), so an element outside it is checked against all of them.
     i = np.searchsorted(starts, a, side="right").astype(np.int64) - 1
-    ok = i >= 0
-    j = np.where(ok, i, 0)
-    ok &= a + np.uint64(itemsize) <= ends[j]
-    # Ranges may overlap (two views of one buffer): an element inside any earlier range is fine.
-    if not ok.all():
-        for k in np.nonzero(~ok)[0]:
-            addr = int(a[k])
-            if not any(s <= addr and addr + itemsize <= e for s, e, _ in ranges):
-                message = _describe(addr, itemsize, what, ranges, int((~ok).sum()))
-                violations.append(message)
-                raise OutOfBounds(message)
+    ok = (i >= 0) & (end <= ends[np.maximum(i, 0)])
+    if ok.all():
+        return
+    rest, rest_end = a[~ok], end[~ok]
+    inside = ((rest[:, None] >= starts[None, :]) & (rest_end[:, None] <= ends[None, :])).any(axis=1)
+    if not inside.all():
+        bad = rest[~inside]
+        message = _describe(int(bad[0]), itemsize, what, ranges, int(bad.size))
+        violations.append(message)
+        raise OutOfBounds(message)
 
 
 def _describe(addr: int, itemsize: int, what: str, ranges: list[tuple[int, int, str]], bad: int) -> str:
@@ -118,13 +119,17 @@ def install() -> None:
     call = grid_cls.__call__
 
     def grid_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_state, "ranges", None), getattr(_state, "kernel", None)
-        _state.ranges = _ranges(list(self.arg_names), args, kwargs)
-        _state.kernel = getattr(self.fn, "__name__", "a kernel")
+        keys = ("ranges", "starts", "ends", "kernel")
+        previous = [getattr(_state, k, None) for k in keys]
+        ranges = _ranges(list(self.arg_names), args, kwargs)
+        _state.ranges, _state.kernel = ranges, getattr(self.fn, "__name__", "a kernel")
+        _state.starts = np.array([r[0] for r in ranges], dtype=np.uint64)  # once per launch
+        _state.ends = np.array([r[1] for r in ranges], dtype=np.uint64)
         try:
             return call(self, *args, **kwargs)
         finally:
-            _state.ranges, _state.kernel = previous
+            for k, v in zip(keys, previous, strict=True):
+                setattr(_state, k, v)
 
     load = builder_cls.create_masked_load
     store = builder_cls.create_masked_store
