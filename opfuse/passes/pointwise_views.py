@@ -15,7 +15,11 @@ a view only renames indices. It is made where
   a scalar (any view), or for a Reshape-like view a constant whose non-1 dims are trailing dims
   the view keeps unchanged (per-channel constants of a Linear's output, which a flatten of the
   leading dims keeps: (C,) against [B, N, C] and [B*N, C] alike);
-- the view's output is not a graph output.
+- the op's output has the view's output shape (a constant of higher rank would widen it);
+- the view's output is not a graph output;
+- the first node above the views takes pointwise ops into its kernel (a GEMM, a conv, a pool
+  head, a row op, a pointwise op). Behind a library op the pointwise rule already reads through the view,
+  beside the op's own consumers; moved, the op would part from them.
 Moves repeat until none is left, so a chain of ops climbs a chain of views.
 """
 
@@ -25,11 +29,31 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC, ROW_OPS
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import PassContext
 
 RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 VIEWS = RESHAPES | {"Transpose"}
+# Producers a pointwise op can join as their epilogue besides pointwise ops: the anchors
+# (anchor_epilogue.py) and the row ops (row_reduction.py).
+EPILOGUE_HEADS = frozenset({"MatMul", "Gemm", MAX_POOL_NHWC, *CONV_OPS}) | ROW_OPS
+
+
+def _joins_producer(graph: Graph, view: Node, producers: dict[str, Node], touched: set[str]) -> bool:
+    """Whether the first node above the view (and any views above it) takes a pointwise op into
+    its kernel. Where it does not (a library op, a graph input), the op stays after the view: the
+    pointwise rule reads it through the view beside its own consumers, and moving it would only
+    part it from them. False for this sweep where a node on the way moved in it: the maps are the
+    sweep's, and the next sweep decides."""
+    node: Node | None = view
+    while node is not None and node.op_type in VIEWS:
+        node = producers.get(node.inputs[0])
+        if node is not None and node.id in touched:
+            return False
+    if node is None:
+        return False
+    return node.op_type in EPILOGUE_HEADS or pointwise_reason(graph, node) is None
 
 
 def _constant_like(
@@ -101,7 +125,11 @@ def pointwise_before_views(graph: Graph, ctx: PassContext) -> None:
                 continue
             if len(consumers.get(x, [])) != 1 or view.inputs[0] in graph.constants:
                 continue
+            if not _joins_producer(graph, view, producers, touched):
+                continue
             before, after = graph.spec(view.inputs[0]).shape, graph.spec(x).shape
+            if graph.spec(node.outputs[0]).shape != after:
+                continue  # a constant of higher rank widens the output: not elementwise on x
             consts: dict[str, np.ndarray] = {}
             for c in {y for y in node.inputs if y and y in graph.constants}:
                 arr = _constant_like(graph, c, view, before, after)

@@ -112,14 +112,21 @@ def test_constants_that_would_broadcast_differently_keep_the_op_after_the_view()
             n("Add", ["t", "bias"], ["a"], name="bias"),  # per column of the transposed tensor
             n("Reshape", ["x", "shape"], ["r"], name="flatten"),
             n("Mul", ["r", "rows"], ["y2"], name="per_row"),  # varies along a dim the view merges
+            n("Reshape", ["x", "shape"], ["r2"], name="flatten2"),
+            n("Add", ["r2", "wide"], ["y3"], name="widen"),  # its rank-3 constant widens the output
         ],
         {"x": [2, 3, 4]},
-        {"a": [2, 4, 3], "y2": [6, 4]},
-        {"bias": weights(3, seed=1), "shape": np.array([6, 4]), "rows": weights(6, 1, seed=2)},
+        {"a": [2, 4, 3], "y2": [6, 4], "y3": [1, 6, 4]},
+        {
+            "bias": weights(3, seed=1),
+            "shape": np.array([6, 4]),
+            "rows": weights(6, 1, seed=2),
+            "wide": weights(1, 1, 4, seed=3),
+        },
     )
     graph = graph_of(model)
     log = run_pass(graph, _pass())
-    assert ops(graph) == ["Transpose", "Add", "Reshape", "Mul"]
+    assert ops(graph) == ["Transpose", "Add", "Reshape", "Mul", "Reshape", "Add"]
     assert log.fired == {}
     assert_computes_as_onnxruntime(model, graph)
 
@@ -148,3 +155,23 @@ def _pass():  # type: ignore[no-untyped-def]
     from opfuse.passes.rules import GraphRule
 
     return GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views)
+
+
+def test_an_op_behind_a_library_op_stays_after_the_view() -> None:
+    """Behind an AveragePool (a library op, no epilogue) the move would only part the op from
+    its consumers, which the pointwise rule already reads through the view beside it."""
+    model = tiny_model(
+        [
+            n("AveragePool", ["x"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="pool"),
+            n("Reshape", ["p", "shape"], ["r"], name="flatten"),
+            n("Mul", ["r", "half"], ["y"], name="scale"),
+        ],
+        {"x": [2, 3, 4, 4]},
+        {"y": [6, 16]},
+        {"shape": np.array([6, 16]), "half": np.array(0.5)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, _pass())
+    assert ops(graph) == ["AveragePool", "Reshape", "Mul"]
+    assert log.fired == {}
+    assert_computes_as_onnxruntime(model, graph)
