@@ -27,14 +27,16 @@ FP16_MAX = float(np.finfo(np.float16).max)  # 65504
 
 
 def to_float16(arr: np.ndarray) -> np.ndarray:
-    """float32 values as float16, except that a nonzero value never becomes zero and a finite one
-    never becomes infinite: those go to the nearest float16 of the same sign that is neither
-    (2**-24, 65504). An epsilon of 1e-12 (F.normalize's clamp, a LayerNorm written out) is zero in
-    float16, and x / max(|x|, eps) is 0/0 where a row of x is zero (torchvision's swin_v2_t: the
-    zero padding of its shifted windows gives NaN in PyTorch's own float16)."""
+    """float32 values as float16, except that a finite value never becomes infinite (±65504), and
+    a nonzero scalar (one element: an epsilon, a clamp bound) never becomes zero (±2**-24). An
+    epsilon of 1e-12 (F.normalize's clamp, a LayerNorm written out) is zero in float16, and
+    x / max(|x|, eps) is 0/0 where a row of x is zero (torchvision's swin_v2_t: the zero padding of
+    its shifted windows gives NaN in PyTorch's own float16). A weight or bias below float16's
+    range rounds to zero, as `.half()` rounds it: clamped, a folded BatchNorm's bias of 1e-12 would
+    be 2**-24, an error of millions of times its value (transformers' MobileViT)."""
     arr = np.asarray(arr, dtype=np.float32)
     out = arr.astype(np.float16)  # a new array: fixed in place
-    under = (out == 0) & (arr != 0)
+    under = (out == 0) & (arr != 0) & (arr.size == 1)
     over = np.isinf(out) & np.isfinite(arr)
     out[under] = np.copysign(FP16_TINY, arr[under]).astype(np.float16)
     out[over] = np.copysign(FP16_MAX, arr[over]).astype(np.float16)

@@ -53,15 +53,18 @@ def test_fp32_leaves_the_graph_as_it_was() -> None:
     )
 
 
-def test_fp16_keeps_a_nonzero_constant_nonzero_and_a_finite_one_finite() -> None:
+def test_fp16_keeps_a_nonzero_scalar_nonzero_and_a_finite_constant_finite() -> None:
     from opfuse.passes.precision import FP16_MAX, FP16_TINY, to_float16
 
     a = np.array([1e-12, -3e-9, 0.0, 1.5, -2e5, 7e4, np.inf, -np.inf, 1e-6], np.float32)
-    got = to_float16(a)
-    want = np.array([FP16_TINY, -FP16_TINY, 0.0, 1.5, -FP16_MAX, FP16_MAX, np.inf, -np.inf, 1e-6])
+    got = to_float16(a)  # a tensor: what underflows is zero, as .half() gives
+    want = np.array([0.0, -0.0, 0.0, 1.5, -FP16_MAX, FP16_MAX, np.inf, -np.inf, 1e-6])
     assert got.dtype == np.float16
     np.testing.assert_array_equal(got, want.astype(np.float16))
-    assert np.signbit(got[1]) and not np.signbit(got[0])
+    for eps in (1e-12, -3e-9):  # a scalar (an epsilon): the nearest nonzero float16 of its sign
+        for shape in ((), (1,), (1, 1)):
+            one = to_float16(np.full(shape, eps, np.float32))
+            assert one.shape == shape and one.item() == np.copysign(FP16_TINY, eps)
     w = weights(64, 64)  # ordinary weights: exactly numpy's float16
     np.testing.assert_array_equal(to_float16(w), w.astype(np.float16))
 
