@@ -140,7 +140,7 @@ def build_plan(
             continue
         kind = g.kind if g.kind in TEMPLATES else "pointwise"
         part = Part(g.id, kind, g.nodes, g.inputs, g.outputs, g.full, g.split, g.match, g.views, g.prologue)
-        add_kernel(part, g, g.nodes)
+        add_kernel(part, g, [*g.prologue, *g.nodes])  # labelled as the report names the group
     available = {s.name for s in graph.inputs} | set(graph.constants)
     ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
     return Plan(

@@ -124,7 +124,7 @@ def _chain(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSource
 
 def _rowwise(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSource:
     return generate_rowwise(
-        kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views, g.prologue
+        kid, g.nodes, g.inputs, g.outputs, graph, g.id, g.full, g.split, g.views, g.prologue, precision
     )
 
 
@@ -145,12 +145,13 @@ def _conv_split(g: GroupLike) -> SplitForm | None:
 
 
 def _rowwise_split(g: GroupLike) -> SplitForm | None:
-    """A depthwise conv on the row tiles (fusion.anchors.depthwise_reductions): the library's
-    depthwise conv, as without the rule, then the row kernel."""
+    """A depthwise conv or a GEMM on the row tiles (fusion/rules/depthwise_reduction.py,
+    gemm_reduction.py): the library's kernel for it, as without the rule, then the row kernel."""
     if not g.prologue:
         return None
+    what = "GEMM" if g.prologue[0].op_type in ("MatMul", "Gemm") else "depthwise conv"
     return SplitForm(
-        "split: the library's depthwise conv, then the row kernel",
+        f"split: the library's {what}, then the row kernel",
         lambda graph: [
             SplitPiece(None, g.prologue),
             SplitPiece("rowwise", g.nodes, g.full, g.split, g.views),

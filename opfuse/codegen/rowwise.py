@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
+from opfuse.codegen.epilogue import dot_precision, k_loop
 from opfuse.codegen.fragments import (
     KernelSource,
     concat_comments,
@@ -39,7 +40,7 @@ from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.rows import TILE, RowSpace, row_space
-from opfuse.ir.support import conv_params
+from opfuse.ir.support import conv_params, gemm_dims
 
 NEG_INF = 'float("-inf")'
 
@@ -155,6 +156,28 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
     buf.line(f"dwv = dacc.to({x}.dtype.element_ty).to(tl.float32)")
 
 
+def _gemm_tile(buf: SourceBuffer, graph: Graph, mm: Node, ptr: dict[str, str], precision: str) -> None:
+    """The GEMM's output on the tile (rows `row`, all N columns `cols`), rounded to the model's type
+    as the stored product would be: A's rows [M, K] times B [K, N] (or [N, K], Gemm's transB),
+    BLOCK_K at a time, into a float32 accumulator."""
+    m, n, k, trans_b = gemm_dims(graph, mm)
+    a, b = ptr[mm.inputs[0]], ptr[mm.inputs[1]]
+    sbk, sbn = (1, k) if trans_b else (n, 1)
+    buf.line("rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
+    buf.line("rn = tl.arange(0, BLOCK_R)")
+    buf.line("rk = tl.arange(0, BLOCK_K)")
+    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
+
+    def a_tile() -> None:
+        buf.line(
+            f"a_tile = tl.load({a} + rm[:, None] * {k} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
+        )
+
+    b_at = f"{b} + kk[:, None] * {sbk} + rn[None, :] * {sbn}"
+    k_loop(buf, k, n, b_at, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
+    buf.line(f"gmv = acc.to({a}.dtype.element_ty).to(tl.float32)")
+
+
 @dataclass
 class _RowKernel:
     """One row group as the template writes it: its row space, layout and loads."""
@@ -168,7 +191,8 @@ class _RowKernel:
     literals: dict[str, str]
     tensor_inputs: list[str]
     window: Node | None  # a depthwise conv computed on the tile
-    window_args: list[str]  # its input, weight and bias
+    gemm: Node | None  # or a GEMM computed on the tile, its columns the row (multi layout)
+    prologue_args: list[str]  # the prologue's operands: input, weight (and bias)
 
     @property
     def block(self) -> int:
@@ -198,18 +222,23 @@ def generate_rowwise(
     split: int | None = None,
     views: dict[str, Any] | None = None,
     prologue: list[Node] | None = None,
+    precision: str = "fp32",
 ) -> KernelSource:
     """`views`: full-shaped inputs read through folded layout ops ({value: StridedView}), rows at
-    their strides in the buffer behind them, each row contiguous there. `prologue`: a depthwise
-    conv (NHWC) whose output, the group's full-shaped input, is computed on the tile instead of
-    loaded (fusion.anchors.depthwise_reductions)."""
+    their strides in the buffer behind them, each row contiguous there. `prologue`: the node whose
+    output, the group's full-shaped input, is computed on the tile instead of loaded: a depthwise
+    conv (NHWC; fusion/rules/depthwise_reduction.py) or a GEMM whose columns are the row
+    (fusion/rules/gemm_reduction.py). `precision`: the job's, for a GEMM's dot."""
     views = views or {}
     space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
-    window = prologue[0] if prologue else None
+    first = prologue[0] if prologue else None
+    gemm = first if first is not None and first.op_type in ("MatMul", "Gemm") else None
+    window = first if gemm is None else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
-    window_args = [x for x in window.inputs[:3] if x] if window is not None else []
+    assert gemm is None or (not tiled and not space.groups and space.first == len(full) - 1), space
+    prologue_args = [x for x in first.inputs[:3] if x] if first is not None else []
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
@@ -219,11 +248,11 @@ def generate_rowwise(
     selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x}
     assert not selected or not tiled, "a Concat in a row kernel over strided columns"
     literals, tensor_inputs = split_literals(
-        graph, inputs, skip=axes_only, tensors=set(window_args) | selected
+        graph, inputs, skip=axes_only, tensors=set(prologue_args) | selected
     )
     rk = _RowKernel(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
-        window_args,
+        gemm, prologue_args,
     )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
@@ -232,10 +261,13 @@ def generate_rowwise(
     regs: dict[str, str] = {}
     with buf.indent():
         _row_indices(buf, rk)
+        ptr = {x: f"in{tensor_inputs.index(x)}" for x in prologue_args}
         if window is not None:
-            ptr = {x: f"in{tensor_inputs.index(x)}" for x in window_args}
             _depthwise_tile(buf, graph, window, ptr, tiled)
             regs[window.outputs[0]] = "dwv"
+        if gemm is not None:
+            _gemm_tile(buf, graph, gemm, ptr, precision)
+            regs[gemm.outputs[0]] = "gmv"
         _row_loads(buf, rk, regs)
         regs.update(literals)
         for j, n in enumerate(nodes):
@@ -272,19 +304,20 @@ def _row_header(
         what = f"{rows} rows of {r} elements"
     buf.line(f"# {len(rk.nodes) + len(prologue)} ONNX nodes over {what} (shape {list(space.full)}):")
     for n in prologue:
-        buf.line(node_comment(n, "prologue: depthwise conv on the tiles"))
+        what = "depthwise conv" if rk.gemm is None else "GEMM, its columns the row,"
+        buf.line(node_comment(n, f"prologue: {what} on the tiles"))
     for n in rk.nodes:
         buf.line(node_comment(n))
     concat_comments(buf, rk.graph, rk.nodes, rk.slot)
     module_imports(buf)
 
 
-def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str, int]:
+def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str, Any]:
     """ROWS, R (INNER), CONFIG, INTERPRETER_CONFIG and the kernel's signature."""
     rows, r, inner, block = rk.space.outer, rk.space.r, rk.space.inner, rk.block
     buf.line(f"ROWS = {rows}")
     buf.line(f"R = {r}")
-    config: dict[str, int]
+    config: dict[str, Any]
     if rk.tiled:
         # Columns are contiguous: a block of them per program keeps loads coalesced on the GPU;
         # the interpreter takes wide blocks (fewer programs to step through).
@@ -293,6 +326,15 @@ def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str
         interp = {"BLOCK_R": block, "BLOCK_I": min(next_pow2(inner), max(bi, (1 << 16) // block))}
         buf.line(f"INNER = {inner}")
         consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr"
+    elif rk.gemm is not None:
+        # A GEMM on the tile: tl.dot takes at least 16 rows; its K loop BLOCK_K at a time.
+        k = gemm_dims(rk.graph, rk.gemm)[2]
+        upcast = rk.graph.spec(rk.gemm.inputs[0]).dtype == "bfloat16"  # as codegen/gemm.py
+        config = {"BLOCK_M": 16, "BLOCK_R": block, "BLOCK_K": min(64, max(16, next_pow2(k))), "UPCAST": False}
+        config["num_warps"] = 4 if 16 * block <= 4096 else 8
+        interp = {"BLOCK_M": max(16, rows_per_program(rows, block, 1 << 16)), "BLOCK_R": block}
+        interp.update(BLOCK_K=min(256, max(16, next_pow2(k))), UPCAST=upcast)
+        consts = "BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr"
     elif rk.multi:
         # BLOCK_M rows per program: one by default; short rows (ConvNeXt's 96 channels) may share
         # a program where the tuner measures it faster (codegen.tuning_space.rowwise_candidates).
@@ -344,8 +386,8 @@ def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
     per_channel = {x for n in nodes if n.op_type == "InstanceNormalization" for x in n.inputs[1:3] if x}
     group_params = {x for n in nodes if n.op_type == "GroupNormalization" for x in n.inputs[1:3] if x}
     for i, name in enumerate(rk.tensor_inputs):
-        if name in rk.window_args and name not in read:
-            continue  # the depthwise conv's operands only
+        if name in rk.prologue_args and name not in read:
+            continue  # the prologue's operands only
         if name in selected_only:
             continue  # loaded by the Concat's selection
         regs[name] = f"x{i}"

@@ -12,7 +12,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from opfuse.codegen.rowwise import rows_per_program
+from opfuse.ir.queries import next_pow2
 from opfuse.ir.rows import MIN_TILED_COLUMNS
+
+# A row kernel's GEMM accumulator (BLOCK_M x next_pow2(N) float32) tried at most this large.
+GEMM_ROW_TILE = 16384
 
 
 class KernelLike(Protocol):
@@ -138,7 +142,8 @@ def conv_candidates(k: KernelLike) -> list[dict[str, Any]]:
 def rowwise_candidates(k: KernelLike) -> list[dict[str, Any]]:
     """A row kernel that may hold several rows per program (BLOCK_M in its config) tries one, and
     tiles of ROW_TILES elements, with 4 and 8 warps each (2 more for one row); a strided one
-    (BLOCK_I) also half and a quarter of its columns per program, never under MIN_TILED_COLUMNS."""
+    (BLOCK_I) also half and a quarter of its columns per program, never under MIN_TILED_COLUMNS;
+    one that computes a GEMM on its tiles (BLOCK_K) its row and K tiles with 4 and 8 warps."""
     if "BLOCK_I" in k.config:
         # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
         # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).
@@ -150,6 +155,11 @@ def rowwise_candidates(k: KernelLike) -> list[dict[str, Any]]:
     block = int(k.config["BLOCK_R"])
     found = re.search(r"^ROWS = (\d+)$", k.source, re.MULTILINE)  # the generated module's row count
     rows = int(found.group(1)) if found else 1 << 30
+    if "BLOCK_K" in k.config:
+        # A GEMM on the tiles (fusion/rules/gemm_reduction.py): tl.dot's 16 rows at least, as many
+        # as there are, within GEMM_ROW_TILE accumulator elements; K tiles of 32 and 64.
+        ms = [m for m in (16, 32, 64) if m == 16 or (m * block <= GEMM_ROW_TILE and m <= next_pow2(rows))]
+        return [{"BLOCK_M": m, "BLOCK_K": bk, "num_warps": w} for m in ms for bk in (32, 64) for w in (4, 8)]
     sizes = sorted({rows_per_program(rows, block, tile) for tile in ROW_TILES} - {1})
     one = [{"BLOCK_M": 1, "num_warps": w} for w in (2, 4, 8, 16)]
     return one + [{"BLOCK_M": m, "num_warps": w} for m in sizes for w in (4, 8)]

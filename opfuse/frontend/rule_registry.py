@@ -70,6 +70,7 @@ DEPTHWISE_PROLOGUE = "depthwise_prologue"
 POOL_PROLOGUE = "pool_prologue"
 GEMV_CHAIN = "gemv_chain"
 DEPTHWISE_REDUCTION = "depthwise_reduction"
+GEMM_REDUCTION = "gemm_reduction"
 CONCAT_EPILOGUE = "concat_epilogue"
 POOLED_GEMM = "pooled_gemm"
 POINTWISE = "pointwise"
@@ -332,6 +333,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A depthwise conv computed on the tiles of the row kernel that reduces its output "
         "(squeeze-excitation's squeeze, ConvNeXt's LayerNorm).",
         impl=f"{RULES_PACKAGE}.depthwise_reduction",
+    ),
+    _r(
+        GEMM_REDUCTION,
+        FUSION,
+        "A GEMM computed on the tiles of the row kernel that reduces over its output's columns (a "
+        "transformer's Linear with its bias, residual add and LayerNorm), where a row fits one tile.",
+        impl=f"{RULES_PACKAGE}.gemm_reduction",
     ),
     _r(
         CONCAT_EPILOGUE,

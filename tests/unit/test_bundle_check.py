@@ -135,7 +135,9 @@ def test_plan_fields_other_than_the_spec_implies_are_refused(mlp: Plan) -> None:
         op["op_type"] = "__import__('os').system"
 
     _refused(mlp, rewire, f"step {kernel_step} launches kernel")
-    _refused(mlp, foreign_op, "that is no op name")
+    # The second MatMul as a library op (every node of the MLP is in a kernel with the rule on).
+    with_op = plan_model(residual_mlp(), {"x": [4, 32]}, "fp32", disabled=("gemm_reduction",)).plan
+    _refused(with_op, foreign_op, "that is no op name")
 
 
 def test_a_value_shape_other_than_the_input_it_names_is_refused(mlp: Plan) -> None:

@@ -111,8 +111,9 @@ def test_the_planner_runs_the_registrys_fusion_rules_in_order() -> None:
 
 def test_the_fusion_rules_claim_in_order_and_say_why_not() -> None:
     """A graph-level run of the planner on one small graph: the row rule claims first (the LayerNorm
-    with the bias and residual before it), then the GEMM its bias and GELU; with the GEMM rule off,
-    that epilogue is a pointwise group instead."""
+    with the bias and residual before it), then the GEMM its bias and GELU, then the row kernel
+    takes the second GEMM onto its tiles; with the GEMM rule off, that epilogue is a pointwise
+    group instead."""
     from opfuse.fusion.planner import plan_fusion
     from opfuse.passes.pipeline import run_passes
     from tests.builders import graph_of
@@ -121,13 +122,16 @@ def test_the_fusion_rules_claim_in_order_and_say_why_not() -> None:
     run_passes(graph)
     gelu = ["gelu_scale", "gelu_erf", "gelu_add1", "gelu_mul", "gelu_half"]
     norm = ["ln_mean", "ln_sub", "ln_pow", "ln_var", "ln_eps", "ln_sqrt", "ln_div", "ln_scale", "ln_shift"]
-    row = (registry.ROW_REDUCTION, ["fc2_bias", "residual", *norm])
+    row = (f"{registry.ROW_REDUCTION}+{registry.GEMM_REDUCTION}", ["fc2", "fc2_bias", "residual", *norm])
 
     def groups(disabled: set[str]) -> list[tuple[str, list[str]]]:
-        return [(g.rule, [n.name for n in g.nodes]) for g in plan_fusion(graph, disabled).groups]
+        plan = plan_fusion(graph, disabled)
+        return [(g.rule, [n.name for n in [*g.prologue, *g.nodes]]) for g in plan.groups]
 
     on = groups(set())
     assert on == [row, (registry.GEMM_EPILOGUE, ["fc1", "fc1_bias", *gelu])]
     off = groups({registry.GEMM_EPILOGUE})
-    assert off == [row, (registry.POINTWISE, ["fc1_bias", *gelu])]
+    # No GEMM groups, so no lone GEMM for the row kernel to take either.
+    assert off == [(registry.ROW_REDUCTION, row[1][1:]), (registry.POINTWISE, ["fc1_bias", *gelu])]
+    assert groups({registry.GEMM_REDUCTION})[0] == (registry.ROW_REDUCTION, row[1][1:])
     assert groups({registry.GEMM_EPILOGUE, registry.POINTWISE, registry.ROW_REDUCTION}) == []

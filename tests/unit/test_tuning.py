@@ -750,6 +750,42 @@ def test_a_depthwise_reduction_is_timed_against_its_split_form(
     assert mine == ([("op", "opfuse.ConvNHWC"), ("kernel", "")] if faster == "split" else [("kernel", "")])
 
 
+@pytest.mark.parametrize("faster", ["fused", "split"])
+def test_a_gemm_reduction_is_timed_against_its_split_form(
+    faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The alternative to a row kernel computing its GEMM on its tiles (a Linear, its bias, the
+    residual and the LayerNorm) is the plan without the rule: the library's GEMM, then the row
+    kernel. The faster is kept."""
+    from onnx import helper
+
+    from tests.builders import tiny_model, weights
+
+    def is_split(plan: Any, gid: str) -> bool:
+        return any(s.kind == "op" for s in plan.steps if s.group == gid)
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+        helper.make_node("Add", ["hb", "x"], ["s"], name="residual"),
+        helper.make_node("LayerNormalization", ["s", "g"], ["y"], name="ln", axis=-1),
+    ]
+    inits = {"w": weights(32, 32), "b": weights(32, seed=1), "g": 1.0 + weights(32, seed=2)}
+    model = tiny_model(nodes, {"x": [2, 5, 32]}, {"y": [2, 5, 32]}, inits)
+    record, gid, make_plan = _tune_with_fake_times(
+        monkeypatch,
+        tmp_path,
+        model,
+        [2, 5, 32],
+        lambda g: g.kind == "rowwise" and bool(g.prologue),
+        is_split,
+        faster,
+    )
+    assert record["variants"][gid]["vendor_form"] == "split: the library's GEMM, then the row kernel"
+    mine = [(s.kind, s.op_type) for s in make_plan().steps if s.group == gid]
+    assert mine == ([("op", "MatMul"), ("kernel", "")] if faster == "split" else [("kernel", "")])
+
+
 def test_a_conv_summing_a_shortcut_is_not_timed_against_the_library(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:

@@ -1,0 +1,99 @@
+"""`gemm_reduction`: a GEMM computed on the tiles of the row kernel that reduces over its output's
+columns.
+
+A transformer's Linear before a LayerNorm (the output projection and the second MLP layer, with the
+bias and the residual add between) is a lone GEMM: the row kernel takes its bias and residual add,
+and nothing is left to fuse into the GEMM. Where the row kernel reduces over exactly the GEMM's
+output columns (N, the last axis) and a row fits one tile (N at most GEMM_ROW_MAX), each program of
+the row kernel computes its BLOCK_M rows of the product over the whole K, all N columns at once, and
+runs the row kernel's nodes on that tile: the GEMM, bias, residual, normalization and whatever the
+row kernel stores, in one launch, and the product is never written. This holds for post-norm
+(BERT: Linear -> add -> LayerNorm) and pre-norm layers (GPT-2, LLaMA: the residual stream and the
+next layer's norm are both stored by the row kernel). On the GPU tuning times the one kernel against
+the plan without the rule (the library's GEMM, then the row kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from opfuse.frontend import rule_registry as names
+from opfuse.fusion.groups import group_boundary, merge_refusal
+from opfuse.fusion.rules.base import Candidate, FusionRule
+from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.rows import row_space
+from opfuse.ir.support import gemm_dims
+
+GEMM_REDUCTION_RULE = names.GEMM_REDUCTION
+# Columns of one row kernel tile: a [BLOCK_M >= 16, next_pow2(N)] float32 accumulator per program.
+# 1024 covers hidden sizes up to BERT-large's; longer rows would spill registers.
+GEMM_ROW_MAX = 1024
+
+
+class GemmReduction(FusionRule):
+    def match(self) -> Iterator[Candidate]:
+        """Each row group's full-shaped input that a lone GEMM writes (one GEMM per row kernel)."""
+        state = self.state
+        lone_by_output = {g.outputs[0]: g for g in state.lone if g.kind == "gemm" and len(g.outputs) == 1}
+        self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}
+        self.gone: set[str] = set()
+        for rg in state.rows:
+            if rg.kind != "rowwise" or rg.prologue or rg.views:
+                continue
+            head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
+            for x in rg.inputs:
+                src = lone_by_output.get(x)
+                if src is None or src.id in self.gone:
+                    continue
+                yield Candidate(GEMM_REDUCTION_RULE, [src.nodes[0], head], group=rg, data=(src, x))
+                if rg.prologue:
+                    break  # claimed: one GEMM per row kernel
+
+    def check(self, c: Candidate) -> str | None:
+        graph, rg = self.graph, c.group
+        assert rg is not None
+        mm, head = c.nodes
+        src, x = c.data
+        space = row_space(graph, head)
+        full = space.full
+        if space.groups or space.inner != 1 or space.first != len(full) - 1:
+            return "the row kernel does not reduce over the GEMM's output columns alone"
+        if tuple(graph.spec(x).shape) != full:
+            return "the GEMM's output is not the row kernel's full-shaped input"
+        members = {n.id for n in rg.nodes}
+        if x in {o.name for o in graph.outputs} or any(
+            u.id not in members for u in graph.consumers().get(x, [])
+        ):
+            return "the GEMM's output is read outside the row kernel too"
+        made = {o for n in rg.nodes for o in n.outputs}
+        if any(i in made for i in mm.inputs if i):
+            return "the GEMM reads what the row kernel computes"
+        if src.views or src.prologue or src.absorbed or len(src.nodes) != 1:
+            return "the GEMM reads its operand through folded layout ops"
+        if mm.op_type == "Gemm" and (
+            (len(mm.inputs) > 2 and mm.inputs[2]) or float(mm.attrs.get("alpha", 1.0)) != 1.0
+        ):
+            return "a Gemm with alpha or C (its own epilogue)"
+        m, n, _k, _trans_b = gemm_dims(graph, mm)
+        if m != space.outer or n != space.r:
+            return "the GEMM's rows and columns are not the row kernel's"
+        if n > GEMM_ROW_MAX:
+            return f"a row of {n} columns is longer than one tile of the row kernel holds ({GEMM_ROW_MAX})"
+        why, _ = merge_refusal(graph, members | {mm.id}, self.order)
+        return why
+
+    def claim(self, c: Candidate) -> None:
+        rg = c.group
+        assert rg is not None
+        mm = c.nodes[0]
+        rg.prologue = [mm]
+        rg.inputs, rg.outputs = group_boundary(self.graph, [mm, *rg.nodes])
+        rg.rule = f"{rg.rule}+{GEMM_REDUCTION_RULE}"
+        rg.variant = "template"  # against the split form, where tuning measures
+        self.gone.add(c.data[0].id)
+
+    def finish(self) -> None:
+        self.state.lone[:] = [g for g in self.state.lone if g.id not in self.gone]
+
+
+RULE = GemmReduction

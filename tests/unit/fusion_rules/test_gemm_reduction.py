@@ -1,0 +1,167 @@
+"""`gemm_reduction` (opfuse/fusion/rules/gemm_reduction.py): a transformer layer's Linear computed
+on the tiles of the row kernel that adds its bias and the residual and normalizes the row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import opfuse
+from opfuse.frontend import rule_registry as names
+from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
+
+n = helper.make_node
+RULE = f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}"
+
+
+def linear_norm(
+    rows: tuple[int, ...] = (2, 5),
+    k: int = 24,
+    cols: int = 48,
+    pre_norm: bool = False,
+    read_outside: bool = False,
+    gemm: bool = False,
+) -> onnx.ModelProto:
+    """y = LayerNorm(x @ w + b + r) (post-norm, BERT); `pre_norm`: the sum is an output too, the
+    residual stream beside its norm (GPT-2). `read_outside`: the product is an output as well.
+    `gemm`: a Gemm with transB (w stored [cols, k]) on 2-D rows, as the TorchScript exporter
+    writes a Linear."""
+    shape = [*rows, cols]
+    if gemm:
+        mm = n("Gemm", ["x", "wt"], ["h"], name="fc", transB=1)
+    else:
+        mm = n("MatMul", ["x", "w"], ["h"], name="fc")
+    nodes = [
+        mm,
+        n("Add", ["h", "b"], ["hb"], name="bias"),
+        n("Add", ["hb", "r"], ["s"], name="residual"),
+        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    outputs = {"y": shape}
+    if pre_norm:
+        outputs["s"] = shape
+    if read_outside:
+        outputs["h"] = shape
+    w = weights(k, cols, seed=1)
+    inits = {
+        "wt" if gemm else "w": np.ascontiguousarray(w.T) if gemm else w,
+        "b": weights(cols, seed=2),
+        "gamma": 1.0 + weights(cols, seed=3),
+        "beta": weights(cols, seed=4),
+    }
+    return tiny_model(nodes, {"x": [*rows, k], "r": shape}, outputs, inits)
+
+
+def test_the_gemm_is_computed_on_the_row_kernels_tiles() -> None:
+    _, plan = planned(linear_norm())
+    assert [c for c in claimed(plan) if c[0] == "rowwise"] == [
+        ("rowwise", RULE, ["fc", "bias", "residual", "ln"])
+    ]
+    assert plan.lone == []  # the lone GEMM is the row group's prologue now
+
+
+def test_a_product_read_outside_the_row_kernel_is_refused() -> None:
+    _, plan = planned(linear_norm(read_outside=True))
+    assert refusals(plan, names.GEMM_REDUCTION) == [
+        (["fc", "ln"], "the GEMM's output is read outside the row kernel too")
+    ]
+    assert all(names.GEMM_REDUCTION not in rule for _, rule, _ in claimed(plan))
+
+
+def test_a_row_longer_than_a_tile_is_refused() -> None:
+    _, plan = planned(linear_norm(rows=(4,), k=8, cols=2048))
+    assert refusals(plan, names.GEMM_REDUCTION) == [
+        (["fc", "ln"], "a row of 2048 columns is longer than one tile of the row kernel holds (1024)")
+    ]
+
+
+def test_a_reduction_over_other_axes_is_refused() -> None:
+    """A Softmax over the rows' first axis does not reduce over the product's columns."""
+    nodes = [n("MatMul", ["x", "w"], ["h"], name="fc"), n("Softmax", ["h"], ["y"], name="sm", axis=0)]
+    model = tiny_model(nodes, {"x": [6, 8]}, {"y": [6, 16]}, {"w": weights(8, 16)})
+    _, plan = planned(model)
+    assert refusals(plan, names.GEMM_REDUCTION) == [
+        (["fc", "sm"], "the row kernel does not reduce over the GEMM's output columns alone")
+    ]
+
+
+def test_switched_off_the_gemm_runs_on_its_own() -> None:
+    _, plan = planned(linear_norm(), disabled=(names.GEMM_REDUCTION,))
+    assert ("rowwise", names.ROW_REDUCTION, ["bias", "residual", "ln"]) in claimed(plan)
+    assert [g.nodes[0].name for g in plan.lone] == ["fc"]
+
+
+def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+
+
+def _every_config(cm: Any, model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str) -> int:
+    """The compiled plan with its row kernel at its own config and at each tuning candidate (fresh
+    random inputs each time, outputs poisoned by the suite): every element of every output against
+    onnxruntime. Returns the row kernel's launches per run."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tuning.candidates import candidates
+
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "tl.dot(" in k.source and "BLOCK_K" in k.config
+    rng = np.random.default_rng(11)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [{}, *candidates(k)]:
+        ex.configs[k.id] = {**k.config, **cand}
+        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+        got = ex.run(feeds)
+        for name, want in _ort(model, feeds).items():
+            have = np.asarray(got[name], dtype=np.float32)
+            assert have.shape == want.shape and np.all(np.isfinite(have)), name
+            np.testing.assert_allclose(have, want, rtol=tol, atol=tol * 10, err_msg=f"{name} at {cand}")
+    return sum(1 for s in cm.plan.steps if s.kind == "kernel")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        {},  # post-norm, rows (2, 5) at K 24, N 48: neither a multiple of a tile
+        {"pre_norm": True},  # the residual stream stored beside its norm
+        {"gemm": True, "rows": (7,)},  # Gemm with transB on 2-D rows
+        {"rows": (3, 40), "k": 40, "cols": 64},  # more rows than one program's tile
+    ],
+)
+def test_it_computes_what_onnxruntime_does(form: dict[str, Any], precision: str) -> None:
+    model = linear_norm(**form)
+    rows = tuple(form.get("rows", (2, 5)))
+    shapes = {"x": [*rows, form.get("k", 24)], "r": [*rows, form.get("cols", 48)]}
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert g["rule"] == RULE and g["nodes"][0] == "fc"
+    assert _every_config(cm, model, shapes, precision) == 1  # one launch for the whole layer end
+
+
+def test_the_split_form_computes_the_same() -> None:
+    """What tuning measures against the one kernel: the library's GEMM, then the row kernel."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    model = linear_norm(pre_norm=True)
+    shapes = {"x": [2, 5, 24], "r": [2, 5, 48]}
+    p = plan_model(model, shapes, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.kind == "rowwise" and g.prologue]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [(s.kind, s.op_type) for s in split.steps if s.group == g.id]
+    assert mine == [("op", "MatMul"), ("kernel", "")]
+    rng = np.random.default_rng(5)
+    feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+    want = _ort(model, feeds)
+    for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run(feeds)
+        for name, w in want.items():
+            np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
