@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import csv
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -96,8 +97,52 @@ def one_line(exc: BaseException, limit: int = 240) -> str:
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 
+@functools.cache
+def register_torchscript_symbolics() -> None:
+    """Teach the TorchScript exporter (dynamo=False) what transformers' decoders need and it lacks,
+    the way users get past it: torch.onnx.register_custom_op_symbolic. Their masks look for packed
+    sequences in position_ids (masking_utils.find_packed_sequence_indices) with torch.diff, which the
+    exporter does not know ("Exporting the operator 'aten::diff' to ONNX ... is not supported"), and
+    then `(diff != 1).cumsum(-1)`, which it exports as a CumSum of bools, invalid ONNX (torch sums
+    bools as int64). Once per process; registered at opset 11 (Slice and Concat take negative axes),
+    so the exporter's default opset (20) finds them too."""
+    import torch
+    from torch.onnx import symbolic_helper as sh
+    from torch.onnx import symbolic_opset11
+
+    @sh.parse_args("v", "i", "i", "v", "v")
+    def diff(g: Any, x: Any, n: int, dim: int, prepend: Any, append: Any) -> Any:
+        """torch.diff: concatenate prepend, x and append along dim, then x[1:] - x[:-1] along dim,
+        n times."""
+        if n < 1:
+            raise NotImplementedError(f"aten::diff symbolic: n={n} is not supported (only n >= 1)")
+        if sh._is_bool(x):
+            raise NotImplementedError("aten::diff symbolic: bool inputs (logical_xor) are not supported")
+
+        def ints(*v: int) -> Any:
+            return g.op("Constant", value_t=torch.tensor(v, dtype=torch.int64))
+
+        parts = [t for t in (prepend, x, append) if not sh._is_none(t)]
+        out = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else x
+        for _ in range(n):
+            hi = g.op("Slice", out, ints(1), ints(sys.maxsize), ints(dim))
+            lo = g.op("Slice", out, ints(0), ints(-1), ints(dim))
+            out = g.op("Sub", hi, lo)
+        return out
+
+    def cumsum(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
+        """The exporter's own cumsum, with bools cast to int64 first, as torch sums them."""
+        if sh._is_bool(x) and sh._is_none(dtype):
+            x = g.op("Cast", x, to_i=torch.onnx.TensorProtoDataType.INT64)
+        return symbolic_opset11.cumsum(g, x, dim, dtype)
+
+    torch.onnx.register_custom_op_symbolic("aten::diff", diff, 11)
+    torch.onnx.register_custom_op_symbolic("aten::cumsum", cumsum, 11)
+
+
 def export(module: Any, example: dict[str, Any], path: str, exporter: str) -> None:
-    """The way users export: torch.onnx.export with its defaults (dynamo), or with dynamo=False."""
+    """The way users export: torch.onnx.export with its defaults (dynamo), or with dynamo=False (with
+    the symbolics of register_torchscript_symbolics)."""
     import warnings
 
     import torch
@@ -108,6 +153,7 @@ def export(module: Any, example: dict[str, Any], path: str, exporter: str) -> No
         if exporter == "dynamo":
             torch.onnx.export(module, args, path)
         elif exporter == "torchscript":
+            register_torchscript_symbolics()
             torch.onnx.export(module, args, path, dynamo=False)
         else:
             raise ValueError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
