@@ -165,6 +165,8 @@ def merge(paths: list[str], out: str = EXPECTED) -> int:
     timings where the new lines hold none (a `--compile-only` run)."""
     by_model: dict[str, dict[int, dict[str, Any]]] = {}
     for (model, batch), rec in read_done(paths).items():
+        if rec.get("fusion_disable"):
+            continue  # an A/B line with rules switched off: not the corpus's figure
         by_model.setdefault(model, {})[batch] = rec
     filled = 0
     with locked(out):
@@ -229,7 +231,9 @@ class _Batch:
         self.peer: Any = None
 
 
-def _prepare(example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed: bool) -> None:
+def _prepare(
+    example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed: bool, disable: tuple[str, ...] = ()
+) -> None:
     """Compile and verify with opfuse (fp16, on the GPU) and capture its CUDA graph once; nothing
     is timed here."""
     import numpy as np
@@ -243,7 +247,14 @@ def _prepare(example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed
     names = [i.name for i in proto.graph.input if i.name not in inits]
     shapes = {n: list(t.shape) for n, t in zip(names, example.values(), strict=False)}
     t0 = time.perf_counter()
-    cm = opfuse.compile(proto, input_shapes=shapes, precision=PRECISION, device="cuda", tune_budget_s=tune_s)
+    cm = opfuse.compile(
+        proto,
+        input_shapes=shapes,
+        precision=PRECISION,
+        device="cuda",
+        tune_budget_s=tune_s,
+        fusion_disable=disable,
+    )
     b.rec["compile_s"] = round(time.perf_counter() - t0, 2)
     r = cm.report
     b.rec.update(
@@ -253,6 +264,14 @@ def _prepare(example: dict[str, Any], b: _Batch, path: str, tune_s: float, timed
         compute_nodes=r.get("compute_nodes"),
         cuda_graph_outlook=r.get("cuda_graph"),
         verification=_verification(r),
+        # Where the fused plan's time goes (the compile's per-step profile, µs) and what tuning
+        # chose for each group that has an alternative: what a slow row is read by.
+        steps_us=[
+            [str(s.get("node"))[:60], round(1000 * float(s.get("time_ms") or 0.0), 1)]
+            for s in (r.get("profile") or {}).get("after") or []
+            if s.get("op_type") != "Reshape"
+        ],
+        variants={gid: v.get("choice") for gid, v in ((r.get("tuning") or {}).get("variants") or {}).items()},
     )
     cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
     b.rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)
@@ -310,6 +329,7 @@ def measure_row(
     phase: str,
     export_dir: str,
     sync_dir: str = "",
+    disable: tuple[str, ...] = (),
 ) -> None:
     """One row's batches, in three steps: export each batch; compile, verify and capture each with
     opfuse, then compile and capture torch.compile's peer of the module (fp16, the same inputs);
@@ -333,6 +353,8 @@ def measure_row(
         "opfuse_source": source_digest(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    if disable:  # an A/B run: never merged into expected.csv (merge skips these lines)
+        meta["fusion_disable"] = list(disable)
     timed = phase != "compile"
     prepared: list[_Batch] = []
     for batch in batches:  # opfuse's side first: the exporter wants the module on the CPU in fp32
@@ -341,7 +363,7 @@ def measure_row(
         try:
             ex = _batched(example, batch)
             path = _exported(module, ex, name, batch, export_dir)
-            _prepare(ex, b, path, tune_s, timed)
+            _prepare(ex, b, path, tune_s, timed, disable)
         except Exception as exc:
             traceback.print_exc()
             b.rec["error"] = one_line(exc, 400)
@@ -409,6 +431,8 @@ def _command(name: str, batches: list[int], out_path: str, args: argparse.Namesp
     cmd = [sys.executable, "-m", "bench.corpus.gpu", "--worker", name, "--out", out_path, "--phase", phase]
     cmd += ["--export-dir", args.export_dir, "--batches", ",".join(map(str, batches))]
     cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--tune-budget", str(args.tune_budget)]
+    if args.disable:
+        cmd += ["--disable", args.disable]
     return cmd
 
 
@@ -548,6 +572,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
+    ap.add_argument("--disable", default="", help="opfuse rules to switch off, comma-separated (A/B runs)")
     ap.add_argument(
         "--jobs",
         type=int,
@@ -602,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
             args.phase,
             args.export_dir,
             args.sync_dir,
+            tuple(x for x in args.disable.split(",") if x),
         )
         return
     from bench.corpus.models import select
