@@ -65,9 +65,10 @@ def append_line(path: str, rec: dict[str, Any]) -> None:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def read_done(paths: Iterable[str]) -> dict[tuple[str, int], dict[str, Any]]:
+def read_done(paths: Iterable[str], corpus_only: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
     """The measured (model, batch) of earlier runs' JSON lines; the last line of a key wins, and a
-    line that is not JSON (a run killed mid-write) is skipped."""
+    line that is not JSON (a run killed mid-write) is skipped. `corpus_only`: lines of A/B runs
+    with rules switched off (--disable) are skipped too."""
     done: dict[tuple[str, int], dict[str, Any]] = {}
     for path in paths:
         if not os.path.exists(path):
@@ -77,6 +78,8 @@ def read_done(paths: Iterable[str]) -> dict[tuple[str, int], dict[str, Any]]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
+                    continue
+                if corpus_only and isinstance(rec, dict) and rec.get("fusion_disable"):
                     continue
                 if isinstance(rec, dict) and "model" in rec and "batch" in rec:
                     done[(rec["model"], int(rec["batch"]))] = rec
@@ -164,9 +167,7 @@ def merge(paths: list[str], out: str = EXPECTED) -> int:
     how many rows it filled. The CPU columns are left as they are, and so are a row's earlier
     timings where the new lines hold none (a `--compile-only` run)."""
     by_model: dict[str, dict[int, dict[str, Any]]] = {}
-    for (model, batch), rec in read_done(paths).items():
-        if rec.get("fusion_disable"):
-            continue  # an A/B line with rules switched off: not the corpus's figure
+    for (model, batch), rec in read_done(paths, corpus_only=True).items():
         by_model.setdefault(model, {})[batch] = rec
     filled = 0
     with locked(out):

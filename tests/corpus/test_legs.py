@@ -139,6 +139,12 @@ def test_gpu_merge_fills_the_default_exporters_gpu_columns(tmp_path: Path) -> No
     vit = _rows(expected)[("timm/test_vit", "dynamo")]
     assert (vit["ms_b1"], vit["ms_b32"], vit["gpu_verified"]) == ("0.2000", "", "yes/no")
     assert vit["gpu_commit"] == "def5678"
+    # A later A/B line with a rule switched off (--disable) is not the corpus's figure.
+    ab = {**timed, "opfuse_ms": 9.0, "fusion_disable": ["gemm_reduction"], "commit": "fed9876"}
+    lines.write_text(json.dumps(timed) + "\n" + json.dumps(ab) + "\n")
+    assert gpu.merge([str(compiled), str(lines)], str(expected)) == 1
+    vit = _rows(expected)[("timm/test_vit", "dynamo")]
+    assert (vit["ms_b1"], vit["gpu_commit"]) == ("0.2000", "def5678")
     # The CPU leg rewriting a row keeps what the GPU leg measured.
     cpu.update(str(expected), [{"model": "timm/test_vit", "family": "timm", "exporter": "dynamo", "status": "ok", "launches": 8}])  # fmt: skip
     vit = _rows(expected)[("timm/test_vit", "dynamo")]
