@@ -17,6 +17,9 @@ a view only renames indices. It is made where
   leading dims keeps: (C,) against [B, N, C] and [B*N, C] alike);
 - the op's output has the view's output shape (a constant of higher rank would widen it);
 - the view's output is not a graph output;
+- at most one pointwise op reads the op's output: where several do (Funnel's query scale, read by
+  three bias adds), they share one kernel with it after the view, and moved, the op would leave
+  them a kernel each;
 - the first node above the views takes pointwise ops into its kernel (a GEMM, a conv, a pool
   head, a row op, a pointwise op). Behind a library op the pointwise rule already reads through the view,
   beside the op's own consumers; moved, the op would part from them.
@@ -126,6 +129,9 @@ def pointwise_before_views(graph: Graph, ctx: PassContext) -> None:
             if len(consumers.get(x, [])) != 1 or view.inputs[0] in graph.constants:
                 continue
             if not _joins_producer(graph, view, producers, touched):
+                continue
+            readers = consumers.get(node.outputs[0], [])
+            if sum(1 for r in readers if pointwise_reason(graph, r) is None) > 1:
                 continue
             before, after = graph.spec(view.inputs[0]).shape, graph.spec(x).shape
             if graph.spec(node.outputs[0]).shape != after:

@@ -175,3 +175,37 @@ def test_an_op_behind_a_library_op_stays_after_the_view() -> None:
     assert ops(graph) == ["AveragePool", "Reshape", "Mul"]
     assert log.fired == {}
     assert_computes_as_onnxruntime(model, graph)
+
+
+def test_an_op_that_several_pointwise_ops_read_stays_after_the_view() -> None:
+    """Funnel's attention scales the query after a view, and three bias adds read the scaled
+    query: after the view the four are one kernel. Moved into the GEMM's epilogue, the scale
+    would leave the three adds a kernel each."""
+    model = tiny_model(
+        [
+            n("MatMul", ["x", "w"], ["h"], name="q_proj"),
+            n("Reshape", ["h", "heads"], ["q"], name="split_heads"),
+            n("Mul", ["q", "scale"], ["qs"], name="scale"),
+            n("Add", ["qs", "bw"], ["y1"], name="content_bias"),
+            n("Add", ["qs", "br"], ["y2"], name="position_bias"),
+            n("Add", ["qs", "bs"], ["y3"], name="segment_bias"),
+        ],
+        {"x": [2, 5, 8]},
+        {"y1": [2, 5, 2, 4], "y2": [2, 5, 2, 4], "y3": [2, 5, 2, 4]},
+        {
+            "w": weights(8, 8),
+            "heads": np.array([2, 5, 2, 4]),
+            "scale": np.array(0.5),
+            "bw": weights(2, 4, seed=1),
+            "br": weights(2, 4, seed=2),
+            "bs": weights(2, 4, seed=3),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, _pass())
+    assert ops(graph) == ["MatMul", "Reshape", "Mul", "Add", "Add", "Add"]
+    assert log.fired == {}
+    _, plan = planned(model)
+    assert ("pointwise", ["scale", "content_bias", "position_bias", "segment_bias"]) in [
+        (kind, nodes) for kind, _, nodes in claimed(plan)
+    ]
