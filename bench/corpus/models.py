@@ -63,8 +63,22 @@ def _randomize_small_norms(module: nn.Module) -> nn.Module:
     return module
 
 
+def _unit_batchnorm_scales(module: nn.Module) -> nn.Module:
+    """BatchNorm scales drawn like the other weights (transformers' MobileViT: |gamma| about 0.015)
+    get values about one, as training leaves them: each such norm would shrink the activations
+    some 60-fold, and after a few stages they sit below fp16's smallest normal (1e-6 to 1e-9), so
+    the row would test rounding, not the model."""
+    gen = torch.Generator().manual_seed(SEED + 3)
+    with torch.no_grad():
+        for m in module.modules():
+            small = isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None
+            if small and float(m.weight.abs().mean()) < 0.1:
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+    return module
+
+
 def _vision_module(module: nn.Module, size: int | tuple[int, int]) -> nn.Module:
-    module = _randomize_small_norms(_randomize_zero_init(module))
+    module = _unit_batchnorm_scales(_randomize_small_norms(_randomize_zero_init(module)))
     h, w = (size, size) if isinstance(size, int) else size
     if h == w:
         module = _calibrate_batchnorm(module, h)

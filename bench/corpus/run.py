@@ -207,7 +207,11 @@ def run_one(
         cm = opfuse.compile(proto, input_shapes=shapes, device="cpu", verify=verify)
     except ModelError as exc:
         status = "unsupported" if "does not support" in str(exc) else "model_error"
-        out.update(status=status, error=one_line(exc), compile_s=round(time.perf_counter() - t0, 1))
+        error = one_line(exc)
+        refused = _onnxruntime_refuses(path) if status == "model_error" else None
+        if refused is not None:  # the exporter wrote an invalid model: not opfuse's to compile
+            status, error = "export_failed", f"the export is invalid (onnxruntime refuses it too: {refused})"
+        out.update(status=status, error=error, compile_s=round(time.perf_counter() - t0, 1))
         return out
     except Exception as exc:
         traceback.print_exc()
@@ -240,6 +244,18 @@ def run_one(
         bad = [k for k, o in (ver.get("outputs") or {}).items() if not o.get("passed", True)]
         out.update(status="not_verified", error=f"verification failed on {bad or 'its outputs'}")
     return out
+
+
+def _onnxruntime_refuses(path: str) -> str | None:
+    """Why onnxruntime cannot load the exported model (one line), or None where it can."""
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        text = one_line(exc, 400)
+        return text.split(" failed:", 1)[-1].strip()[:200]  # past "Load model from <tmp path>"
+    return None
 
 
 def capture_column(cm: Any, shapes: dict[str, list[int]]) -> str:
