@@ -119,10 +119,12 @@ _CONVS = ("Conv", "opfuse.ConvNHWC")
 
 
 def _spec_nodes(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The nodes of a kernel's spec (opfuse.codegen.spec's tagged JSON) as plain dicts: op_type,
-    inputs, outputs, attrs; [] when the kernel has no spec."""
+    """The nodes of a kernel's spec (opfuse.codegen.spec's tagged JSON), its prologue's first
+    (a depthwise conv or a GEMM a row kernel computes on its tiles, a pool on a GEMM's A tiles), as
+    plain dicts: op_type, inputs, outputs, attrs; [] when the kernel has no spec."""
     part = (spec or {}).get("part")
-    nodes = part.get("v", {}).get("nodes", []) if isinstance(part, dict) else []
+    fields = part.get("v", {}) if isinstance(part, dict) else {}
+    nodes = [*_listed(fields.get("prologue")), *_listed(fields.get("nodes"))]
     out = []
     for node in nodes:
         fields = node.get("v", {}) if isinstance(node, dict) else {}
@@ -130,6 +132,13 @@ def _spec_nodes(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
         attrs = attrs.get("v", {}) if isinstance(attrs, dict) and "$" in attrs else attrs
         out.append({**fields, "attrs": attrs if isinstance(attrs, dict) else {}})
     return out
+
+
+def _listed(value: Any) -> list[Any]:
+    """A spec field that holds a list: tagged ({"$": "list", "v": [...]}) or plain."""
+    if isinstance(value, dict):
+        value = value.get("v")
+    return value if isinstance(value, list) else []
 
 
 def _kernel_flops(plan: Plan, step: Step, out_numel: int, shape: Any) -> int:
