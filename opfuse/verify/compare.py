@@ -82,7 +82,10 @@ def compare_outputs(
     passed = bool(rel <= rtol or max_abs <= atol)
     reason = ""
     ref_max = float(np.max(np.abs(r[finite]))) if r[finite].size else 0.0
-    if scale_free and 0 < ref_max <= atol:
+    if r.size and not finite.any():
+        # NaN against NaN compares equal, so nothing was checked: say so rather than pass quietly.
+        reason = "nothing compared: the reference is NaN everywhere on these inputs"
+    elif scale_free and 0 < ref_max <= atol:
         passed = bool(rel <= rtol)
         reason = (
             f"the reference is ~0 everywhere (max |ref| {ref_max:.2e} <= atol): held to rtol "

@@ -30,6 +30,16 @@ def test_a_pass_on_atol_alone_says_so() -> None:
     assert "atol alone" in check.reason and check.to_json()["reason"] == check.reason
 
 
+def test_a_reference_that_is_nan_everywhere_says_nothing_was_compared() -> None:
+    ref = np.full((2, 10), np.nan, np.float32)
+    check = compare_outputs(ref.copy(), ref, rtol=1e-4, atol=1e-5)
+    assert check.reason == "nothing compared: the reference is NaN everywhere on these inputs"
+    assert check.rel_l2_err == 0.0 and check.to_json()["reason"] == check.reason
+    partly = ref.copy()
+    partly[0] = RNG.standard_normal(10)
+    assert compare_outputs(partly, partly, rtol=1e-4, atol=1e-5).reason == ""  # some were compared
+
+
 def test_a_vanishing_reference_is_held_to_rtol_where_the_precision_has_the_range() -> None:
     """fp32, tf32 and bf16 represent 1e-8 as exactly (relatively) as 1: atol would pass anything."""
     ref = (1e-8 * RNG.standard_normal((2, 10))).astype(np.float32)
