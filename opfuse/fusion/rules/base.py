@@ -24,8 +24,9 @@ from typing import Any, ClassVar
 
 from opfuse.errors import ModelError
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import Group
+from opfuse.fusion.groups import Group, group_boundary
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import ROW_OPS
 from opfuse.passes.rules import NotFired, node_label
 
 QUIET = ""  # a check's refusal that the report does not show
@@ -130,6 +131,61 @@ class FusionRule:
     def refuse(self, rule: str, nodes: list[Node], reason: str) -> None:
         """Say why something the rule looked at inside a claim does not join."""
         self.state.not_fused.append(NotFired(rule, [node_label(n) for n in nodes], reason))
+
+
+class RowPrologueRule(FusionRule):
+    """A lone anchor computed on the tiles of the row kernel that reads its output: the anchor
+    becomes the row group's prologue, its output never written, and the group is timed against the
+    split form (the library's kernel, then the row kernel). Subclasses set `rule` and `kind` (the
+    lone group's) and write `takes` (which lone anchors to consider) and `check`. One anchor per
+    row kernel. (depthwise_reduction.py, gemm_reduction.py)"""
+
+    rule: ClassVar[str]
+    kind: ClassVar[str]
+
+    def takes(self, anchor: Node) -> bool:
+        return True
+
+    def match(self) -> Iterator[Candidate]:
+        """Each row group's input that a lone anchor of `kind` writes (the first one a group takes):
+        the candidate's nodes are the anchor and the row kernel's first row op, its data (the
+        lone group, the value)."""
+        lone_by_output = {
+            g.outputs[0]: g for g in self.state.lone if g.kind == self.kind and len(g.outputs) == 1
+        }
+        self.gone: set[str] = set()
+        for rg in self.state.rows:
+            if rg.kind != "rowwise" or rg.prologue or rg.views:
+                continue
+            head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
+            for x in rg.inputs:
+                src = lone_by_output.get(x)
+                if src is None or src.id in self.gone or not self.takes(src.nodes[0]):
+                    continue
+                yield Candidate(self.rule, [src.nodes[0], head], group=rg, data=(src, x))
+                if rg.prologue:
+                    break  # claimed: one anchor per row kernel
+
+    def read_outside(self, x: str, rg: Group) -> bool:
+        """Whether anything but the row kernel reads `x` (a graph output counts)."""
+        members = {n.id for n in rg.nodes}
+        graph = self.graph
+        return x in {o.name for o in graph.outputs} or any(
+            u.id not in members for u in graph.consumers().get(x, [])
+        )
+
+    def claim(self, c: Candidate) -> None:
+        rg = c.group
+        assert rg is not None
+        anchor = c.nodes[0]
+        rg.prologue = [anchor]
+        rg.inputs, rg.outputs = group_boundary(self.graph, [anchor, *rg.nodes])
+        rg.rule = f"{rg.rule}+{self.rule}"
+        rg.variant = "template"  # against the split form, where tuning measures
+        self.gone.add(c.data[0].id)
+
+    def finish(self) -> None:
+        self.state.lone[:] = [g for g in self.state.lone if g.id not in self.gone]
 
 
 class RuleFault(Exception):

@@ -18,9 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import group_boundary, merge_refusal
-from opfuse.fusion.rules.base import Candidate, FusionRule
-from opfuse.ir.ops import ROW_OPS
+from opfuse.fusion.groups import merge_refusal
+from opfuse.fusion.rules.base import Candidate, RowPrologueRule
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims
 
@@ -30,24 +29,13 @@ GEMM_REDUCTION_RULE = names.GEMM_REDUCTION
 GEMM_ROW_MAX = 1024
 
 
-class GemmReduction(FusionRule):
+class GemmReduction(RowPrologueRule):
+    rule = GEMM_REDUCTION_RULE
+    kind = "gemm"
+
     def match(self) -> Iterator[Candidate]:
-        """Each row group's full-shaped input that a lone GEMM writes (one GEMM per row kernel)."""
-        state = self.state
-        lone_by_output = {g.outputs[0]: g for g in state.lone if g.kind == "gemm" and len(g.outputs) == 1}
-        self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}
-        self.gone: set[str] = set()
-        for rg in state.rows:
-            if rg.kind != "rowwise" or rg.prologue or rg.views:
-                continue
-            head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
-            for x in rg.inputs:
-                src = lone_by_output.get(x)
-                if src is None or src.id in self.gone:
-                    continue
-                yield Candidate(GEMM_REDUCTION_RULE, [src.nodes[0], head], group=rg, data=(src, x))
-                if rg.prologue:
-                    break  # claimed: one GEMM per row kernel
+        self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}  # for the cycle check
+        yield from super().match()
 
     def check(self, c: Candidate) -> str | None:
         graph, rg = self.graph, c.group
@@ -60,10 +48,7 @@ class GemmReduction(FusionRule):
             return "the row kernel does not reduce over the GEMM's output columns alone"
         if tuple(graph.spec(x).shape) != full:
             return "the GEMM's output is not the row kernel's full-shaped input"
-        members = {n.id for n in rg.nodes}
-        if x in {o.name for o in graph.outputs} or any(
-            u.id not in members for u in graph.consumers().get(x, [])
-        ):
+        if self.read_outside(x, rg):
             return "the GEMM's output is read outside the row kernel too"
         made = {o for n in rg.nodes for o in n.outputs}
         if any(i in made for i in mm.inputs if i):
@@ -79,21 +64,8 @@ class GemmReduction(FusionRule):
             return "the GEMM's rows and columns are not the row kernel's"
         if n > GEMM_ROW_MAX:
             return f"a row of {n} columns is longer than one tile of the row kernel holds ({GEMM_ROW_MAX})"
-        why, _ = merge_refusal(graph, members | {mm.id}, self.order)
+        why, _ = merge_refusal(graph, {mm.id, *(node.id for node in rg.nodes)}, self.order)
         return why
-
-    def claim(self, c: Candidate) -> None:
-        rg = c.group
-        assert rg is not None
-        mm = c.nodes[0]
-        rg.prologue = [mm]
-        rg.inputs, rg.outputs = group_boundary(self.graph, [mm, *rg.nodes])
-        rg.rule = f"{rg.rule}+{GEMM_REDUCTION_RULE}"
-        rg.variant = "template"  # against the split form, where tuning measures
-        self.gone.add(c.data[0].id)
-
-    def finish(self) -> None:
-        self.state.lone[:] = [g for g in self.state.lone if g.id not in self.gone]
 
 
 RULE = GemmReduction
