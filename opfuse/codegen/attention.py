@@ -30,11 +30,16 @@ def _broadcast(shape: list[int], strides: list[int], target: list[int]) -> list[
     return [0 if (s == 1 and t != 1) else st for s, st, t in zip(shape, strides, target, strict=True)]
 
 
-def _mask_strides(graph: Graph, name: str, space: list[int]) -> list[int]:
-    shape = graph.spec(name).shape
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
+def _mask_strides(graph: Graph, name: str, rank: int) -> list[int]:
+    """A mask's strides over the kernel's [B, H, rows, columns], where the scores have `rank` (3:
+    [B, rows, columns], the head axis being the kernel's own). The mask broadcasts against the
+    scores from the right, as ONNX broadcasts: a rank-3 mask of rank-3 scores is per batch, not per
+    head."""
+    shape = tuple(graph.spec(name).shape)
+    padded = (1,) * (rank - len(shape)) + shape
     strides = contiguous_strides(padded)
-    return [0 if padded[d] == 1 else strides[d] for d in range(4)]
+    out = [0 if padded[d] == 1 else strides[d] for d in range(rank)]
+    return out if rank == 4 else [out[0], 0, out[1], out[2]]
 
 
 def _literal(value: float) -> str:
@@ -160,7 +165,7 @@ def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph,
     """One block of keys: the K and V tiles, the scores (scaled, masked), the online softmax's
     update of the running maximum, sum and output."""
     kst, vst, sq, sk = g.kst, g.vst, g.sq, g.sk
-    space = [g.b, g.h, sq, sk]
+    rank = len(m.q.shape)  # the scores' rank: Q's (Q and K have one rank)
     buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
     buf.line(
         f"k_tile = tl.load(k + {m.k.offset} + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
@@ -179,13 +184,13 @@ def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph,
     buf.line(f"s = s * {float_literal(m.scale)}")
     tile_mask = f"(rm[:, None] < {sq}) & (rn[None, :] < {sk})"
     if m.mask:
-        ms = _mask_strides(graph, m.mask, space)
+        ms = _mask_strides(graph, m.mask, rank)
         buf.line(
             f"s = s + tl.load(mask + b * {ms[0]} + h * {ms[1]} + rm[:, None] * {ms[2]} + rn[None, :] * {ms[3]}, "
             f"mask={tile_mask}, other=0.0).to(tl.float32)"
         )
     if m.cond:
-        cs = _mask_strides(graph, m.cond, space)
+        cs = _mask_strides(graph, m.cond, rank)
         buf.line(
             f"keep = tl.load(cond + b * {cs[0]} + h * {cs[1]} + rm[:, None] * {cs[2]} + rn[None, :] * {cs[3]}, "
             f"mask={tile_mask}, other=0)"

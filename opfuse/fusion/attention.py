@@ -61,6 +61,12 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         node = _sole_consumer(graph, cur)
     if node is None or node.op_type != "Softmax":
         return None
+    scores = graph.spec(mm1.outputs[0]).shape
+    for extra in (mask, cond):
+        shape = graph.spec(extra).shape if extra else ()
+        tail = scores[len(scores) - len(shape) :] if len(shape) <= len(scores) else None
+        if tail is None or any(a not in (1, b) for a, b in zip(shape, tail, strict=True)):
+            return f"the mask (shape {list(shape)}) broadcasts the scores {list(scores)} to a larger shape"
     rank = len(graph.spec(cur).shape)
     if int(node.attrs.get("axis", -1)) % rank != rank - 1:
         return "softmax is not over the last axis"

@@ -191,3 +191,56 @@ def test_attention_at_the_zoo_head_dims(head_dim: int, monkeypatch: pytest.Monke
     assert [g["kind"] for g in cm.report["fusion"]["groups"]].count("attention") == 1
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "attention"]
     assert str(head_dim) in k.source
+
+
+def _batched_heads_attention(mask_shape: list[int], out_shape: list[int] | None = None) -> onnx.ModelProto:
+    """Attention over [B·H, S, D] (heads folded into the batch, as timm's BottleneckAttn and
+    HaloAttn write it) with logits of `mask_shape` added to the scores: relative-position logits
+    differ per batch entry."""
+    n = helper.make_node
+    bh = B * H
+    nodes = [
+        n("MatMul", ["q", "kt"], ["s"]),
+        n("Mul", ["s", "c"], ["s0"]),
+        n("Add", ["s0", "m"], ["s1"]),
+        n("Softmax", ["s1"], ["p"], axis=-1),
+        n("MatMul", ["p", "v"], ["y"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, [bh, S, D]),
+        helper.make_tensor_value_info("kt", TensorProto.FLOAT, [bh, D, S]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [bh, S, D]),
+        helper.make_tensor_value_info("m", TensorProto.FLOAT, mask_shape),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "batched_heads",
+        inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape or [bh, S, D])],
+        initializer=[numpy_helper.from_array(np.array(D**-0.5, dtype=np.float32), "c")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("mask_shape", [[B * H, S, S], [B * H, 1, S], [S, S]])
+def test_rank3_attention_reads_the_mask_of_each_batch_entry(mask_shape: list[int]) -> None:
+    """A rank-3 mask of rank-3 scores is indexed by the batch entry (it was read as if per head,
+    so every entry got entry 0's logits and verification rolled the group back)."""
+    m = _batched_heads_attention(mask_shape)
+    bh = B * H
+    cm = check_against_ort(m, {"q": [bh, S, D], "kt": [bh, D, S], "v": [bh, S, D], "m": mask_shape})
+    assert [g["kind"] for g in cm.report["fusion"]["groups"]] == ["attention"]
+    assert not cm.report["verification"]["rolled_back"]
+
+
+def test_a_mask_that_enlarges_the_scores_is_refused() -> None:
+    bh = B * H
+    m = _batched_heads_attention([2, bh, S, S], [2, bh, S, D])
+    cm = check_against_ort(m, {"q": [bh, S, D], "kt": [bh, D, S], "v": [bh, S, D], "m": [2, bh, S, S]})
+    assert not [g for g in cm.report["fusion"]["groups"] if g["kind"] == "attention"]
+    assert any(
+        nf["rule"] == "attention" and "larger shape" in nf["reason"]
+        for nf in cm.report["fusion"]["not_fused"]
+    )
