@@ -39,8 +39,16 @@ class GraphRunner:
         # Activations live in the graph's private pool: what it holds is the plan's working memory.
         self.pool_bytes = int(torch.cuda.memory_allocated(executor.device) - before)
 
-    def run_tensors(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def stage(self, env: Mapping[str, torch.Tensor]) -> None:
+        """Copy one inference's inputs into the captured input buffers (enqueued, not waited on)."""
         for k, v in env.items():
             self.static_in[k].copy_(v, non_blocking=True)
+
+    def replay(self) -> dict[str, torch.Tensor]:
+        """Run the captured plan on what the input buffers hold."""
         self.graph.replay()
         return self.static_out
+
+    def run_tensors(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.stage(env)
+        return self.replay()
