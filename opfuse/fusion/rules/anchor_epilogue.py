@@ -94,7 +94,11 @@ class AnchorEpilogue(FusionRule):
                 rule = f"{rule}+{PAD_RULE}" if prologue else rule
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
-            members |= _split_epilogue(graph, anchor, taken, consumers)
+            # A row group planned before (attention reading Q, K and V through the Split as views
+            # of the conv's output) reads the whole output: the kernel must store it, not its parts.
+            read = {x for g in state.rows for x in g.inputs}
+            if anchor.outputs[0] not in read:
+                members |= _split_epilogue(graph, anchor, taken, consumers)
         by_id = {x.id: x for x in graph.nodes}
         members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
         for cid, why in pending.items():

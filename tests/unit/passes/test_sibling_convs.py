@@ -3,6 +3,7 @@ two convolutions of one input."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -76,3 +77,52 @@ def test_sibling_convolutions_of_different_strides_stay_apart() -> None:
     assert [(r.nodes, r.reason) for r in log.not_fired] == [
         (["conv3x3", "conv1x1"], "the convolutions differ in strides, dilations or output size")
     ]
+
+
+def conv_attention(heads: int = 2, d: int = 8, size: int = 4) -> onnx.ModelProto:
+    """EfficientFormerV2's attention: Q, K and V from 1x1 convs of one input, heads split by
+    Reshape/Transpose, scores, softmax, value product, heads merged back into channels."""
+    c, hw = heads * d, size * size
+    nodes = [
+        n("Conv", ["x", "wq", "bq"], ["q0"], name="conv_q"),
+        n("Conv", ["x", "wk", "bk"], ["k0"], name="conv_k"),
+        n("Conv", ["x", "wv", "bv"], ["v0"], name="conv_v"),
+        n("Reshape", ["q0", "heads"], ["q1"], name="view_q"),
+        n("Transpose", ["q1"], ["q"], name="perm_q", perm=[0, 1, 3, 2]),
+        n("Reshape", ["k0", "heads"], ["kt"], name="view_k"),
+        n("Reshape", ["v0", "heads"], ["v1"], name="view_v"),
+        n("Transpose", ["v1"], ["v"], name="perm_v", perm=[0, 1, 3, 2]),
+        n("MatMul", ["q", "kt"], ["s"], name="scores"),
+        n("Mul", ["s", "scale"], ["s1"], name="scale"),
+        n("Softmax", ["s1"], ["p"], name="softmax", axis=-1),
+        n("MatMul", ["p", "v"], ["o"], name="values"),
+        n("Transpose", ["o"], ["ot"], name="perm_o", perm=[0, 1, 3, 2]),
+        n("Reshape", ["ot", "merge"], ["y"], name="view_o"),
+    ]
+    inits = {
+        "heads": np.array([2, heads, d, hw]),
+        "merge": np.array([2, c, size, size]),
+        "scale": np.array(d**-0.5),
+    }
+    for i, t in enumerate("qkv"):
+        inits[f"w{t}"] = weights(c, c, 1, 1, seed=10 + i) * 0.5
+        inits[f"b{t}"] = weights(c, seed=20 + i)
+    return tiny_model(nodes, {"x": [2, c, size, size]}, {"y": [2, c, size, size]}, inits)
+
+
+def test_sibling_convolutions_feeding_attention_store_the_merged_output() -> None:
+    """Attention reads Q, K and V through the Split as views of the merged conv's output, so the
+    conv kernel stores that output whole rather than its parts (the attention kernel's first run
+    raised KeyError on the merged tensor nobody wrote, and the group ran unfused)."""
+    from tests.unit.test_fusion import check_against_ort
+
+    model = conv_attention()
+    cm = check_against_ort(model, {"x": [2, 16, 4, 4]})
+    r = cm.report
+    assert r["fusion"]["passes"]["fired"].get(names.MERGE_SIBLING_CONVS) == 1
+    assert [g["kind"] for g in r["fusion"]["groups"]] == ["attention"]
+    # One conv for Q, K and V (the library's: nothing to fuse), then the attention kernel, which
+    # reads the three parts of its output with strides: the Split and head views launch nothing.
+    assert [s.op_type or "kernel" for s in cm.plan.steps] == ["Transpose", NHWC_CONV, "kernel"]
+    assert not [nf for nf in r["fusion"]["not_fused"] if "raised" in nf["reason"]]
+    assert not r["verification"]["rolled_back"]
