@@ -53,7 +53,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer, comment_text
+from opfuse.codegen.source import SourceBuffer, comment_text, in_bounds
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV
@@ -141,9 +141,8 @@ def _generate_conv_nchw(
         buf.line(f"ih = {oh0} + kh * {p['DH']}")
         buf.line(f"iw = {ow0} + kw * {p['DW']}")
         buf.line(f"ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & {win.inside('ih', 'iw')}")
-        buf.line(
-            f"a_tile = tl.load(x + img * {p['C'] * p['H'] * p['W']} + ci * {p['H'] * p['W']} + ih * {p['W']} + iw, mask=ok, other=0.0)"
-        )
+        a_offset = f"img * {p['C'] * p['H'] * p['W']} + ci * {p['H'] * p['W']} + ih * {p['W']} + iw"
+        buf.line(f"a_tile = tl.load(x + {in_bounds(a_offset, 'ok')}, mask=ok, other=0.0)")
 
     with buf.indent():
         buf.line("rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
@@ -412,8 +411,9 @@ def _pooled_tile(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) -> 
     buf.line(f"for pt in tl.static_range(0, {pool.taps}):")
     with buf.indent():
         pool.emit_tap(buf, pool.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))
+        p_offset = f"((img[:, None] * {pool.h} + ph) * {pool.w} + pw) * {cv.p['C']} + ci[None, :]"
         buf.line(
-            f"pv = tl.maximum(pv, tl.load(x + ((img[:, None] * {pool.h} + ph) * {pool.w} + pw) * {cv.p['C']} + ci[None, :], "
+            f"pv = tl.maximum(pv, tl.load(x + {in_bounds(p_offset, 'p_ok')}, "
             'mask=p_ok, other=float("-inf")).to(tl.float32))'
         )
     chain_regs = {**cv.literals, cv.window.outputs[0]: "pv"}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
-from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import MAX_POOL_NHWC
@@ -116,7 +116,9 @@ def shortcut_loop(buf: SourceBuffer, s: dict[str, int], n: int, dot: Callable[[s
     with buf.indent():
         buf.line("ci = c0 + rk")
         buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")
-        buf.line("a_tile = tl.load(xs + s_base[:, None] + ci[None, :], mask=a_ok, other=0.0)")
+        buf.line(
+            f"a_tile = tl.load(xs + {in_bounds('s_base[:, None] + ci[None, :]', 'a_ok')}, mask=a_ok, other=0.0)"
+        )
         buf.line(
             f"b_tile = tl.load(ws + rn[None, :] * {c2} + ci[:, None], mask=(ci[:, None] < {c2}) & (rn[None, :] < {n}), other=0.0)"
         )
@@ -202,7 +204,8 @@ def window_prologue(
             d.emit_tap(buf, d.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line("x_ok = ok[:, None] & c_ok[None, :]")
             buf.line(
-                f"xv = tl.load(x + (((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :], mask=x_ok, other={fill})"
+                f"xv = tl.load(x + {in_bounds(f'(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]', 'x_ok')}, "
+                f"mask=x_ok, other={fill})"
             )
             if pool:
                 buf.line("dacc = tl.maximum(dacc, xv.to(tl.float32))")
@@ -302,10 +305,11 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
     cs, padding = tap.channel_stride, tap.padding
     chan = "ci[None, :]" if cs == 1 else f"ci[None, :] * {cs}"
     if padding is None or padding["mode"] != "constant":
-        buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok}, other=0.0)")
+        buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', ok)}, mask={ok}, other=0.0)")
         return
     fill = padding["value"]
-    buf.line(f"a_tile = tl.load(x + {offset} + {chan}, mask={ok} & inside, other={fill})")
+    buf.line(f"read_ok = {ok} & inside")
+    buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', 'read_ok')}, mask=read_ok, other={fill})")
     if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
         buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
 
@@ -327,7 +331,9 @@ def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
     with buf.indent():
         window_position(buf, tap)
         buf.line("x_ok = ok[:, None] & col_ok[None, :]")
-        buf.line("xv = tl.where(x_ok, tl.load(x + base[:, None] + rn[None, :], mask=x_ok), 0.0)")
+        buf.line(
+            f"xv = tl.where(x_ok, tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'x_ok')}, mask=x_ok), 0.0)"
+        )
         buf.line(
             f"wv = tl.load(w + rn[None, :] * {tap.p['KH'] * tap.p['KW']} + t, mask=col_ok[None, :], other=0.0)"
         )

@@ -18,7 +18,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer
+from opfuse.codegen.source import SourceBuffer, in_bounds
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
@@ -74,8 +74,9 @@ def generate_pool(
         with buf.indent():
             win.emit_tap(buf, win.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+            buf.line("v_ok = ok[:, None] & col_ok[None, :]")
             buf.line(
-                'v = tl.load(x + base[:, None] + rn[None, :], mask=ok[:, None] & col_ok[None, :], other=float("-inf"))'
+                f'v = tl.load(x + {in_bounds("base[:, None] + rn[None, :]", "v_ok")}, mask=v_ok, other=float("-inf"))'
             )
             buf.line("acc = tl.maximum(acc, v.to(tl.float32))")
         buf.line("cols = rn[None, :]")

@@ -40,6 +40,15 @@ def comment_text(text: str, limit: int = 80) -> str:
     return escaped
 
 
+def in_bounds(offset: str, mask: str) -> str:
+    """A gather's `offset` where `mask` holds, else 0: a masked-off lane (a window tap in the
+    padding, a channel past C, a row past the batch) addresses the tensor's first element, never
+    memory outside it. Masked lanes are not read, but Triton's pipelined loads on Hopper were seen
+    issuing their addresses: compute-sanitizer found a conv's tap load reading one element past a
+    32 MiB input, and in a compile that address was unmapped (an illegal memory access)."""
+    return f"tl.where({mask}, {offset}, 0)"
+
+
 def float_literal(value: float) -> str:
     """A finite float as Python source. Callers pass non-finite values as tensors instead."""
     if not math.isfinite(value):

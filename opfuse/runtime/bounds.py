@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -107,6 +109,20 @@ def _describe(addr: int, itemsize: int, what: str, ranges: list[tuple[int, int, 
     )
 
 
+@contextmanager
+def every_lane(kernels: frozenset[str]) -> Iterator[None]:
+    """Within this block, the loads of the kernels named (their jitted functions' names) are
+    checked on every lane, masked-off ones too: a gather must not even address memory outside its
+    tensor for a lane it does not read (codegen.source.in_bounds; the GPU's pipelined loads were
+    seen issuing such addresses)."""
+    previous = getattr(_state, "every_lane", frozenset())
+    _state.every_lane = kernels
+    try:
+        yield
+    finally:
+        _state.every_lane = previous
+
+
 def install() -> None:
     """Check every load, store and atomic of the interpreter in this process (idempotent)."""
     global _installed
@@ -138,7 +154,8 @@ def install() -> None:
 
     def masked_load(self: Any, ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
         size = np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
-        check(ptrs.data, mask.data, size, "load")
+        every = getattr(_state, "kernel", None) in getattr(_state, "every_lane", frozenset())
+        check(ptrs.data, None if every else mask.data, size, "load" if not every else "load (every lane)")
         return load(self, ptrs, mask, other, *rest)
 
     def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *rest: Any) -> Any:

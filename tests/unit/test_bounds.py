@@ -105,3 +105,40 @@ def test_an_element_inside_an_earlier_overlapping_tensor_passes(checked: Any) ->
     copy[(1,)](x, out, 16, 0, BLOCK=16, MASKED=False)
     assert torch.equal(base[4:20], src)
     assert len(checked.violations) == before
+
+
+@pytest.mark.parametrize("stride, pool", [(2, False), (1, False), (1, True)])
+def test_conv_gathers_address_only_their_input_on_every_lane(
+    checked: Any, monkeypatch: pytest.MonkeyPatch, stride: int, pool: bool
+) -> None:
+    """The implicit-GEMM conv's window taps in the padding (and the max-pool's before it) are
+    masked off, and their addresses are kept inside the input too (codegen.source.in_bounds):
+    at the GPU's tile sizes, where rows and channels fill the tiles exactly, no lane of a
+    conv's loads, masked or not, addresses outside its tensor. Unclamped, the last image's taps
+    below the bottom edge address past the input's end (halonet26t at batch 32: an illegal
+    memory access on the GPU)."""
+    from onnx import helper
+
+    import opfuse
+    from tests.builders import tiny_model, weights
+
+    monkeypatch.setenv("OPFUSE_INTERPRET_GPU_CONFIGS", "1")
+    c, size = 64, 16
+    out = (size - 1) // stride + 1
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[stride] * 2)]
+    src = "x"
+    if pool:
+        nodes.insert(0, helper.make_node("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+        nodes[1].input[0] = "p"
+    nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    model = tiny_model(
+        nodes,
+        {src: [2, c, size, size]},
+        {"y": [2, c, out, out]},
+        {"w": weights(c, c, 3, 3) * 0.1, "b": weights(c, seed=1)},
+    )
+    cm = opfuse.compile(model, input_shapes={"x": [2, c, size, size]}, device="cpu", verify=False)
+    assert any(k.kind == "conv" for k in cm.plan.kernels.values())
+    x = np.random.default_rng(0).standard_normal((2, c, size, size)).astype(np.float32)
+    with checked.every_lane(frozenset({"fused_conv"})):
+        cm.run({"x": x})
