@@ -29,6 +29,9 @@ class OutputCheck:
     atol: float
     passed: bool
     reason: str = ""
+    # False where the reference has no finite element (NaN or ±inf everywhere): nothing was
+    # compared, so the check is no pass (`passed` False), and no failure to roll a group back for.
+    compared: bool = True
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -67,6 +70,19 @@ def compare_outputs(
         )
     o = out.astype(np.float64)
     r = ref.astype(np.float64)
+    if nothing_to_compare(r):
+        # NaN against NaN compares equal, and a fused plan that computes finite values there may
+        # be right: neither is evidence. The verifier draws other inputs (Verifier._draw) first.
+        what = "NaN" if np.isnan(r).all() else "non-finite (NaN or ±inf)"
+        return OutputCheck(
+            0.0,
+            0.0,
+            rtol,
+            atol,
+            False,
+            f"nothing compared: the reference is {what} everywhere on these inputs",
+            compared=False,
+        )
     nan_o, nan_r = np.isnan(o), np.isnan(r)
     if not np.array_equal(nan_o, nan_r):
         return OutputCheck(
@@ -82,10 +98,7 @@ def compare_outputs(
     passed = bool(rel <= rtol or max_abs <= atol)
     reason = ""
     ref_max = float(np.max(np.abs(r[finite]))) if r[finite].size else 0.0
-    if r.size and not finite.any():
-        # NaN against NaN compares equal, so nothing was checked: say so rather than pass quietly.
-        reason = "nothing compared: the reference is NaN everywhere on these inputs"
-    elif scale_free and 0 < ref_max <= atol:
+    if scale_free and 0 < ref_max <= atol:
         passed = bool(rel <= rtol)
         reason = (
             f"the reference is ~0 everywhere (max |ref| {ref_max:.2e} <= atol): held to rtol "
@@ -96,3 +109,11 @@ def compare_outputs(
         # little about the fused model (an untrained network whose outputs vanish, for example).
         reason = f"passed on atol alone: the reference is ~0 everywhere (max |ref| {ref_max:.2e} <= atol)"
     return OutputCheck(max_abs, rel, rtol, atol, passed, reason)
+
+
+def nothing_to_compare(ref: np.ndarray) -> bool:
+    """Whether reference `ref` (a float output) has no finite element at all: NaN or ±inf everywhere."""
+    r = np.asarray(ref)
+    if r.dtype.kind in "biu" or r.size == 0:
+        return False
+    return not bool(np.isfinite(r.astype(np.float64)).any())

@@ -88,8 +88,16 @@ def reference_threads() -> int:
         raise ValueError(f"OPFUSE_REFERENCE_THREADS must be a whole number, not {env!r}") from None
 
 
-def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Fresh random inputs: normal floats, small non-negative integers (valid indices), random bools."""
+# Integer inputs drawn wider, where the reference is non-finite everywhere on the usual draw
+# (Verifier._draw): at level n >= 1 an input that indexes a table (TensorSpec.high) takes any
+# valid index, [0, high); any other integer input stays below WIDER_INT_HIGHS[n - 1]. Level 1
+# only redraws those others below 4, as level 0 does: each level risks more than the last.
+WIDER_INT_HIGHS = (4, 16, 256, 4096)
+
+
+def random_inputs(specs: list[TensorSpec], rng: np.random.Generator, wider: int = 0) -> dict[str, np.ndarray]:
+    """Fresh random inputs: normal floats, small non-negative integers (valid indices), random bools.
+    `wider` (0 to len(WIDER_INT_HIGHS)): integers across a wider range, see WIDER_INT_HIGHS."""
     feeds: dict[str, np.ndarray] = {}
     for s in specs:
         if s.dtype in ("float32", "float16", "float64"):
@@ -97,11 +105,29 @@ def random_inputs(specs: list[TensorSpec], rng: np.random.Generator) -> dict[str
         elif s.dtype == "bfloat16":  # numpy has no bfloat16: ml_dtypes' (what onnx uses) does
             feeds[s.name] = rng.standard_normal(s.shape).astype(ml_dtypes.bfloat16)
         elif s.dtype in ("int64", "int32", "int16", "int8", "uint8"):
-            # Below 4, and below the smallest axis the input indexes (TensorSpec.high).
-            high = max(1, min(4, s.high)) if s.high is not None else 4
-            feeds[s.name] = rng.integers(0, high, size=s.shape).astype(s.dtype)
+            feeds[s.name] = rng.integers(0, int_high(s, wider), size=s.shape).astype(s.dtype)
         elif s.dtype == "bool":
             feeds[s.name] = rng.random(s.shape) < 0.5
         else:
             raise ValueError(f"cannot make random inputs of type {s.dtype} for input {s.name!r}")
     return feeds
+
+
+def int_high(spec: TensorSpec, wider: int = 0) -> int:
+    """The bound (exclusive) of integer input `spec`'s random values at level `wider`: below 4, and
+    below the smallest axis the input indexes (TensorSpec.high); wider, the whole of that axis, or
+    for an input with no such bound WIDER_INT_HIGHS[wider - 1], within its type's range."""
+    if wider <= 0:
+        return max(1, min(4, spec.high)) if spec.high is not None else 4
+    if spec.high is not None:
+        return max(1, spec.high)
+    high = WIDER_INT_HIGHS[min(wider, len(WIDER_INT_HIGHS)) - 1]
+    return min(high, int(np.iinfo(np.dtype(spec.dtype)).max) + 1)
+
+
+def describe_draw(wider: int) -> str:
+    """How `random_inputs` draws integer inputs at level `wider`, in words."""
+    if wider <= 0:
+        return "integer inputs below 4"
+    high = WIDER_INT_HIGHS[min(wider, len(WIDER_INT_HIGHS)) - 1]
+    return f"integer inputs that index a table across the table, others below {high}"

@@ -6,6 +6,11 @@ unfused plan at the same precision is checked the same way (`precision_bound`), 
 fail (on their own, or together) are found by halving (`bisect_bad`) and rolled back. `first_run`
 runs a fused plan for the first time, leaving unfused a group whose kernel fails to compile or
 raises.
+
+An output whose reference has no finite element on the inputs drawn (NaN or ±inf everywhere:
+a row fully masked for small token ids) compares nothing: other inputs are drawn first, integer
+inputs across a wider range (`_draw`); where every draw leaves it so, its check is no pass and no
+failure (`OutputCheck.compared`), and no rollback is decided on it.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ from opfuse.lowering import build_plan
 from opfuse.pipeline.context import describe
 from opfuse.runtime.executor import Executor
 from opfuse.runtime.plan import Plan
-from opfuse.verify.compare import OutputCheck, compare_outputs
-from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
+from opfuse.verify.compare import OutputCheck, compare_outputs, nothing_to_compare
+from opfuse.verify.reference import WIDER_INT_HIGHS, OnnxRuntimeReference, describe_draw, random_inputs
 
 if TYPE_CHECKING:
     from opfuse.pipeline.builder import PlanBuilder
 
 VERIFY_TRIALS = 2
 KEPT_FAILURES = 2  # inputs a check failed on, run again by every later check
+# Draws tried after one whose reference is non-finite everywhere on some output, one per level of
+# `random_inputs(wider=...)`: integer inputs that index a table across the table, then the other
+# integer inputs below 4, 16, 256, 4096.
+VACUOUS_RETRIES = len(WIDER_INT_HIGHS)
 
 
 class UnfusedReference:
@@ -83,6 +92,13 @@ class Verifier:
         # of fresh ones (its error varies from input to input, so the bound holds on those only).
         self.fixed: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] | None = None
         self.last: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = []
+        # How integer inputs are drawn (random_inputs' `wider`): raised where the usual draw left
+        # an output's reference non-finite everywhere and a wider one did not (`_draw`).
+        self.wider = 0
+        # Set once every retry left some output non-finite everywhere: later draws retry no more.
+        self.exhausted = False
+        self.widened = ""  # what `_draw` drew instead, for the report's note
+        self.tried = ""  # the draws `_draw` tried in vain, for the report's note
         feeds = [random_inputs(inputs, rng) for _ in range(VERIFY_TRIALS)]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -128,11 +144,7 @@ class Verifier:
         executor = Executor(plan, self.device)
         cases = list(self.kept if self.fixed is None else self.fixed)
         for _ in range(VERIFY_TRIALS if self.fixed is None else 0):
-            if self.ready:
-                cases.append(self.ready.pop())
-            else:
-                feeds = random_inputs(self.inputs, self.rng)
-                cases.append((feeds, self.reference.run(feeds)))
+            cases.append(self._draw(self.ready.pop()) if self.ready else self._draw())
         self.last = cases
         for feeds, ref in cases:
             out = executor.run(feeds)
@@ -140,15 +152,60 @@ class Verifier:
             for name, r in ref.items():
                 rtol = self.bound.get(name, self.tol[0])
                 c = compare_outputs(np.asarray(out[name]), r, rtol, self.tol[1], scale_free=self.scale_free)
-                missed = missed or not c.passed
-                if name not in worst or (not c.passed) or c.rel_l2_err > worst[name].rel_l2_err:
-                    if name in worst and not worst[name].passed and c.passed:
-                        continue
+                missed = missed or (c.compared and not c.passed)
+                if _worse(c, worst.get(name)):
                     worst[name] = c
             fresh = self.fixed is None and all(f is not feeds for f, _ in self.kept)
             if missed and len(self.kept) < KEPT_FAILURES and fresh:
                 self.kept.append((feeds, ref))
-        return all(c.passed for c in worst.values()), worst
+        # An output that compared nothing on every case neither passes nor fails here: no
+        # rollback is decided on it (the record says so, `_json`).
+        return all(c.passed or not c.compared for c in worst.values()), worst
+
+    def _draw(
+        self, case: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A fresh case (feeds, reference outputs), or `case`, computed ahead at level 0. Where
+        some output's reference is non-finite everywhere on it (transformers/helium on token ids
+        0-3: a row fully masked, softmax of all -inf), other inputs are drawn, one per level of
+        `random_inputs(wider=...)` from the level later draws use (at least 1), and the first
+        whose reference is finite somewhere on every output is taken, its level kept for later
+        draws. A draw the reference refuses (an index out of range through an op the frontend
+        does not bound) is passed over. Where none does, the draw with the fewest such outputs
+        is taken and later draws retry no more."""
+        drawn = 0 if case is not None else self.wider
+        if case is None:
+            feeds = random_inputs(self.inputs, self.rng, drawn)
+            case = (feeds, self.reference.run(feeds))
+        empty = _nothing_to_compare(case[1])
+        if not empty or self.exhausted:
+            return case
+        best, fewest, level = case, empty, drawn
+        first = max(1, self.wider)  # the levels below gave nothing to compare already
+        for wider in range(first, VACUOUS_RETRIES + 1):
+            feeds = random_inputs(self.inputs, self.rng, wider)
+            try:
+                ref = self.reference.run(feeds)
+            except Exception:  # inputs this model does not take: the next level, or none
+                continue
+            now = _nothing_to_compare(ref)
+            if len(now) < len(fewest):
+                best, fewest, level = (feeds, ref), now, wider
+            if not now:
+                break
+        if fewest:
+            self.exhausted = True
+            self.tried = (
+                f"on each of {2 + VACUOUS_RETRIES - first} input draws, from {describe_draw(drawn)} to "
+                f"{describe_draw(VACUOUS_RETRIES)}"
+            )
+        elif level != self.wider or not self.widened:
+            self.widened = (
+                f"the reference of output(s) {', '.join(repr(n) for n in empty)} was NaN or ±inf "
+                f"everywhere with {describe_draw(drawn)}: checked on inputs drawn with {describe_draw(level)}"
+            )
+        self.wider = level
+        return best
 
     def verify_with_rollback(self, builder: PlanBuilder, plan: Plan) -> tuple[Plan, dict[str, Any]]:
         """Check `plan` (made by `builder`); where it fails, and fusion is to blame, the plan
@@ -216,6 +273,16 @@ class Verifier:
     def _json(
         self, ok: bool, checks: dict[str, OutputCheck], rolled: list[str], note: str = ""
     ) -> dict[str, Any]:
+        empty = [name for name, c in checks.items() if not c.compared]
+        notes = [note, self.widened]
+        if empty:  # a check that compared nothing is no pass (and rolled nothing back)
+            ok = False
+            notes.append(
+                f"nothing compared on output(s) {', '.join(repr(n) for n in empty)}: the reference is NaN "
+                f"or ±inf everywhere {self.tried or 'on the inputs drawn'}; unverified there, and no group "
+                "was rolled back for it"
+            )
+        note = "; ".join(n for n in notes if n)
         d: dict[str, Any] = {
             "passed": ok,
             "reference": self.reference.name,
@@ -298,7 +365,7 @@ def precision_bound(
     shape: that is not a rounding error."""
     bound: dict[str, float] = {}
     sens = sensitivity or {}
-    missed = [(name, c) for name, c in base.items() if not c.passed]
+    missed = [(name, c) for name, c in base.items() if c.compared and not c.passed]
     for name, c in missed:
         limit = PRECISION_BOUND_LIMIT * max(rtol, sens.get(name, 0.0))
         if not (np.isfinite(c.rel_l2_err) and c.rel_l2_err <= limit) or c.reason:
@@ -354,3 +421,21 @@ def _failing_alone(
         return list(ids)
     mid = len(ids) // 2
     return _failing_alone(ids[:mid], fails) + _failing_alone(ids[mid:], fails)
+
+
+def _nothing_to_compare(ref: Mapping[str, np.ndarray]) -> list[str]:
+    """The outputs whose reference has no finite element (NaN or ±inf everywhere)."""
+    return [name for name, r in ref.items() if nothing_to_compare(np.asarray(r))]
+
+
+def _worse(new: OutputCheck, old: OutputCheck | None) -> bool:
+    """Whether `new` replaces `old` as an output's worst check of one `Verifier.check`: a check
+    that compared something beats one that compared nothing; then a failure, the latest; then
+    the larger relative L2 error."""
+    if old is None:
+        return True
+    if new.compared != old.compared:
+        return new.compared
+    if not new.passed:
+        return True
+    return old.passed and new.rel_l2_err > old.rel_l2_err

@@ -35,6 +35,7 @@ def test_a_reference_that_is_nan_everywhere_says_nothing_was_compared() -> None:
     check = compare_outputs(ref.copy(), ref, rtol=1e-4, atol=1e-5)
     assert check.reason == "nothing compared: the reference is NaN everywhere on these inputs"
     assert check.rel_l2_err == 0.0 and check.to_json()["reason"] == check.reason
+    assert not check.passed and not check.compared  # no pass: NaN against NaN is no evidence
     partly = ref.copy()
     partly[0] = RNG.standard_normal(10)
     assert compare_outputs(partly, partly, rtol=1e-4, atol=1e-5).reason == ""  # some were compared
@@ -235,8 +236,8 @@ def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
     draws: list[dict[str, np.ndarray]] = []
     real_inputs = rollback.random_inputs
 
-    def inputs(specs: Any, rng: Any) -> dict[str, np.ndarray]:
-        feeds = real_inputs(specs, rng)
+    def inputs(specs: Any, rng: Any, wider: int = 0) -> dict[str, np.ndarray]:
+        feeds = real_inputs(specs, rng, wider)
         feeds["x"][0, 0] = 7.0 if not draws else -7.0  # the first draw is the one the kernel gets wrong
         draws.append(feeds)
         return feeds
