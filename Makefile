@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 # module's fixtures (a served API, a compiled model) are made once. PYTEST_ARGS= runs it serially.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: run test lint typecheck unit venv clean corpus
+.PHONY: run test lint typecheck unit venv clean corpus corpus-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ corpus: $(STAMP)
 		PYTHONPATH=. TRITON_INTERPRET=1 $(BIN)/python -m bench.corpus.run --force \
 			$(if $(ROWS),--rows '$(ROWS)') --shard $$i/$(CORPUS_JOBS) $(CORPUS_ARGS) & pids="$$pids $$!"; \
 	done; for p in $$pids; do wait $$p; done
+
+# The quick check (bench/corpus/README.md): export and plan each row (or ROWS) without compiling
+# and compare its planned launches with expected.csv's; fails where a row differs. Writes nothing.
+corpus-check: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m bench.corpus.run --check-plans $(if $(ROWS),--rows '$(ROWS)') $(CORPUS_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -3,6 +3,7 @@
     PYTHONPATH=. python -m bench.corpus.run                          # every row not in the file yet
     PYTHONPATH=. python -m bench.corpus.run --rows 'timm/*' --force  # rerun some rows
     PYTHONPATH=. python -m bench.corpus.run --shard 0/2 &  PYTHONPATH=. python -m bench.corpus.run --shard 1/2
+    PYTHONPATH=. python -m bench.corpus.run --check-plans --rows 'timm/*'  # plans against the file, fast
 
 For each row and exporter (`dynamo`: `torch.onnx.export(m, args, path)` with its defaults, which
 writes the weights beside the model as external data; `torchscript`: the same with dynamo=False):
@@ -13,6 +14,9 @@ subprocess of its own with a time limit, so a crash or a hang of one row never s
 results file (bench/corpus/expected.csv) is rewritten after every row, sorted, under a lock: shards
 can share it, and a run cut short keeps what it measured. Rows already in it are skipped (--force
 reruns them); rows of the registry not run yet are listed with status "not_run".
+
+--check-plans compiles nothing and writes nothing: it exports and plans each selected row
+(bench/corpus/plans.py) and compares the planned launches with the file's.
 """
 
 from __future__ import annotations
@@ -173,6 +177,13 @@ def coverage(report: dict[str, Any]) -> float | None:
     return round(min(1.0, fused / compute), 4)
 
 
+def input_shapes(proto: Any, example: dict[str, Any]) -> dict[str, list[int]]:
+    """The exported graph's inputs (those that are not weights) with the example's shapes, in order."""
+    inits = {i.name for i in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    return {n: list(t.shape) for n, t in zip(names, example.values(), strict=False)}
+
+
 def run_one(
     module: Any, example: dict[str, Any], exporter: str, workdir: str, verify: bool = True, audit: bool = True
 ) -> dict[str, Any]:
@@ -199,9 +210,7 @@ def run_one(
     out.update(exported=True, export_s=round(time.perf_counter() - t0, 1))
     missing = unsupported_ops(proto, SUPPORTED_OPS)
     out["unsupported_ops"] = " ".join(sorted(missing))
-    inits = {i.name for i in proto.graph.initializer}
-    names = [i.name for i in proto.graph.input if i.name not in inits]
-    shapes = {n: list(t.shape) for n, t in zip(names, example.values(), strict=False)}
+    shapes = input_shapes(proto, example)
     t0 = time.perf_counter()
     try:
         cm = opfuse.compile(proto, input_shapes=shapes, device="cpu", verify=verify)
@@ -557,11 +566,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--family", default=None, help="timm, transformers or torchvision")
     ap.add_argument("--exporter", default=",".join(EXPORTERS), help="dynamo, torchscript or both (default)")
     ap.add_argument("--shard", default="", help="i/n: run every n-th row from the i-th")
-    ap.add_argument("--out", default=EXPECTED, help="the results file (default bench/corpus/expected.csv)")
+    ap.add_argument(
+        "--out",
+        "--expected",
+        dest="out",
+        default=EXPECTED,
+        help="the results file (default bench/corpus/expected.csv); --check-plans only reads it",
+    )
     ap.add_argument("--force", action="store_true", help="rerun rows already in the file")
     ap.add_argument("--timeout", type=float, default=ROW_TIMEOUT_S, help="seconds per row and exporter")
     ap.add_argument("--list", action="store_true", help="print the selected rows and exit")
     ap.add_argument("--summary", action="store_true", help="print the file's figures and exit")
+    ap.add_argument(
+        "--check-plans",
+        action="store_true",
+        help="compile nothing: export and plan each selected row (seconds a row) and print its "
+        "launches in the file, the planned launches and ok, differs or error (rows the file has as "
+        "not compiled are skipped); exit 1 where any row differs or fails, never rewrite the file. "
+        "A compile can keep fewer groups than the plan forms (groups rolled back or run unfused), "
+        "so a row that differs is a row to run again (make corpus ROWS=...), not necessarily a bug",
+    )
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one row, in its own process
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -585,6 +609,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.list:
         for r in rows:
             print(r.name)
+        return
+    if args.check_plans:
+        from bench.corpus.plans import check_plans
+
+        if not os.path.exists(args.out):
+            raise SystemExit(f"--check-plans: {args.out} does not exist (--expected names the file)")
+        rc = check_plans(shard(rows, args.shard), exporters, read_rows(args.out))
+        if rc:
+            raise SystemExit(rc)
         return
     update(args.out, [], ROWS)
     plan = shard(todo(interleave(rows), exporters, read_rows(args.out), args.force), args.shard)

@@ -1,0 +1,133 @@
+"""The corpus's quick check (`python -m bench.corpus.run --check-plans`): the launches opfuse plans
+for each row now, against the launches expected.csv holds, without compiling or running anything.
+
+Each selected row and exporter is exported as the CPU leg exports it (run.export, the row's own
+example inputs) and planned by bench.kernels.plan_model: the front half of opfuse.compile (load,
+passes, fusion planning, lowering), fp32, nothing disabled, as the CPU leg compiles. A row takes
+seconds, where the CPU leg's compile and verification in Triton's interpreter take minutes.
+
+The plan is an upper bound on what a compile keeps: the compile can run some planned groups
+unfused (a group whose code generation fails, or that verification rolls back), each one or more
+launches more than planned. So a row that differs is a row to run again (`make corpus
+ROWS=<row>`), not necessarily a bug; one whose plan has more launches than the file's compile
+is a plan that got worse (or an export that changed: the line then says the compute nodes too).
+Rows the file has as not compiled (export_failed, unsupported, model_error, crash, timeout,
+not_run) are skipped with that status. The file is only read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bench.corpus.run import export, input_shapes, one_line
+
+# The file's statuses of a row that compiled: its `launches` is the compiled plan's.
+COMPILED = ("ok", "compiled", "not_verified")
+
+
+@dataclass
+class Check:
+    model: str
+    exporter: str
+    verdict: str  # ok, differs, error or skipped
+    file_launches: str = ""  # as the file has it
+    planned: int | None = None
+    note: str = ""  # why a row is skipped or failed; what else differs
+
+    def line(self, width: int) -> str:
+        planned = "-" if self.planned is None else str(self.planned)
+        verdict = f"{self.verdict}: {self.note}" if self.verdict == "error" else self.verdict
+        if self.note and self.verdict != "error":
+            verdict += f" ({self.note})"
+        return f"{self.model:<{width}} {self.exporter:<11} {self.file_launches or '-':>6} {planned:>7}  {verdict}"
+
+
+def plan_launches(module: Any, example: dict[str, Any], exporter: str, workdir: str) -> tuple[int, int]:
+    """(the fused plan's launches, compute nodes) of one export of `module`, as opfuse.compile on
+    the CPU would plan it (fp32, no rule disabled) before it runs anything."""
+    import onnx
+
+    from bench.kernels import plan_model
+
+    path = os.path.join(workdir, f"{exporter}.onnx")
+    export(module, example, path, exporter)
+    proto = onnx.load(path)  # with its external data
+    p = plan_model(proto, input_shapes(proto, example), "fp32")
+    return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
+
+
+def check_row(
+    row: Any, exporters: list[str], expected: Mapping[tuple[str, str], Mapping[str, str]]
+) -> list[Check]:
+    """One Check per exporter of `row`; the model is built only where a line of the file is to be
+    checked. Never raises for the row's sake: what failed is an "error" check."""
+    checks: dict[str, Check] = {}
+    todo: list[str] = []
+    for e in exporters:
+        want = expected.get((row.name, e))
+        status = (want or {}).get("status") or "not_run"
+        if want is None:
+            checks[e] = Check(row.name, e, "skipped", note="not in the file")
+        elif status not in COMPILED or not want.get("launches"):
+            checks[e] = Check(row.name, e, "skipped", note=f"{status} in the file")
+        else:
+            checks[e] = Check(row.name, e, "", file_launches=want["launches"])
+            todo.append(e)
+    if not todo:
+        return [checks[e] for e in exporters]
+    # The exporters' progress lines go to stderr: stdout holds only the checks.
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            module, example = row.build()
+        except Exception as exc:
+            for e in todo:
+                checks[e].verdict, checks[e].note = "error", "building: " + one_line(exc)
+            return [checks[e] for e in exporters]
+        for e in todo:
+            c = checks[e]
+            try:
+                with tempfile.TemporaryDirectory(prefix="opfuse-plan-") as d:
+                    c.planned, compute = plan_launches(module, example, e, d)
+            except Exception as exc:
+                c.verdict, c.note = "error", one_line(exc)
+                continue
+            c.verdict = "ok" if c.planned == int(c.file_launches) else "differs"
+            was = expected[(row.name, e)].get("compute_nodes")
+            if c.verdict == "differs" and was and int(was) != compute:
+                c.note = f"compute nodes {was} in the file, {compute} now: the export changed"
+    return [checks[e] for e in exporters]
+
+
+def check_plans(
+    rows: list[Any],
+    exporters: list[str],
+    expected: Mapping[tuple[str, str], Mapping[str, str]],
+    say: Callable[[str], None] = print,
+) -> int:
+    """Check each row and exporter, one line each as it is checked, then a summary; 1 where any
+    row differs or could not be planned, else 0."""
+    width = max([len(r.name) for r in rows] + [len("row")])
+    say(f"{'row':<{width}} {'exporter':<11} {'file':>6} {'planned':>7}  check")
+    checks: list[Check] = []
+    for row in rows:
+        for c in check_row(row, exporters, expected):
+            checks.append(c)
+            say(c.line(width))
+            sys.stdout.flush()
+    words = {"ok": "ok", "differs": "differ", "error": "failed", "skipped": "skipped"}
+    count = ", ".join(f"{sum(c.verdict == v for c in checks)} {w}" for v, w in words.items())
+    say(f"{count} (of {len(checks)} row-exporters)")
+    moved = sorted({c.model for c in checks if c.verdict in ("differs", "error")})
+    if moved:
+        say(
+            "a compile can keep fewer groups than its plan forms (groups rolled back by verification or "
+            "run unfused), so a row that differs is one to run again, not necessarily a bug: "
+            f"make corpus ROWS='{','.join(moved)}'"
+        )
+    return 1 if moved else 0

@@ -1,0 +1,93 @@
+"""`python -m bench.corpus.run --check-plans`: rows of the CI subset exported and planned (no
+compile, no kernel run) against expected.csv, and against a doctored copy of it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.corpus import models
+from bench.corpus import run as cpu
+from bench.corpus.plans import check_plans
+
+
+def _checks(out: str) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(model, exporter) -> (the file's launches, planned launches, the check) from the printed lines."""
+    found = {}
+    for line in out.splitlines():
+        parts = line.split(maxsplit=4)
+        if len(parts) == 5 and parts[1] in cpu.EXPORTERS:
+            found[(parts[0], parts[1])] = (parts[2], parts[3], parts[4])
+    return found
+
+
+def test_subset_rows_plan_the_launches_expected_csv_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    if importlib.util.find_spec("timm") is None:  # not imported here: bench/zoo.py imports it
+        pytest.skip("timm is not installed (pip install -e '.[dev]')")
+    names = ["timm/test_resnet", "transformers/bert"]
+    assert all(models.BY_NAME[n].ci for n in names)  # rows tests/corpus/test_corpus.py also compiles
+    try:
+        cpu.main(["--check-plans", "--rows", ",".join(names)])
+        code: Any = 0
+    except SystemExit as exc:  # 1: a row differs, told below
+        code = exc.code
+    got = _checks(capsys.readouterr().out)
+    expected = cpu.read_rows(cpu.EXPECTED)
+    assert set(got) == {(n, e) for n in names for e in cpu.EXPORTERS}
+    for (name, exporter), (file_launches, planned, check) in got.items():
+        assert file_launches == expected[(name, exporter)]["launches"]
+        assert check == "ok", (
+            f"{name} ({exporter}): {planned} launches planned, expected.csv says {file_launches} ({check}); "
+            f"if the change is intended, rewrite the row's lines: make corpus ROWS={name}"
+        )
+    assert code in (0, None)
+
+
+def test_a_row_the_file_records_differently_differs_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Independent of what opfuse plans today: a count no plan of the row comes near.
+    rows = cpu.read_rows(cpu.EXPECTED)
+    bert, vit_t = ("transformers/bert", "dynamo"), ("timm/test_vit", "torchscript")
+    assert rows[vit_t]["status"] == "export_failed"  # skipped: never built, timm is not needed
+    wrong = int(rows[bert]["launches"]) + 100
+    doctored: dict[tuple[str, str], dict[str, Any]] = {
+        bert: {**rows[bert], "launches": wrong},
+        vit_t: rows[vit_t],
+    }
+    path = tmp_path / "expected.csv"
+    cpu.write_rows(str(path), doctored)  # the other two lines left out: not in the file
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        cpu.main(["--check-plans", "--rows", "transformers/bert,timm/test_vit", "--expected", str(path)])
+    assert exc.value.code == 1
+    out = capsys.readouterr().out
+    got = _checks(out)
+    file_launches, planned, check = got[bert]
+    assert (file_launches, check) == (str(wrong), "differs") and 0 < int(planned) < wrong
+    assert got[("transformers/bert", "torchscript")] == ("-", "-", "skipped (not in the file)")
+    assert got[vit_t] == ("-", "-", "skipped (export_failed in the file)")
+    assert got[("timm/test_vit", "dynamo")] == ("-", "-", "skipped (not in the file)")
+    assert "0 ok, 1 differ, 0 failed, 3 skipped" in out
+    assert "make corpus ROWS='transformers/bert'" in out
+    assert path.read_bytes() == before  # only read
+
+
+def test_a_row_that_cannot_be_built_fails_the_check(capsys: pytest.CaptureFixture[str]) -> None:
+    def build() -> Any:
+        raise RuntimeError("no such model")
+
+    row = models.Row("timm/broken", "timm", build)
+    line = {"status": "ok", "launches": "5", "compute_nodes": "9"}
+    rc = check_plans([row], ["dynamo"], {("timm/broken", "dynamo"): line})
+    assert rc == 1
+    check = _checks(capsys.readouterr().out)[("timm/broken", "dynamo")]
+    assert check == ("5", "-", "error: building: RuntimeError: no such model")
+
+
+def test_check_plans_needs_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="does not exist"):
+        cpu.main(["--check-plans", "--rows", "transformers/bert", "--expected", str(tmp_path / "no.csv")])
