@@ -309,7 +309,9 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
         return
     fill = padding["value"]
     buf.line(f"read_ok = {ok} & inside")
-    buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', 'read_ok')}, mask=read_ok, other={fill})")
+    buf.line(
+        f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', 'read_ok')}, mask=read_ok, other={fill})"
+    )
     if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
         buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
 

@@ -149,7 +149,7 @@ def _rowwise_split(g: GroupLike) -> SplitForm | None:
     gemm_reduction.py): the library's kernel for it, as without the rule, then the row kernel."""
     if not g.prologue:
         return None
-    what = "GEMM" if g.prologue[0].op_type in ("MatMul", "Gemm") else "depthwise conv"
+    what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(g.prologue[0].op_type, "depthwise conv")
     return SplitForm(
         f"split: the library's {what}, then the row kernel",
         lambda graph: [

@@ -178,6 +178,18 @@ def _gemm_tile(buf: SourceBuffer, graph: Graph, mm: Node, ptr: dict[str, str], p
     buf.line(f"gmv = acc.to({a}.dtype.element_ty).to(tl.float32)")
 
 
+def _gather_tile(buf: SourceBuffer, graph: Graph, gather: Node, ptr: dict[str, str]) -> None:
+    """The looked-up rows on the tile: each row's index (negative ones count from the end, those
+    out of range clamped into the table, as the library's Gather does on a GPU; the CPU checks
+    them before the launch: INDEX_CHECKS), then that row of the table across `cols`."""
+    table, ids = ptr[gather.inputs[0]], ptr[gather.inputs[1]]
+    v, n = graph.spec(gather.inputs[0]).shape
+    buf.line(f"gid = tl.load({ids} + row, mask=rowmask, other=0).to(tl.int64)")
+    buf.line(f"gid = tl.where(gid < 0, gid + {v}, gid)")
+    buf.line(f"gid = tl.minimum(tl.maximum(gid, 0), {v - 1})")
+    buf.line(f"gtv = tl.load({table} + gid * {n} + cols, mask=cmask, other=0.0).to(tl.float32)")
+
+
 @dataclass
 class _RowKernel:
     """One row group as the template writes it: its row space, layout and loads."""
@@ -192,6 +204,7 @@ class _RowKernel:
     tensor_inputs: list[str]
     window: Node | None  # a depthwise conv computed on the tile
     gemm: Node | None  # or a GEMM computed on the tile, its columns the row (multi layout)
+    gather: Node | None  # or a Gather of a table's rows, each row one row of the tile (multi layout)
     prologue_args: list[str]  # the prologue's operands: input, weight (and bias)
 
     @property
@@ -235,9 +248,11 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     first = prologue[0] if prologue else None
     gemm = first if first is not None and first.op_type in ("MatMul", "Gemm") else None
-    window = first if gemm is None else None
+    gather = first if first is not None and first.op_type == "Gather" else None
+    window = first if gemm is None and gather is None else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
-    assert gemm is None or (not tiled and not space.groups and space.first == len(full) - 1), space
+    for on_rows in (gemm, gather):
+        assert on_rows is None or (not tiled and not space.groups and space.first == len(full) - 1), space
     prologue_args = [x for x in first.inputs[:3] if x] if first is not None else []
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
@@ -252,11 +267,15 @@ def generate_rowwise(
     )
     rk = _RowKernel(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
-        gemm, prologue_args,
+        gemm, gather, prologue_args,
     )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
     _row_header(buf, rk, kernel_id, group_id, prologue or [])
+    if gather is not None:  # checked on the CPU before each launch (runtime/executor.py)
+        buf.line(
+            f"INDEX_CHECKS = [({tensor_inputs.index(gather.inputs[1])}, {graph.spec(gather.inputs[0]).shape[0]})]"
+        )
     config = _row_configs(buf, rk, args)
     regs: dict[str, str] = {}
     with buf.indent():
@@ -268,6 +287,9 @@ def generate_rowwise(
         if gemm is not None:
             _gemm_tile(buf, graph, gemm, ptr, precision)
             regs[gemm.outputs[0]] = "gmv"
+        if gather is not None:
+            _gather_tile(buf, graph, gather, ptr)
+            regs[gather.outputs[0]] = "gtv"
         _row_loads(buf, rk, regs)
         regs.update(literals)
         for j, n in enumerate(nodes):
@@ -304,7 +326,12 @@ def _row_header(
         what = f"{rows} rows of {r} elements"
     buf.line(f"# {len(rk.nodes) + len(prologue)} ONNX nodes over {what} (shape {list(space.full)}):")
     for n in prologue:
-        what = "depthwise conv" if rk.gemm is None else "GEMM, its columns the row,"
+        if rk.gemm is not None:
+            what = "GEMM, its columns the row,"
+        elif rk.gather is not None:
+            what = "the table's rows looked up"
+        else:
+            what = "depthwise conv"
         buf.line(node_comment(n, f"prologue: {what} on the tiles"))
     for n in rk.nodes:
         buf.line(node_comment(n))

@@ -71,6 +71,7 @@ POOL_PROLOGUE = "pool_prologue"
 GEMV_CHAIN = "gemv_chain"
 DEPTHWISE_REDUCTION = "depthwise_reduction"
 GEMM_REDUCTION = "gemm_reduction"
+GATHER_PROLOGUE = "gather_prologue"
 CONCAT_EPILOGUE = "concat_epilogue"
 POOLED_GEMM = "pooled_gemm"
 POINTWISE = "pointwise"
@@ -340,6 +341,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A GEMM computed on the tiles of the row kernel that reduces over its output's columns (a "
         "transformer's Linear with its bias, residual add and LayerNorm), where a row fits one tile.",
         impl=f"{RULES_PACKAGE}.gemm_reduction",
+    ),
+    _r(
+        GATHER_PROLOGUE,
+        FUSION,
+        "An embedding lookup (a Gather of a constant table's rows by runtime indices) computed on the tiles "
+        "of the row kernel that reads it (a transformer's embeddings with their adds and LayerNorm).",
+        impl=f"{RULES_PACKAGE}.gather_prologue",
     ),
     _r(
         CONCAT_EPILOGUE,

@@ -115,7 +115,7 @@ def every_lane(kernels: frozenset[str]) -> Iterator[None]:
     checked on every lane, masked-off ones too: a gather must not even address memory outside its
     tensor for a lane it does not read (codegen.source.in_bounds; the GPU's pipelined loads were
     seen issuing such addresses)."""
-    previous = getattr(_state, "every_lane", frozenset())
+    previous: frozenset[str] = getattr(_state, "every_lane", frozenset())
     _state.every_lane = kernels
     try:
         yield

@@ -18,6 +18,7 @@ from opfuse.errors import InputError, ModelError
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.memory import plan_memory
 from opfuse.runtime.ops import run_op
+from opfuse.runtime.ops_index import checked_index, host_index_checks
 from opfuse.runtime.ops_registry import host_inputs
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
@@ -150,6 +151,14 @@ class Executor:
         ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
         kouts = [self._buffer(name, arena) for name in step.outputs]
         module = self.modules[step.kernel]
+        # A Gather computed in the kernel (fusion/rules/gather_prologue.py) clamps its indices; on
+        # the CPU they are checked first, with the library Gather's error.
+        for slot, size in getattr(module, "INDEX_CHECKS", ()):
+            if host_index_checks(ins[slot].device):
+                try:
+                    checked_index(ins[slot], size, "Gather", 0)
+                except InputError as exc:
+                    raise InputError(f"node {step.label!r}: {exc}; fix that input's values") from None
         if getattr(module, "USES_SCRATCH", False):  # split-K's partial tiles and counters: this plan's own
             module.launch(*ins, *kouts, config=self.configs[step.kernel], scratch=self.scratch)
         else:

@@ -47,14 +47,19 @@ def _reduction(attrs: Attrs, op_type: str) -> str:
 HOST_INDEX_CHECKS: ContextVar[bool | None] = ContextVar("opfuse_host_index_checks", default=None)
 
 
+def host_index_checks(device: torch.device) -> bool:
+    """Whether indices are checked on the host here (the CPU) rather than clamped (a GPU)."""
+    host_check = HOST_INDEX_CHECKS.get()
+    return host_check if host_check is not None else device.type == "cpu"
+
+
 def checked_index(indices: torch.Tensor, size: int, op_type: str, axis: int) -> torch.Tensor:
     """`indices` (any integer type) as int64 in [0, size): ONNX's negative indices count from the
     end. Outside [-size, size-1]: `InputError` on the CPU; clamped into range on a GPU (no sync)."""
     idx = indices.to(torch.int64)
     if size == 0 and idx.numel():  # shapes are static: no sync to know this
         raise InputError(f"{op_type}: indices into axis {axis} of size 0, which has no element to take")
-    host_check = HOST_INDEX_CHECKS.get()
-    if host_check if host_check is not None else idx.device.type == "cpu":
+    if host_index_checks(idx.device):
         bad = (idx < -size) | (idx >= size)
         if bool(bad.any()):
             value = int(idx[bad].reshape(-1)[0])
