@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.corpus.run import export, input_shapes, one_line
@@ -39,6 +41,9 @@ class Check:
     file_launches: str = ""  # as the file has it
     planned: int | None = None
     note: str = ""  # why a row is skipped or failed; what else differs
+    # What the plan runs outside any group: launches by op type, and the rules' refusals.
+    alone: Counter[str] = field(default_factory=Counter)
+    refused: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def line(self, width: int) -> str:
         planned = "-" if self.planned is None else str(self.planned)
@@ -48,9 +53,18 @@ class Check:
         return f"{self.model:<{width}} {self.exporter:<11} {self.file_launches or '-':>6} {planned:>7}  {verdict}"
 
 
-def plan_launches(module: Any, example: dict[str, Any], exporter: str, workdir: str) -> tuple[int, int]:
+def _reason(text: str) -> str:
+    """A refusal's reason without the names and sizes of one model (counted across rows)."""
+    names = r"\b[\w./:]*node_[\w./:]*|'[^']*'|(?<![\w)])/[\w./:-]+"  # dynamo's, quoted, TorchScript's
+    return re.sub(r"\d+", "N", re.sub(names, "X", text))[:100]
+
+
+def plan_launches(
+    module: Any, example: dict[str, Any], exporter: str, workdir: str, check: Check | None = None
+) -> tuple[int, int]:
     """(the fused plan's launches, compute nodes) of one export of `module`, as opfuse.compile on
-    the CPU would plan it (fp32, no rule disabled) before it runs anything."""
+    the CPU would plan it (fp32, no rule disabled) before it runs anything. `check` gets what the
+    plan runs outside any group and the fusion rules' refusals."""
     import onnx
 
     from bench.kernels import plan_model
@@ -59,6 +73,9 @@ def plan_launches(module: Any, example: dict[str, Any], exporter: str, workdir: 
     export(module, example, path, exporter)
     proto = onnx.load(path)  # with its external data
     p = plan_model(proto, input_shapes(proto, example), "fp32")
+    if check is not None:
+        check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
+        check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
@@ -93,7 +110,7 @@ def check_row(
             c = checks[e]
             try:
                 with tempfile.TemporaryDirectory(prefix="opfuse-plan-") as d:
-                    c.planned, compute = plan_launches(module, example, e, d)
+                    c.planned, compute = plan_launches(module, example, e, d, c)
             except Exception as exc:
                 c.verdict, c.note = "error", one_line(exc)
                 continue
@@ -102,6 +119,26 @@ def check_row(
             if c.verdict == "differs" and was and int(was) != compute:
                 c.note = f"compute nodes {was} in the file, {compute} now: the export changed"
     return [checks[e] for e in exporters]
+
+
+def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> None:
+    """Across the rows planned: the ops that run outside any group (launches, rows), and the
+    fusion rules' most frequent refusals: where a general mechanism would save the most."""
+    alone: Counter[str] = Counter()
+    rows: Counter[str] = Counter()
+    refused: Counter[tuple[str, str]] = Counter()
+    for c in checks:
+        alone.update(c.alone)
+        rows.update(set(c.alone))
+        refused.update(c.refused)
+    if not alone and not refused:
+        return
+    say("runs outside any group (launches over the rows planned, rows):")
+    for op, n in alone.most_common(top):
+        say(f"  {op:<28} {n:6} {rows[op]:5}")
+    say("the fusion rules' most frequent refusals (times, rule: reason):")
+    for (rule, reason), n in refused.most_common(top):
+        say(f"  {n:6}  {rule}: {reason}")
 
 
 def check_plans(
@@ -123,6 +160,7 @@ def check_plans(
     words = {"ok": "ok", "differs": "differ", "error": "failed", "skipped": "skipped"}
     count = ", ".join(f"{sum(c.verdict == v for c in checks)} {w}" for v, w in words.items())
     say(f"{count} (of {len(checks)} row-exporters)")
+    explain(checks, say)
     moved = sorted({c.model for c in checks if c.verdict in ("differs", "error")})
     if moved:
         say(

@@ -34,9 +34,18 @@ def test_subset_rows_plan_the_launches_expected_csv_holds(capsys: pytest.Capture
         code: Any = 0
     except SystemExit as exc:  # 1: a row differs, told below
         code = exc.code
-    got = _checks(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    got = _checks(out)
     expected = cpu.read_rows(cpu.EXPECTED)
     assert set(got) == {(n, e) for n in names for e in cpu.EXPORTERS}
+    # Then what runs outside any group across them (ResNet's pools), and the rules' refusals.
+    alone, refused = out.split("runs outside any group", 1)[1].split(
+        "the fusion rules' most frequent refusals"
+    )
+    assert (
+        "opfuse.AveragePoolNHWC" in alone
+        and "row_reduction: merging would create a cycle through X" in refused
+    )
     for (name, exporter), (file_launches, planned, check) in got.items():
         assert file_launches == expected[(name, exporter)]["launches"]
         assert check == "ok", (
@@ -91,3 +100,18 @@ def test_a_row_that_cannot_be_built_fails_the_check(capsys: pytest.CaptureFixtur
 def test_check_plans_needs_the_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="does not exist"):
         cpu.main(["--check-plans", "--rows", "transformers/bert", "--expected", str(tmp_path / "no.csv")])
+
+
+def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
+    from collections import Counter
+
+    from bench.corpus.plans import Check, _reason, explain
+
+    a = Check("m1", "dynamo", "ok", alone=Counter({"MatMul": 3, "Add": 1}))
+    a.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_3 (Add)"))] += 2
+    b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}))
+    b.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_17 (Add)"))] += 1
+    lines: list[str] = []
+    explain([a, b], lines.append)
+    assert lines[1].split() == ["MatMul", "5", "2"] and lines[2].split() == ["Add", "1", "1"]
+    assert lines[4].split(maxsplit=1) == ["3", "gemm_epilogue: merging would create a cycle through X (Add)"]
