@@ -178,16 +178,17 @@ def _gemm_tile(buf: SourceBuffer, graph: Graph, mm: Node, ptr: dict[str, str], p
     buf.line(f"gmv = acc.to({a}.dtype.element_ty).to(tl.float32)")
 
 
-def _gather_tile(buf: SourceBuffer, graph: Graph, gather: Node, ptr: dict[str, str]) -> None:
-    """The looked-up rows on the tile: each row's index (negative ones count from the end, those
-    out of range clamped into the table, as the library's Gather does on a GPU; the CPU checks
-    them before the launch: INDEX_CHECKS), then that row of the table across `cols`."""
+def _gather_tile(buf: SourceBuffer, graph: Graph, gather: Node, ptr: dict[str, str], j: int) -> str:
+    """The looked-up rows on the tile, `gt{j}`: each row's index (negative ones count from the end,
+    those out of range clamped into the table, as the library's Gather does on a GPU; the CPU
+    checks them before the launch: INDEX_CHECKS), then that row of the table across `cols`."""
     table, ids = ptr[gather.inputs[0]], ptr[gather.inputs[1]]
     v, n = graph.spec(gather.inputs[0]).shape
-    buf.line(f"gid = tl.load({ids} + row, mask=rowmask, other=0).to(tl.int64)")
-    buf.line(f"gid = tl.where(gid < 0, gid + {v}, gid)")
-    buf.line(f"gid = tl.minimum(tl.maximum(gid, 0), {v - 1})")
-    buf.line(f"gtv = tl.load({table} + gid * {n} + cols, mask=cmask, other=0.0).to(tl.float32)")
+    buf.line(f"gid{j} = tl.load({ids} + row, mask=rowmask, other=0).to(tl.int64)")
+    buf.line(f"gid{j} = tl.where(gid{j} < 0, gid{j} + {v}, gid{j})")
+    buf.line(f"gid{j} = tl.minimum(tl.maximum(gid{j}, 0), {v - 1})")
+    buf.line(f"gt{j} = tl.load({table} + gid{j} * {n} + cols, mask=cmask, other=0.0).to(tl.float32)")
+    return f"gt{j}"
 
 
 @dataclass
@@ -204,7 +205,7 @@ class _RowKernel:
     tensor_inputs: list[str]
     window: Node | None  # a depthwise conv computed on the tile
     gemm: Node | None  # or a GEMM computed on the tile, its columns the row (multi layout)
-    gather: Node | None  # or a Gather of a table's rows, each row one row of the tile (multi layout)
+    gathers: list[Node]  # or Gathers of tables' rows, each row one row of the tile (multi layout)
     prologue_args: list[str]  # the prologue's operands: input, weight (and bias)
 
     @property
@@ -248,12 +249,13 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     first = prologue[0] if prologue else None
     gemm = first if first is not None and first.op_type in ("MatMul", "Gemm") else None
-    gather = first if first is not None and first.op_type == "Gather" else None
-    window = first if gemm is None and gather is None else None
+    gathers = [n for n in prologue or [] if n.op_type == "Gather"]
+    assert not gathers or len(gathers) == len(prologue or []), "Gathers and another prologue"
+    window = first if gemm is None and not gathers else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
-    for on_rows in (gemm, gather):
+    for on_rows in (gemm, gathers[0] if gathers else None):
         assert on_rows is None or (not tiled and not space.groups and space.first == len(full) - 1), space
-    prologue_args = [x for x in first.inputs[:3] if x] if first is not None else []
+    prologue_args = list(dict.fromkeys(x for n in prologue or [] for x in n.inputs[:3] if x))
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
@@ -267,15 +269,14 @@ def generate_rowwise(
     )
     rk = _RowKernel(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
-        gemm, gather, prologue_args,
+        gemm, gathers, prologue_args,
     )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
     _row_header(buf, rk, kernel_id, group_id, prologue or [])
-    if gather is not None:  # checked on the CPU before each launch (runtime/executor.py)
-        buf.line(
-            f"INDEX_CHECKS = [({tensor_inputs.index(gather.inputs[1])}, {graph.spec(gather.inputs[0]).shape[0]})]"
-        )
+    if gathers:  # checked on the CPU before each launch (runtime/executor.py)
+        checks = [(tensor_inputs.index(g.inputs[1]), graph.spec(g.inputs[0]).shape[0]) for g in gathers]
+        buf.line(f"INDEX_CHECKS = {checks}")
     config = _row_configs(buf, rk, args)
     regs: dict[str, str] = {}
     with buf.indent():
@@ -287,9 +288,8 @@ def generate_rowwise(
         if gemm is not None:
             _gemm_tile(buf, graph, gemm, ptr, precision)
             regs[gemm.outputs[0]] = "gmv"
-        if gather is not None:
-            _gather_tile(buf, graph, gather, ptr)
-            regs[gather.outputs[0]] = "gtv"
+        for j, g in enumerate(gathers):
+            regs[g.outputs[0]] = _gather_tile(buf, graph, g, ptr, j)
         _row_loads(buf, rk, regs)
         regs.update(literals)
         for j, n in enumerate(nodes):
@@ -328,7 +328,7 @@ def _row_header(
     for n in prologue:
         if rk.gemm is not None:
             what = "GEMM, its columns the row,"
-        elif rk.gather is not None:
+        elif rk.gathers:
             what = "the table's rows looked up"
         else:
             what = "depthwise conv"

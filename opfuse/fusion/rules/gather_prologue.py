@@ -6,7 +6,8 @@ anchor and no pointwise op, so it ran as a library op of its own: one more launc
 GPU, where the indices are normalized and clamped first) and the embedding written and read back.
 Where a row kernel reads the Gather's output as its full-shaped input, and the Gather takes whole
 rows of a constant 2-D table (axis 0, each row one row of the row kernel), each program loads its
-rows' indices and reads the table's rows straight into its tile. Where the residual stream also
+rows' indices and reads the table's rows straight into its tile; every such Gather the kernel reads
+(word, position and token type embeddings: RoBERTa computes its position ids at run time). Where the residual stream also
 needs the embedding (pre-norm decoders), the row kernel stores it as well.
 
 Out-of-range indices behave as the library's Gather: on the CPU the executor checks them before
@@ -30,21 +31,20 @@ INDEX_TYPES = ("int64", "int32")
 
 class GatherPrologue(FusionRule):
     def match(self) -> Iterator[Candidate]:
-        """Each row group's input that a Gather no group holds writes (one per row kernel)."""
+        """Each row group's input that a Gather no group holds writes: every one of them (word,
+        position and token type embeddings), on a row kernel with no other prologue."""
         self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}  # for the cycle check
         producers = self.graph.producers()
-        held = self.state.held()
+        self.held = self.state.held()
         for rg in self.state.rows:
-            if rg.kind != "rowwise" or rg.prologue or rg.views:
+            if rg.kind != "rowwise" or rg.views or any(n.op_type != "Gather" for n in rg.prologue):
                 continue
             head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
-            for x in rg.inputs:
+            for x in list(rg.inputs):
                 src = producers.get(x)
-                if src is None or src.op_type != "Gather" or src.id in held:
+                if src is None or src.op_type != "Gather" or src.id in self.held:
                     continue
                 yield Candidate(GATHER_PROLOGUE_RULE, [src, head], group=rg, data=x)
-                if rg.prologue:
-                    break  # one prologue per row kernel
 
     def check(self, c: Candidate) -> str | None:
         graph, rg = self.graph, c.group
@@ -65,17 +65,19 @@ class GatherPrologue(FusionRule):
             return "the row kernel does not reduce over the table's rows"
         if tuple(graph.spec(x).shape) != full or shape[1] != space.r:
             return "the looked-up rows are not the row kernel's full-shaped input"
-        why, _ = merge_refusal(graph, {gather.id, *(n.id for n in rg.nodes)}, self.order)
+        why, _ = merge_refusal(graph, {gather.id, *(n.id for n in [*rg.prologue, *rg.nodes])}, self.order)
         return why
 
     def claim(self, c: Candidate) -> None:
         rg = c.group
         assert rg is not None
         gather = c.nodes[0]
-        rg.prologue = [gather]
-        # The embedding stays an output where others read it too (the residual stream).
-        rg.inputs, rg.outputs = group_boundary(self.graph, [gather, *rg.nodes])
-        rg.rule = f"{rg.rule}+{GATHER_PROLOGUE_RULE}"
+        if not rg.prologue:
+            rg.rule = f"{rg.rule}+{GATHER_PROLOGUE_RULE}"
+        rg.prologue = [*rg.prologue, gather]
+        # An embedding stays an output where others read it too (the residual stream).
+        rg.inputs, rg.outputs = group_boundary(self.graph, [*rg.prologue, *rg.nodes])
+        self.held.add(gather.id)  # one row kernel computes it
 
 
 RULE = GatherPrologue

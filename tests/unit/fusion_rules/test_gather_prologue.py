@@ -179,3 +179,55 @@ def test_every_tuning_candidate_config_looks_up_the_right_rows(precision: str) -
         outs = ex.run({"ids": ids})
         for o, want in zip(model.graph.output, sess.run(None, {"ids": ids}), strict=True):
             np.testing.assert_allclose(outs[o.name], want, rtol=tol, atol=tol, err_msg=f"{o.name} at {cand}")
+
+
+def test_every_lookup_the_row_kernel_reads_is_on_its_tiles() -> None:
+    """RoBERTa's embeddings: the word rows by token ids and the position rows by position ids
+    computed at run time, added and normalized: one kernel, both lookups on its tiles, and either
+    index out of range is the library Gather's error on the CPU."""
+    rows, positions = (2, 7), 9
+    graph = helper.make_graph(
+        [
+            n("Gather", ["table", "ids"], ["e"], name="word"),
+            n("Gather", ["pos_table", "pos_ids"], ["p"], name="position"),
+            n("Add", ["e", "p"], ["s"], name="sum"),
+            n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+        ],
+        "roberta_embeddings",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, list(rows)),
+            helper.make_tensor_value_info("pos_ids", TensorProto.INT64, list(rows)),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*rows, HIDDEN])],
+        initializer=[
+            numpy_helper.from_array(v.astype(np.float32), k)
+            for k, v in {
+                "table": weights(VOCAB, HIDDEN, seed=1),
+                "pos_table": weights(positions, HIDDEN, seed=2),
+                "gamma": 1.0 + weights(HIDDEN, seed=3),
+                "beta": weights(HIDDEN, seed=4),
+            }.items()
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    _, plan = planned(model)
+    assert claimed(plan) == [("rowwise", RULE, ["word", "position", "sum", "ln"])]
+    shapes = {"ids": list(rows), "pos_ids": list(rows)}
+    cm = opfuse.compile(model, input_shapes=shapes, device=TEST_DEVICE)
+    assert cm.report["kernels"]["after"] == 1 and not cm.report["verification"]["rolled_back"]
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        feeds = {
+            "ids": rng.integers(-VOCAB, VOCAB, size=rows).astype(np.int64),
+            "pos_ids": rng.integers(-positions, positions, size=rows).astype(np.int64),
+        }
+        (want,) = sess.run(None, feeds)
+        np.testing.assert_allclose(cm.run(feeds)["y"], want, rtol=1e-5, atol=1e-5)
+    if TEST_DEVICE == "cpu":
+        feeds["pos_ids"][0, 0] = positions
+        with pytest.raises(
+            InputError, match=f"index {positions} is out of range for axis 0 of size {positions}"
+        ):
+            cm.run(feeds)
