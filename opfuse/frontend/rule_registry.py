@@ -141,7 +141,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         ELIMINATE_NOOPS,
         GRAPH_PASS,
-        "Identity and inference-time Dropout compute nothing: their consumers read the input directly.",
+        "Identity, inference-time Dropout, and copies whose output is their input (a Pad of all-zero pads, "
+        "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
+        "consumers read the input directly.",
     ),
     _r(
         ATTENTION_OP,

@@ -1,8 +1,16 @@
-"""Cleanup rules: inference-time no-ops go away before planning."""
+"""Cleanup rules: inference-time no-ops go away before planning.
+
+Identity and inference-time Dropout, and copies whose output is their input: a Pad of all-zero
+pads (timm's and torchvision's window attention pads to a multiple of the window size, zero where
+the map divides), an Expand or Cast to the input's own shape and type, a Slice with unit steps
+that keeps the whole input. Each ran as a copy kernel; their consumers now read the input.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
@@ -16,8 +24,32 @@ def replace_uses(graph: Graph, old: str, new: str) -> None:
         n.inputs = [new if x == old else x for x in n.inputs]
 
 
+def _constant(graph: Graph, node: Node, i: int) -> np.ndarray | None:
+    """The node's i-th input where it is given and constant (else None)."""
+    name = node.inputs[i] if len(node.inputs) > i else ""
+    return graph.constants.get(name) if name else None
+
+
+def copies_its_input(graph: Graph, node: Node) -> bool:
+    """Whether `node`'s output is its first input, element for element."""
+    if node.op_type in NOOP_OPS:
+        return True
+    if node.op_type not in ("Pad", "Expand", "Cast", "Slice"):
+        return False
+    x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
+    if tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype:
+        return False
+    if node.op_type == "Pad":
+        pads = _constant(graph, node, 1) if len(node.inputs) > 1 else node.attrs.get("pads")
+        return pads is not None and not np.any(np.asarray(pads))
+    if node.op_type == "Slice" and len(node.inputs) > 4 and node.inputs[4]:
+        steps = _constant(graph, node, 4)
+        return steps is not None and bool(np.all(np.asarray(steps) == 1))
+    return True  # an Expand or a Cast to its input's shape and type; a Slice of unit steps keeping it all
+
+
 def _match_noop(graph: Graph, node: Node) -> dict[str, Any] | None:
-    if node.op_type not in NOOP_OPS:
+    if not copies_its_input(graph, node):
         return None
     return {"nodes": [node]}
 

@@ -38,3 +38,46 @@ def test_an_identity_from_input_to_output_is_kept() -> None:
     assert [(r.nodes, r.reason) for r in log.not_fired] == [
         (["id"], "its output is a graph output fed directly by a graph input or another output")
     ]
+
+
+def test_copies_whose_output_is_their_input_are_removed() -> None:
+    """A Pad of zero pads (window attention where the map divides by the window), an Expand and a
+    Cast to the input's own shape and type, a Slice keeping everything: gone. A Pad that pads, a
+    Slice that reverses and an Expand that broadcasts stay."""
+    import numpy as np
+    from onnx import TensorProto
+
+    ints = {
+        "zero": np.zeros(4, dtype=np.int64),
+        "pads": np.array([0, 1, 0, 1], dtype=np.int64),
+        "shape": np.array([2, 5], dtype=np.int64),
+        "wide": np.array([3, 2, 5], dtype=np.int64),
+        "s0": np.array([0], dtype=np.int64),
+        "e0": np.array([9], dtype=np.int64),
+        "ax": np.array([1], dtype=np.int64),
+        "one": np.array([1], dtype=np.int64),
+        "back": np.array([-1], dtype=np.int64),
+        "last": np.array([-1], dtype=np.int64),
+        "first": np.array([-9], dtype=np.int64),
+    }
+    model = tiny_model(
+        [
+            n("Add", ["x", "b"], ["a"], name="add"),
+            n("Pad", ["a", "zero"], ["p"], name="pad0"),
+            n("Expand", ["p", "shape"], ["e"], name="expand_same"),
+            n("Cast", ["e"], ["c"], name="cast_same", to=TensorProto.FLOAT),
+            n("Slice", ["c", "s0", "e0", "ax", "one"], ["s"], name="slice_all"),
+            n("Relu", ["s"], ["y"], name="relu"),
+            n("Pad", ["y", "pads"], ["padded"], name="pad1"),
+            n("Slice", ["y", "last", "first", "ax", "back"], ["reversed"], name="reverse"),
+            n("Expand", ["y", "wide"], ["wider"], name="broadcast"),
+        ],
+        {"x": [2, 5]},
+        {"padded": [2, 7], "reversed": [2, 5], "wider": [3, 2, 5]},
+        {"b": weights(5), **ints},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, eliminate_noops)
+    assert ops(graph) == ["Add", "Relu", "Pad", "Slice", "Expand"]
+    assert log.fired == {names.ELIMINATE_NOOPS: 4}
+    assert_computes_as_onnxruntime(model, graph)
