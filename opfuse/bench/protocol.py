@@ -107,6 +107,10 @@ def measure(
     """Latency percentiles of `runner` (default: the executor step by step) over rotated inputs."""
     envs = [executor.prepare_inputs(f) for f in feed_sets]
     cuda = executor.device.type == "cuda"
+    # A captured graph (stage, then replay) is timed around its replay alone.
+    replayer = (
+        cast(Replayer, runner) if cuda and hasattr(runner, "stage") and hasattr(runner, "replay") else None
+    )
     run = (runner or executor).run_tensors
     with torch.no_grad():
         for i in range(warmup):
@@ -120,9 +124,6 @@ def measure(
             torch.cuda.reset_peak_memory_stats()
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            replayer = (
-                cast(Replayer, runner) if hasattr(runner, "stage") and hasattr(runner, "replay") else None
-            )
             with _UtilizationSampler(executor.device.index or 0) as sampler:
                 for i in range(iters):
                     env = envs[i % len(envs)]
@@ -153,7 +154,7 @@ def measure(
         "kernel_launches_measured": _count_launches(executor, envs[0]) if cuda else None,
         "cuda_graph": runner is not None,
         # what the events enclose: the replay alone (inputs staged before), or the whole run
-        "timed": "replay" if cuda and hasattr(runner, "stage") else "run",
+        "timed": "replay" if replayer is not None else "run",
         "gpu_util_pct": util,
         "iterations": iters,
     }

@@ -44,6 +44,11 @@ class Executor:
             kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
         }
         self.configs = {kid: self._config(kid) for kid in plan.kernels}
+        # Index inputs of Gathers computed in a kernel (fusion/rules/gather_prologue.py), which
+        # clamps them: (input slot, axis size) each, checked on the CPU before its launch.
+        self.index_checks: dict[str, list[tuple[int, int]]] = {
+            kid: list(getattr(m, "INDEX_CHECKS", ())) for kid, m in self.modules.items()
+        }
         # Split-K convs' partial tiles and counters (codegen/conv.py), by device and tiling, made at
         # a first launch and kept (a CUDA graph captured from this executor replays with them).
         # Shared by this plan's steps of one tiling: they run one after another on one stream, and
@@ -151,9 +156,7 @@ class Executor:
         ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
         kouts = [self._buffer(name, arena) for name in step.outputs]
         module = self.modules[step.kernel]
-        # A Gather computed in the kernel (fusion/rules/gather_prologue.py) clamps its indices; on
-        # the CPU they are checked first, with the library Gather's error.
-        for slot, size in getattr(module, "INDEX_CHECKS", ()):
+        for slot, size in self.index_checks[step.kernel]:  # the library Gather's error on the CPU
             if host_index_checks(ins[slot].device):
                 try:
                     checked_index(ins[slot], size, "Gather", 0)

@@ -6,9 +6,9 @@ anchor and no pointwise op, so it ran as a library op of its own: one more launc
 GPU, where the indices are normalized and clamped first) and the embedding written and read back.
 Where a row kernel reads the Gather's output as its full-shaped input, and the Gather takes whole
 rows of a constant 2-D table (axis 0, each row one row of the row kernel), each program loads its
-rows' indices and reads the table's rows straight into its tile; every such Gather the kernel reads
-(word, position and token type embeddings: RoBERTa computes its position ids at run time). Where the residual stream also
-needs the embedding (pre-norm decoders), the row kernel stores it as well.
+rows' indices and reads the table's rows straight into its tile, for every such Gather the kernel
+reads (word, position and token type embeddings: RoBERTa computes its position ids at run time).
+Where the residual stream also needs an embedding (pre-norm decoders), the row kernel stores it too.
 
 Out-of-range indices behave as the library's Gather: on the CPU the executor checks them before
 the launch and raises the same error (`INDEX_CHECKS` in the kernel's source), on a GPU the kernel
