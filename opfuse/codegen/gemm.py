@@ -3,6 +3,10 @@
 A [M, K] (any leading dims folded into M) times B [K, N] (or [N, K] for Gemm transB), accumulated
 in float32 registers tile by tile; the epilogue runs on the accumulator tile before its one store,
 so the bias-add, activation and residual never round-trip through memory.
+
+A MatMul whose B has batch dims too ([..., M, K] @ [..., K, N], batch dims broadcast) is the
+batched form (`generate_batched_gemm`): each program computes one tile of one batch entry, both
+operands read with strides, so a Transpose or head-splitting Reshape before either is never copied.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 from opfuse.codegen.epilogue import (
     accumulator_epilogue,
     dot_precision,
+    emit_dot,
     emit_launch,
     emit_nodes,
     emit_stores,
@@ -30,11 +35,11 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
 from opfuse.graph import Graph, Node
-from opfuse.ir.queries import next_pow2
+from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
-from opfuse.ir.support import gemm_dims
+from opfuse.ir.support import gemm_dims, is_batched
 
 
 @dataclass
@@ -115,6 +120,10 @@ def generate_gemm(
     """`views`: the A operand read through folded layout ops ({A: StridedView}). `prologue`: a
     global average pool (pointwise ops, then a mean over H and W of an NHWC tensor) whose result
     is A: each A tile is computed as the mean over the pixels (fusion.anchors.pooled_gemms)."""
+    if is_batched(graph, anchor):
+        return generate_batched_gemm(
+            kernel_id, anchor, epilogue, inputs, outputs, graph, group_id, precision, views or {}
+        )
     gm = _read_gemm(anchor, epilogue, inputs, graph, views or {}, prologue or [])
     m, n, k, pool = gm.m, gm.n, gm.k, gm.pool
     a_args = ["a"] if pool is None else [f"p{i}" for i in range(len(gm.pool_loads))]
@@ -177,11 +186,16 @@ def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[s
     return config
 
 
-def _grouped_tile(buf: SourceBuffer, m: int, n: int) -> None:
-    """The program's output tile in grouped order, its rows `rm` and columns `rn`, and `acc`."""
+def _grouped_tile(buf: SourceBuffer, m: int, n: int, batched: bool = False) -> None:
+    """The program's output tile in grouped order, its rows `rm` and columns `rn`, and `acc`.
+    `batched`: the programs of batch entry `bid` follow those of entry bid - 1 (one grid axis:
+    the others are limited to 65535 programs)."""
     buf.line("pid = tl.program_id(0)")
     buf.line(f"num_m = tl.cdiv({m}, BLOCK_M)")
     buf.line(f"num_n = tl.cdiv({n}, BLOCK_N)")
+    if batched:
+        buf.line("bid = (pid // (num_m * num_n)).to(tl.int64)  # the batch entry")
+        buf.line("pid = pid % (num_m * num_n)")
     buf.line("# grouped ordering: GROUP_M row-tiles share each B column-tile while it is in L2")
     buf.line("per_group = GROUP_M * num_n")
     buf.line("first_m = (pid // per_group) * GROUP_M")
@@ -300,3 +314,106 @@ def _pooled_a_tile(
             buf.line(f"isum += tl.sum(tl.where(p_ok, {regs[pool.inputs[0]]}, 0.0), axis=0)")
         buf.line("psum += tl.where(rm[:, None] == i, isum[None, :], 0.0)")
     buf.line(f"a_tile = (psum / {h * w}.0).to(b.dtype.element_ty)")
+
+
+@dataclass
+class _Operand:
+    """A batched GEMM operand as the kernel reads it: the buffer, where the operand starts in it,
+    and its strides (a view's, or the value's own contiguous ones)."""
+
+    base: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def batch_offset(self, batch: tuple[int, ...]) -> str:
+        """Where batch entry `bid` (numbered over the output's batch dims) starts: the operand's
+        batch dims broadcast from the right, a dim of 1 (or a missing one) read at stride 0."""
+        own = self.shape[:-2]
+        terms = [str(self.offset)] if self.offset else []
+        for d in range(len(batch)):
+            od = d - (len(batch) - len(own))
+            if od < 0 or own[od] == 1:
+                continue
+            inner = int(np.prod(batch[d + 1 :], dtype=np.int64))
+            coord = f"(bid // {inner})" if inner > 1 else "bid"
+            if d > 0:
+                coord = f"({coord} % {batch[d]})"
+            terms.append(f"{coord} * {self.strides[od]}")
+        return " + ".join(terms) or "0"
+
+
+def _operand(graph: Graph, name: str, views: dict[str, Any]) -> _Operand:
+    view = views.get(name)
+    if view is not None:
+        return _Operand(view.base, tuple(view.shape), tuple(view.strides), view.offset)
+    shape = tuple(graph.spec(name).shape)
+    return _Operand(name, shape, contiguous_strides(shape))
+
+
+def generate_batched_gemm(
+    kernel_id: str,
+    anchor: Node,
+    epilogue: list[Node],
+    inputs: list[str],
+    outputs: list[str],
+    graph: Graph,
+    group_id: str,
+    precision: str,
+    views: dict[str, Any],
+) -> KernelSource:
+    """[..., M, K] @ [..., K, N] with the epilogue, one grid axis over (batch entry, tile). Either
+    operand may be a view (`views`: {operand: StridedView}) read from the buffer behind it; the
+    output [batch..., M, N] is contiguous, its rows numbered `row = bid * M + rm` so the epilogue
+    addresses its inputs as over any GEMM's folded rows."""
+    a_name, b_name = anchor.inputs[0], anchor.inputs[1]
+    a, b = _operand(graph, a_name, views), _operand(graph, b_name, views)
+    out_shape = tuple(graph.spec(anchor.outputs[0]).shape)
+    batch = out_shape[:-2]
+    nb = int(np.prod(batch, dtype=np.int64))
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    epilogue_reads = {x for node in epilogue for x in node.inputs if x}
+    operands_only = {a_name, b_name} - epilogue_reads
+    literals, extra = split_literals(graph, inputs, skip=operands_only)
+    gm = _Gemm(
+        graph, anchor, epilogue, [], m, n, k, False, "", None, None, literals, extra, {}, [], epilogue_reads
+    )
+    args = ["a", "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
+    fn = "fused_gemm"
+    buf = SourceBuffer()
+    module_title(buf, f"batched GEMM kernel {kernel_id} for group {group_id}, {nb} x M={m} N={n} K={k}.")
+    buf.line(node_comment(anchor, "anchor"))
+    for node in epilogue:
+        buf.line(node_comment(node, "epilogue"))
+    module_imports(buf)
+    config = _gemm_head(buf, gm, fn, args)
+    with buf.indent():
+        _grouped_tile(buf, m, n, batched=True)
+        buf.line(f"a_at = {a.batch_offset(batch)}")
+        buf.line(f"b_at = {b.batch_offset(batch)}")
+        sam, sak = a.strides[-2], a.strides[-1]
+        sbk, sbn = b.strides[-2], b.strides[-1]
+        prec = dot_precision(graph.spec(a_name).dtype, precision)
+        buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
+        with buf.indent():
+            buf.line("kk = k0 + rk")
+            buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
+            a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok")
+            buf.line(f"a_tile = tl.load(a + {a_at}, mask=a_ok, other=0.0)")
+            buf.line(f"b_ok = (kk[:, None] < {k}) & (rn[None, :] < {n})")
+            b_at = in_bounds(f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}", "b_ok")
+            buf.line(f"b_tile = tl.load(b + {b_at}, mask=b_ok, other=0.0)")
+            emit_dot(buf, "acc", "a_tile", "b_tile", prec)
+        buf.line(f"row = bid * {m} + rm[:, None]  # the output's rows, batch entries one after the other")
+        buf.line("cols = rn[None, :]")
+        buf.line(f"mask = (rm[:, None] < {m}) & (cols < {n})")
+        regs: dict[str, str] = {}
+
+        def index_of(name: str) -> tuple[str | None, str]:
+            idx, vector = row_input_index(graph.spec(name).shape, out_shape)
+            return idx, ("mask" if vector else f"row < {nb * m}")
+
+        accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs)
+        emit_stores(buf, outputs, regs, f"row * {n} + cols")
+    emit_launch(buf, fn, args, f'({nb} * triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
+    return KernelSource(kernel_id, "gemm", buf.getvalue(), [a.base, b.base, *extra], list(outputs), config)

@@ -291,7 +291,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         GEMM_EPILOGUE,
         FUSION,
-        "One GEMM plus its pointwise epilogue (bias, activation, residual, scale, cast).",
+        "One GEMM plus its pointwise epilogue (bias, activation, residual, scale, cast); a batched MatMul reads both operands through the layout ops before them.",
         impl=f"{RULES_PACKAGE}.anchor_epilogue",
     ),
     _r(

@@ -81,10 +81,14 @@ def gemm_anchor_reason(graph: Graph, node: Node) -> str | None:
     a, b = graph.spec(node.inputs[0]), graph.spec(node.inputs[1])
     if a.dtype not in FLOAT_TYPES or b.dtype != a.dtype:
         return f"operands of type {a.dtype}/{b.dtype}"
-    if len(b.shape) != 2:
-        return "the second operand is batched: the template multiplies by one 2-D matrix"
-    if len(a.shape) < 2:
-        return "the first operand is a vector"
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        return "an operand is a vector"
+    if len(b.shape) > 2:
+        if node.op_type != "MatMul":
+            return "a Gemm of batched operands"
+        why = batch_reason(a.shape[:-2], b.shape[:-2])
+        if why is not None:
+            return why
     if node.op_type == "Gemm":
         if int(node.attrs.get("transA", 0)):
             return "Gemm with transA"
@@ -99,6 +103,21 @@ def gemm_anchor_reason(graph: Graph, node: Node) -> str | None:
     if k < 1:
         return "empty reduction"
     return None
+
+
+def batch_reason(a: tuple[int, ...], b: tuple[int, ...]) -> str | None:
+    """None if the batch dims of a batched MatMul's operands broadcast (numpy's rule, from the
+    right) to batches the template can number in one grid axis, else why not."""
+    for x, y in zip(reversed(a), reversed(b), strict=False):
+        if x != y and 1 not in (x, y):
+            return f"batch dims {tuple(a)} and {tuple(b)} do not broadcast"
+    return None
+
+
+def is_batched(graph: Graph, node: Node) -> bool:
+    """A MatMul whose second operand has batch dims: every batch entry multiplies by its own B
+    (codegen.gemm's batched form); otherwise A's leading dims fold into the rows of one 2-D B."""
+    return node.op_type == "MatMul" and len(graph.spec(node.inputs[1]).shape) > 2
 
 
 def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:

@@ -27,6 +27,7 @@ from opfuse.ir.support import (
     conv_anchor_reason,
     gemm_anchor_reason,
     input_scale_reason,
+    is_batched,
     pointwise_reason,
     pool_reason,
 )
@@ -107,8 +108,14 @@ class AnchorEpilogue(FusionRule):
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         views = {}
+        batched = kind == "gemm" and is_batched(graph, anchor)
+        if batched and len(members) == 1:
+            return  # nothing to fuse: the library's batched matmul reads strided operands itself
         if kind == "gemm" and variant == "template" and state.on(names.LAYOUT_VIEWS):
-            views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
+            if batched:
+                views = _batched_operand_views(graph, anchor, nodes[1:], taken | members)
+            else:
+                views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
         prefix = PREFIX[kind]
         if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
@@ -243,6 +250,27 @@ def _a_operand_view(
     if any(a in n.inputs for n in epilogue) and graph.spec(a).shape != graph.spec(anchor.outputs[0]).shape:
         return {}  # the epilogue reads A at the output index: only when A is output-shaped
     return {a: view}
+
+
+def _batched_operand_views(
+    graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
+) -> dict[str, StridedView]:
+    """Both operands of a batched MatMul read through the layout ops before them (heads split off
+    a projection and rotated, Kᵀ as a Transpose): the batched template reads any strides, so no
+    copy is made. An operand the epilogue reads too is read as it is."""
+    views: dict[str, StridedView] = {}
+    read = {x for n in epilogue for x in n.inputs if x}
+    readers = frozenset([anchor.id, *(n.id for n in epilogue)])
+    for x in dict.fromkeys(anchor.inputs[:2]):
+        if x in graph.constants or x in read:
+            continue
+        view = input_view(graph, x, allow_scale=False, readers=readers)
+        if not view.nodes or view.base in graph.constants:
+            continue
+        if any(n.op_type not in VIEW_THROUGH for n in view.nodes) or any(n.id in taken for n in view.nodes):
+            continue
+        views[x] = view
+    return views
 
 
 def _pull_side_inputs(
