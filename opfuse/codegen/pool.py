@@ -1,12 +1,18 @@
-"""Triton max pooling over NHWC tensors (`opfuse.MaxPoolNHWC`), with its pointwise epilogue.
+"""Triton max and average pooling over NHWC tensors (`opfuse.MaxPoolNHWC`,
+`opfuse.AveragePoolNHWC`), with the pointwise epilogue.
 
 A program takes a [pixels, channels] tile of the output; each window position loads a tile of the
-input whose channels are contiguous, and keeps the running maximum in registers. Padding and
-windows that run past the input (ceil_mode) load -inf, so they never win, as in ONNX.
+input whose channels are contiguous, and keeps the running maximum (or sum) in registers. For a
+max pool, padding and windows that run past the input (ceil_mode) load -inf, so they never win, as
+in ONNX. An average pool loads 0 there and divides by the taps that count, as onnxruntime does:
+those inside the input (count_include_pad=0) or inside the padded input (1; the ceil_mode overhang
+past the end pad never counts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from opfuse.codegen.epilogue import emit_launch, emit_loads, emit_nodes, emit_stores
@@ -21,6 +27,7 @@ from opfuse.codegen.fragments import (
 from opfuse.codegen.source import SourceBuffer, in_bounds
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import AVERAGE_POOL_NHWC
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.support import pool_params
 
@@ -36,6 +43,8 @@ def generate_pool(
 ) -> KernelSource:
     p = pool_params(graph, anchor)
     win = Window.of(p)
+    average = anchor.op_type == AVERAGE_POOL_NHWC
+    counted = _counted_region(p, anchor) if average else None
     out_shape = graph.spec(anchor.outputs[0]).shape
     m, c = p["N"] * p["OH"] * p["OW"], p["C"]
     x_name = anchor.inputs[0]
@@ -43,12 +52,19 @@ def generate_pool(
     literals, extra = split_literals(graph, inputs, skip={x_name} - epilogue_reads)
     args = ["x"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
-    module_title(buf, f"max-pool kernel {kernel_id} for group {group_id} (NHWC).")
+    module_title(
+        buf, f"{'average' if average else 'max'}-pool kernel {kernel_id} for group {group_id} (NHWC)."
+    )
     buf.line(
         f"# x [{p['N']}, {p['H']}, {p['W']}, {c}] window {p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']} "
         f"-> {list(out_shape)}"
     )
-    buf.line(node_comment(anchor, "anchor", op="MaxPool"))
+    if counted is not None:
+        top, bottom, left, right = counted
+        buf.line(
+            f"# averaged over the taps inside input rows [{top}, {bottom}) and columns [{left}, {right})"
+        )
+    buf.line(node_comment(anchor, "anchor", op="AveragePool" if average else "MaxPool"))
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
     module_imports(buf)
@@ -69,16 +85,10 @@ def generate_pool(
         buf.line(f"ow = rm % {p['OW']}")
         buf.line(f"row_ok = rm < {m}")
         buf.line(f"col_ok = rn < {c}")
-        buf.line('acc = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)')
-        buf.line(f"for t in tl.static_range(0, {win.taps}):")
-        with buf.indent():
-            win.emit_tap(buf, win.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
-            buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
-            buf.line("v_ok = ok[:, None] & col_ok[None, :]")
-            buf.line(
-                f'v = tl.load(x + {in_bounds("base[:, None] + rn[None, :]", "v_ok")}, mask=v_ok, other=float("-inf"))'
-            )
-            buf.line("acc = tl.maximum(acc, v.to(tl.float32))")
+        if counted is None:
+            _max_taps(buf, win, p)
+        else:
+            _average_taps(buf, win, p, counted)
         buf.line("cols = rn[None, :]")
         buf.line("mask = row_ok[:, None] & col_ok[None, :]")
         buf.line(f"dst = rm[:, None] * {c} + cols")
@@ -96,3 +106,64 @@ def generate_pool(
         emit_stores(buf, outputs, regs, "dst")
     emit_launch(buf, "fused_pool", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({c}, c["BLOCK_N"]))')
     return KernelSource(kernel_id, "pool", buf.getvalue(), [x_name, *extra], list(outputs), config)
+
+
+def _max_taps(buf: SourceBuffer, win: Window, p: dict[str, int]) -> None:
+    """acc: the window's maximum; the taps outside the input load -inf, so they never win."""
+    buf.line('acc = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)')
+    with _tap_loop(buf, win, p, 'float("-inf")'):
+        buf.line("acc = tl.maximum(acc, v.to(tl.float32))")
+
+
+def _average_taps(
+    buf: SourceBuffer, win: Window, p: dict[str, int], counted: tuple[int, int, int, int]
+) -> None:
+    """acc: the window's sum over the taps inside the input (the others load 0), divided by the
+    taps inside `counted`: a constant where every window of the output lies inside it, else
+    counted per output pixel as the taps go."""
+    top, bottom, left, right = counted
+    full = _windows_inside(p, counted)
+    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+    if not full:
+        buf.line("taps = tl.zeros((BLOCK_M,), dtype=tl.float32)")
+    with _tap_loop(buf, win, p, "0.0"):
+        buf.line("acc += v.to(tl.float32)")
+        if not full:
+            buf.line(
+                f"taps += ((ih >= {top}) & (ih < {bottom}) & (iw >= {left}) & (iw < {right})).to(tl.float32)"
+            )
+    buf.line(f"acc = acc / {float(win.taps)!r}" if full else "acc = acc / taps[:, None]")
+
+
+@contextmanager
+def _tap_loop(buf: SourceBuffer, win: Window, p: dict[str, int], fill: str) -> Iterator[None]:
+    """The loop over the window's positions, each loading v (`fill` outside the input) at input
+    pixel (ih, iw); the body follows in the loop."""
+    c = p["C"]
+    buf.line(f"for t in tl.static_range(0, {win.taps}):")
+    with buf.indent():
+        win.emit_tap(buf, win.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
+        buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
+        buf.line("v_ok = ok[:, None] & col_ok[None, :]")
+        buf.line(
+            f"v = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'v_ok')}, mask=v_ok, other={fill})"
+        )
+        yield
+
+
+def _counted_region(p: dict[str, int], pool: Node) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right): the input rows [top, bottom) and columns [left, right) whose taps
+    an average pool divides by. count_include_pad=1: the padded input, without the ceil_mode
+    overhang past the end pads (onnxruntime's count); 0: the input alone."""
+    if int(pool.attrs.get("count_include_pad", 0)) == 1:
+        return -p["PH"], p["H"] + p["PH_END"], -p["PW"], p["W"] + p["PW_END"]
+    return 0, p["H"], 0, p["W"]
+
+
+def _windows_inside(p: dict[str, int], counted: tuple[int, int, int, int]) -> bool:
+    """Whether every tap of every output pixel's window lies inside `counted` (then each window
+    counts all its taps: a constant divisor)."""
+    top, bottom, left, right = counted
+    last_row = (p["OH"] - 1) * p["SH"] - p["PH"] + (p["KH"] - 1) * p["DH"]
+    last_col = (p["OW"] - 1) * p["SW"] - p["PW"] + (p["KW"] - 1) * p["DW"]
+    return -p["PH"] >= top and -p["PW"] >= left and last_row < bottom and last_col < right

@@ -1,4 +1,4 @@
-"""Window geometry, as the templates that slide a 2-D window write it: a conv's taps, a max pool's,
+"""Window geometry, as the templates that slide a 2-D window write it: a conv's taps, a pool's,
 and the depthwise conv or pool a conv computes on its input tiles (its prologue).
 
 A `Window` is the input's size and the kernel's shape, strides, padding and dilation; its

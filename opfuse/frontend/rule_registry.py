@@ -303,7 +303,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         POOL_EPILOGUE,
         FUSION,
-        "An NHWC max pool as a Triton kernel with the pointwise ops after it.",
+        "An NHWC max or average pool as a Triton kernel with the pointwise ops after it.",
         impl=f"{RULES_PACKAGE}.anchor_epilogue",
     ),
     _r(

@@ -16,7 +16,7 @@ from typing import Any
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC
+from opfuse.ir.ops import AVERAGE_POOL_NHWC, CONV_OPS, MAX_POOL_NHWC
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import node_label
 from opfuse.runtime.ops import VIEW_OPS
@@ -27,6 +27,7 @@ _ANCHOR_RULES = {
     "MatMul": names.GEMM_EPILOGUE,
     "Gemm": names.GEMM_EPILOGUE,
     MAX_POOL_NHWC: names.POOL_EPILOGUE,
+    AVERAGE_POOL_NHWC: names.POOL_EPILOGUE,
 }
 NO_RULE = "none"
 POINTWISE_RULE = names.POINTWISE

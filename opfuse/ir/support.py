@@ -11,11 +11,12 @@ import numpy as np
 
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import (
+    AVERAGE_POOL_NHWC,
     CONV_OPS,
     FLOAT_TYPES,
     GELU_APPROXIMATIONS,
-    MAX_POOL_NHWC,
     NHWC_CONV,
+    NHWC_POOLS,
     ONNX_FLOAT_CASTS,
     POINTWISE_OPS,
     WINDOW_OPS,
@@ -129,25 +130,35 @@ def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
     return m, n, k, trans_b
 
 
-def window_geometry(
+def window_pads(
     node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
-) -> dict[str, int]:
-    """Strides, dilations and leading pads of a 2-D window op (Conv, MaxPool), auto_pad resolved
-    from the input and output sizes."""
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((top, left), (bottom, right)) pads of a 2-D window op, auto_pad resolved from the input
+    and output sizes."""
     sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
     dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
     auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        begins = []
+        begins, ends = [], []
         for n, o, k, st, d in ((size[0], out[0], kernel[0], sh, dh), (size[1], out[1], kernel[1], sw, dw)):
             total = max(0, (o - 1) * st + (k - 1) * d + 1 - n)
             begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
-        ph, pw = begins
-    elif auto_pad == "VALID":
-        ph = pw = 0
-    else:
-        p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
-        ph, pw = p[0], p[1]
+            ends.append(total - begins[-1])
+        return (begins[0], begins[1]), (ends[0], ends[1])
+    if auto_pad == "VALID":
+        return (0, 0), (0, 0)
+    p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
+    return (p[0], p[1]), (p[2], p[3])
+
+
+def window_geometry(
+    node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
+) -> dict[str, int]:
+    """Strides, dilations and leading pads of a 2-D window op (Conv, a pool), auto_pad resolved
+    from the input and output sizes."""
+    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
+    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
+    (ph, pw), _ = window_pads(node, size, out, kernel)
     return {"SH": sh, "SW": sw, "DH": dh, "DW": dw, "PH": ph, "PW": pw}
 
 
@@ -247,22 +258,30 @@ def input_scale_reason(graph: Graph, mul: Node, conv: Node) -> str | None:
 
 
 def pool_params(graph: Graph, node: Node) -> dict[str, int]:
+    """The window of an NHWC pool; PH_END and PW_END are its bottom and right pads (an average
+    pool with count_include_pad counts the taps inside them)."""
     n, h, w, c = graph.spec(node.inputs[0]).shape
     _, oh, ow, _ = graph.spec(node.outputs[0]).shape
     kh, kw = (int(v) for v in node.attrs["kernel_shape"])
     geometry = window_geometry(node, (h, w), (oh, ow), (kh, kw))
-    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw, **geometry}
+    _, (ph_end, pw_end) = window_pads(node, (h, w), (oh, ow), (kh, kw))
+    return {"N": n, "H": h, "W": w, "C": c, "OH": oh, "OW": ow, "KH": kh, "KW": kw, **geometry} | {
+        "PH_END": ph_end,
+        "PW_END": pw_end,
+    }
 
 
 def pool_reason(graph: Graph, node: Node) -> str | None:
-    """None if the max pool can run as the template, else why not."""
-    if node.op_type != MAX_POOL_NHWC:
-        return f"{node.op_type} is not an NHWC max pool"
+    """None if the NHWC max or average pool can run as the template, else why not."""
+    if node.op_type not in NHWC_POOLS.values():
+        return f"{node.op_type} is not an NHWC max or average pool"
     if len([o for o in node.outputs if o]) > 1:
         return "the pool's Indices output is used"
     x = graph.spec(node.inputs[0])
     if x.dtype not in FLOAT_TYPES or len(x.shape) != 4 or "kernel_shape" not in node.attrs:
-        return "not a 2-D float max pool"
+        return "not a 2-D float pool"
+    if node.op_type == AVERAGE_POOL_NHWC and int(node.attrs.get("count_include_pad", 0)) not in (0, 1):
+        return "count_include_pad is neither 0 nor 1"
     if max(x.numel, graph.spec(node.outputs[0]).numel) >= INT32_INDEX_LIMIT:
         return "over 2**31 elements (the template indexes in int32)"
     return None

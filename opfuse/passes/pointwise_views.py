@@ -32,7 +32,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC, ROW_OPS
+from opfuse.ir.ops import CONV_OPS, NHWC_POOLS, ROW_OPS
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import PassContext
 
@@ -40,7 +40,7 @@ RESHAPES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 VIEWS = RESHAPES | {"Transpose"}
 # Producers a pointwise op can join as their epilogue besides pointwise ops: the anchors
 # (anchor_epilogue.py) and the row ops (row_reduction.py).
-EPILOGUE_HEADS = frozenset({"MatMul", "Gemm", MAX_POOL_NHWC, *CONV_OPS}) | ROW_OPS
+EPILOGUE_HEADS = frozenset({"MatMul", "Gemm", *NHWC_POOLS.values(), *CONV_OPS}) | ROW_OPS
 
 
 def _joins_producer(graph: Graph, view: Node, producers: dict[str, Node], touched: set[str]) -> bool:

@@ -1,5 +1,5 @@
 """`gemm_epilogue`, `conv_epilogue`, `pool_epilogue`: one compute-bound op (GEMM or Conv), or an
-NHWC max pool, with the pointwise epilogue after it.
+NHWC max or average pool, with the pointwise epilogue after it.
 
 The epilogue grows from the anchor's output through pointwise consumers of the same shape (bias,
 activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
@@ -22,7 +22,7 @@ from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import CONV_OPS, MAX_POOL_NHWC, NHWC_CONV, has_shortcut
+from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut
 from opfuse.ir.support import (
     conv_anchor_reason,
     gemm_anchor_reason,
@@ -61,9 +61,10 @@ class AnchorEpilogue(FusionRule):
                 yield Candidate(GEMM_RULE, [anchor])
             elif anchor.op_type in CONV_OPS and state.on(CONV_RULE):
                 yield Candidate(CONV_RULE, [anchor])
-            elif anchor.op_type == MAX_POOL_NHWC and state.on(POOL_RULE):
-                # Memory-bound, but a head like an anchor's: the window's maximum, then the pointwise
-                # ops after it. Alone, it stays the library's pool unless its kernel is measured faster.
+            elif anchor.op_type in NHWC_POOLS.values() and state.on(POOL_RULE):
+                # Memory-bound, but a head like an anchor's: the window's maximum or average, then the
+                # pointwise ops after it. Alone, it stays the library's pool unless its kernel is
+                # measured faster.
                 yield Candidate(POOL_RULE, [anchor])
 
     def check(self, c: Candidate) -> str | None:
