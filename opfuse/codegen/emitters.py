@@ -1,7 +1,8 @@
 """Triton expressions of the pointwise ops: one emitter per op, shared by every template.
 
-An emitter takes the expressions of its arguments (float32 registers), the node and its inputs'
-scalar constants, and returns the expression of its output. `ir.ops.POINTWISE_OPS` names the ops
+An emitter takes the expressions of its arguments (float32 registers; in the pointwise template
+also integer and boolean ones, for `ir.ops.MASK_OPS` and exact integer arithmetic), the node and
+its inputs' scalar constants, and returns the expression of its output. `ir.ops.POINTWISE_OPS` names the ops
 that have one: fusion plans with that set, so the two must agree (checked on import).
 """
 
@@ -12,9 +13,23 @@ from collections.abc import Callable
 
 from opfuse.codegen.source import float_literal
 from opfuse.graph import Node
-from opfuse.ir.ops import ONNX_FLOAT_CASTS, POINTWISE_OPS, gelu_approximate
+from opfuse.ir.ops import (
+    COMPARE_OPS,
+    INT_TYPES,
+    LOGIC_OPS,
+    MASK_OPS,
+    ONNX_CASTS,
+    POINTWISE_OPS,
+    gelu_approximate,
+)
 
-TL_DTYPES = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16"}
+TL_DTYPES = {
+    "float32": "tl.float32",
+    "float16": "tl.float16",
+    "bfloat16": "tl.bfloat16",
+    "int32": "tl.int32",
+    "int64": "tl.int64",
+}
 
 Emitter = Callable[[list[str], Node, list[float | None]], str]
 EMITTERS: dict[str, Emitter] = {}
@@ -144,14 +159,34 @@ def _where(a: list[str], n: Node, c: list[float | None]) -> str:
 
 @emitter("Cast")
 def _cast(a: list[str], n: Node, c: list[float | None]) -> str:
-    target = ONNX_FLOAT_CASTS[int(n.attrs["to"])]
-    if target == "float32":
+    target = ONNX_CASTS[int(n.attrs["to"])]
+    if target == "bool":
+        return f"({a[0]} != 0)"
+    if target in INT_TYPES:  # from a float: truncated toward zero, as ONNX Cast does
+        return f"{a[0]}.to({TL_DTYPES[target]})"
+    if target == "float32":  # the register is float32 (codegen.pointwise converts integers first)
         return a[0]
     # Round through the narrower type, as the unfused Cast would.
     return f"{a[0]}.to({TL_DTYPES[target]}).to(tl.float32)"
 
 
-if set(EMITTERS) != POINTWISE_OPS:
+@emitter(*COMPARE_OPS)
+def _compare(a: list[str], n: Node, c: list[float | None]) -> str:
+    return f"({a[0]} {COMPARE_OPS[n.op_type]} {a[1]})"
+
+
+@emitter(*LOGIC_OPS)
+def _logic(a: list[str], n: Node, c: list[float | None]) -> str:
+    return f"({a[0]} {LOGIC_OPS[n.op_type]} {a[1]})"
+
+
+@emitter("Not")
+def _not(a: list[str], n: Node, c: list[float | None]) -> str:
+    return f"({a[0]} == 0)"
+
+
+if set(EMITTERS) != POINTWISE_OPS | MASK_OPS:
     raise ImportError(
-        f"ir.ops.POINTWISE_OPS and the emitters differ in {sorted(set(EMITTERS) ^ POINTWISE_OPS)}"
+        "ir.ops.POINTWISE_OPS | MASK_OPS and the emitters differ in "
+        f"{sorted(set(EMITTERS) ^ (POINTWISE_OPS | MASK_OPS))}"
     )

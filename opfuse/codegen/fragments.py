@@ -41,7 +41,10 @@ def split_literals(
             continue
         value = scalar_constant(graph, name)
         if value is not None and np.isfinite(value) and name not in tensors:
-            literals[name] = float_literal(value)
+            kind = graph.constants[name].dtype.kind
+            # An integer or boolean constant (the pointwise template's exact arithmetic) keeps its
+            # type: a float literal would turn integer registers into float ones.
+            literals[name] = float_literal(value) if kind == "f" else str(int(value))
         elif name not in loaded:
             loaded.append(name)
     return literals, loaded

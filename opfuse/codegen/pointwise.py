@@ -1,6 +1,7 @@
 """Triton source for a pointwise group: one pass over the output, intermediates in registers.
 
-Every node computes in float32 registers; inputs are loaded once (with broadcasting by index
+Every node computes in float32 registers (integers and booleans in their own: mask and position-id
+arithmetic, `ir.ops.MASK_OPS`, is exact); inputs are loaded once (with broadcasting by index
 arithmetic) and each group output is stored once in its own dtype. A window op (LRN) also loads its
 input at neighbouring channel offsets, so that input is always one of the kernel's tensors. A
 Concat selects: each element of its output is loaded from the input whose range along the axis
@@ -30,7 +31,7 @@ from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, float_literal
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import WINDOW_OPS, window_input
+from opfuse.ir.ops import FLOAT_TYPES, ONNX_CASTS, WINDOW_OPS, window_input
 from opfuse.ir.queries import scalar_constant
 from opfuse.ir.resize import ResizeGather
 
@@ -141,10 +142,13 @@ def _pointwise_loads(
         strides = tuple(view.strides) if view is not None else None
         idx = broadcast_index(in_shape, shape, strides)
         offset = f" + {view.offset}" if view is not None and view.offset else ""  # a Split output
+        # Floats compute in float32; integers and booleans stay as they are (exact arithmetic).
+        floating = graph.spec(name).dtype in FLOAT_TYPES
+        up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
         if idx is None:
-            buf.line(f"x{i} = tl.load(in{i}{offset}).to(tl.float32)")
+            buf.line(f"x{i} = tl.load(in{i}{offset}){up}")
         else:
-            buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other=0.0).to(tl.float32)")
+            buf.line(f"x{i} = tl.load(in{i} + {idx}{offset}, mask=mask, other={zero}){up}")
         regs[name] = f"x{i}"
         reads[name] = (i, in_shape, strides, offset)
     return reads
@@ -172,6 +176,9 @@ def _pointwise_node(
         emit_concat(buf, graph, n, v, slot, views, index_type)
     else:
         args_expr = [regs[x] if x else "" for x in n.inputs]
+        to_float = n.op_type == "Cast" and ONNX_CASTS[int(n.attrs["to"])] in FLOAT_TYPES
+        if to_float and graph.spec(n.inputs[0]).dtype not in FLOAT_TYPES:  # an integer or boolean
+            args_expr[0] = f"{args_expr[0]}.to(tl.float32)"
         consts = [scalar_constant(graph, x) if x else None for x in n.inputs]
         buf.line(f"{v} = {EMITTERS[n.op_type](args_expr, n, consts)}  # {n.op_type}")
     regs[n.outputs[0]] = v

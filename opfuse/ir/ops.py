@@ -19,6 +19,17 @@ CONV_OPS = ("Conv", NHWC_CONV)
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 ONNX_FLOAT_CASTS = {1: "float32", 10: "float16", 16: "bfloat16"}  # Cast.to enum -> dtype
+INT_TYPES = ("int32", "int64")
+# Cast.to enum -> dtype for every type a generated pointwise kernel holds in its registers.
+ONNX_CASTS = {**ONNX_FLOAT_CASTS, 6: "int32", 7: "int64", 9: "bool"}
+
+# Ops on integers and booleans a generated pointwise kernel computes exactly (no float rounding):
+# the mask and position-id arithmetic models do at run time (RoBERTa's position ids from the
+# token ids: Equal, Not, Cast, Mul, Add). Comparisons and logic give booleans.
+COMPARE_OPS = {"Equal": "==", "Less": "<", "Greater": ">", "LessOrEqual": "<=", "GreaterOrEqual": ">="}
+LOGIC_OPS = {"And": "&", "Or": "|", "Xor": "^"}
+MASK_OPS = frozenset({*COMPARE_OPS, *LOGIC_OPS, "Not"})
+EXACT_INT_OPS = frozenset({"Add", "Sub", "Mul", "Neg", "Abs", "Max", "Min", "Identity", "Where", "Cast"})
 
 # The ops a generated pointwise kernel computes (codegen/emitters.py has an expression for each).
 POINTWISE_OPS = frozenset(

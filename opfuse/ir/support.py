@@ -12,11 +12,17 @@ import numpy as np
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.ops import (
     AVERAGE_POOL_NHWC,
+    COMPARE_OPS,
     CONV_OPS,
+    EXACT_INT_OPS,
     FLOAT_TYPES,
     GELU_APPROXIMATIONS,
+    INT_TYPES,
+    LOGIC_OPS,
+    MASK_OPS,
     NHWC_CONV,
     NHWC_POOLS,
+    ONNX_CASTS,
     ONNX_FLOAT_CASTS,
     POINTWISE_OPS,
     WINDOW_OPS,
@@ -30,14 +36,20 @@ from opfuse.ir.queries import scalar_constant
 INT32_INDEX_LIMIT = 2**31 - 2**24
 
 
-def pointwise_reason(graph: Graph, node: Node) -> str | None:
-    """None if the node can go into a generated pointwise kernel, else why not."""
-    if node.op_type not in POINTWISE_OPS:
+def pointwise_reason(graph: Graph, node: Node, integers: bool = False) -> str | None:
+    """None if the node can go into a generated pointwise kernel, else why not. `integers`: the
+    pointwise template's own kernels, which also compute on integers and booleans (`MASK_OPS`,
+    and the `EXACT_INT_OPS` on integer values); the anchor and row templates hold float32 alone."""
+    if node.op_type not in POINTWISE_OPS and not (integers and node.op_type in MASK_OPS):
         return f"{node.op_type} is not a pointwise op opfuse generates code for"
     outs = [o for o in node.outputs if o]
     if len(outs) != 1:
         return "the node has more than one output"
     checked = [*[x for x in node.inputs if x], *outs]
+    if integers and (
+        node.op_type in MASK_OPS or any(graph.spec(x).dtype not in FLOAT_TYPES for x in checked)
+    ):
+        return _exact_reason(graph, node, checked)
     if node.op_type == "Where":
         if graph.spec(node.inputs[0]).dtype != "bool":
             return "Where with a non-boolean condition"
@@ -55,6 +67,29 @@ def pointwise_reason(graph: Graph, node: Node) -> str | None:
         return f"Gelu with approximate={gelu_approximate(node)!r}: only 'none' and 'tanh' are defined"
     if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in ONNX_FLOAT_CASTS:
         return "Cast to a non-float type"
+    return None
+
+
+def _exact_reason(graph: Graph, node: Node, values: list[str]) -> str | None:
+    """A pointwise node on integers or booleans (or a comparison of floats): None if the pointwise
+    template computes it exactly in registers of the values' own types."""
+    types = {x: graph.spec(x).dtype for x in values}
+    known = (*FLOAT_TYPES, *INT_TYPES, "bool")
+    for t in types.values():
+        if t not in known:
+            return f"value of type {t}: pointwise kernels take float, int32, int64 and bool values"
+    ins = [x for x in node.inputs if x]
+    op = node.op_type
+    if op in COMPARE_OPS:
+        return None if types[ins[0]] != "bool" else f"{op} of booleans"
+    if op in LOGIC_OPS or op == "Not":
+        return None if all(types[x] == "bool" for x in ins) else f"{op} of non-boolean values"
+    if op == "Cast":
+        return None if int(node.attrs.get("to", 0)) in ONNX_CASTS else "Cast to a type kernels do not hold"
+    if op == "Where":
+        return None if types[ins[0]] == "bool" else "Where with a non-boolean condition"
+    if op not in EXACT_INT_OPS or any(types[x] == "bool" for x in ins):
+        return f"{op} on integers: only exact integer arithmetic ({', '.join(sorted(EXACT_INT_OPS))}) is generated"
     return None
 
 

@@ -7,7 +7,9 @@ a member like a pointwise op, except that the producer of the input it reads at 
 channels never joins its group), `concat_select` (a Concat is a member that joins no producer's
 group: its inputs are loaded), `resize_gather` (a Resize only the group reads is computed by its
 loads) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
-kernel. Nodes the row and anchor groups hold are not candidates.
+kernel. Nodes the row and anchor groups hold are not candidates. Integers and booleans join too
+(mask and position-id arithmetic: `ir.ops.MASK_OPS`, exact integer Add/Sub/Mul, Cast, Where),
+but an integer value some reader takes as a shape, axes or sizes stays an op.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from opfuse.fusion.layout_fold import fold_layout
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import WINDOW_OPS, window_input
+from opfuse.ir.ops import FLOAT_TYPES, MASK_OPS, POINTWISE_OPS, WINDOW_OPS, window_input
 from opfuse.ir.support import pointwise_reason, window_reason
 from opfuse.passes.rules import NotFired, node_label
 
@@ -31,6 +33,29 @@ WINDOW_RULE = names.CHANNEL_WINDOW
 CONCAT_SELECT_RULE = names.CONCAT_SELECT
 RESIZE_RULE = names.RESIZE_GATHER
 LAYOUT_RULE = names.LAYOUT_VIEWS
+
+
+# Ops whose inputs past the first are data, as the first is (elementwise ops and lookups); any
+# other op reads its later inputs as shapes, axes, sizes or pads, and ConstantOfShape and Range
+# read even the first so.
+_DATA_INPUTS = frozenset({"Gather", "GatherElements", "GatherND", "Where", "ScatterElements", "ScatterND"})
+_SHAPE_FIRST = frozenset({"ConstantOfShape", "Range"})
+
+
+def _read_as_shape(graph: Graph, node: Node) -> bool:
+    """Whether some reader takes the node's (integer) output as a shape, axes or sizes rather
+    than as data: such a value must not become a kernel's output on the device."""
+    out = node.outputs[0]
+    for u in graph.consumers().get(out, []):
+        for pos, x in enumerate(u.inputs):
+            if x != out:
+                continue
+            if u.op_type in _SHAPE_FIRST:
+                return True
+            elementwise = u.op_type in POINTWISE_OPS or u.op_type in MASK_OPS or u.op_type in _DATA_INPUTS
+            if pos > 0 and not elementwise:
+                return True
+    return False
 
 
 class Pointwise(FusionRule):
@@ -57,9 +82,11 @@ class Pointwise(FusionRule):
             return None
         if n.op_type in WINDOW_OPS:
             return window_reason(graph, n) if state.on(WINDOW_RULE) else QUIET
-        reason = pointwise_reason(graph, n)
+        reason = pointwise_reason(graph, n, integers=True)
         if reason is not None and reason.endswith("generates code for"):
             return QUIET  # not an elementwise op at all
+        if reason is None and graph.spec(n.outputs[0]).dtype not in FLOAT_TYPES and _read_as_shape(graph, n):
+            return "an integer value read as a shape, axes or sizes: it stays on the host's side of the plan"
         return reason
 
     def claim(self, c: Candidate) -> None:
