@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.conv_fragments import (
+    PoolTaps,
     concat_stores,
     depthwise_taps,
     padded_load,
@@ -56,9 +57,9 @@ from opfuse.codegen.fragments import (
 from opfuse.codegen.source import SourceBuffer, comment_text, in_bounds
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV
+from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
-from opfuse.ir.support import INT32_INDEX_LIMIT, conv_params, pool_params
+from opfuse.ir.support import INT32_INDEX_LIMIT, conv_params
 
 Dot = Callable[[str, str], None]
 
@@ -222,12 +223,9 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
         f"{list(out_shape)}; M={cv.m} N={cv.n} K={cv.k}"
     )
     window = cv.window
+    windows = {MAX_POOL_NHWC: "max pool", AVERAGE_POOL_NHWC: "average pool", NHWC_CONV: "depthwise conv"}
     for node in cv.prologue:
-        role = (
-            "input scale"
-            if window is None
-            else ("max pool" if window.op_type == MAX_POOL_NHWC else "depthwise conv") + " on the input tiles"
-        )
+        role = "input scale" if window is None else f"{windows[window.op_type]} on the input tiles"
         buf.line(node_comment(node, f"prologue: {role}"))
     buf.line(node_comment(cv.anchor, "anchor", op="Conv"))
     if cv.sx_name:
@@ -375,7 +373,7 @@ def _segment_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
 
 def _channel_block(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
     """Channels c0 .. c0 + BLOCK_K of window position t: the A tile (the input, padded, or the
-    pool's maximum), then the weight's tile into the accumulator."""
+    pool's maximum or average), then the weight's tile into the accumulator."""
     c, k, n = cv.p["C"], cv.k, cv.n
     buf.line("ci = c0 + rk")
     buf.line(f"a_ok = ok[:, None] & (ci[None, :] < {c})")
@@ -402,20 +400,23 @@ def _scale_tile(buf: SourceBuffer, cv: NhwcConv, mask: str) -> None:
 
 
 def _pooled_tile(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) -> None:
-    """a_tile at conv-input pixels (ih, iw): the max pool's output there (its window's maximum
-    over x, -inf outside x), then its activation chain, rounded to the model's type as the
-    stored tensor would be; 0 where (ih, iw) is outside the pooled tensor (the conv's padding)."""
+    """a_tile at conv-input pixels (ih, iw): the pool's output there (`PoolTaps`: its window's
+    maximum over x, -inf outside x, or its average, as the pool's own kernel divides), then its
+    activation chain, rounded to the model's type as the stored tensor would be; 0 where (ih, iw)
+    is outside the pooled tensor (the conv's padding). (ih, iw) are columns ([BLOCK_M, 1]), and
+    so is an average pool's tap count; a pixel of the conv's padding counts none, and divides by 1
+    (its lane is 0 all the same) rather than make a NaN."""
     assert cv.window is not None
-    pool = Window.of(pool_params(cv.graph, cv.window))
-    buf.line('pv = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
-    buf.line(f"for pt in tl.static_range(0, {pool.taps}):")
+    pool = PoolTaps.of(cv.graph, cv.window)
+    win = pool.window
+    pool.emit_start(buf, "pv", "pcount", "(BLOCK_M, 1)")
+    buf.line(f"for pt in tl.static_range(0, {win.taps}):")
     with buf.indent():
-        pool.emit_tap(buf, pool.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))
-        p_offset = f"((img[:, None] * {pool.h} + ph) * {pool.w} + pw) * {cv.p['C']} + ci[None, :]"
-        buf.line(
-            f"pv = tl.maximum(pv, tl.load(x + {in_bounds(p_offset, 'p_ok')}, "
-            'mask=p_ok, other=float("-inf")).to(tl.float32))'
-        )
+        win.emit_tap(buf, win.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))
+        p_offset = f"((img[:, None] * {win.h} + ph) * {win.w} + pw) * {cv.p['C']} + ci[None, :]"
+        value = f"tl.load(x + {in_bounds(p_offset, 'p_ok')}, mask=p_ok, other={pool.fill})"
+        pool.emit_tap(buf, "pv", value, "pcount", "ph", "pw")
+    pool.emit_mean(buf, "pv", "tl.maximum(pcount, 1.0)")
     chain_regs = {**cv.literals, cv.window.outputs[0]: "pv"}
     emit_nodes(buf, cv.graph, cv.prologue[1:], chain_regs, prefix="u")
     buf.line(f"a_tile = tl.where({ok}, {chain_regs[cv.anchor.inputs[0]]}, 0.0).to(x.dtype.element_ty)")

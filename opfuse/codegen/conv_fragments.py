@@ -1,6 +1,6 @@
 """Pieces of the NHWC conv template (codegen/conv.py) that stand on their own: a Pad prologue's
 geometry, the split-K reduction and launch, the shortcut's second K loop, the Concat stores, the
-window prologue (a depthwise conv on the input tiles) and the zero-weight tap segments."""
+window prologue (a depthwise conv or a pool on the input tiles) and the zero-weight tap segments."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
 from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
-from opfuse.codegen.window import Window
+from opfuse.codegen.window import Window, counted_region, windows_inside
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC
+from opfuse.ir.ops import AVERAGE_POOL_NHWC, NHWC_POOLS
 from opfuse.ir.support import conv_params, pad_per_dim, pool_params
 
 
@@ -173,6 +173,69 @@ def concat_stores(
                 )
 
 
+@dataclass(frozen=True)
+class PoolTaps:
+    """A max or average pool as a conv computes it on its input tiles, tap by tap. An average
+    pool's divisor is counted as the pool's own kernel counts it (codegen/pool.py's
+    `counted_region` and `windows_inside`: onnxruntime's count), and its sum taken in the same
+    order, so the tile is the one that kernel would store."""
+
+    window: Window
+    counted: tuple[int, int, int, int] | None = None  # an average pool's counted region; None: a max pool
+    constant: bool = True  # every window lies inside `counted`: the divisor is the window's taps
+
+    @classmethod
+    def of(cls, graph: Graph, pool: Node) -> PoolTaps:
+        p = pool_params(graph, pool)
+        if pool.op_type != AVERAGE_POOL_NHWC:
+            return cls(Window.of(p))
+        counted = counted_region(p, pool)
+        return cls(Window.of(p), counted, windows_inside(p, counted))
+
+    @property
+    def average(self) -> bool:
+        return self.counted is not None
+
+    @property
+    def fill(self) -> str:
+        """What a tap outside the input loads: -inf never wins a maximum, 0 adds nothing to a sum."""
+        return "0.0" if self.average else 'float("-inf")'
+
+    def emit_start(self, buf: SourceBuffer, acc: str, count: str, count_shape: str) -> None:
+        """The [BLOCK_M, BLOCK_K] accumulator `acc`, and an average pool's per-pixel tap counter
+        `count` (of shape `count_shape`, the shape of the taps' pixel coordinates) where windows
+        count different taps."""
+        if not self.average:
+            buf.line(f'{acc} = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
+            return
+        buf.line(f"{acc} = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
+        if not self.constant:
+            buf.line(f"{count} = tl.zeros({count_shape}, dtype=tl.float32)")
+
+    def emit_tap(self, buf: SourceBuffer, acc: str, value: str, count: str, ih: str, iw: str) -> None:
+        """`value` (loaded with `fill` outside the input) into `acc`; an average pool counts the
+        tap at input pixel (ih, iw) if it lies inside the counted region."""
+        if not self.average:
+            buf.line(f"{acc} = tl.maximum({acc}, {value}.to(tl.float32))")
+            return
+        buf.line(f"{acc} = {acc} + {value}.to(tl.float32)")
+        if not self.constant:
+            assert self.counted is not None
+            top, bottom, left, right = self.counted
+            buf.line(
+                f"{count} += (({ih} >= {top}) & ({ih} < {bottom}) & ({iw} >= {left}) & ({iw} < {right})).to(tl.float32)"
+            )
+
+    def emit_mean(self, buf: SourceBuffer, acc: str, count: str) -> None:
+        """An average pool's sum divided by its taps (`count`: the counter, broadcast to `acc`)."""
+        if self.average:
+            buf.line(
+                f"{acc} = {acc} / {float(self.window.taps)!r}"
+                if self.constant
+                else f"{acc} = {acc} / {count}"
+            )
+
+
 def window_prologue(
     buf: SourceBuffer,
     graph: Graph,
@@ -183,20 +246,21 @@ def window_prologue(
     n: int,
     dot: Callable[[str, str], None],
 ) -> None:
-    """A 1x1 conv's K loop whose input tiles are a depthwise conv's output (fp32 multiply-adds
-    over the window) or a max pool's (the window's maximum; outside the input -inf), computed from
-    their input `x` as they are needed, then the one-input activation after it (`chain`), rounded
-    to the model's type as a stored tensor would be."""
-    pool = dw.op_type == MAX_POOL_NHWC
-    d = Window.of(pool_params(graph, dw) if pool else conv_params(graph, dw))
-    fill = 'float("-inf")' if pool else "0.0"
+    """A 1x1 conv's K loop (stride 1, unpadded: its pixels are the prologue's) whose input tiles
+    are a depthwise conv's output (fp32 multiply-adds over the window) or a pool's (`PoolTaps`:
+    the window's maximum, or its average), computed from their input `x` as they are needed, then
+    the one-input activation after it (`chain`), rounded to the model's type as a stored tensor
+    would be."""
+    pool = PoolTaps.of(graph, dw) if dw.op_type in NHWC_POOLS.values() else None
+    d = pool.window if pool is not None else Window.of(conv_params(graph, dw))
+    fill = pool.fill if pool is not None else "0.0"
     taps = d.taps
     buf.line(f"for c0 in range(0, {c}, BLOCK_K):")
     with buf.indent():
         buf.line("ci = c0 + rk")
         buf.line(f"c_ok = ci < {c}")
-        if pool:
-            buf.line('dacc = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
+        if pool is not None:
+            pool.emit_start(buf, "dacc", "dcount", "(BLOCK_M,)")
         else:
             buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
         buf.line(f"for t in tl.static_range(0, {taps}):")
@@ -207,11 +271,13 @@ def window_prologue(
                 f"xv = tl.load(x + {in_bounds(f'(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]', 'x_ok')}, "
                 f"mask=x_ok, other={fill})"
             )
-            if pool:
-                buf.line("dacc = tl.maximum(dacc, xv.to(tl.float32))")
+            if pool is not None:
+                pool.emit_tap(buf, "dacc", "xv", "dcount", "ih", "iw")
             else:
                 buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
                 buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
+        if pool is not None:
+            pool.emit_mean(buf, "dacc", "dcount[:, None]")
         if len(dw.inputs) > 2 and dw.inputs[2]:
             buf.line("dacc = dacc + tl.load(db + ci, mask=c_ok, other=0.0)[None, :].to(tl.float32)")
         regs[dw.outputs[0]] = "dacc"

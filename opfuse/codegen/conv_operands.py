@@ -1,6 +1,7 @@
 """What the NHWC conv template (codegen/conv.py) reads off its group before it writes a line: the
-epilogue's Concat and Split, the prologue (a Pad, an input scale, a depthwise conv or max pool on
-the input tiles), the shortcut, the kernel's arguments and which of its loop forms it takes."""
+epilogue's Concat and Split, the prologue (a Pad, an input scale, a depthwise conv or a max or
+average pool on the input tiles), the shortcut, the kernel's arguments and which of its loop
+forms it takes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from opfuse.codegen.conv_fragments import TapInput, pad_geometry, tap_segments
 from opfuse.codegen.epilogue import dot_precision
 from opfuse.codegen.fragments import split_literals
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.support import centre_tap, conv_params, input_scale_operands
 
 
@@ -39,12 +40,12 @@ class NhwcConv:
     scale: str = ""  # x = act * scale: the kernel reads act and scales each loaded tile
     scale_index: str = ""
     pad: Node | None = None
-    window: Node | None = None  # a depthwise conv or a max pool computed as the tiles are loaded
+    window: Node | None = None  # a depthwise conv or a pool computed as the tiles are loaded
     dw_w: str = ""
     dw_b: str = ""
     pool_out: str = ""  # the pooled tensor, where others read it too (stored from the centre tap)
     centre: int | None = None
-    pooled: bool = False  # the template's loops, each tile loaded as the pool's maximum
+    pooled: bool = False  # the template's loops, each tile loaded as the pool's maximum or average
     concat: Node | None = None
     split: Node | None = None
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # value -> (first column, columns)
@@ -111,7 +112,7 @@ def _split_parts(graph: Graph, split: Node, epilogue: list[Node]) -> dict[str, t
 
 def _read_prologue(cv: NhwcConv) -> None:
     prologue, graph = cv.prologue, cv.graph
-    if prologue and prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC):
+    if prologue and prologue[0].op_type in (NHWC_CONV, *NHWC_POOLS.values()):
         cv.window = prologue[0]
         cv.x_name = cv.window.inputs[0]
         if cv.window.op_type == NHWC_CONV:
@@ -129,15 +130,18 @@ def _read_prologue(cv: NhwcConv) -> None:
             ["ci[None, :]"] if s_shape[3] != 1 else []
         )
         cv.scale_index = " + ".join(terms) or "0"
-    # A max pool before a conv wider than 1x1, or whose output others read too (the conv then
-    # stores it, from its centre tap).
-    anchor = cv.anchor
+    # A pool before any conv but a plain 1x1 one (wider, strided or padded: its pixels are not the
+    # pool's), or whose output others read too (the conv then stores it, from its centre tap), is
+    # computed in the template's own loops; before a plain 1x1 conv, in the window prologue's.
+    anchor, p = cv.anchor, cv.p
     cv.pool_out = anchor.inputs[0] if cv.window is not None and anchor.inputs[0] in cv.outputs else ""
     cv.centre = centre_tap(graph, anchor) if cv.pool_out else None
+    window = (p["KH"], p["KW"], p["SH"], p["SW"], p["PH"], p["PW"])
+    plain = window == (1, 1, 1, 1, 0, 0) and (p["OH"], p["OW"]) == (p["H"], p["W"])
     cv.pooled = (
         cv.window is not None
-        and cv.window.op_type == MAX_POOL_NHWC
-        and ((cv.p["KH"], cv.p["KW"]) != (1, 1) or bool(cv.pool_out))
+        and cv.window.op_type in NHWC_POOLS.values()
+        and (not plain or bool(cv.pool_out))
     )
 
 

@@ -25,7 +25,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.source import SourceBuffer, in_bounds
-from opfuse.codegen.window import Window
+from opfuse.codegen.window import Window, counted_region, windows_inside
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC
 from opfuse.ir.queries import next_pow2
@@ -44,7 +44,7 @@ def generate_pool(
     p = pool_params(graph, anchor)
     win = Window.of(p)
     average = anchor.op_type == AVERAGE_POOL_NHWC
-    counted = _counted_region(p, anchor) if average else None
+    counted = counted_region(p, anchor) if average else None
     out_shape = graph.spec(anchor.outputs[0]).shape
     m, c = p["N"] * p["OH"] * p["OW"], p["C"]
     x_name = anchor.inputs[0]
@@ -122,7 +122,7 @@ def _average_taps(
     taps inside `counted`: a constant where every window of the output lies inside it, else
     counted per output pixel as the taps go."""
     top, bottom, left, right = counted
-    full = _windows_inside(p, counted)
+    full = windows_inside(p, counted)
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
     if not full:
         buf.line("taps = tl.zeros((BLOCK_M,), dtype=tl.float32)")
@@ -149,21 +149,3 @@ def _tap_loop(buf: SourceBuffer, win: Window, p: dict[str, int], fill: str) -> I
             f"v = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'v_ok')}, mask=v_ok, other={fill})"
         )
         yield
-
-
-def _counted_region(p: dict[str, int], pool: Node) -> tuple[int, int, int, int]:
-    """(top, bottom, left, right): the input rows [top, bottom) and columns [left, right) whose taps
-    an average pool divides by. count_include_pad=1: the padded input, without the ceil_mode
-    overhang past the end pads (onnxruntime's count); 0: the input alone."""
-    if int(pool.attrs.get("count_include_pad", 0)) == 1:
-        return -p["PH"], p["H"] + p["PH_END"], -p["PW"], p["W"] + p["PW_END"]
-    return 0, p["H"], 0, p["W"]
-
-
-def _windows_inside(p: dict[str, int], counted: tuple[int, int, int, int]) -> bool:
-    """Whether every tap of every output pixel's window lies inside `counted` (then each window
-    counts all its taps: a constant divisor)."""
-    top, bottom, left, right = counted
-    last_row = (p["OH"] - 1) * p["SH"] - p["PH"] + (p["KH"] - 1) * p["DH"]
-    last_col = (p["OW"] - 1) * p["SW"] - p["PW"] + (p["KW"] - 1) * p["DW"]
-    return -p["PH"] >= top and -p["PW"] >= left and last_row < bottom and last_col < right

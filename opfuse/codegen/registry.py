@@ -30,7 +30,7 @@ from opfuse.codegen.tuning_space import (
     rowwise_candidates,
 )
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
 
@@ -133,11 +133,12 @@ def _pointwise(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSo
 
 
 def _conv_split(g: GroupLike) -> SplitForm | None:
-    """A depthwise conv or max pool computed on the input tiles: the prologue's own kernel (with
-    its activation), then the anchor's template, as without the prologue rule."""
-    if not (g.prologue and g.prologue[0].op_type in (NHWC_CONV, MAX_POOL_NHWC)):
+    """A depthwise conv or a max or average pool computed on the input tiles: the prologue's own
+    kernel (the conv's or the pool's template, with its activation), then the anchor's template,
+    as without the prologue rule."""
+    if not (g.prologue and g.prologue[0].op_type in (NHWC_CONV, *NHWC_POOLS.values())):
         return None
-    head = "pool" if g.prologue[0].op_type == MAX_POOL_NHWC else "conv"
+    head = "pool" if g.prologue[0].op_type in NHWC_POOLS.values() else "conv"
     return SplitForm(
         "split: the prologue's kernel, then the anchor's",
         lambda graph: [SplitPiece(head, g.prologue), SplitPiece("conv", g.nodes, views=g.views)],

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opfuse.codegen.source import SourceBuffer
+from opfuse.ir.graph import Node
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,21 @@ class Window:
         buf.line(f"{ih} = {th}")
         buf.line(f"{iw} = {tw}")
         buf.line(f"{ok} = {rows_ok} & {self.inside(ih, iw)}")
+
+
+def counted_region(p: dict[str, int], pool: Node) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right): the input rows [top, bottom) and columns [left, right) whose taps
+    an average pool divides by. count_include_pad=1: the padded input, without the ceil_mode
+    overhang past the end pads (onnxruntime's count); 0: the input alone."""
+    if int(pool.attrs.get("count_include_pad", 0)) == 1:
+        return -p["PH"], p["H"] + p["PH_END"], -p["PW"], p["W"] + p["PW_END"]
+    return 0, p["H"], 0, p["W"]
+
+
+def windows_inside(p: dict[str, int], counted: tuple[int, int, int, int]) -> bool:
+    """Whether every tap of every output pixel's window lies inside `counted` (then each window
+    counts all its taps: a constant divisor)."""
+    top, bottom, left, right = counted
+    last_row = (p["OH"] - 1) * p["SH"] - p["PH"] + (p["KH"] - 1) * p["DH"]
+    last_col = (p["OW"] - 1) * p["SW"] - p["PW"] + (p["KW"] - 1) * p["DW"]
+    return -p["PH"] >= top and -p["PW"] >= left and last_row < bottom and last_col < right

@@ -320,8 +320,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         POOL_PROLOGUE,
         FUSION,
-        "A max pool computed on the input tiles of the conv (any window) that reads it; where others read "
-        "the pool too, the conv stores the tile it loads at its centre window position.",
+        "A max or average pool computed on the input tiles of the conv (any window) that reads it (an "
+        "average divided as the pool's own kernel divides); where others read the pool too, the conv stores "
+        "the tile it loads at its centre window position.",
         impl=f"{RULES_PACKAGE}.window_prologue",
     ),
     _r(

@@ -36,7 +36,7 @@ class Group:
     views: dict[str, Any] = field(default_factory=dict)
     absorbed: list[Node] = field(default_factory=list)
     # Conv groups: what computes the anchor's input tiles as they are loaded: a per-(image, input
-    # channel) scale (squeeze-excitation's x * s), or a depthwise conv or max pool and its
+    # channel) scale (squeeze-excitation's x * s), or a depthwise conv or a pool and its
     # activation. Row groups: a depthwise conv computed on the row kernel's tiles.
     prologue: list[Node] = field(default_factory=list)
 

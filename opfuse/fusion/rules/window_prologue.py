@@ -5,12 +5,14 @@ A depthwise conv (with its one-input activation) whose output only a 1x1 conv re
 inside that conv's kernel, as the tiles of its input are loaded: MobileNet's and ShuffleNet's
 depthwise-separable pairs in one launch, and the depthwise output never written. The depthwise conv
 is memory-bound (KH*KW multiply-adds per element), so it may join an anchor as a prologue; the
-result is rounded to the model's type, as the unfused plan would store it. A max pool read by a
-conv joins it the same way (SqueezeNet's pool before each squeeze conv, ResNet's stem pool before
-its first 3x3 conv): the window's maximum computed on the input tiles, at each window position of
-a wider conv. Where others read the pool's output too (ResNet's residual Add), the conv stores the
-tile it loads at its centre position (`_stores_prologue_reason` says where it cannot). One pass
-over the conv groups takes both, so a lone conv that gains a prologue joins the groups in order.
+result is rounded to the model's type, as the unfused plan would store it. A max or average pool
+read by a conv joins it the same way (SqueezeNet's pool before each squeeze conv, ResNet's stem
+pool before its first 3x3 conv, the average pool of Inception's pool branch before its 1x1 conv):
+the window's maximum, or its average divided as the pool's own kernel divides, computed on the
+input tiles, at each window position of a wider conv. Where others read the pool's output too
+(ResNet's residual Add), the conv stores the tile it loads at its centre position
+(`_stores_prologue_reason` says where it cannot). One pass over the conv groups takes both, so a
+lone conv that gains a prologue joins the groups in order.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import MAX_POOL_NHWC, NHWC_CONV, has_shortcut, is_depthwise
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.support import centre_tap, conv_params
 
 DEPTHWISE_RULE = names.DEPTHWISE_PROLOGUE
-POOL_PROLOGUE_RULE = names.POOL_PROLOGUE  # the same, for a max pool before a conv of any window
+POOL_PROLOGUE_RULE = names.POOL_PROLOGUE  # the same, for a max or average pool before a conv of any window
 # The prologue runs once per column tile of the pointwise conv: beyond two tiles of the default
 # width it would compute the depthwise conv too many times over.
 DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
@@ -34,7 +36,7 @@ DEPTHWISE_PROLOGUE_MAX_COLUMNS = 128
 class WindowPrologue(FusionRule):
     def match(self) -> Iterator[Candidate]:
         """Each template conv group (lone ones too) whose input is the only output of a template
-        depthwise conv group (for a 1x1 conv) or max pool group."""
+        depthwise conv group (for a 1x1 conv) or pool group (max or average)."""
         graph, state = self.graph, self.state
         self.consumers = graph.consumers()
         self.outputs = {o.name for o in graph.outputs}
@@ -55,7 +57,7 @@ class WindowPrologue(FusionRule):
             if src is None or src.id in self.gone or src.variant != "template" or src.prologue:
                 continue
             dw = src.nodes[0]
-            pool = src.kind == "pool" and dw.op_type == MAX_POOL_NHWC
+            pool = src.kind == "pool" and dw.op_type in NHWC_POOLS.values()
             if not pool and not (src.kind == "conv" and dw.op_type == NHWC_CONV and is_depthwise(graph, dw)):
                 continue
             if not pool and not pointwise:
@@ -133,7 +135,7 @@ def _dense_conv(graph: Graph, node: Node) -> bool:
 
 
 def _stores_prologue_reason(graph: Graph, conv: Node, g: Group) -> str | None:
-    """None if the conv can store its max-pool prologue's output for that output's other readers
+    """None if the conv can store its pool prologue's output for that output's other readers
     (at its centre tap, from the first column tile), else why not."""
     if centre_tap(graph, conv) is None:
         return "others read the pool's output, and the conv does not read every pooled pixel at one window position (stride 1, same size)"

@@ -1,8 +1,9 @@
 """`depthwise_prologue` and `pool_prologue` (opfuse/fusion/rules/window_prologue.py) on tiny
-graphs: a depthwise conv before a 1x1 conv, a max pool before a conv."""
+graphs: a depthwise conv before a 1x1 conv, a max or average pool before a conv."""
 
 from __future__ import annotations
 
+import pytest
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -24,11 +25,11 @@ def separable(columns: int) -> object:
     )
 
 
-def pooled_conv(columns: int) -> object:
+def pooled_conv(columns: int, pool: str = "MaxPool") -> object:
     return tiny_model(
         [
             n("Conv", ["x", "w0"], ["c"], name="stem", pads=[1, 1, 1, 1]),
-            n("MaxPool", ["c"], ["m"], name="pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            n(pool, ["c"], ["m"], name="pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
             n("Conv", ["m", "w"], ["y"], name="conv"),
         ],
         {"x": [1, 4, 6, 6]},
@@ -56,8 +57,9 @@ def test_a_1x1_conv_too_wide_for_the_depthwise_prologue_is_refused() -> None:
     assert [rule for _, rule, _ in claimed(plan)] == [names.CONV_EPILOGUE, names.CONV_EPILOGUE]
 
 
-def test_the_max_pool_is_computed_on_the_convs_tiles() -> None:
-    _, plan = planned(pooled_conv(16))
+@pytest.mark.parametrize("pool", ["MaxPool", "AveragePool"])
+def test_the_pool_is_computed_on_the_convs_tiles(pool: str) -> None:
+    _, plan = planned(pooled_conv(16, pool))
     assert claimed(plan) == [
         ("conv", f"{names.CONV_EPILOGUE}+{names.POOL_PROLOGUE}", ["pool", "conv"]),
         ("conv", names.CONV_EPILOGUE, ["stem"]),  # lone: nothing to fuse
@@ -65,8 +67,9 @@ def test_the_max_pool_is_computed_on_the_convs_tiles() -> None:
     assert [g.nodes[0].name for g in plan.lone] == ["stem"]  # the conv that took the pool is a group
 
 
-def test_a_conv_too_wide_for_the_pool_prologue_is_refused() -> None:
-    _, plan = planned(pooled_conv(200))
+@pytest.mark.parametrize("pool", ["MaxPool", "AveragePool"])
+def test_a_conv_too_wide_for_the_pool_prologue_is_refused(pool: str) -> None:
+    _, plan = planned(pooled_conv(200, pool))
     assert [reason for _, reason in refusals(plan, names.POOL_PROLOGUE)] == [
         "the 1x1 conv has 200 output channels (over 128): each of its column tiles would compute the pool again"
     ]
