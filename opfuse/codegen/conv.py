@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.conv_fragments import (
-    PoolTaps,
     concat_stores,
     depthwise_taps,
     padded_load,
@@ -55,7 +54,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.source import SourceBuffer, comment_text, in_bounds
-from opfuse.codegen.window import Window
+from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
@@ -409,7 +408,7 @@ def _pooled_tile(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) -> 
     assert cv.window is not None
     pool = PoolTaps.of(cv.graph, cv.window)
     win = pool.window
-    pool.emit_start(buf, "pv", "pcount", "(BLOCK_M, 1)")
+    pool.emit_start(buf, "pv", "BLOCK_K", "pcount", "(BLOCK_M, 1)")
     buf.line(f"for pt in tl.static_range(0, {win.taps}):")
     with buf.indent():
         win.emit_tap(buf, win.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))

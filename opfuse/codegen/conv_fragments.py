@@ -12,10 +12,10 @@ import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
 from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
-from opfuse.codegen.window import Window, counted_region, windows_inside
+from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import AVERAGE_POOL_NHWC, NHWC_POOLS
-from opfuse.ir.support import conv_params, pad_per_dim, pool_params
+from opfuse.ir.ops import NHWC_POOLS
+from opfuse.ir.support import conv_params, pad_per_dim
 
 
 def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
@@ -173,69 +173,6 @@ def concat_stores(
                 )
 
 
-@dataclass(frozen=True)
-class PoolTaps:
-    """A max or average pool as a conv computes it on its input tiles, tap by tap. An average
-    pool's divisor is counted as the pool's own kernel counts it (codegen/pool.py's
-    `counted_region` and `windows_inside`: onnxruntime's count), and its sum taken in the same
-    order, so the tile is the one that kernel would store."""
-
-    window: Window
-    counted: tuple[int, int, int, int] | None = None  # an average pool's counted region; None: a max pool
-    constant: bool = True  # every window lies inside `counted`: the divisor is the window's taps
-
-    @classmethod
-    def of(cls, graph: Graph, pool: Node) -> PoolTaps:
-        p = pool_params(graph, pool)
-        if pool.op_type != AVERAGE_POOL_NHWC:
-            return cls(Window.of(p))
-        counted = counted_region(p, pool)
-        return cls(Window.of(p), counted, windows_inside(p, counted))
-
-    @property
-    def average(self) -> bool:
-        return self.counted is not None
-
-    @property
-    def fill(self) -> str:
-        """What a tap outside the input loads: -inf never wins a maximum, 0 adds nothing to a sum."""
-        return "0.0" if self.average else 'float("-inf")'
-
-    def emit_start(self, buf: SourceBuffer, acc: str, count: str, count_shape: str) -> None:
-        """The [BLOCK_M, BLOCK_K] accumulator `acc`, and an average pool's per-pixel tap counter
-        `count` (of shape `count_shape`, the shape of the taps' pixel coordinates) where windows
-        count different taps."""
-        if not self.average:
-            buf.line(f'{acc} = tl.full((BLOCK_M, BLOCK_K), float("-inf"), dtype=tl.float32)')
-            return
-        buf.line(f"{acc} = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
-        if not self.constant:
-            buf.line(f"{count} = tl.zeros({count_shape}, dtype=tl.float32)")
-
-    def emit_tap(self, buf: SourceBuffer, acc: str, value: str, count: str, ih: str, iw: str) -> None:
-        """`value` (loaded with `fill` outside the input) into `acc`; an average pool counts the
-        tap at input pixel (ih, iw) if it lies inside the counted region."""
-        if not self.average:
-            buf.line(f"{acc} = tl.maximum({acc}, {value}.to(tl.float32))")
-            return
-        buf.line(f"{acc} = {acc} + {value}.to(tl.float32)")
-        if not self.constant:
-            assert self.counted is not None
-            top, bottom, left, right = self.counted
-            buf.line(
-                f"{count} += (({ih} >= {top}) & ({ih} < {bottom}) & ({iw} >= {left}) & ({iw} < {right})).to(tl.float32)"
-            )
-
-    def emit_mean(self, buf: SourceBuffer, acc: str, count: str) -> None:
-        """An average pool's sum divided by its taps (`count`: the counter, broadcast to `acc`)."""
-        if self.average:
-            buf.line(
-                f"{acc} = {acc} / {float(self.window.taps)!r}"
-                if self.constant
-                else f"{acc} = {acc} / {count}"
-            )
-
-
 def window_prologue(
     buf: SourceBuffer,
     graph: Graph,
@@ -260,7 +197,7 @@ def window_prologue(
         buf.line("ci = c0 + rk")
         buf.line(f"c_ok = ci < {c}")
         if pool is not None:
-            pool.emit_start(buf, "dacc", "dcount", "(BLOCK_M,)")
+            pool.emit_start(buf, "dacc", "BLOCK_K", "dcount", "(BLOCK_M,)")
         else:
             buf.line("dacc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
         buf.line(f"for t in tl.static_range(0, {taps}):")

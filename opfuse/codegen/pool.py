@@ -25,9 +25,8 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.source import SourceBuffer, in_bounds
-from opfuse.codegen.window import Window, counted_region, windows_inside
+from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import AVERAGE_POOL_NHWC
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.support import pool_params
 
@@ -42,9 +41,8 @@ def generate_pool(
     group_id: str,
 ) -> KernelSource:
     p = pool_params(graph, anchor)
-    win = Window.of(p)
-    average = anchor.op_type == AVERAGE_POOL_NHWC
-    counted = counted_region(p, anchor) if average else None
+    taps = PoolTaps.of(graph, anchor)
+    win, average, counted = taps.window, taps.average, taps.counted
     out_shape = graph.spec(anchor.outputs[0]).shape
     m, c = p["N"] * p["OH"] * p["OW"], p["C"]
     x_name = anchor.inputs[0]
@@ -85,10 +83,10 @@ def generate_pool(
         buf.line(f"ow = rm % {p['OW']}")
         buf.line(f"row_ok = rm < {m}")
         buf.line(f"col_ok = rn < {c}")
-        if counted is None:
-            _max_taps(buf, win, p)
-        else:
-            _average_taps(buf, win, p, counted)
+        taps.emit_start(buf, "acc", "BLOCK_N", "taps", "(BLOCK_M,)")
+        with _tap_loop(buf, win, p, taps.fill):
+            taps.emit_tap(buf, "acc", "v", "taps", "ih", "iw")
+        taps.emit_mean(buf, "acc", "taps[:, None]")
         buf.line("cols = rn[None, :]")
         buf.line("mask = row_ok[:, None] & col_ok[None, :]")
         buf.line(f"dst = rm[:, None] * {c} + cols")
@@ -106,33 +104,6 @@ def generate_pool(
         emit_stores(buf, outputs, regs, "dst")
     emit_launch(buf, "fused_pool", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({c}, c["BLOCK_N"]))')
     return KernelSource(kernel_id, "pool", buf.getvalue(), [x_name, *extra], list(outputs), config)
-
-
-def _max_taps(buf: SourceBuffer, win: Window, p: dict[str, int]) -> None:
-    """acc: the window's maximum; the taps outside the input load -inf, so they never win."""
-    buf.line('acc = tl.full((BLOCK_M, BLOCK_N), float("-inf"), dtype=tl.float32)')
-    with _tap_loop(buf, win, p, 'float("-inf")'):
-        buf.line("acc = tl.maximum(acc, v.to(tl.float32))")
-
-
-def _average_taps(
-    buf: SourceBuffer, win: Window, p: dict[str, int], counted: tuple[int, int, int, int]
-) -> None:
-    """acc: the window's sum over the taps inside the input (the others load 0), divided by the
-    taps inside `counted`: a constant where every window of the output lies inside it, else
-    counted per output pixel as the taps go."""
-    top, bottom, left, right = counted
-    full = windows_inside(p, counted)
-    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-    if not full:
-        buf.line("taps = tl.zeros((BLOCK_M,), dtype=tl.float32)")
-    with _tap_loop(buf, win, p, "0.0"):
-        buf.line("acc += v.to(tl.float32)")
-        if not full:
-            buf.line(
-                f"taps += ((ih >= {top}) & (ih < {bottom}) & (iw >= {left}) & (iw < {right})).to(tl.float32)"
-            )
-    buf.line(f"acc = acc / {float(win.taps)!r}" if full else "acc = acc / taps[:, None]")
 
 
 @contextmanager

@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opfuse.codegen.source import SourceBuffer
-from opfuse.ir.graph import Node
+from opfuse.ir.graph import Graph, Node
+from opfuse.ir.ops import AVERAGE_POOL_NHWC
+from opfuse.ir.support import pool_params
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,65 @@ def windows_inside(p: dict[str, int], counted: tuple[int, int, int, int]) -> boo
     last_row = (p["OH"] - 1) * p["SH"] - p["PH"] + (p["KH"] - 1) * p["DH"]
     last_col = (p["OW"] - 1) * p["SW"] - p["PW"] + (p["KW"] - 1) * p["DW"]
     return -p["PH"] >= top and -p["PW"] >= left and last_row < bottom and last_col < right
+
+
+@dataclass(frozen=True)
+class PoolTaps:
+    """A max or average pool computed tap by tap, by the pool template and by a conv on its input
+    tiles alike (so a conv's tile is the one the pool's kernel would store). An average pool's
+    divisor is onnxruntime's count (`counted_region`, `windows_inside`)."""
+
+    window: Window
+    counted: tuple[int, int, int, int] | None = None  # an average pool's counted region; None: a max pool
+    constant: bool = True  # every window lies inside `counted`: the divisor is the window's taps
+
+    @classmethod
+    def of(cls, graph: Graph, pool: Node) -> PoolTaps:
+        p = pool_params(graph, pool)
+        if pool.op_type != AVERAGE_POOL_NHWC:
+            return cls(Window.of(p))
+        counted = counted_region(p, pool)
+        return cls(Window.of(p), counted, windows_inside(p, counted))
+
+    @property
+    def average(self) -> bool:
+        return self.counted is not None
+
+    @property
+    def fill(self) -> str:
+        """What a tap outside the input loads: -inf never wins a maximum, 0 adds nothing to a sum."""
+        return "0.0" if self.average else 'float("-inf")'
+
+    def emit_start(self, buf: SourceBuffer, acc: str, block: str, count: str, count_shape: str) -> None:
+        """The [BLOCK_M, `block`] accumulator `acc` (pixels by channels), and an average pool's
+        per-pixel tap counter `count` (of shape `count_shape`, the shape of the taps' pixel
+        coordinates) where windows count different taps."""
+        if not self.average:
+            buf.line(f'{acc} = tl.full((BLOCK_M, {block}), float("-inf"), dtype=tl.float32)')
+            return
+        buf.line(f"{acc} = tl.zeros((BLOCK_M, {block}), dtype=tl.float32)")
+        if not self.constant:
+            buf.line(f"{count} = tl.zeros({count_shape}, dtype=tl.float32)")
+
+    def emit_tap(self, buf: SourceBuffer, acc: str, value: str, count: str, ih: str, iw: str) -> None:
+        """`value` (loaded with `fill` outside the input) into `acc`; an average pool counts the
+        tap at input pixel (ih, iw) if it lies inside the counted region."""
+        if not self.average:
+            buf.line(f"{acc} = tl.maximum({acc}, {value}.to(tl.float32))")
+            return
+        buf.line(f"{acc} = {acc} + {value}.to(tl.float32)")
+        if not self.constant:
+            assert self.counted is not None
+            top, bottom, left, right = self.counted
+            buf.line(
+                f"{count} += (({ih} >= {top}) & ({ih} < {bottom}) & ({iw} >= {left}) & ({iw} < {right})).to(tl.float32)"
+            )
+
+    def emit_mean(self, buf: SourceBuffer, acc: str, count: str) -> None:
+        """An average pool's sum divided by its taps (`count`: the counter, broadcast to `acc`)."""
+        if self.average:
+            buf.line(
+                f"{acc} = {acc} / {float(self.window.taps)!r}"
+                if self.constant
+                else f"{acc} = {acc} / {count}"
+            )
