@@ -183,7 +183,7 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     flags: dict[str, Any] = {"UNROLL": False} if cv.depthwise else {"SPLIT_K": 1} if cv.splittable else {}
     config.update(flags)
     args = cv.args
-    scratch = ["ws", "lock"] if cv.splittable else []
+    scratch = ["partials", "lock"] if cv.splittable else []
     dtype = cv.graph.spec(cv.anchor.inputs[0]).dtype
     kernel_head(buf, "fused_conv", args + scratch, config, m, n, cv.k if cv.flat else c, dtype, flags)
 
@@ -193,7 +193,7 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     with buf.indent():
         _nhwc_prelude(buf, cv)
         _nhwc_k_loops(buf, cv, dot)
-        if cv.sx_name:
+        if cv.sx_name and not cv.splittable:
             shortcut_loop(buf, shortcut_params(cv.graph, cv.anchor), n, dot)
         if cv.splittable:
             split_k_reduction(buf)
@@ -275,9 +275,12 @@ def _nhwc_k_loops(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
     elif cv.segments:
         _segment_loop(buf, cv, dot)
     elif cv.splittable:
+        shortcut = shortcut_params(cv.graph, cv.anchor) if cv.sx_name else None
         buf.line("if SPLIT_K == 1:")
         with buf.indent():
             _window_loop(buf, cv, dot)
+            if shortcut is not None:
+                shortcut_loop(buf, shortcut, cv.n, dot)
         buf.line("else:")
         with buf.indent():
             # Step it of the (window position, channel block) loop, every SPLIT_K-th.
@@ -288,6 +291,8 @@ def _nhwc_k_loops(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
                 window_position(buf, cv.tap)
                 buf.line("c0 = (it % blocks) * BLOCK_K")
                 _channel_block(buf, cv, dot)
+            if shortcut is not None:
+                shortcut_loop(buf, shortcut, cv.n, dot, split=True)
     else:
         _window_loop(buf, cv, dot)
 

@@ -38,7 +38,7 @@ def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
 
 
 def split_k_reduction(buf: SourceBuffer) -> None:
-    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `ws`, count it in at
+    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `partials`, count it in at
     the tile's `lock`; the program that arrives last sums the SPLIT_K slots in order (the same sum
     whichever program is last), sets the counter back to 0 for the next launch and runs the
     epilogue (`last`). The barriers order every thread's store before the count, and the count
@@ -47,7 +47,7 @@ def split_k_reduction(buf: SourceBuffer) -> None:
     with buf.indent():
         buf.line("tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)")
         buf.line("part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
-        buf.line("slots = ws + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
+        buf.line("slots = partials + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
         buf.line('tl.store(slots + tl.program_id(2) * BLOCK_M * BLOCK_N + part, acc, cache_modifier=".cg")')
         buf.line("tl.debug_barrier()")
         buf.line('arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")')
@@ -94,8 +94,8 @@ def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) 
                 "store[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
                 "torch.zeros(tiles, dtype=torch.int32, device=x.device))"
             )
-        buf.line("ws, lock = store[key]")
-        buf.line(f"{fn}[grid]({', '.join(args)}, ws, lock, **c)")
+        buf.line("partials, lock = store[key]")
+        buf.line(f"{fn}[grid]({', '.join(args)}, partials, lock, **c)")
 
 
 def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:
@@ -106,13 +106,19 @@ def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:
     return {"H": h, "W": w, "C": c, "SH": sh, "SW": sw}
 
 
-def shortcut_loop(buf: SourceBuffer, s: dict[str, int], n: int, dot: Callable[[str, str], None]) -> None:
+def shortcut_loop(
+    buf: SourceBuffer, s: dict[str, int], n: int, dot: Callable[[str, str], None], split: bool = False
+) -> None:
     """The shortcut's K loop, after the conv's own: the channels of xs at the strided pixel
     (oh * SH, ow * SW) of each output row, times the shortcut's weight as [CO, C2], into the same
-    accumulator. The pixel is inside xs for every output row (a 1x1 window without padding)."""
+    accumulator. The pixel is inside xs for every output row (a 1x1 window without padding).
+    `split` (SPLIT_K > 1): this program's channel blocks only, every SPLIT_K-th."""
     c2 = s["C"]
     buf.line(f"s_base = ((img * {s['H']} + oh * {s['SH']}) * {s['W']} + ow * {s['SW']}) * {c2}")
-    buf.line(f"for c0 in range(0, {c2}, BLOCK_K):")
+    blocks = (
+        f"range(tl.program_id(2) * BLOCK_K, {c2}, SPLIT_K * BLOCK_K)" if split else f"range(0, {c2}, BLOCK_K)"
+    )
+    buf.line(f"for c0 in {blocks}:")
     with buf.indent():
         buf.line("ci = c0 + rk")
         buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")

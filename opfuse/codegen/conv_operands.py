@@ -167,10 +167,11 @@ def _read_loop_form(cv: NhwcConv) -> None:
     window_loop = not (cv.depthwise or cv.flat or (cv.window is not None and not cv.pooled))
     if window_loop and cv.w_name in graph.constants and not cv.pool_out:
         cv.segments = tap_segments(graph.constants[cv.w_name])
-    # Split-K (a tuning choice): the plain window loop only, none of the forms with their own loops
-    # (prologues, a shortcut's second loop, zero weight segments).
+    # Split-K (a tuning choice): the plain window loop, and a shortcut's second loop after it (each
+    # split among the programs of a tile); none of the forms with loops of their own (prologues,
+    # zero weight segments).
     cv.splittable = (
-        not (cv.depthwise or cv.flat or cv.segments or cv.sx_name or cv.pooled)
+        not (cv.depthwise or cv.flat or cv.segments or cv.pooled)
         and cv.window is None
         and "split_k" not in graph.disabled
     )

@@ -1163,6 +1163,45 @@ def test_a_3x3_conv_plus_a_stride_1_shortcut_of_another_input_is_one_kernel(prec
     check_every_candidate(cm, k, m, feeds, precision, [{"BLOCK_K": 16}])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_conv_with_its_shortcut_splits_both_k_loops(precision: str) -> None:
+    """Few output tiles (batch 1, 4x4): the 3x3 conv with its summed shortcut tries split-K, each
+    program taking every SPLIT_K-th step of the conv's loop and every SPLIT_K-th channel block
+    of the shortcut's. At every candidate, and at a split of 3 (uneven over both loops), every
+    output element matches onnxruntime, twice in a row (the tile counters go back to 0)."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tuning.candidates import split_k_candidates
+
+    n, c, cz, co, size = 1, 64, 40, 32, 4
+    inits = {
+        "wa": RNG.standard_normal((co, c, 3, 3)) * 0.05,
+        "ba": RNG.standard_normal(co) * 0.1,
+        "wz": RNG.standard_normal((co, cz, 1, 1)) * 0.2,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="main", pads=[1] * 4),
+        helper.make_node("Conv", ["z", "wz"], ["b"], name="skip"),
+        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu"),
+    ]
+    shapes = {"x": [n, c, size, size], "z": [n, cz, size, size]}
+    m = make_model(nodes, shapes, {"y": [n, co, size, size]}, inits)
+    cm = check_against_ort(m, shapes, precision, fusion_disable=NHWC_ALWAYS)
+    (k,) = cm.plan.kernels.values()
+    assert "summed in a second K loop" in k.source and k.config["SPLIT_K"] == 1
+    assert "range(tl.program_id(2) * BLOCK_K, 40, SPLIT_K * BLOCK_K)" in k.source
+    assert {c["SPLIT_K"] for c in split_k_candidates(k)} == {2}
+    feeds = {name: RNG.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    odd = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}
+    check_every_candidate(cm, k, m, feeds, precision, [odd, {"SPLIT_K": 2, "BLOCK_K": 16}])
+    ex = Executor(cm.plan, TEST_DEVICE)
+    ex.configs[k.id] = {**k.config, **odd}
+    want = ort_run(m, feeds)[0]
+    for _ in range(2):
+        got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)
+
+
 def test_the_shortcut_rule_switched_off_gives_the_old_plan() -> None:
     """Without it the shortcut is a conv of its own (the library's, nothing to fuse) and the Add
     and Relu the expand conv's epilogue: four launches."""
