@@ -11,6 +11,7 @@ product of the reduced axes, inner of the axes after them. Three layouts:
 
 The program runs the pointwise prologue, any number of reductions (Softmax, LogSoftmax,
 LayerNormalization, RMSNormalization, InstanceNormalization, GroupNormalization, ReduceMean/Sum/Max/Min,
+ReduceL1/L2/SumSquare,
 GlobalAverage/MaxPool), and the pointwise epilogue, with one load of each input and one store of
 each output. Values are either full (the row space's shape) or reduced (one per row or column).
 """
@@ -458,6 +459,11 @@ def _row_node(buf: SourceBuffer, rk: _RowKernel, n: Node, v: str, a: list[str]) 
         buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.op_type}")
         if n.op_type != "ReduceSum":
             buf.line(f"{v} = {v} / {r}.0")
+    elif n.op_type in ("ReduceL1", "ReduceL2", "ReduceSumSquare"):  # sums of |x| or x², in float32
+        term = f"tl.abs({a[0]})" if n.op_type == "ReduceL1" else f"{a[0]} * {a[0]}"
+        buf.line(f"{v} = {reduce('tl.sum', term, '0.0')}  # {n.op_type}")
+        if n.op_type == "ReduceL2":
+            buf.line(f"{v} = tl.sqrt({v})")
     elif n.op_type in ("ReduceMax", "ReduceMin", "GlobalMaxPool"):
         op, pad = ("tl.min", 'float("inf")') if n.op_type == "ReduceMin" else ("tl.max", NEG_INF)
         buf.line(f"{v} = {reduce(op, a[0], pad)}  # {n.op_type}")

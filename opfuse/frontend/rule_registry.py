@@ -143,7 +143,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         GRAPH_PASS,
         "Identity, inference-time Dropout, and copies whose output is their input (a Pad of all-zero pads, "
         "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
-        "consumers read the input directly.",
+        "consumers read the input directly. So does an Expand whose readers all broadcast its input to "
+        "the same shape (F.normalize's norm).",
     ),
     _r(
         ATTENTION_OP,
@@ -159,8 +160,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         ROTATE_HALF,
         GRAPH_PASS,
-        "Concat(-x[..., h:], x[..., :h]) (rotary embeddings) becomes x @ R, a signed permutation: "
-        "one GEMM whose epilogue takes the rest of the rotation.",
+        "Concat(-x[..., h:], x[..., :h]) (rotary embeddings), and the interleaved form "
+        "stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2) (GPT-J, CodeGen, EVA-02), becomes x @ R, a "
+        "signed permutation: one GEMM whose epilogue takes the rest of the rotation.",
     ),
     _r(
         GROUP_NORM,

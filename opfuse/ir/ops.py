@@ -77,7 +77,10 @@ def is_depthwise(graph: Graph, node: Node) -> bool:
 
 
 # Ops a row kernel reduces (fusion/rowwise.py, codegen/rowwise.py).
-ROW_REDUCTIONS = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin"})
+# ReduceL2 is F.normalize's norm (cosine attention, XCiT's cross-covariance, embedding heads).
+ROW_REDUCTIONS = frozenset(
+    {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceSumSquare"}
+)
 GLOBAL_POOLS = frozenset({"GlobalAveragePool", "GlobalMaxPool"})
 ROW_OPS = (
     ROW_REDUCTIONS

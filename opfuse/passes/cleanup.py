@@ -4,6 +4,9 @@ Identity and inference-time Dropout, and copies whose output is their input: a P
 pads (timm's and torchvision's window attention pads to a multiple of the window size, zero where
 the map divides), an Expand or Cast to the input's own shape and type, a Slice with unit steps
 that keeps the whole input. Each ran as a copy kernel; their consumers now read the input.
+
+An Expand read only by elementwise ops that broadcast to the same shape without it (F.normalize
+divides by its norm expanded to the input's shape) goes too: the consumers broadcast the input.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ from opfuse.graph import Graph, Node
 from opfuse.passes.rules import Rule
 
 NOOP_OPS = ("Identity", "Dropout")
+# Ops that broadcast all their inputs against each other (numpy's rule, ONNX's multidirectional).
+BROADCASTING_OPS = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Where", "And", "Or", "Xor"}
+    | {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+)
 
 
 def replace_uses(graph: Graph, old: str, new: str) -> None:
@@ -48,8 +56,29 @@ def copies_its_input(graph: Graph, node: Node) -> bool:
     return True  # an Expand or a Cast to its input's shape and type; a Slice of unit steps keeping it all
 
 
+def broadcast_by_readers(graph: Graph, node: Node) -> bool:
+    """Whether `node` is an Expand whose readers all broadcast its input to the same outputs: each
+    an elementwise op whose output shape is its inputs' broadcast with the Expand's input in place
+    of its output."""
+    if node.op_type != "Expand" or not node.inputs[0] or node.inputs[0] not in graph.values:
+        return False
+    readers = graph.consumers().get(node.outputs[0], [])
+    if not readers or node.outputs[0] in {o.name for o in graph.outputs}:
+        return False
+    for r in readers:
+        if r.op_type not in BROADCASTING_OPS:
+            return False
+        shapes = [graph.spec(node.inputs[0] if x == node.outputs[0] else x).shape for x in r.inputs if x]
+        try:
+            if tuple(np.broadcast_shapes(*shapes)) != tuple(graph.spec(r.outputs[0]).shape):
+                return False
+        except (ValueError, TypeError):  # not broadcastable, or a dim not static
+            return False
+    return True
+
+
 def _match_noop(graph: Graph, node: Node) -> dict[str, Any] | None:
-    if not copies_its_input(graph, node):
+    if not copies_its_input(graph, node) and not broadcast_by_readers(graph, node):
         return None
     return {"nodes": [node]}
 

@@ -37,7 +37,7 @@ FP32_DENSE_RULE = names.FP32_DENSE_NCHW  # keeps a dense-only conv region NCHW i
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
-REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
+REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceSumSquare")
 
 
 def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

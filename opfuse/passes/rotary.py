@@ -6,6 +6,11 @@ between the projections and attention. rotate_half is a signed permutation of th
 is x @ R for a constant [2h, 2h] matrix R (one -1 or +1 per column). As a MatMul by a constant it
 is an anchor whose epilogue takes the `* sin` and the `+ q * cos`; the arithmetic stays exact (each
 output is one input, times ±1, accumulated in float32).
+
+GPT-J, CodeGen and EVA-02 rotate interleaved pairs instead: rotate_every_two(x) =
+stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2), exported as two strided Slices, a Neg, two
+Unsqueezes, a Concat and a Reshape. It is a signed permutation of the last axis too
+(out[2i] = -x[2i + 1], out[2i + 1] = x[2i]) and becomes the same kind of MatMul.
 """
 
 from __future__ import annotations
@@ -48,7 +53,78 @@ def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | 
     return node.inputs[0], axis, clamp(starts[0]), clamp(ends[0])
 
 
+def every_other(graph: Graph, node: Node | None) -> tuple[str, int, int] | None:
+    """(input, axis, start) of a Slice along one axis with step 2 from `start` to the end."""
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 5:
+        return None
+    shape = graph.spec(node.inputs[0]).shape
+    starts, ends = _const_ints(graph, node.inputs[1]), _const_ints(graph, node.inputs[2])
+    axes = _const_ints(graph, node.inputs[3]) if node.inputs[3] else [0]
+    steps = _const_ints(graph, node.inputs[4])
+    if not shape or starts is None or ends is None or axes is None or steps is None:
+        return None
+    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or steps[0] != 2:
+        return None
+    axis = axes[0] % len(shape)
+    if not 0 <= starts[0] < shape[axis] or ends[0] < shape[axis]:
+        return None
+    return node.inputs[0], axis, starts[0]
+
+
+def _unsqueezed_last(graph: Graph, node: Node | None) -> str | None:
+    """The input of an Unsqueeze that adds one trailing axis, else None."""
+    if node is None or node.op_type != "Unsqueeze":
+        return None
+    rank = len(graph.spec(node.outputs[0]).shape)
+    axes = _const_ints(graph, node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+    axes = axes if axes is not None else [int(a) for a in node.attrs.get("axes", [])]
+    return node.inputs[0] if [a % rank for a in axes] == [rank - 1] else None
+
+
+def _match_interleaved(graph: Graph, node: Node) -> dict[str, Any] | None:
+    """Reshape(Concat(Unsqueeze(Neg(x[..., 1::2])), Unsqueeze(x[..., ::2]), axis=-1)) to x's shape."""
+    producers = graph.producers()
+    cat = producers.get(node.inputs[0])
+    if cat is None or cat.op_type != "Concat" or len(cat.inputs) != 2:
+        return None
+    ups = [producers.get(x) for x in cat.inputs]
+    neg_out, even_out = (_unsqueezed_last(graph, u) for u in ups)
+    neg = producers.get(neg_out or "")
+    if neg is None or neg.op_type != "Neg" or even_out is None:
+        return None
+    odd, even = producers.get(neg.inputs[0]), producers.get(even_out)
+    so, se = every_other(graph, odd), every_other(graph, even)
+    if so is None or se is None:
+        return None
+    return {
+        "nodes": [node],
+        "form": "interleaved",
+        "odd": so,
+        "even": se,
+        "cat": cat,
+        "dead": [cat, *ups, neg, odd, even],
+    }
+
+
+def _check_interleaved(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    (x, axis, os_), (x2, axis2, es) = m["odd"], m["even"]
+    shape = graph.spec(x).shape
+    if x != x2 or axis != axis2:
+        return "the two halves come from different tensors or axes"
+    if axis != len(shape) - 1 or int(m["cat"].attrs.get("axis", 0)) % (len(shape) + 1) != len(shape):
+        return "not a rotation of the last axis"
+    if shape[-1] % 2 or (os_, es) != (1, 0):
+        return "the slices are not the odd and even elements of the last axis"
+    if tuple(graph.spec(node.outputs[0]).shape) != tuple(shape):
+        return "the pairs are not flattened back to the input's shape"
+    if graph.spec(x).dtype not in FLOAT_TYPES:
+        return f"values of type {graph.spec(x).dtype}"
+    return None
+
+
 def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type == "Reshape":
+        return _match_interleaved(graph, node)
     if node.op_type != "Concat" or len(node.inputs) != 2:
         return None
     producers = graph.producers()
@@ -59,10 +135,12 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
     hi, lo = slice_range(graph, high), slice_range(graph, low)
     if hi is None or lo is None:
         return None
-    return {"nodes": [node], "hi": hi, "lo": lo, "dead": [neg, high, low]}
+    return {"nodes": [node], "form": "half", "hi": hi, "lo": lo, "dead": [neg, high, low]}
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    if m["form"] == "interleaved":
+        return _check_interleaved(graph, node, m)
     (x, axis, hs, he), (x2, axis2, ls, le) = m["hi"], m["lo"]
     shape = graph.spec(x).shape
     if x != x2 or axis != axis2:
@@ -78,13 +156,17 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
 
 
 def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
-    x = m["hi"][0]
+    x = m["hi"][0] if m["form"] == "half" else m["odd"][0]
     d = graph.spec(x).shape[-1]
     h = d // 2
     rot = np.zeros((d, d), dtype=np.float32)
     for i in range(h):
-        rot[i + h, i] = -1.0  # out[i] = -x[i + h]
-        rot[i, i + h] = 1.0  # out[i + h] = x[i]
+        if m["form"] == "half":
+            rot[i + h, i] = -1.0  # out[i] = -x[i + h]
+            rot[i, i + h] = 1.0  # out[i + h] = x[i]
+        else:
+            rot[2 * i + 1, 2 * i] = -1.0  # out[2i] = -x[2i + 1]
+            rot[2 * i, 2 * i + 1] = 1.0  # out[2i + 1] = x[2i]
     name = f"{node.id}_rotate_half"
     graph.constants[name] = rot
     graph.values[name] = TensorSpec(name, "float32", (d, d))

@@ -253,3 +253,65 @@ def test_scaled_dot_product_attention_as_exported(causal: bool, opset: int | Non
     assert ("Attention" in [n.op_type for n in model.graph.node]) == (opset == 23)
     cm = check(model, (q, k, v), tmp_path)
     assert rules(cm) == ["attention"] and cm.report["kernels"]["after"] == 1, cm.report["fusion"]
+
+
+class CosineScores(nn.Module):
+    """Cosine attention scores (Swin V2, XCiT): F.normalize of q and k over `dim`, then q @ kᵀ."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        q, k = F.normalize(q, dim=self.dim), F.normalize(k, dim=self.dim)
+        return q @ k.transpose(-2, -1) * 3.0
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("dim", [-1, -2])
+def test_l2_normalize_is_one_row_kernel(dynamo: bool, dim: int, tmp_path: Path) -> None:
+    """F.normalize exports as ReduceL2, a Clip at eps (an Expand too) and a Div: one row kernel
+    per normalized tensor, along the last axis or across rows, not three library ops."""
+    torch.manual_seed(6)
+    q, k = torch.randn(2, 3, 7, 24), torch.randn(2, 3, 7, 24)
+    model = export(CosineScores(dim), (q, k), tmp_path / "cos.onnx", dynamo=dynamo)
+    assert "ReduceL2" in [n.op_type for n in model.graph.node]
+    cm = check(model, (q, k), tmp_path)
+    groups = [g for g in cm.report["fusion"]["groups"] if g["rule"].startswith("row_reduction")]
+    assert len(groups) == 2 and all(any("ReduceL2" in n or "norm" in n for n in g["nodes"]) for g in groups)
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type in ("ReduceL2", "Clip", "Div")]
+
+
+class InterleavedRotary(nn.Module):
+    """GPT-J / CodeGen / EVA-02 rotary embeddings: pairs (2i, 2i + 1) rotated, rotate_every_two
+    written as stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2)."""
+
+    def __init__(self, t: int, d: int) -> None:
+        super().__init__()
+        angles = torch.outer(torch.arange(t).float(), 1.0 / (100 ** (torch.arange(0, d, 2).float() / d)))
+        self.register_buffer("cos", angles.cos().repeat_interleave(2, -1))
+        self.register_buffer("sin", angles.sin().repeat_interleave(2, -1))
+
+    @staticmethod
+    def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        q = q * self.cos + self.rotate_every_two(q) * self.sin
+        k = k * self.cos + self.rotate_every_two(k) * self.sin
+        return q @ k.transpose(-2, -1)
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_interleaved_rotary_is_a_signed_permutation_gemm(dynamo: bool, tmp_path: Path) -> None:
+    """Each rotate_every_two (two strided Slices, a Neg, two Unsqueezes, a Concat, a Reshape: six
+    copies and kernels) becomes x @ R, whose epilogue takes the rest of the rotation: no Neg,
+    Slice or Concat is left to run."""
+    torch.manual_seed(7)
+    q, k = torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16)
+    model = export(InterleavedRotary(7, 16), (q, k), tmp_path / "rot.onnx", dynamo=dynamo)
+    assert "Neg" in [n.op_type for n in model.graph.node]
+    cm = check(model, (q, k), tmp_path)
+    assert cm.report["fusion"]["passes"]["fired"]["rotate_half"] == 2
+    left = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert not {"Neg", "Slice", "Concat", "Unsqueeze"} & set(left), left
