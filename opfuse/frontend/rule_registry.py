@@ -42,6 +42,7 @@ ELIMINATE_NOOPS = "eliminate_noops"
 ATTENTION_OP = "attention_op"
 GATHER_TO_SLICE = "gather_to_slice"
 ROTATE_HALF = "rotate_half"
+HEAD_SCALE = "head_scale"
 GROUP_NORM = "group_norm"
 LOCAL_RESPONSE_NORM = "local_response_norm"
 FOLD_BATCHNORM = "fold_batchnorm"
@@ -163,6 +164,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Concat(-x[..., h:], x[..., :h]) (rotary embeddings), and the interleaved form "
         "stack(-x[..., 1::2], x[..., ::2], -1).flatten(-2) (GPT-J, CodeGen, EVA-02), becomes x @ R, a "
         "signed permutation: one GEMM whose epilogue takes the rest of the rotation.",
+    ),
+    _r(
+        HEAD_SCALE,
+        GRAPH_PASS,
+        "Attention scores scaled per head by a constant [H, 1, 1] (Swin V2's logit scale, XCiT's "
+        "temperature) on their way to a Softmax: the scale moves onto the query, (q @ k) * s = "
+        "(q * s) @ k, so the attention rule fuses the rest into one flash-attention kernel.",
     ),
     _r(
         GROUP_NORM,

@@ -20,6 +20,7 @@ from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
+from opfuse.passes.head_scale import head_scale
 from opfuse.passes.indices import check_constant_indices
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
@@ -51,6 +52,7 @@ PASSES: tuple[Pass, ...] = (
     attention_op,
     gather_to_slice,
     rotate_half,
+    head_scale,
     group_norm,
     local_response_norm,
     fold_batchnorm,

@@ -315,3 +315,36 @@ def test_interleaved_rotary_is_a_signed_permutation_gemm(dynamo: bool, tmp_path:
     assert cm.report["fusion"]["passes"]["fired"]["rotate_half"] == 2
     left = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
     assert not {"Neg", "Slice", "Concat", "Unsqueeze"} & set(left), left
+
+
+class HeadScaledAttention(nn.Module):
+    """Swin V2's cosine attention (normalized q and k, scores times exp(logit_scale) per head, a
+    position bias) or, `bias` False, XCiT's (scores times a temperature per head)."""
+
+    def __init__(self, heads: int, n: int, bias: bool) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads, 1, 1) + 1))
+        self.bias = nn.Parameter(torch.randn(heads, n, n)) if bias else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) * self.logit_scale.exp()
+        if self.bias is not None:
+            scores = scores + self.bias
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_per_head_score_scale_moves_onto_the_query_and_attention_fuses(
+    dynamo: bool, bias: bool, tmp_path: Path
+) -> None:
+    """The scale is constant [H, 1, 1]: it moves onto q (head_scale), where the normalize row
+    kernel takes it, and the attention rule makes the rest one kernel: no MatMul runs alone."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))
+    model = export(HeadScaledAttention(3, 10, bias), (q, k, v), tmp_path / "att.onnx", dynamo=dynamo)
+    cm = check(model, (q, k, v), tmp_path)
+    assert cm.report["fusion"]["passes"]["fired"]["head_scale"] == 1
+    assert rules(cm).count("attention") == 1, cm.report["fusion"]
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "MatMul"]
