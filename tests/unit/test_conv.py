@@ -1138,22 +1138,28 @@ def test_a_shortcut_summed_into_the_blocks_last_conv_is_one_gemm(precision: str,
     check_every_candidate(cm, k, m, {"x": x}, precision, [{"BLOCK_N": 16}, {"BLOCK_K": 16}])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_a_3x3_conv_plus_a_stride_1_shortcut_of_another_input_is_one_kernel(precision: str) -> None:
-    n, c, cz, co, size = 2, 6, 20, 12, 7
+def conv_and_shortcut(
+    n: int, c: int, cz: int, co: int, size: int, shortcut_first: bool = True
+) -> tuple[Any, dict[str, list[int]]]:
+    """Relu(conv3x3(x) + conv1x1(z)), the Add's operands in either order: (model, input shapes)."""
     inits = {
-        "wa": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "wa": RNG.standard_normal((co, c, 3, 3)) / (3 * c**0.5),
         "ba": RNG.standard_normal(co) * 0.1,
-        "wz": RNG.standard_normal((co, cz, 1, 1)) * 0.3,
+        "wz": RNG.standard_normal((co, cz, 1, 1)) / cz**0.5,
     }
     nodes = [
         helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="main", pads=[1] * 4),
         helper.make_node("Conv", ["z", "wz"], ["b"], name="skip"),
-        helper.make_node("Add", ["b", "a"], ["s"], name="add"),
+        helper.make_node("Add", ["b", "a"] if shortcut_first else ["a", "b"], ["s"], name="add"),
         helper.make_node("Relu", ["s"], ["y"], name="relu"),
     ]
     shapes = {"x": [n, c, size, size], "z": [n, cz, size, size]}
-    m = make_model(nodes, shapes, {"y": [n, co, size, size]}, inits)
+    return make_model(nodes, shapes, {"y": [n, co, size, size]}, inits), shapes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_3x3_conv_plus_a_stride_1_shortcut_of_another_input_is_one_kernel(precision: str) -> None:
+    m, shapes = conv_and_shortcut(2, 6, 20, 12, 7)
     cm = check_against_ort(m, shapes, precision, fusion_disable=NHWC_ALWAYS)
     assert cm.report["fusion"]["passes"]["fired"]["shortcut_conv"] == 1
     assert cm.report["kernels"] == {"before": 4, "after": 1}
@@ -1172,20 +1178,7 @@ def test_a_conv_with_its_shortcut_splits_both_k_loops(precision: str) -> None:
     from opfuse.runtime.executor import Executor
     from opfuse.tuning.candidates import split_k_candidates
 
-    n, c, cz, co, size = 1, 64, 40, 32, 4
-    inits = {
-        "wa": RNG.standard_normal((co, c, 3, 3)) * 0.05,
-        "ba": RNG.standard_normal(co) * 0.1,
-        "wz": RNG.standard_normal((co, cz, 1, 1)) * 0.2,
-    }
-    nodes = [
-        helper.make_node("Conv", ["x", "wa", "ba"], ["a"], name="main", pads=[1] * 4),
-        helper.make_node("Conv", ["z", "wz"], ["b"], name="skip"),
-        helper.make_node("Add", ["a", "b"], ["s"], name="add"),
-        helper.make_node("Relu", ["s"], ["y"], name="relu"),
-    ]
-    shapes = {"x": [n, c, size, size], "z": [n, cz, size, size]}
-    m = make_model(nodes, shapes, {"y": [n, co, size, size]}, inits)
+    m, shapes = conv_and_shortcut(1, 64, 40, 32, 4, shortcut_first=False)
     cm = check_against_ort(m, shapes, precision, fusion_disable=NHWC_ALWAYS)
     (k,) = cm.plan.kernels.values()
     assert "summed in a second K loop" in k.source and k.config["SPLIT_K"] == 1
