@@ -19,45 +19,49 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import FLOAT_TYPES
+from opfuse.ir.queries import UseDef
 from opfuse.passes.rules import Rule
 
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
-
-def _sole_reader(graph: Graph, value: str) -> Node | None:
-    readers = graph.consumers().get(value, [])
-    if len(readers) != 1 or value in {o.name for o in graph.outputs}:
+def _scale_operand(graph: Graph, node: Node) -> int | None:
+    """Which input of a Mul (Div: the divisor only) is a constant of more than one element."""
+    if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
         return None
-    return readers[0]
+    for i in (1, 0) if node.op_type == "Mul" else (1,):
+        c = graph.constants.get(node.inputs[i])
+        if c is not None and np.asarray(c).size > 1:
+            return i
+    return None  # none, or one number: the attention rule takes that as it is
 
 
 def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
     """`node`: a Mul (or Div) of a MatMul's product by a constant, on the way to a Softmax."""
-    if node.op_type not in ("Mul", "Div") or len(node.inputs) != 2:
+    i = _scale_operand(graph, node)  # first: most Muls stop here, before any use-def lookup
+    if i is None:
         return None
-    producers = graph.producers()
-    for i in (0, 1) if node.op_type == "Mul" else (0,):
-        mm = producers.get(node.inputs[i])
-        scale = node.inputs[1 - i]
-        if mm is not None and mm.op_type == "MatMul" and scale in graph.constants:
-            if np.asarray(graph.constants[scale]).size == 1:
-                return None  # one number: the attention rule takes it as it is
-            break
-    else:
+    ud = UseDef(graph)
+    mm = ud.producer(node.inputs[1 - i])
+    if mm is None or mm.op_type != "MatMul":
         return None
-    nxt = _sole_reader(graph, node.outputs[0])
+    nxt = ud.sole_consumer(node.outputs[0])
     if nxt is not None and nxt.op_type == "Add":
-        nxt = _sole_reader(graph, nxt.outputs[0])
+        nxt = ud.sole_consumer(nxt.outputs[0])
     if nxt is None or nxt.op_type != "Softmax":
         return None
-    return {"nodes": [mm, node], "matmul": mm, "scale": scale}
+    return {
+        "nodes": [mm, node],
+        "matmul": mm,
+        "scale": node.inputs[i],
+        "sole": ud.sole_consumer(mm.outputs[0]),
+    }
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     mm, scale = m["matmul"], m["scale"]
     s = np.asarray(graph.constants[scale])
     q, scores = graph.spec(mm.inputs[0]), graph.spec(mm.outputs[0])
-    if graph.consumers().get(mm.outputs[0], []) != [node]:
+    if m["sole"] is not node:
         return "the product has other readers"
     if q.dtype not in FLOAT_TYPES or not all(isinstance(d, int) for d in (*q.shape, *scores.shape)):
         return "the query is not a float tensor of static shape"
@@ -80,14 +84,13 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     spec = graph.spec(q)
     scaled = f"{node.id}_query"
     graph.values[scaled] = TensorSpec(scaled, spec.dtype, tuple(spec.shape))
-    # The query scaled as the scores were: Mul(q, s) or Div(q, s), in the Mul's place.
-    graph.nodes[graph.nodes.index(node)] = Node(
-        node.id, node.op_type, [q, scale], [scaled], dict(node.attrs), node.name
-    )
-    # The MatMul moves after it (it reads the scaled query) and writes what the Mul wrote.
+    # The query scaled as the scores were (Mul or Div), in the scaling node's place; the MatMul
+    # moves right after it (it reads the scaled query) and writes what the scaling node wrote.
+    scaling = Node(node.id, node.op_type, [q, scale], [scaled], dict(node.attrs), node.name)
+    graph.nodes[graph.nodes.index(node)] = scaling
     graph.nodes.remove(mm)
-    at = graph.nodes.index(next(n for n in graph.nodes if n.id == node.id)) + 1
-    graph.nodes.insert(at, Node(mm.id, "MatMul", [scaled, mm.inputs[1]], list(node.outputs), {}, mm.name))
+    matmul = Node(mm.id, "MatMul", [scaled, mm.inputs[1]], list(node.outputs), {}, mm.name)
+    graph.nodes.insert(graph.nodes.index(scaling) + 1, matmul)
     graph.values.pop(mm.outputs[0], None)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.ir.ops import FLOAT_TYPES, LRN_NHWC, NHWC_CONV, POINTWISE_OPS, is_depthwise
+from opfuse.ir.ops import FLOAT_TYPES, LRN_NHWC, NHWC_CONV, POINTWISE_OPS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.ops import NHWC_POOLS as POOLS
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
@@ -37,7 +37,6 @@ FP32_DENSE_RULE = names.FP32_DENSE_NCHW  # keeps a dense-only conv region NCHW i
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
-REDUCES = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceSumSquare")
 
 
 def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -241,7 +240,7 @@ def to_channels_last(
             ins = [rw.twin[node.inputs[0]], axes]
             out = rw.new_output(node.outputs[0])
             rw.out.append(Node(node.id, GLOBAL_POOLS[op], ins, [out], {"keepdims": 1}, node.name))
-        elif op in REDUCES and node.inputs[0] in rw.twin and (axes_nchw := _reduce_axes(graph, node)):
+        elif op in ROW_REDUCTIONS and node.inputs[0] in rw.twin and (axes_nchw := _reduce_axes(graph, node)):
             # A reduction written out (timm's x.mean((2, 3))): the same axes, numbered in NHWC.
             keep = int(node.attrs.get("keepdims", 1))
             axes = f"{node.id}_axes"

@@ -32,8 +32,9 @@ def _const_ints(graph: Graph, name: str) -> list[int] | None:
     return [int(v) for v in np.asarray(graph.constants[name]).ravel()]
 
 
-def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | None:
-    """(input, axis, start, end) of a Slice along one axis with step 1 and constant bounds."""
+def _slice(graph: Graph, node: Node | None) -> tuple[str, int, int, int, int] | None:
+    """(input, axis, start, end, step) of a Slice along one axis with constant bounds and a
+    positive step, start and end clamped into the axis."""
     if node is None or node.op_type != "Slice" or len(node.inputs) < 3:
         return None
     shape = graph.spec(node.inputs[0]).shape
@@ -42,7 +43,7 @@ def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | 
     steps = _const_ints(graph, node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else [1]
     if not shape or starts is None or ends is None or axes is None or steps is None:
         return None
-    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or steps[0] != 1:
+    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or steps[0] < 1:
         return None
     axis = axes[0] % len(shape)
     size = shape[axis]
@@ -50,25 +51,21 @@ def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | 
     def clamp(v: int) -> int:
         return min(max(v + size if v < 0 else v, 0), size)
 
-    return node.inputs[0], axis, clamp(starts[0]), clamp(ends[0])
+    return node.inputs[0], axis, clamp(starts[0]), clamp(ends[0]), steps[0]
+
+
+def slice_range(graph: Graph, node: Node | None) -> tuple[str, int, int, int] | None:
+    """(input, axis, start, end) of a Slice along one axis with step 1 and constant bounds."""
+    sl = _slice(graph, node)
+    return sl[:4] if sl is not None and sl[4] == 1 else None
 
 
 def every_other(graph: Graph, node: Node | None) -> tuple[str, int, int] | None:
     """(input, axis, start) of a Slice along one axis with step 2 from `start` to the end."""
-    if node is None or node.op_type != "Slice" or len(node.inputs) < 5:
+    sl = _slice(graph, node)
+    if sl is None or sl[4] != 2 or sl[3] != graph.spec(sl[0]).shape[sl[1]]:
         return None
-    shape = graph.spec(node.inputs[0]).shape
-    starts, ends = _const_ints(graph, node.inputs[1]), _const_ints(graph, node.inputs[2])
-    axes = _const_ints(graph, node.inputs[3]) if node.inputs[3] else [0]
-    steps = _const_ints(graph, node.inputs[4])
-    if not shape or starts is None or ends is None or axes is None or steps is None:
-        return None
-    if not (len(starts) == len(ends) == len(axes) == len(steps) == 1) or steps[0] != 2:
-        return None
-    axis = axes[0] % len(shape)
-    if not 0 <= starts[0] < shape[axis] or ends[0] < shape[axis]:
-        return None
-    return node.inputs[0], axis, starts[0]
+    return sl[0], sl[1], sl[2]
 
 
 def _unsqueezed_last(graph: Graph, node: Node | None) -> str | None:
