@@ -1122,7 +1122,11 @@ def test_a_shortcut_summed_into_the_blocks_last_conv_is_one_gemm(precision: str,
     flat K loop) and more (the loop over window positions), at every tuning candidate."""
     n, size = 2, 9
     m = bottleneck(n, c, c, 2 * c, size)
-    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS)
+    # Untuned: on the GPU, tuning may time the vendor's conv faster for one of the block's convs
+    # (a fourth launch: that conv's epilogue on its own); this test is about the template's kernels.
+    cm = check_against_ort(
+        m, {"x": [n, c, size, size]}, precision, fusion_disable=NHWC_ALWAYS, tune_budget_s=0
+    )
     assert cm.report["fusion"]["passes"]["fired"]["shortcut_conv"] == 1
     assert cm.report["kernels"] == {"before": 8, "after": 3}
     (g,) = [g for g in cm.report["fusion"]["groups"] if "expand+down+add" in g["nodes"]]

@@ -52,9 +52,17 @@ def check_against_ort(
     shapes: dict[str, list[int]],
     precision: str = "fp32",
     fusion_disable: tuple[str, ...] = (),
+    tune_budget_s: float | None = None,
 ) -> opfuse.CompiledModel:
+    """Compile, verify, then run on fresh random input: every output element against onnxruntime.
+    `tune_budget_s=0` keeps the planned template kernels (on the GPU, tuning may pick the vendor's)."""
     cm = opfuse.compile(
-        model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, fusion_disable=fusion_disable
+        model,
+        input_shapes=shapes,
+        precision=precision,
+        device=TEST_DEVICE,
+        fusion_disable=fusion_disable,
+        tune_budget_s=tune_budget_s,
     )
     assert cm.report["verification"]["passed"] is True
     feeds = {k: RNG.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
