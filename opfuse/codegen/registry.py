@@ -30,7 +30,7 @@ from opfuse.codegen.tuning_space import (
     rowwise_candidates,
 )
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
 
@@ -218,6 +218,7 @@ def split_form(g: GroupLike) -> str | None:
 
 def template_only(g: GroupLike) -> bool:
     """A group only its template runs, with no library alternative for tuning to measure: merged
-    sibling convs (a Split in the epilogue: the template alone stores the parts) and a conv that
-    sums a shortcut (passes/shortcut_conv.py: the library has no conv with a second K loop)."""
-    return any(n.op_type == "Split" for n in g.nodes) or (g.kind == "conv" and has_shortcut(g.nodes[0]))
+    sibling convs (a Split in the epilogue: the template alone stores the parts). A conv that sums
+    a shortcut (passes/shortcut_conv.py) has one: the library's two convolutions and their sum
+    (`runtime.ops_nn.conv_nhwc`), then the epilogue's kernel."""
+    return any(n.op_type == "Split" for n in g.nodes)

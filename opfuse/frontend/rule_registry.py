@@ -248,7 +248,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
         SHORTCUT_CONV,
         GRAPH_PASS,
         "A convolution plus a 1x1 shortcut conv of another input is one implicit GEMM whose K loop "
-        "reads both inputs (template-only).",
+        "reads both inputs (tuning times it against the library's two convolutions).",
         requires=(CHANNELS_LAST, CONV_EPILOGUE),
     ),
     _r(

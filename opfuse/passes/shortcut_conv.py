@@ -14,10 +14,11 @@ launch instead of two.
 Runs on the channels-last graph right after the layout pass and before `merge_sibling_convs`,
 which would otherwise merge the shortcut with the block's first 1x1 conv (they read x at the same
 stride in ResNet-50's layer 1). Two convolutions of one input are `sum_sibling_convs`' case (one
-conv with the kernels summed), not this rule's. The library has no such convolution: the group
-always runs the conv template (`fusion.rules.anchor_epilogue`, `lowering`), and the per-op kernel
-(`runtime.ops_nn.conv_nhwc`) computes the two convolutions and their sum where the group is not
-fused.
+conv with the kernels summed), not this rule's. The library has no such convolution: its per-op
+kernel (`runtime.ops_nn.conv_nhwc`) computes the two convolutions and their sum (three launches).
+That is the group's vendor variant, which tuning times against the template (the library's
+convolutions can be faster on large inputs: a ResNet bottleneck at batch 32), and what runs where
+the group is not fused.
 """
 
 from __future__ import annotations

@@ -1251,8 +1251,8 @@ def test_a_shortcut_that_cannot_be_summed_says_why(skip: dict[str, Any], why: st
 
 def test_a_shortcut_conv_left_unfused_runs_both_library_convs_and_their_sum() -> None:
     """Rolled back (its group not enabled), the merged conv is a per-op step: the library's two
-    convolutions and their sum, three launches; tuning's vendor variant does not apply (the
-    template alone runs it). Both compute what onnxruntime does."""
+    convolutions and their sum, three launches. Its vendor variant is that step, then the
+    epilogue's kernel. All three compute what onnxruntime does."""
     from bench.kernels import plan_model
     from opfuse.lowering import build_plan
     from opfuse.runtime.executor import Executor
@@ -1266,7 +1266,10 @@ def test_a_shortcut_conv_left_unfused_runs_both_library_convs_and_their_sum() ->
     (step,) = [s for s in unfused.steps if s.kind == "op" and s.op_type == "opfuse.ConvNHWC"]
     assert step.launches == 3 and unfused.launches == p.plan.launches + 3
     vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    assert [s.kind for s in vendor.steps if s.group == g.id] == ["kernel"]
+    assert [(s.kind, s.op_type) for s in vendor.steps if s.group == g.id] == [
+        ("op", "opfuse.ConvNHWC"),
+        ("kernel", ""),
+    ]
     x = RNG.standard_normal((n, c, size, size)).astype(np.float32)
     want = ort_run(m, {"x": x})[0]
     for plan in (p.plan, unfused, vendor):

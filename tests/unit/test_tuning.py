@@ -786,28 +786,33 @@ def test_a_gemm_reduction_is_timed_against_its_split_form(
     assert mine == ([("op", "MatMul"), ("kernel", "")] if faster == "split" else [("kernel", "")])
 
 
-def test_a_conv_summing_a_shortcut_is_not_timed_against_the_library(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+@pytest.mark.parametrize("faster", ["fused", "split"])
+def test_a_conv_summing_a_shortcut_is_timed_against_the_librarys_two_convolutions(
+    faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    """The library has no conv with a second K loop (shortcut_conv): tuning times no variant of
-    that group and keeps its template, even where the library's kernels would be timed faster."""
+    """The alternative to a conv summing its 1x1 shortcut in a second K loop (shortcut_conv) is the
+    library's per-op kernel of that conv (its two convolutions and their sum), then the epilogue's
+    kernel; the faster is kept."""
     from opfuse.ir.ops import has_shortcut
     from tests.unit.test_conv import bottleneck
 
-    def library_faster(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
-        fused = {k.group for k in plan.kernels.values()}
-        return {g.id: 2.0 if g.id in fused else 1.0 for g in groups}
+    def is_split(plan: Any, gid: str) -> bool:
+        return any(s.kind == "op" for s in plan.steps if s.group == gid)
 
-    record, gid, make_plan, variants = _tune_with(
+    record, gid, make_plan = _tune_with_fake_times(
         monkeypatch,
         tmp_path,
         bottleneck(1, 8, 8, 16, 7),
         [1, 8, 7, 7],
         lambda g: has_shortcut(g.nodes[0]),
-        library_faster,
+        is_split,
+        faster,
     )
-    assert gid not in record["variants"] and gid not in variants
-    assert [s.kind for s in make_plan().steps if s.group == gid] == ["kernel"]
+    assert "vendor_form" not in record["variants"][gid]  # the library's kernel, no split form
+    mine = [(s.kind, s.op_type, s.launches) for s in make_plan().steps if s.group == gid]
+    assert mine == (
+        [("op", "opfuse.ConvNHWC", 3), ("kernel", "", 1)] if faster == "split" else [("kernel", "", 1)]
+    )
 
 
 def test_a_start_config_that_fails_to_compile_gives_way_to_the_first_that_does(

@@ -85,7 +85,7 @@ class AnchorEpilogue(FusionRule):
                 variant, note = "vendor", f"vendor convolution: {reason}"
         prologue = []
         # A conv summing a shortcut (passes/shortcut_conv.py) reads a second input in a second K
-        # loop: no prologue on its tiles, and always its template (the library has no such conv).
+        # loop: no prologue on its tiles (its vendor variant is the library's two convolutions).
         shortcut = kind == "conv" and has_shortcut(anchor)
         if shortcut:
             rule = f"{rule}+{names.SHORTCUT_CONV}"  # the pass that made this conv (passes/shortcut_conv.py)
