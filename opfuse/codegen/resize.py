@@ -1,11 +1,11 @@
 """A Resize read by a pointwise kernel as gather loads at computed coordinates.
 
-The kernel iterates over the resized (and possibly sliced) value; for each element it maps the
-output coordinate on each resized axis back to the input as the ONNX Resize operator does, in
-float32 as onnxruntime computes it (an IEEE division by the float32 scale, so the nearest pixel
-it picks is the one onnxruntime picks), and loads the input there: one load for `nearest`, one
-per tap (four for a bilinear resize) and their blend for `linear`. The resized tensor is never
-written.
+The kernel iterates over the resized value (possibly sliced, or transposed: then `order` says
+which of its axes holds each resized axis); for each element it maps the output coordinate on
+each resized axis back to the input as the ONNX Resize operator does, in float32 as onnxruntime
+computes it (an IEEE division by the float32 scale, so the nearest pixel it picks is the one
+onnxruntime picks), and loads the input there: one load for `nearest`, one per tap (four for a
+bilinear resize) and their blend for `linear`. The resized tensor is never written.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def resize_load(
     taps: list[list[tuple[str, str | None]]] = []  # per axis: (index, weight or None)
     fixed: list[str] = []
     for d, axis in enumerate(gather.axes):
+        j = gather.order[d]  # the axis of the value read that holds resized axis d
         coord = (
-            f"(({offs} // {out_strides[d]}) % {shape[d]})" if out_strides[d] > 1 else f"({offs} % {shape[d]})"
+            f"(({offs} // {out_strides[j]}) % {shape[j]})" if out_strides[j] > 1 else f"({offs} % {shape[j]})"
         )
         if axis.start:
             coord = f"({coord} + {axis.start})"

@@ -1,7 +1,9 @@
 """`resize_gather`: a Resize read only by one pointwise kernel is computed by that kernel's loads.
 
 A Resize of a 4-D tensor over H and W (nearest or bilinear, constant scales or sizes) whose
-output, directly or through unit-step Slices, only one pointwise group reads joins that group:
+output, directly or through unit-step Slices and Transposes, only one pointwise group reads joins
+that group (an FPN's upsampled map, run in NCHW and transposed back into the channels-last
+region, gathered by the kernel of the Add that sums it with the lateral conv's output):
 the kernel loads the Resize's input at the source coordinates of each element it computes
 (`codegen/resize.py`), so neither the resized tensor nor the Slice's window is written. The
 Resize's input itself may come through layout ops (the channels-last region's Transpose back to
@@ -97,7 +99,7 @@ def plan_resize_gathers(
     fold_layout: bool,
     selected: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[dict[str, ResizeGather], list[Node]]:
-    """The group inputs among `values` that are Resizes (through unit-step Slices) read only by
+    """The group inputs among `values` that are Resizes (through unit-step Slices and Transposes) read only by
     the group's nodes (`readers`), as gathers, and the nodes that leave the plan with them.
     `claimed`: nodes other groups hold (the ones taken here are added). `selected`: values only
     Concats of the group read, each loaded at offsets of its own shape, not `iteration`'s."""
@@ -105,10 +107,13 @@ def plan_resize_gathers(
     producers = graph.producers()
     consumers = graph.consumers()
     graph_outputs = {o.name for o in graph.outputs}
-    found: dict[str, tuple[Node, list[Node]]] = {}
+    found: dict[str, tuple[Node, list[Node], list[int], list[int]]] = {}
     for x in values:
-        chain: list[Node] = []  # the Slices, nearest to the kernel first
+        chain: list[Node] = []  # the Slices and Transposes, nearest to the kernel first
         cur = x
+        rank = len(graph.spec(x).shape)
+        held_by = list(range(rank))  # each axis of `cur`: the axis of x that holds it
+        starts = [0] * rank  # each axis of x: the Slices' starts on it
         ok = True
         while True:
             p = producers.get(cur)
@@ -120,15 +125,21 @@ def plan_resize_gathers(
             if not inside:
                 ok = False
                 break
-            if p.op_type == "Slice" and slice_window(graph, p) is not None:
+            window = slice_window(graph, p) if p.op_type == "Slice" else None
+            if window is not None:
+                for a, start in window:
+                    starts[held_by[a]] += start
+            elif p.op_type == "Transpose" and len(graph.spec(p.inputs[0]).shape) == rank:
+                perm = [int(a) for a in p.attrs.get("perm", range(rank - 1, -1, -1))]
+                held_by = [held_by[perm.index(a)] for a in range(rank)]  # output axis i is input perm[i]
+            elif p.op_type == "Resize":
                 chain.append(p)
-                cur = p.inputs[0]
-                continue
-            if p.op_type != "Resize":
-                ok = False
+                break
             else:
-                chain.append(p)
-            break
+                ok = False
+                break
+            chain.append(p)
+            cur = p.inputs[0]
         if not ok or not chain or chain[-1].op_type != "Resize":
             continue
         resize = chain[-1]
@@ -145,16 +156,15 @@ def plan_resize_gathers(
                 )
             )
             continue
-        found[x] = (resize, chain)
+        found[x] = (resize, chain, held_by, starts)
     gathers: dict[str, ResizeGather] = {}
     owned: list[Node] = []
     # The Resizes' own inputs may be read through layout ops the group (with the Resizes) holds.
-    every_reader = frozenset(readers | {n.id for _, chain in found.values() for n in chain})
-    for x, (resize, chain) in found.items():
+    every_reader = frozenset(readers | {n.id for _, chain, _, _ in found.values() for n in chain})
+    for x, (resize, chain, order, starts) in found.items():
         axes = _axes(graph, resize)
-        for s in chain[:-1]:
-            for a, start in slice_window(graph, s) or []:
-                axes[a].start += start
+        for d, axis in enumerate(axes):
+            axis.start = starts[order[d]]
         source = resize.inputs[0]
         shape = tuple(graph.spec(source).shape)
         base, strides, offset = source, contiguous_strides(shape), 0
@@ -178,6 +188,7 @@ def plan_resize_gathers(
             str(_attr(resize, "mode", "nearest")),
             str(_attr(resize, "coordinate_transformation_mode", "half_pixel")),
             str(_attr(resize, "nearest_mode", "round_prefer_floor")),
+            tuple(order),
         )
         owned += chain
     claimed |= {n.id for n in owned}

@@ -31,7 +31,8 @@ class ResizeAxis:
 @dataclass
 class ResizeGather:
     """A kernel input that is a 4-D Resize over H and W (of `base`, read at `strides` from
-    `offset`), sliced by unit-step Slices (each axis' `start`)."""
+    `offset`), sliced by unit-step Slices (each axis' `start`) and permuted by Transposes
+    (`order`)."""
 
     base: str  # the buffer read (the Resize's input, or the buffer behind its layout ops)
     strides: tuple[int, ...]  # of the Resize's input [N, C, H, W] in `base`
@@ -41,6 +42,10 @@ class ResizeGather:
     mode: str  # one of MODES
     coordinate_mode: str  # one of COORDINATE_MODES
     nearest_mode: str  # one of NEAREST_MODES
+    # For each axis of the resized value (N, C, H, W), the axis of `shape` that holds it: the
+    # identity, or a permutation where Transposes sit between the Resize and the kernel (a
+    # Resize run in NCHW, its output transposed back into the channels-last region).
+    order: tuple[int, ...] = (0, 1, 2, 3)
 
     def extent(self) -> int:
         """One past the farthest element of `base` the gather may read."""

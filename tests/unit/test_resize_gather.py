@@ -218,3 +218,74 @@ def test_a_resize_an_lrn_reads_at_neighbouring_channels_is_written_not_gathered(
         nf["nodes"] == ["up"]
         and nf["reason"] == "LRN reads its output at neighbouring channels, loaded from memory"
     )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_a_transposed_and_sliced_resize_is_gathered_in_the_readers_axis_order(
+    mode: str, precision: str
+) -> None:
+    """Resize (NCHW) -> Slice of H and W -> Transpose to NHWC -> Add -> Relu: the kernel iterates
+    over NHWC and maps each of its axes back to the resized one that Transpose put there (C is
+    its last axis), the Slice's starts on H and W added: one kernel, the resized value unwritten."""
+    nodes = [
+        helper.make_node("Resize", ["x", "", "scales"], ["r"], mode=mode),
+        helper.make_node("Slice", ["r", "starts", "ends", "axes"], ["s"]),
+        helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 3, 1]),
+        helper.make_node("Add", ["t", "b"], ["a"]),
+        helper.make_node("Relu", ["a"], ["y"]),
+    ]
+    model = make_model(nodes, {"x": [2, 3, 9, 11], "b": [2, 16, 18, 3]}, {"y": [2, 16, 18, 3]})
+    model.graph.initializer.extend(
+        numpy_helper.from_array(np.array(v, dtype=dtype), name)
+        for name, v, dtype in [
+            ("scales", [1, 1, 2, 2], np.float32),
+            ("starts", [1, 2], np.int64),
+            ("ends", [17, 20], np.int64),
+            ("axes", [2, 3], np.int64),
+        ]
+    )
+    cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 16, 18, 3]}, precision)
+    assert cm.report["kernels"]["after"] == 1
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == "pointwise+resize_gather" and g["resize_gathered"] == ["Resize#n0"]
+    source = gather_kernel(cm).source
+    # C from the kernel's last axis, H (its axis 1) and W (axis 2) with the Slice's starts.
+    assert "(offs % 3) * 99" in source and "(((offs // 54) % 16) + 1)" in source
+    assert "(((offs // 3) % 18) + 2)" in source
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_an_fpn_top_down_step_gathers_the_upsampled_map_in_the_adds_kernel(precision: str) -> None:
+    """An FPN's top-down step, lateral(c4) + upsample(coarse), all convs channels-last: the Resize
+    runs in NCHW between Transposes, and the Add's kernel gathers it from the coarse conv's NHWC
+    buffer through both. As in torchvision's detection backbones (three such Resizes each), the
+    lateral conv is merged with a sibling 1x1 conv that reads the same input (the next stage's
+    first conv; its Split keeps the Add out of the conv's epilogue), so the Add is a pointwise
+    kernel of its own."""
+    nodes = [
+        helper.make_node("Conv", ["x", "wc"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], mode="nearest"),
+        helper.make_node("Conv", ["x", "wl"], ["l"]),
+        helper.make_node("Conv", ["x", "wn"], ["n"]),
+        helper.make_node("Relu", ["n"], ["z"]),
+        helper.make_node("Add", ["l", "r"], ["s"]),
+        helper.make_node("Conv", ["s", "wo"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "wc": RNG.standard_normal((8, 4, 3, 3)) * 0.3,
+        "wl": RNG.standard_normal((8, 4, 1, 1)) * 0.5,
+        "wn": RNG.standard_normal((6, 4, 1, 1)) * 0.5,
+        "wo": RNG.standard_normal((8, 8, 3, 3)) * 0.2,
+        "scales": np.array([1, 1, 2, 2]),
+    }
+    model = make_model(nodes, {"x": [2, 4, 10, 12]}, {"y": [2, 8, 10, 12], "z": [2, 6, 10, 12]}, inits)
+    cm = check_against_ort(model, {"x": [2, 4, 10, 12]}, precision, NHWC_ALWAYS)
+    assert cm.report["fusion"]["passes"]["fired"]["merge_sibling_convs"] == 1
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Resize" not in launched
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g.get("resize_gathered")]
+    assert g["nodes"] == ["Add#n5"] and g["resize_gathered"] == ["Resize#n1"]
+    assert len(g["layout_folded"]) == 2  # the Transposes on either side of the Resize
+    k = gather_kernel(cm)
+    assert all("__nhwc" in x for x in k.inputs)
