@@ -14,29 +14,24 @@ from __future__ import annotations
 
 from opfuse.fusion.views import input_view, output_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.queries import scalar_constant
+from opfuse.ir.queries import UseDef, scalar_constant
 from opfuse.ir.views import AttentionMatch
 
 MAX_HEAD_DIM = 256
 
 
-def _sole_consumer(graph: Graph, value: str) -> Node | None:
-    users = graph.consumers().get(value, [])
-    if len(users) != 1 or value in {o.name for o in graph.outputs}:
-        return None
-    return users[0]
-
-
-def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
-    """None: not attention at all; a str: attention, but why it cannot fuse; else the match."""
+def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> AttentionMatch | str | None:
+    """None: not attention at all; a str: attention, but why it cannot fuse; else the match.
+    `use`: the graph's use-def snapshot, where the caller matches many MatMuls of one graph."""
     if mm1.op_type != "MatMul":
         return None
+    use = use if use is not None else UseDef(graph)
     nodes = [mm1]
     scale = 1.0
     cur = mm1.outputs[0]
     mask = cond = ""
     fill = 0.0
-    node = _sole_consumer(graph, cur)
+    node = use.sole_consumer(cur)
     while node is not None and node.op_type in ("Mul", "Div") and node.inputs[0] == cur:
         c = scalar_constant(graph, node.inputs[1])
         if c is None or c == 0.0:
@@ -44,13 +39,13 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         scale *= c if node.op_type == "Mul" else 1.0 / c
         nodes.append(node)
         cur = node.outputs[0]
-        node = _sole_consumer(graph, cur)
+        node = use.sole_consumer(cur)
     if node is not None and node.op_type == "Add":
         other = node.inputs[1] if node.inputs[0] == cur else node.inputs[0]
         mask = other
         nodes.append(node)
         cur = node.outputs[0]
-        node = _sole_consumer(graph, cur)
+        node = use.sole_consumer(cur)
     elif node is not None and node.op_type == "Where" and node.inputs[1] == cur:
         f = scalar_constant(graph, node.inputs[2])
         if f is None:
@@ -58,7 +53,7 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         cond, fill = node.inputs[0], f
         nodes.append(node)
         cur = node.outputs[0]
-        node = _sole_consumer(graph, cur)
+        node = use.sole_consumer(cur)
     if node is None or node.op_type != "Softmax":
         return None
     scores = graph.spec(mm1.outputs[0]).shape
@@ -72,7 +67,7 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         return "softmax is not over the last axis"
     nodes.append(node)
     probs = node.outputs[0]
-    users = graph.consumers().get(probs, [])
+    users = use.consumers(probs)
     nan_guard = False
     # The exporter's guard for fully masked rows: Where(IsNaN(p), 0, p).
     isnan = [u for u in users if u.op_type == "IsNaN"]
@@ -83,11 +78,11 @@ def match_attention(graph: Graph, mm1: Node) -> AttentionMatch | str | None:
         nan_guard = True
         nodes += [isnan[0], where[0]]
         probs = where[0].outputs[0]
-    node = _sole_consumer(graph, probs)
+    node = use.sole_consumer(probs)
     while node is not None and node.op_type in ("Dropout", "Identity"):
         nodes.append(node)
         probs = node.outputs[0]
-        node = _sole_consumer(graph, probs)
+        node = use.sole_consumer(probs)
     if node is None or node.op_type != "MatMul" or node.inputs[0] != probs:
         return None
     mm2 = node

@@ -14,6 +14,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.attention import match_attention
 from opfuse.fusion.groups import Group, creates_cycle
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
+from opfuse.ir.queries import UseDef
 from opfuse.ir.views import AttentionMatch
 from opfuse.passes.rules import node_label
 
@@ -22,10 +23,11 @@ class Attention(FusionRule):
     def match(self) -> Iterator[Candidate]:
         self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}
         self.taken: set[str] = set()
+        use = UseDef(self.graph)  # the graph does not change while attention is matched
         for n in self.graph.nodes:
             if n.op_type != "MatMul" or n.id in self.taken:
                 continue
-            m = match_attention(self.graph, n)
+            m = match_attention(self.graph, n, use)
             if m is not None:
                 yield Candidate(names.ATTENTION, [n], data=m)
 
