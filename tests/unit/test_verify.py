@@ -198,6 +198,57 @@ def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on
     assert v["basis"] == "unfused_precision" and len(seen) == 5, (v, len(seen))
 
 
+def test_an_error_near_rtol_that_grows_on_later_inputs_rolls_nothing_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The precision's error sits just under fp16's rtol on the first inputs the compile draws and
+    past it on every later one, for every plan, and a fused kernel adds 40% to it: the first
+    check misses on one input, the unfused plan passes on it and on two fresh ones, and every
+    step of the bisection misses on fresh inputs, so it rolls back groups that are not to blame
+    and the plan without them still misses (timm/halonet26t in fp16 on the GPU: 11 groups rolled
+    back, unverified). Then the unfused plan runs on the inputs the last check missed on, misses
+    too, and sets the bound: the fused plan is held to twice its error there and passes, with
+    nothing rolled back."""
+    import torch
+
+    import opfuse
+    from opfuse.runtime import executor as ex
+    from tests.builders import TEST_DEVICE
+
+    run, run_step = ex.Executor.run, ex.Executor._run_step
+    seen: list[bytes] = []
+    current = [0]
+
+    def keyed(self: ex.Executor, feeds: Any) -> dict[str, Any]:
+        x = np.asarray(feeds["x"], dtype=np.float32).tobytes()
+        if x not in seen:
+            seen.append(x)
+        current[0] = seen.index(x)
+        return run(self, feeds)
+
+    def noisy(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
+        run_step(self, i, step, env, arena)
+        if "y" in step.outputs:
+            # Noise of relative L2 `level` exactly: fp16's rtol is 0.02.
+            level = 0.017 if current[0] < 5 else 0.04
+            level *= 1.4 if step.kind == "kernel" else 1.0
+            t = env["y"]
+            jitter = torch.randn(t.shape, generator=torch.Generator().manual_seed(current[0]))
+            jitter = jitter.to(t.device, torch.float32)
+            scale = level * torch.linalg.vector_norm(t.float()) / torch.linalg.vector_norm(jitter)
+            t.add_((scale * jitter).to(t.dtype))
+
+    monkeypatch.setattr(ex.Executor, "run", keyed)
+    monkeypatch.setattr(ex.Executor, "_run_step", noisy)
+    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    v = cm.report["verification"]
+    assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
+    assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
+    out = v["outputs"]["y"]
+    assert out["rel_l2_err"] > 0.02 and out["rtol"] == pytest.approx(2 * out["baseline_rel_l2_err"]), out
+    assert len(cm.report["fusion"]["groups"]) == 2
+
+
 def test_a_wrong_kernel_is_rolled_back_under_the_unfused_plans_error_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
