@@ -179,7 +179,9 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     _nhwc_header(buf, cv, kernel_id, group_id)
     config: dict[str, Any] = {**matmul_tile_config(m, n, cv.k), "UPCAST": False}
     if not cv.flat and not cv.depthwise:
-        config["BLOCK_K"] = min(64, max(16, next_pow2(c)))
+        # A Concat's inputs are read one K loop each: a block no wider than the narrowest.
+        widest = min(ch for _, _, ch in cv.pieces) if cv.pieces else c
+        config["BLOCK_K"] = min(64, max(16, next_pow2(widest)))
     flags: dict[str, Any] = {"UNROLL": False} if cv.depthwise else {"SPLIT_K": 1} if cv.splittable else {}
     config.update(flags)
     args = cv.args
@@ -224,7 +226,12 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
     window = cv.window
     windows = {MAX_POOL_NHWC: "max pool", AVERAGE_POOL_NHWC: "average pool", NHWC_CONV: "depthwise conv"}
     for node in cv.prologue:
-        role = "input scale" if window is None else f"{windows[window.op_type]} on the input tiles"
+        if window is not None:
+            role = f"{windows[window.op_type]} on the input tiles"
+        elif cv.pieces:
+            role = "its inputs read in turn" if node.op_type == "Concat" else "on each loaded tile"
+        else:
+            role = "read through" if cv.pad is not None else "input scale"
         buf.line(node_comment(node, f"prologue: {role}"))
     buf.line(node_comment(cv.anchor, "anchor", op="Conv"))
     if cv.sx_name:
@@ -270,6 +277,8 @@ def _nhwc_k_loops(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
         _depthwise_loop(buf, cv)
     elif cv.window is not None and not cv.pooled:
         window_prologue(buf, cv.graph, cv.window, cv.prologue[1:], {**cv.literals}, cv.p["C"], cv.n, dot)
+    elif cv.pieces:
+        _concat_loop(buf, cv, dot)
     elif cv.flat:
         _flat_loop(buf, cv)
     elif cv.segments:
@@ -295,6 +304,38 @@ def _nhwc_k_loops(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
                 shortcut_loop(buf, shortcut, cv.n, dot, split=True)
     else:
         _window_loop(buf, cv, dot)
+
+
+def _concat_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
+    """A 1x1 conv of a Concat (stride 1, unpadded: each output row is a pixel of every input):
+    one K loop per Concat input over its channels, each tile loaded from that input, put through
+    the prologue's ops (their per-channel constants at the input's channels in the Concat),
+    rounded to the model's type as the stored tensor would be, and multiplied by the weight's
+    rows for those channels."""
+    c, n = cv.p["C"], cv.n
+    concat = cv.prologue[0]
+    for i, (_, first, channels) in enumerate(cv.pieces):
+        buf.line(f"for c0 in range(0, {channels}, BLOCK_K):")
+        with buf.indent():
+            buf.line("ci = c0 + rk")
+            buf.line(f"c_ok = ci < {channels}")
+            buf.line("x_ok = row_ok[:, None] & c_ok[None, :]")
+            offset = in_bounds(f"rm[:, None] * {channels} + ci[None, :]", "x_ok")
+            buf.line(f"xv = tl.load(xp{i} + {offset}, mask=x_ok, other=0.0).to(tl.float32)")
+            regs = {**cv.literals, concat.outputs[0]: "xv"}
+            for j, const in enumerate(cv.act_consts):
+                buf.line(
+                    f"k{j} = tl.load(pc{j} + {first} + ci, mask=c_ok, other=0.0).to(tl.float32)[None, :]"
+                )
+                regs[const] = f"k{j}"
+            emit_nodes(buf, cv.graph, cv.act, regs, prefix="u")
+            last = cv.act[-1].outputs[0] if cv.act else concat.outputs[0]
+            buf.line(f"a_tile = tl.where(x_ok, {regs[last]}, 0.0).to(xp0.dtype.element_ty)")
+            buf.line(
+                f"b_tile = tl.load(w + rn[None, :] * {c} + {first} + ci[:, None], "
+                f"mask=c_ok[:, None] & (rn[None, :] < {n}), other=0.0)"
+            )
+            dot("a_tile", "b_tile")
 
 
 def _depthwise_loop(buf: SourceBuffer, cv: NhwcConv) -> None:

@@ -56,6 +56,12 @@ class NhwcConv:
     small_index: bool = False  # every offset fits int32 (codegen/conv.py sets it)
     segments: list[tuple[int, int, int, int, int, int]] | None = None
     splittable: bool = False
+    # A Concat before a 1x1 conv (fusion/rules/concat_prologue.py): each input, its first channel
+    # and its channels, read in turn by the K loop; the ops between (`act`) applied to each tile,
+    # their per-channel constants (`act_consts`) loaded at the input's channels.
+    pieces: list[tuple[str, int, int]] = field(default_factory=list)
+    act: list[Node] = field(default_factory=list)
+    act_consts: list[str] = field(default_factory=list)
 
     @property
     def tap(self) -> TapInput:
@@ -64,7 +70,9 @@ class NhwcConv:
     @property
     def args(self) -> list[str]:
         return (
-            ["x", "w"]
+            ([f"xp{i}" for i in range(len(self.pieces))] if self.pieces else ["x"])
+            + ["w"]
+            + [f"pc{j}" for j in range(len(self.act_consts))]
             + (["xs", "ws"] if self.sx_name else [])
             + (["sc"] if self.scale else [])
             + (["dw"] if self.dw_w else [])
@@ -86,8 +94,9 @@ class NhwcConv:
     @property
     def tensor_inputs(self) -> list[str]:
         return [
-            self.x_name,
+            *([v for v, _, _ in self.pieces] if self.pieces else [self.x_name]),
             self.w_name,
+            *self.act_consts,
             *([self.sx_name, self.sw_name] if self.sx_name else []),
             *([self.scale] if self.scale else []),
             *(v for v in (self.dw_w, self.dw_b) if v),
@@ -118,6 +127,20 @@ def _read_prologue(cv: NhwcConv) -> None:
         if cv.window.op_type == NHWC_CONV:
             cv.dw_w = cv.window.inputs[1]
             cv.dw_b = cv.window.inputs[2] if len(cv.window.inputs) > 2 else ""
+    elif prologue and prologue[0].op_type == "Concat":
+        concat = prologue[0]
+        cv.x_name, at = "", 0
+        for x in concat.inputs:
+            if x:
+                channels = int(graph.spec(x).shape[3])
+                cv.pieces.append((x, at, channels))
+                at += channels
+        cv.act = prologue[1:]
+        cv.act_consts = list(
+            dict.fromkeys(
+                x for n in cv.act for x in n.inputs if x in graph.constants and graph.constants[x].size > 1
+            )
+        )
     elif prologue and prologue[0].op_type == "Pad":
         # Pad (NCHW) -> Transpose to NHWC -> conv: the kernel reads the unpadded NCHW tensor, the
         # padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
@@ -151,6 +174,7 @@ def _read_loads(cv: NhwcConv, inputs: list[str]) -> None:
     split_sizes = {cv.split.inputs[1]} if cv.split is not None else set()
     pad_operands = set(cv.pad.inputs[1:]) if cv.pad is not None else set()
     loop_operands = {cv.x_name, cv.w_name, cv.sx_name, cv.sw_name, cv.scale, cv.dw_w, cv.dw_b}
+    loop_operands |= {v for v, _, _ in cv.pieces} | set(cv.act_consts)
     operands_only = {*loop_operands, *cv.copied, *split_sizes, *pad_operands} - {""} - epilogue_reads
     tensors = {cv.b_name} - {""}
     cv.literals, extra = split_literals(cv.graph, inputs, skip=operands_only, tensors=tensors)
@@ -163,15 +187,15 @@ def _read_loop_form(cv: NhwcConv) -> None:
     # Few input channels (a network's first layer): one flat K loop, cin = k % C. Otherwise a loop
     # over the KH*KW window positions, each reading contiguous blocks of channels (the window
     # prologue has its own loop over channel blocks).
-    cv.flat = cv.p["C"] < 16 and cv.window is None
-    window_loop = not (cv.depthwise or cv.flat or (cv.window is not None and not cv.pooled))
+    cv.flat = cv.p["C"] < 16 and cv.window is None and not cv.pieces
+    window_loop = not (cv.depthwise or cv.flat or cv.pieces or (cv.window is not None and not cv.pooled))
     if window_loop and cv.w_name in graph.constants and not cv.pool_out:
         cv.segments = tap_segments(graph.constants[cv.w_name])
     # Split-K (a tuning choice): the plain window loop, and a shortcut's second loop after it (each
     # split among the programs of a tile); none of the forms with loops of their own (prologues,
     # zero weight segments).
     cv.splittable = (
-        not (cv.depthwise or cv.flat or cv.segments or cv.pooled)
+        not (cv.depthwise or cv.flat or cv.segments or cv.pooled or cv.pieces)
         and cv.window is None
         and "split_k" not in graph.disabled
     )

@@ -67,6 +67,7 @@ GEMM_EPILOGUE = "gemm_epilogue"
 CONV_EPILOGUE = "conv_epilogue"
 POOL_EPILOGUE = "pool_epilogue"
 PAD_PROLOGUE = "pad_prologue"
+CONCAT_PROLOGUE = "concat_prologue"
 DEPTHWISE_PROLOGUE = "depthwise_prologue"
 POOL_PROLOGUE = "pool_prologue"
 GEMV_CHAIN = "gemv_chain"
@@ -320,6 +321,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         PAD_PROLOGUE,
         FUSION,
         "An anchor's template reads through the constant, reflect or edge Pad before it.",
+    ),
+    _r(
+        CONCAT_PROLOGUE,
+        FUSION,
+        "A 1x1 conv of a channel Concat, through per-channel affine ops and a Relu (DenseNet's "
+        "pre-activation BatchNorm), reads the Concat's inputs in turn in its K loop, activating each tile.",
+        requires=(CHANNELS_LAST,),
     ),
     _r(
         DEPTHWISE_PROLOGUE,

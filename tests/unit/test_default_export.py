@@ -348,3 +348,51 @@ def test_a_per_head_score_scale_moves_onto_the_query_and_attention_fuses(
     assert cm.report["fusion"]["passes"]["fired"]["head_scale"] == 1
     assert rules(cm).count("attention") == 1, cm.report["fusion"]
     assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "MatMul"]
+
+
+class DenseLayers(nn.Module):
+    """Three of torchvision's DenseNet layers: cat(features) -> BN -> ReLU -> 1x1 conv -> BN -> ReLU
+    -> 3x3 conv, each layer's output appended to the features (BN statistics calibrated). The
+    first layer's Concat is of one tensor: the exporters write none."""
+
+    def __init__(self, c: int, growth: int, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for i in range(3):
+            cin = c + i * growth
+            self.layers.append(
+                nn.Sequential(
+                    nn.BatchNorm2d(cin),
+                    nn.ReLU(),
+                    nn.Conv2d(cin, width, 1, bias=False),
+                    nn.BatchNorm2d(width),
+                    nn.ReLU(),
+                    nn.Conv2d(width, growth, 3, padding=1, bias=False),
+                )
+            )
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.data.uniform_(0.5, 1.5)
+                m.bias.data.uniform_(-0.2, 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_dense_layers_read_the_concat_in_their_1x1_convs(dynamo: bool, tmp_path: Path) -> None:
+    """Each layer's BN + ReLU of the Concat is applied on the 1x1 conv's input tiles, read from
+    the Concat's inputs in turn (concat_prologue): no Concat runs before the second and third
+    layers, and the launches are the six convolutions and the first layer's BN + ReLU."""
+    torch.manual_seed(9)
+    x = torch.randn(2, 16, 6, 6)
+    model = export(DenseLayers(16, 8, 16), (x,), tmp_path / "dense.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path, fusion_disable=("fp32_dense_nchw",))
+    assert sum("concat_prologue" in r for r in rules(cm)) == 2, cm.report["fusion"]
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "Concat"]
+    assert cm.report["kernels"]["after"] == 7

@@ -5,9 +5,9 @@ The epilogue grows from the anchor's output through pointwise consumers of the s
 activation, residual add, scale, cast). Never two compute-bound anchors in one kernel: only
 pointwise ops join; memory-bound neighbours join later by rules of their own (window_prologue,
 gemv_chain, depthwise_reduction, concat_epilogue, pooled_gemm). The three kinds share one pass
-over the graph, so their groups share one numbering. Inside it, `pad_prologue` (pad_prologue.py)
-and a conv's per-(image, channel) input scale read the anchor's input through the node before
-it; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
+over the graph, so their groups share one numbering. Inside it, `pad_prologue` (pad_prologue.py),
+`concat_prologue` (concat_prologue.py) and a conv's per-(image, channel) input scale read the
+anchor's input through the nodes before it; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
 that a template can run goes to `state.lone` (the library kernel runs it unless tuning measures
 the template faster).
 """
@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rules.base import Candidate, FusionRule
+from opfuse.fusion.rules.concat_prologue import concat_prologue
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
@@ -47,7 +48,7 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 
 
 class AnchorEpilogue(FusionRule):
-    options = (PAD_RULE, names.LAYOUT_VIEWS)
+    options = (PAD_RULE, names.CONCAT_PROLOGUE, names.LAYOUT_VIEWS)
 
     def match(self) -> Iterator[Candidate]:
         graph, state = self.graph, self.state
@@ -94,6 +95,9 @@ class AnchorEpilogue(FusionRule):
             if not prologue and state.on(PAD_RULE):
                 prologue = input_pad(graph, anchor, taken, consumers, not_fused)
                 rule = f"{rule}+{PAD_RULE}" if prologue else rule
+            if not prologue and state.on(names.CONCAT_PROLOGUE):
+                prologue = concat_prologue(graph, anchor, taken, consumers, not_fused)
+                rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             # A row group planned before (attention reading Q, K and V through the Split as views
