@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -155,21 +156,13 @@ def test_fp16_fusion_is_held_to_the_unfused_plans_own_error_where_that_misses_rt
     assert cm.report["kernels"]["after"] < cm.report["kernels"]["before"]
 
 
-def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on_the_same_inputs(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The precision's error is 4x larger on some inputs than on others (a network that amplifies
-    rounding more on some inputs), the same for every plan: here on every input after the first
-    five the compile draws (one for its first run, two for the first check, two for the unfused
-    plan's). Fusion, no noisier than the unfused plan, passes with nothing rolled
-    back: once the unfused plan's error sets the bound, the fused plan is checked on the inputs
-    that error was measured on, not on fresh ones that happen to be worse (timm/mobileone_s0
-    in fp16 failed so, with 114 correct groups rolled back)."""
+def _noise_by_input(monkeypatch: pytest.MonkeyPatch, noise: Callable[..., Any]) -> list[bytes]:
+    """Rounding's noise on the model's output `y`, the same for the same input in every plan:
+    `noise(y, jitter, index, step)` is added to y, jitter seeded by the input's index among those
+    the compile has drawn (the list returned, in order)."""
     import torch
 
-    import opfuse
     from opfuse.runtime import executor as ex
-    from tests.builders import TEST_DEVICE
 
     run, run_step = ex.Executor.run, ex.Executor._run_step
     seen: list[bytes] = []
@@ -183,15 +176,34 @@ def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on
         return run(self, feeds)
 
     def noisy(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
-        """Rounding's noise on the model's output, the same for the same input in every plan."""
         run_step(self, i, step, env, arena)
         if "y" in step.outputs:
             t = env["y"]
             jitter = torch.randn(t.shape, generator=torch.Generator().manual_seed(current[0]))
-            t.add_((0.03 if current[0] < 5 else 0.12) * t.abs() * jitter.to(t.device, t.dtype))
+            t.add_(noise(t, jitter.to(t.device, t.dtype), current[0], step).to(t.dtype))
 
     monkeypatch.setattr(ex.Executor, "run", keyed)
     monkeypatch.setattr(ex.Executor, "_run_step", noisy)
+    return seen
+
+
+def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on_the_same_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The precision's error is 4x larger on some inputs than on others (a network that amplifies
+    rounding more on some inputs), the same for every plan: here on every input after the first
+    five the compile draws (one for its first run, two for the first check, two for the unfused
+    plan's). Fusion, no noisier than the unfused plan, passes with nothing rolled
+    back: once the unfused plan's error sets the bound, the fused plan is checked on the inputs
+    that error was measured on, not on fresh ones that happen to be worse (timm/mobileone_s0
+    in fp16 failed so, with 114 correct groups rolled back)."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    def noise(t: Any, jitter: Any, index: int, step: Any) -> Any:
+        return (0.03 if index < 5 else 0.12) * t.abs() * jitter
+
+    seen = _noise_by_input(monkeypatch, noise)
     cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
@@ -212,34 +224,14 @@ def test_an_error_near_rtol_that_grows_on_later_inputs_rolls_nothing_back(
     import torch
 
     import opfuse
-    from opfuse.runtime import executor as ex
     from tests.builders import TEST_DEVICE
 
-    run, run_step = ex.Executor.run, ex.Executor._run_step
-    seen: list[bytes] = []
-    current = [0]
+    def noise(t: Any, jitter: Any, index: int, step: Any) -> Any:
+        """Of relative L2 `level` exactly: fp16's rtol is 0.02."""
+        level = (0.017 if index < 5 else 0.04) * (1.4 if step.kind == "kernel" else 1.0)
+        return level * torch.linalg.vector_norm(t.float()) / torch.linalg.vector_norm(jitter.float()) * jitter
 
-    def keyed(self: ex.Executor, feeds: Any) -> dict[str, Any]:
-        x = np.asarray(feeds["x"], dtype=np.float32).tobytes()
-        if x not in seen:
-            seen.append(x)
-        current[0] = seen.index(x)
-        return run(self, feeds)
-
-    def noisy(self: ex.Executor, i: int, step: Any, env: dict[str, Any], arena: bool = False) -> None:
-        run_step(self, i, step, env, arena)
-        if "y" in step.outputs:
-            # Noise of relative L2 `level` exactly: fp16's rtol is 0.02.
-            level = 0.017 if current[0] < 5 else 0.04
-            level *= 1.4 if step.kind == "kernel" else 1.0
-            t = env["y"]
-            jitter = torch.randn(t.shape, generator=torch.Generator().manual_seed(current[0]))
-            jitter = jitter.to(t.device, torch.float32)
-            scale = level * torch.linalg.vector_norm(t.float()) / torch.linalg.vector_norm(jitter)
-            t.add_((scale * jitter).to(t.dtype))
-
-    monkeypatch.setattr(ex.Executor, "run", keyed)
-    monkeypatch.setattr(ex.Executor, "_run_step", noisy)
+    _noise_by_input(monkeypatch, noise)
     cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
