@@ -123,3 +123,31 @@ def test_disabling_the_rule_gives_the_plan_without_it() -> None:
     _, plan = planned(dense_block(), (names.CONCAT_PROLOGUE,))
     assert not [g for g in claimed(plan) if names.CONCAT_PROLOGUE in g[1]]
     assert not refusals(plan, names.CONCAT_PROLOGUE)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_scalar_and_per_channel_constants_of_any_affine_op(precision: str) -> None:
+    """relu(cat(a, b) * 0.5 - shift): a scalar constant is a literal of the kernel, a per-channel
+    one is loaded at each input's channels; every output element against onnxruntime."""
+    n = helper.make_node
+    nodes = [
+        n("Conv", ["x", "wa"], ["a"]),
+        n("Conv", ["x", "wb"], ["b"], pads=[1] * 4),
+        n("Concat", ["a", "b"], ["c"], axis=1),
+        n("Mul", ["c", "half"], ["m"]),
+        n("Sub", ["m", "shift"], ["s"]),
+        n("Relu", ["s"], ["r"]),
+        n("Conv", ["r", "w"], ["y"]),
+    ]
+    inits = {
+        "wa": RNG.standard_normal((12, 4, 1, 1)),
+        "wb": RNG.standard_normal((8, 4, 3, 3)) * 0.3,
+        "half": np.array(0.5),
+        "shift": RNG.standard_normal((20, 1, 1)) * 0.2,
+        "w": RNG.standard_normal((7, 20, 1, 1)) * 0.3,
+    }
+    model = make_model(nodes, {"x": [1, 4, 5, 5]}, {"y": [1, 7, 5, 5]}, inits)
+    cm = check_against_ort(model, {"x": [1, 4, 5, 5]}, precision, NHWC_ALWAYS, tune_budget_s=0)
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == [RULE]
+    (k,) = [k for k in cm.plan.kernels.values() if "xp1" in k.source]
+    assert "* 0.5)" in k.source and "pc0 + 12 + ci" in k.source
