@@ -53,11 +53,13 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
+from opfuse.codegen.resize import resize_load
 from opfuse.codegen.source import SourceBuffer, comment_text, in_bounds
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
+from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import INT32_INDEX_LIMIT, conv_params
 
 Dot = Callable[[str, str], None]
@@ -242,6 +244,11 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
         )
     for node in cv.epilogue:
         buf.line(node_comment(node, "epilogue"))
+    for i, name in enumerate(cv.extra):
+        g = cv.views.get(name)
+        if isinstance(g, ResizeGather):
+            resized, source = [a.out_size for a in g.axes], [a.in_size for a in g.axes]
+            buf.line(f"#   + in{i}: resized {resized} by gather loads from its input {source}")
     if cv.concat is not None:
         buf.line(
             f"#   {cv.concat.id}: Concat {comment_text(cv.concat.name)} (written in place, other inputs copied)"
@@ -506,6 +513,13 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
             regs[o] = "acc"
 
     regs: dict[str, str] = {}
+    for i, name in enumerate(cv.extra):
+        gather = cv.views.get(name)
+        if isinstance(gather, ResizeGather):  # a Resize the epilogue reads, gathered from its input
+            lines: list[str] = []
+            regs[name] = resize_load(f"g{i}", f"in{i}", gather, lines, "tl.int64", "dst", "mask")
+            for line in lines:
+                buf.line(line)
     accumulator_epilogue(
         buf, graph, cv.anchor.outputs[0], cv.epilogue, cv.extra, index_of, cv.literals, regs, bias
     )

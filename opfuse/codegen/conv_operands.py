@@ -13,6 +13,7 @@ from opfuse.codegen.epilogue import dot_precision
 from opfuse.codegen.fragments import split_literals
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
+from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import centre_tap, conv_params, input_scale_operands
 
 
@@ -100,7 +101,7 @@ class NhwcConv:
             *([self.sx_name, self.sw_name] if self.sx_name else []),
             *([self.scale] if self.scale else []),
             *(v for v in (self.dw_w, self.dw_b) if v),
-            *self.extra,
+            *(self.views[x].base if isinstance(self.views.get(x), ResizeGather) else x for x in self.extra),
             *(self.views[x].base if x in self.views else x for x in self.copied),
         ]
 

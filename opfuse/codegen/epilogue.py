@@ -21,8 +21,11 @@ IndexOf = Callable[[str], tuple[str | None, str]]
 
 
 def emit_loads(buf: SourceBuffer, extra: list[str], index_of: IndexOf, regs: dict[str, str]) -> None:
-    """`x{i} = in{i}[...]` for each extra input, in float32; records each register in `regs`."""
+    """`x{i} = in{i}[...]` for each extra input, in float32; records each register in `regs`. An
+    input already in `regs` (a Resize's gather, computed by the template) is not loaded again."""
     for i, name in enumerate(extra):
+        if name in regs:
+            continue
         idx, mask = index_of(name)
         if idx is None:
             buf.line(f"x{i} = tl.load(in{i}).to(tl.float32)")

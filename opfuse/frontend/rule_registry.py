@@ -291,7 +291,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         RESIZE_GATHER,
         FUSION,
-        "A Resize read only by one pointwise kernel is computed by that kernel's gather loads.",
+        "A Resize read only by one pointwise kernel, or by one channels-last conv's epilogue, is computed "
+        "by that kernel's gather loads.",
         requires=(POINTWISE,),
     ),
     _r(

@@ -1,10 +1,12 @@
-"""`resize_gather`: a Resize read only by one pointwise kernel is computed by that kernel's loads.
+"""`resize_gather`: a Resize read only by one pointwise kernel, or by one channels-last conv's
+epilogue, is computed by that kernel's loads.
 
 A Resize of a 4-D tensor over H and W (nearest or bilinear, constant scales or sizes) whose
-output, directly or through unit-step Slices and Transposes, only one pointwise group reads joins
-that group (an FPN's upsampled map, run in NCHW and transposed back into the channels-last
-region, gathered by the kernel of the Add that sums it with the lateral conv's output):
-the kernel loads the Resize's input at the source coordinates of each element it computes
+output, directly or through unit-step Slices and Transposes, only one pointwise group or one
+NHWC conv's epilogue (`fusion/rules/anchor_epilogue.py`) reads joins that group: an FPN's
+upsampled map, run in NCHW and transposed back into the channels-last region, is gathered by the
+kernel of the Add that sums it with the lateral conv's output (that conv's own, where the Add is
+its epilogue). The kernel loads the Resize's input at the source coordinates of each element it computes
 (`codegen/resize.py`), so neither the resized tensor nor the Slice's window is written. The
 Resize's input itself may come through layout ops (the channels-last region's Transpose back to
 NCHW): it is then read from the buffer behind them with strides, as `layout_views` reads.

@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model
+from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, ort_run
 
 RNG = np.random.default_rng(21)
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
@@ -289,3 +289,57 @@ def test_an_fpn_top_down_step_gathers_the_upsampled_map_in_the_adds_kernel(preci
     assert len(g["layout_folded"]) == 2  # the Transposes on either side of the Resize
     k = gather_kernel(cm)
     assert all("__nhwc" in x for x in k.inputs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_the_lateral_convs_epilogue_gathers_the_upsampled_map(mode: str, precision: str) -> None:
+    """The FPN top-down step where the lateral conv has no sibling to merge with (a ResNet-18's
+    next stage reads its input at stride 2): the Add joins the lateral conv's epilogue, and the
+    conv kernel gathers the upsampled map from the coarse conv's NHWC buffer through the
+    Transposes around the Resize, at each element of its output tile."""
+    nodes = [
+        helper.make_node("Conv", ["x", "wc"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node("Resize", ["c", "", "scales"], ["r"], mode=mode),
+        helper.make_node("Conv", ["x", "wl", "bl"], ["l"]),
+        helper.make_node("Add", ["l", "r"], ["s"]),
+        helper.make_node("Conv", ["s", "wo"], ["y"], pads=[1, 1, 1, 1]),
+    ]
+    inits = {
+        "wc": RNG.standard_normal((8, 4, 3, 3)) * 0.3,
+        "wl": RNG.standard_normal((8, 4, 1, 1)) * 0.5,
+        "bl": RNG.standard_normal(8) * 0.1,
+        "wo": RNG.standard_normal((8, 8, 3, 3)) * 0.2,
+        "scales": np.array([1, 1, 2, 2]),
+    }
+    model = make_model(nodes, {"x": [2, 4, 10, 12]}, {"y": [2, 8, 10, 12]}, inits)
+    cm = check_against_ort(model, {"x": [2, 4, 10, 12]}, precision, NHWC_ALWAYS, tune_budget_s=0)
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Resize" not in launched
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g.get("resize_gathered")]
+    assert g["rule"] == "conv_epilogue+resize_gather" and g["nodes"] == ["opfuse.ConvNHWC#n2", "Add#n3"]
+    assert g["resize_gathered"] == ["Resize#n1"] and len(g["layout_folded"]) == 2
+    (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
+    assert (
+        k.kind == "conv"
+        and "in1: resized [2, 8, 10, 12] by gather loads from its input [2, 8, 5, 6]" in k.source
+    )
+    assert k.inputs[3] == "c__nhwc3"  # the coarse conv's NHWC output, behind both Transposes
+    # Tuning's alternative: the Transposes and the Resize as library ops before the library's
+    # conv, its Add a pointwise kernel after it; the same result.
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+    from tests.builders import TEST_DEVICE
+
+    p = plan_model(model, {"x": [2, 4, 10, 12]}, precision, NHWC_ALWAYS)
+    (pg,) = [x for x in p.fusion.groups if x.id == g["id"]]
+    vendor = build_plan(
+        p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants={pg.id: "vendor"}
+    )
+    mine = [s.op_type for s in vendor.steps if s.group == pg.id and s.launches]
+    assert "Resize" in mine and mine[-2:] == ["opfuse.ConvNHWC", ""]
+    x = RNG.standard_normal((2, 4, 10, 12)).astype(np.float32)
+    want = ort_run(model, {"x": x})[0]
+    got = np.asarray(Executor(vendor, TEST_DEVICE).run({"x": x})["y"], dtype=np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)

@@ -15,9 +15,11 @@ the template faster).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.concat_prologue import concat_prologue
 from opfuse.fusion.rules.pad_prologue import input_pad
@@ -39,6 +41,7 @@ GEMM_RULE = names.GEMM_EPILOGUE
 CONV_RULE = names.CONV_EPILOGUE
 POOL_RULE = names.POOL_EPILOGUE
 PAD_RULE = names.PAD_PROLOGUE
+RESIZE_RULE = names.RESIZE_GATHER
 # Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
 # r (row), g (pointwise), s (chained GEMVs).
 PREFIX = {"gemm": "m", "conv": "c", "pool": "p"}
@@ -48,7 +51,7 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 
 
 class AnchorEpilogue(FusionRule):
-    options = (PAD_RULE, names.CONCAT_PROLOGUE, names.LAYOUT_VIEWS)
+    options = (PAD_RULE, names.CONCAT_PROLOGUE, RESIZE_RULE, names.LAYOUT_VIEWS)
 
     def match(self) -> Iterator[Candidate]:
         graph, state = self.graph, self.state
@@ -112,7 +115,7 @@ class AnchorEpilogue(FusionRule):
                 not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
-        views = {}
+        views: dict[str, Any] = {}
         batched = kind == "gemm" and is_batched(graph, anchor)
         if batched and len(members) == 1:
             return  # nothing to fuse: the library's batched matmul reads strided operands itself
@@ -142,6 +145,22 @@ class AnchorEpilogue(FusionRule):
         absorbed = [n for v in views.values() for n in v.owned()]
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
+        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and state.on(RESIZE_RULE):
+            # An input of the epilogue that is a Resize (through the Transposes around it: an
+            # FPN's upsampled map added to the lateral conv's output) is gathered by its loads.
+            gathers, gathered = plan_resize_gathers(
+                graph,
+                members - {anchor.id},
+                [x for x in ins if x not in anchor.inputs and x not in graph.constants],
+                tuple(graph.spec(anchor.outputs[0]).shape),
+                taken | members,
+                not_fused,
+                state.on(names.LAYOUT_VIEWS),
+            )
+            if gathers:
+                views = {**views, **gathers}
+                absorbed += gathered
+                rule = f"{rule}+{RESIZE_RULE}"
         taken |= members | {x.id for x in [*prologue, *absorbed]}
         groups.append(
             Group(
