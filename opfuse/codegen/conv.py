@@ -59,7 +59,6 @@ from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
-from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import INT32_INDEX_LIMIT, conv_params
 
 Dot = Callable[[str, str], None]
@@ -182,8 +181,8 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     config: dict[str, Any] = {**matmul_tile_config(m, n, cv.k), "UPCAST": False}
     if not cv.flat and not cv.depthwise:
         # A Concat's inputs are read one K loop each: a block no wider than the narrowest.
-        widest = min(ch for _, _, ch in cv.pieces) if cv.pieces else c
-        config["BLOCK_K"] = min(64, max(16, next_pow2(widest)))
+        narrowest = min(ch for _, _, ch in cv.pieces) if cv.pieces else c
+        config["BLOCK_K"] = min(64, max(16, next_pow2(narrowest)))
     flags: dict[str, Any] = {"UNROLL": False} if cv.depthwise else {"SPLIT_K": 1} if cv.splittable else {}
     config.update(flags)
     args = cv.args
@@ -244,11 +243,9 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
         )
     for node in cv.epilogue:
         buf.line(node_comment(node, "epilogue"))
-    for i, name in enumerate(cv.extra):
-        g = cv.views.get(name)
-        if isinstance(g, ResizeGather):
-            resized, source = [a.out_size for a in g.axes], [a.in_size for a in g.axes]
-            buf.line(f"#   + in{i}: resized {resized} by gather loads from its input {source}")
+    for i, g in cv.gathers.items():
+        resized, source = [a.out_size for a in g.axes], [a.in_size for a in g.axes]
+        buf.line(f"#   + in{i}: resized {resized} by gather loads from its input {source}")
     if cv.concat is not None:
         buf.line(
             f"#   {cv.concat.id}: Concat {comment_text(cv.concat.name)} (written in place, other inputs copied)"
@@ -513,13 +510,11 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
             regs[o] = "acc"
 
     regs: dict[str, str] = {}
-    for i, name in enumerate(cv.extra):
-        gather = cv.views.get(name)
-        if isinstance(gather, ResizeGather):  # a Resize the epilogue reads, gathered from its input
-            lines: list[str] = []
-            regs[name] = resize_load(f"g{i}", f"in{i}", gather, lines, "tl.int64", "dst", "mask")
-            for line in lines:
-                buf.line(line)
+    for i, gather in cv.gathers.items():  # a Resize the epilogue reads, gathered from its input
+        lines: list[str] = []
+        regs[cv.extra[i]] = resize_load(f"g{i}", f"in{i}", gather, lines, "tl.int64", "dst", "mask")
+        for line in lines:
+            buf.line(line)
     accumulator_epilogue(
         buf, graph, cv.anchor.outputs[0], cv.epilogue, cv.extra, index_of, cv.literals, regs, bias
     )

@@ -65,6 +65,12 @@ class NhwcConv:
     act_consts: list[str] = field(default_factory=list)
 
     @property
+    def gathers(self) -> dict[int, ResizeGather]:
+        """The epilogue's inputs that are Resizes gathered from their input (fusion/resize.py),
+        by their place in `extra`."""
+        return {i: g for i, x in enumerate(self.extra) if isinstance(g := self.views.get(x), ResizeGather)}
+
+    @property
     def tap(self) -> TapInput:
         return TapInput(self.p, pad_geometry(self.graph, self.pad) if self.pad is not None else None)
 
@@ -94,6 +100,7 @@ class NhwcConv:
 
     @property
     def tensor_inputs(self) -> list[str]:
+        gathers = self.gathers
         return [
             *([v for v, _, _ in self.pieces] if self.pieces else [self.x_name]),
             self.w_name,
@@ -101,7 +108,7 @@ class NhwcConv:
             *([self.sx_name, self.sw_name] if self.sx_name else []),
             *([self.scale] if self.scale else []),
             *(v for v in (self.dw_w, self.dw_b) if v),
-            *(self.views[x].base if isinstance(self.views.get(x), ResizeGather) else x for x in self.extra),
+            *(gathers[i].base if i in gathers else x for i, x in enumerate(self.extra)),
             *(self.views[x].base if x in self.views else x for x in self.copied),
         ]
 

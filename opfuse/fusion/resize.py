@@ -100,14 +100,18 @@ def plan_resize_gathers(
     not_fused: list[NotFired],
     fold_layout: bool,
     selected: set[str] | frozenset[str] = frozenset(),
+    *,
+    producers: dict[str, Node] | None = None,
+    consumers: dict[str, list[Node]] | None = None,
 ) -> tuple[dict[str, ResizeGather], list[Node]]:
     """The group inputs among `values` that are Resizes (through unit-step Slices and Transposes) read only by
     the group's nodes (`readers`), as gathers, and the nodes that leave the plan with them.
     `claimed`: nodes other groups hold (the ones taken here are added). `selected`: values only
-    Concats of the group read, each loaded at offsets of its own shape, not `iteration`'s."""
+    Concats of the group read, each loaded at offsets of its own shape, not `iteration`'s.
+    `producers` and `consumers`: the graph's maps, where the caller holds them already."""
     held = set(claimed)
-    producers = graph.producers()
-    consumers = graph.consumers()
+    producers = graph.producers() if producers is None else producers
+    consumers = graph.consumers() if consumers is None else consumers
     graph_outputs = {o.name for o in graph.outputs}
     found: dict[str, tuple[Node, list[Node], list[int], list[int]]] = {}
     for x in values:

@@ -57,6 +57,7 @@ class AnchorEpilogue(FusionRule):
         graph, state = self.graph, self.state
         self.order = {n.id: i for i, n in enumerate(graph.nodes)}
         self.consumers = graph.consumers()
+        self.producers = graph.producers()  # the graph does not change while the rule plans
         self.taken = set(state.in_rows)  # the row groups' nodes, then each anchor group's
         for anchor in graph.nodes:
             if anchor.id in self.taken:
@@ -80,6 +81,7 @@ class AnchorEpilogue(FusionRule):
 
     def claim(self, c: Candidate) -> None:
         graph, state, taken, consumers, order = self.graph, self.state, self.taken, self.consumers, self.order
+        producers = self.producers
         not_fused, lone, groups = state.not_fused, state.lone, state.anchors
         anchor, rule, kind = c.nodes[0], c.rule, KIND[c.rule]
         variant, note = "template", ""
@@ -94,12 +96,12 @@ class AnchorEpilogue(FusionRule):
         if shortcut:
             rule = f"{rule}+{names.SHORTCUT_CONV}"  # the pass that made this conv (passes/shortcut_conv.py)
         if variant == "template" and not shortcut:
-            prologue = _input_scale(graph, anchor, taken, consumers, not_fused)
+            prologue = _input_scale(graph, anchor, taken, producers, consumers, not_fused)
             if not prologue and state.on(PAD_RULE):
-                prologue = input_pad(graph, anchor, taken, consumers, not_fused)
+                prologue = input_pad(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{PAD_RULE}" if prologue else rule
             if not prologue and state.on(names.CONCAT_PROLOGUE):
-                prologue = concat_prologue(graph, anchor, taken, consumers, not_fused)
+                prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
@@ -156,6 +158,8 @@ class AnchorEpilogue(FusionRule):
                 taken | members,
                 not_fused,
                 state.on(names.LAYOUT_VIEWS),
+                producers=producers,
+                consumers=consumers,
             )
             if gathers:
                 views = {**views, **gathers}
@@ -337,13 +341,18 @@ def _pull_side_inputs(
 
 
 def _input_scale(
-    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+    graph: Graph,
+    conv: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    not_fused: list[NotFired],
 ) -> list[Node]:
     """The Mul that scales an NHWC conv's input per (image, channel), as squeeze-excitation does,
     when it can be applied to the input tiles inside the conv kernel (its only reader)."""
     if conv.op_type != NHWC_CONV:
         return []
-    mul = graph.producers().get(conv.inputs[0])
+    mul = producers.get(conv.inputs[0])
     if mul is None or mul.op_type != "Mul" or mul.id in taken:
         return []
     if len(consumers.get(mul.outputs[0], [])) != 1 or mul.outputs[0] in {o.name for o in graph.outputs}:

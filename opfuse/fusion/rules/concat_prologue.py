@@ -29,12 +29,16 @@ MAX_INPUTS = 32  # the Concat's inputs the kernel reads, each a pointer argument
 
 
 def concat_prologue(
-    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+    graph: Graph,
+    conv: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    not_fused: list[NotFired],
 ) -> list[Node]:
     """[Concat, the ops after it] before an NHWC 1x1 conv that alone reads them, or []."""
     if conv.op_type != NHWC_CONV or len(conv.inputs) > 3:
         return []
-    producers = graph.producers()
     outputs = {o.name for o in graph.outputs}
     chain: list[Node] = []
     value, reader = conv.inputs[0], conv

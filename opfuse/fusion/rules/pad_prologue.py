@@ -20,7 +20,12 @@ PAD_RULE = names.PAD_PROLOGUE
 
 
 def input_pad(
-    graph: Graph, conv: Node, taken: set[str], consumers: dict[str, list[Node]], not_fused: list[NotFired]
+    graph: Graph,
+    conv: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    not_fused: list[NotFired],
 ) -> list[Node]:
     """The Pad before an NHWC conv (an NCHW Pad, then the region's Transpose to NHWC), read by
     nothing else: the conv template reads the unpadded tensor, each padded pixel mapped to the one
@@ -28,7 +33,6 @@ def input_pad(
     how image-to-image generators and segmentation heads keep their borders."""
     if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
         return []
-    producers = graph.producers()
     outputs = {o.name for o in graph.outputs}
     t = producers.get(conv.inputs[0])
     if t is None or t.op_type != "Transpose" or t.id in taken:
