@@ -37,9 +37,14 @@ from opfuse.codegen.fragments import (
 )
 from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
+
+# The last op of a prologue that pools A (pooled_gemm); any other prologue is pointwise ops that
+# compute A at the tile's own coordinates (operand_prologue).
+POOLS = ("ReduceMean", "GlobalAveragePool")
 
 
 @dataclass
@@ -79,7 +84,7 @@ def _read_gemm(
     )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     a_view = None if prologue else views.get(a_name)
-    pool = prologue[-1] if prologue else None
+    pool = prologue[-1] if prologue and prologue[-1].op_type in POOLS else None
     pool_axes = {pool.inputs[1]} if pool is not None and len(pool.inputs) > 1 and pool.inputs[1] else set()
     made = {o for node in prologue for o in node.outputs}
     pool_inputs = [x for x in inputs if any(x in node.inputs for node in prologue) and x not in pool_axes]
@@ -117,18 +122,24 @@ def generate_gemm(
     views: dict[str, Any] | None = None,
     prologue: list[Node] | None = None,
 ) -> KernelSource:
-    """`views`: the A operand read through folded layout ops ({A: StridedView}). `prologue`: a
-    global average pool (pointwise ops, then a mean over H and W of an NHWC tensor) whose result
-    is A: each A tile is computed as the mean over the pixels (fusion.anchors.pooled_gemms)."""
+    """`views`: the A operand read through folded layout ops ({A: StridedView}), or a prologue's
+    inputs. `prologue`: a global average pool (pointwise ops, then a mean over H and W of an NHWC
+    tensor) whose result is A: each A tile is computed as the mean over the pixels
+    (fusion/rules/pooled_gemm.py); or pointwise ops whose result is A, computed at each A tile's
+    coordinates (fusion/rules/operand_prologue.py)."""
+    views = views or {}
     if is_batched(graph, anchor):
         return generate_batched_gemm(
-            kernel_id, anchor, epilogue, inputs, outputs, graph, group_id, precision, views or {}
+            kernel_id, anchor, epilogue, inputs, outputs, graph, group_id, precision, views, prologue or []
         )
-    gm = _read_gemm(anchor, epilogue, inputs, graph, views or {}, prologue or [])
+    gm = _read_gemm(anchor, epilogue, inputs, graph, views, prologue or [])
     m, n, k, pool = gm.m, gm.n, gm.k, gm.pool
-    a_args = ["a"] if pool is None else [f"p{i}" for i in range(len(gm.pool_loads))]
+    a_args = [f"p{i}" for i in range(len(gm.pool_loads))] if gm.prologue else ["a"]
     a_name = anchor.inputs[0]
-    a_inputs = ([gm.a_view.base if gm.a_view is not None else a_name]) if pool is None else gm.pool_loads
+    if gm.prologue:
+        a_inputs = [views[x].base if x in views else x for x in gm.pool_loads]
+    else:
+        a_inputs = [gm.a_view.base if gm.a_view is not None else a_name]
     tensor_inputs = [*a_inputs, anchor.inputs[1], *gm.extra]
     args = (
         [*a_args, "b"] + [f"in{i}" for i in range(len(gm.extra))] + [f"out{i}" for i in range(len(outputs))]
@@ -136,8 +147,11 @@ def generate_gemm(
     fn = "fused_gemm"
     buf = SourceBuffer()
     module_title(buf, f"GEMM kernel {kernel_id} for group {group_id}, M={m} N={n} K={k}.")
+    role = (
+        "prologue: the pool computed on A's tiles" if pool is not None else "prologue: computed on A's tiles"
+    )
     for node in gm.prologue:
-        buf.line(node_comment(node, "prologue: the pool computed on A's tiles"))
+        buf.line(node_comment(node, role))
     buf.line(node_comment(anchor, "anchor"))
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
@@ -146,7 +160,7 @@ def generate_gemm(
     with buf.indent():
         _grouped_tile(buf, m, n)
         a_rows = _a_rows(buf, gm)
-        _gemm_k_loop(buf, gm, a_rows, dot_precision(graph.spec(a_name).dtype, precision))
+        _gemm_k_loop(buf, gm, a_rows, dot_precision(graph.spec(a_name).dtype, precision), views)
         buf.line("row = rm[:, None]")
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (row < {m}) & (cols < {n})")
@@ -228,19 +242,67 @@ def _a_rows(buf: SourceBuffer, gm: _Gemm) -> str:
     return "a_row[:, None]"
 
 
-def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str) -> None:
+def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str, views: dict[str, Any]) -> None:
     m, n, k = gm.m, gm.n, gm.k
     sbk, sbn = (1, k) if gm.trans_b else (n, 1)
 
     def a_tile() -> None:
         if gm.pool is not None:
             _pooled_a_tile(buf, gm.graph, gm.prologue, gm.pool_loads, gm.pool_literals, m, k)
+        elif gm.prologue:
+            a_shape = tuple(gm.graph.spec(gm.anchor.inputs[0]).shape)
+            coords = _folded_row_coords(a_shape, "rm[:, None]")
+            coords[len(a_shape) - 1] = "kk[None, :]"
+            buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
+            _computed_a_tile(buf, gm, a_shape, coords, views)
         else:
             buf.line(
                 f"a_tile = tl.load(a + {a_rows} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
             )
 
     k_loop(buf, k, n, f"b + kk[:, None] * {sbk} + rn[None, :] * {sbn}", prec, a_tile)
+
+
+def _folded_row_coords(shape: tuple[int, ...], rows: str) -> dict[int, str]:
+    """Each leading axis of `shape` (all but the last) decoded from the folded row index `rows`."""
+    lead = shape[:-1]
+    coords: dict[int, str] = {}
+    for d, size in enumerate(lead):
+        inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
+        coord = f"({rows} // {inner})" if inner > 1 else rows
+        coords[d] = f"({coord} % {size})" if d > 0 else coord
+    return coords
+
+
+def _computed_a_tile(
+    buf: SourceBuffer, gm: _Gemm, a_shape: tuple[int, ...], coords: dict[int, str], views: dict[str, Any]
+) -> None:
+    """`a_tile` computed by the prologue's pointwise ops (fusion/rules/operand_prologue.py): each
+    input loaded at the tile's coordinates of A (`coords`: A's axis -> expression, `a_ok` the
+    tile's mask), broadcast from the right, or through its view's strides; the ops in float32;
+    the result rounded to the model's type, as the stored A would be, and 0 outside the tile
+    (an op of a masked lane, a division by the 0 loaded there, must not reach the sum)."""
+    graph = gm.graph
+    regs = dict(gm.pool_literals)
+    for j, name in enumerate(gm.pool_loads):
+        view = views.get(name)
+        shape = tuple(view.shape if view is not None else graph.spec(name).shape)
+        strides = tuple(view.strides) if view is not None else contiguous_strides(shape)
+        shift = len(a_shape) - len(shape)
+        terms = [str(view.offset)] if view is not None and view.offset else []
+        for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
+            if size != 1:
+                terms.append(f"{coords[shift + d]} * {stride}" if stride != 1 else coords[shift + d])
+        floating = graph.spec(name).dtype in FLOAT_TYPES
+        up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
+        if terms:
+            at = in_bounds(" + ".join(terms), "a_ok")
+            buf.line(f"q{j} = tl.load(p{j} + {at}, mask=a_ok, other={zero}){up}")
+        else:
+            buf.line(f"q{j} = tl.load(p{j}){up}")
+        regs[name] = f"q{j}"
+    emit_nodes(buf, graph, gm.prologue, regs, prefix="u")
+    buf.line(f"a_tile = tl.where(a_ok, {regs[gm.anchor.inputs[0]]}, 0.0).to(b.dtype.element_ty)")
 
 
 def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str]) -> None:
@@ -361,27 +423,38 @@ def generate_batched_gemm(
     group_id: str,
     precision: str,
     views: dict[str, Any],
+    prologue: list[Node] | None = None,
 ) -> KernelSource:
     """[..., M, K] @ [..., K, N] with the epilogue, one grid axis over (batch entry, tile). Either
-    operand may be a view (`views`: {operand: StridedView}) read from the buffer behind it; the
-    output [batch..., M, N] is contiguous, its rows numbered `row = bid * M + rm` so the epilogue
-    addresses its inputs as over any GEMM's folded rows."""
+    operand may be a view (`views`: {operand: StridedView}) read from the buffer behind it, or A
+    computed on its tiles by pointwise ops (`prologue`, their inputs in `views` where folded);
+    the output [batch..., M, N] is contiguous, its rows numbered `row = bid * M + rm` so the
+    epilogue addresses its inputs as over any GEMM's folded rows."""
     a_name, b_name = anchor.inputs[0], anchor.inputs[1]
+    prologue = prologue or []
     a, b = _operand(graph, a_name, views), _operand(graph, b_name, views)
     out_shape = tuple(graph.spec(anchor.outputs[0]).shape)
     batch = out_shape[:-2]
     nb = int(np.prod(batch, dtype=np.int64))
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
-    operands_only = {a_name, b_name} - epilogue_reads
-    literals, extra = split_literals(graph, inputs, skip=operands_only)
+    made = {o for node in prologue for o in node.outputs}
+    operands_only = ({a_name, b_name} - epilogue_reads) | made
+    prologue_inputs = [x for x in inputs if any(x in node.inputs for node in prologue)]
+    a_literals, a_loads = split_literals(graph, prologue_inputs)
+    literals, extra = split_literals(graph, inputs, skip=operands_only | set(prologue_inputs))
     gm = _Gemm(
-        graph, anchor, epilogue, [], m, n, k, False, "", None, None, literals, extra, {}, [], epilogue_reads
-    )
-    args = ["a", "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
+        graph, anchor, epilogue, prologue, m, n, k, False, "", None, None, literals, extra, a_literals,
+        a_loads, epilogue_reads,
+    )  # fmt: skip
+    a_args = [f"p{i}" for i in range(len(a_loads))] if prologue else ["a"]
+    a_inputs = [views[x].base if x in views else x for x in a_loads] if prologue else [a.base]
+    args = [*a_args, "b"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     fn = "fused_gemm"
     buf = SourceBuffer()
     module_title(buf, f"batched GEMM kernel {kernel_id} for group {group_id}, {nb} x M={m} N={n} K={k}.")
+    for node in prologue:
+        buf.line(node_comment(node, "prologue: computed on A's tiles"))
     buf.line(node_comment(anchor, "anchor"))
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
@@ -389,7 +462,8 @@ def generate_batched_gemm(
     config = _gemm_head(buf, gm, fn, args)
     with buf.indent():
         _grouped_tile(buf, m, n, batched=True)
-        buf.line(f"a_at = {a.batch_offset(batch)}")
+        if not prologue:
+            buf.line(f"a_at = {a.batch_offset(batch)}")
         buf.line(f"b_at = {b.batch_offset(batch)}")
         sam, sak = a.strides[-2], a.strides[-1]
         sbk, sbn = b.strides[-2], b.strides[-1]
@@ -398,8 +472,11 @@ def generate_batched_gemm(
         with buf.indent():
             buf.line("kk = k0 + rk")
             buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
-            a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok")
-            buf.line(f"a_tile = tl.load(a + {a_at}, mask=a_ok, other=0.0)")
+            if prologue:
+                _computed_a_tile(buf, gm, a.shape, _batched_coords(a.shape, batch), views)
+            else:
+                a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok")
+                buf.line(f"a_tile = tl.load(a + {a_at}, mask=a_ok, other=0.0)")
             buf.line(f"b_ok = (kk[:, None] < {k}) & (rn[None, :] < {n})")
             b_at = in_bounds(f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}", "b_ok")
             buf.line(f"b_tile = tl.load(b + {b_at}, mask=b_ok, other=0.0)")
@@ -416,4 +493,18 @@ def generate_batched_gemm(
         accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs)
         emit_stores(buf, outputs, regs, f"row * {n} + cols")
     emit_launch(buf, fn, args, f'({nb} * triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
-    return KernelSource(kernel_id, "gemm", buf.getvalue(), [a.base, b.base, *extra], list(outputs), config)
+    return KernelSource(kernel_id, "gemm", buf.getvalue(), [*a_inputs, b.base, *extra], list(outputs), config)
+
+
+def _batched_coords(shape: tuple[int, ...], batch: tuple[int, ...]) -> dict[int, str]:
+    """Each axis of a batched operand [..., M, K] as an expression: its batch axes decoded from
+    the batch entry `bid` (numbered over the output's `batch`, broadcast from the right), M from
+    `rm`, K from `kk`."""
+    coords: dict[int, str] = {len(shape) - 2: "rm[:, None]", len(shape) - 1: "kk[None, :]"}
+    shift = len(batch) - (len(shape) - 2)
+    for od in range(len(shape) - 2):
+        d = od + shift
+        inner = int(np.prod(batch[d + 1 :], dtype=np.int64))
+        coord = f"(bid // {inner})" if inner > 1 else "bid"
+        coords[od] = f"({coord} % {batch[d]})" if d > 0 else coord
+    return coords

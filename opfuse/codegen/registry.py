@@ -18,7 +18,7 @@ from opfuse.codegen.attention import generate_attention
 from opfuse.codegen.chain import generate_chain
 from opfuse.codegen.conv import generate_conv
 from opfuse.codegen.fragments import KernelSource
-from opfuse.codegen.gemm import generate_gemm
+from opfuse.codegen.gemm import POOLS, generate_gemm
 from opfuse.codegen.pointwise import generate_pointwise
 from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.rowwise import generate_rowwise
@@ -161,10 +161,16 @@ def _rowwise_split(g: GroupLike) -> SplitForm | None:
 
 
 def _gemm_split(g: GroupLike) -> SplitForm | None:
-    """A global average pool on the A tiles (fusion.anchors.pooled_gemms): the pool's row kernel,
-    then the GEMM's template."""
+    """A global average pool on the A tiles (fusion/rules/pooled_gemm.py): the pool's row kernel,
+    then the GEMM's template. Pointwise ops computing A (operand_prologue): their own pointwise
+    kernel (reading its inputs through the same views), the library's GEMM, then the epilogue's
+    kernel, as without the rule."""
     if not g.prologue:
         return None
+    if g.prologue[-1].op_type not in POOLS:
+        return SplitForm(
+            "split: the prologue's kernel, the library's GEMM, the epilogue's kernel", _operand_split(g)
+        )
 
     def pieces(graph: Graph) -> list[SplitPiece]:
         space = row_space(graph, g.prologue[-1])
@@ -174,6 +180,27 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
         ]
 
     return SplitForm("split: the row kernel, then the GEMM's template", pieces)
+
+
+def _operand_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
+    def pieces(graph: Graph) -> list[SplitPiece]:
+        reads = {x for n in g.prologue for x in n.inputs if x}
+        views = {x: v for x, v in g.views.items() if x in reads}
+        own = {n.id for v in views.values() for n in v.owned()}
+        # Layout ops folded into the GEMM's own operand view (a batched B) run as the library's.
+        # (A fusion group has `absorbed`; a split form is only ever asked of one.)
+        before = [n for n in getattr(g, "absorbed", []) if n.id not in own]
+        epilogue = [n for n in g.nodes[1:] if n.op_type != "Concat"]
+        concat = [n for n in g.nodes[1:] if n.op_type == "Concat"]  # written in place: a copy after
+        out = [SplitPiece(None, before)] if before else []
+        out += [SplitPiece("pointwise", g.prologue, views=views), SplitPiece(None, [g.nodes[0]])]
+        if epilogue:
+            out.append(SplitPiece("pointwise", epilogue))
+        if concat:
+            out.append(SplitPiece(None, concat))
+        return out
+
+    return pieces
 
 
 TEMPLATES: dict[str, Template] = {

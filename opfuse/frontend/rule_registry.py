@@ -68,6 +68,7 @@ CONV_EPILOGUE = "conv_epilogue"
 POOL_EPILOGUE = "pool_epilogue"
 PAD_PROLOGUE = "pad_prologue"
 CONCAT_PROLOGUE = "concat_prologue"
+OPERAND_PROLOGUE = "operand_prologue"
 DEPTHWISE_PROLOGUE = "depthwise_prologue"
 POOL_PROLOGUE = "pool_prologue"
 GEMV_CHAIN = "gemv_chain"
@@ -329,6 +330,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A 1x1 conv of a channel Concat, through per-channel affine ops and a Relu (DenseNet's "
         "pre-activation BatchNorm), reads the Concat's inputs in turn in its K loop, activating each tile.",
         requires=(CHANNELS_LAST,),
+    ),
+    _r(
+        OPERAND_PROLOGUE,
+        FUSION,
+        "The pointwise ops that compute a GEMM's A operand (a gate, a rescale) and that only the GEMM "
+        "reads run on its A tiles in the K loop: A is never written.",
+        requires=(GEMM_EPILOGUE,),
     ),
     _r(
         DEPTHWISE_PROLOGUE,

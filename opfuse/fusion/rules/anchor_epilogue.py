@@ -7,7 +7,8 @@ pointwise ops join; memory-bound neighbours join later by rules of their own (wi
 gemv_chain, depthwise_reduction, concat_epilogue, pooled_gemm). The three kinds share one pass
 over the graph, so their groups share one numbering. Inside it, `pad_prologue` (pad_prologue.py),
 `concat_prologue` (concat_prologue.py) and a conv's per-(image, channel) input scale read the
-anchor's input through the nodes before it; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
+anchor's input through the nodes before it, `operand_prologue` (operand_prologue.py) computes a
+GEMM's A on its tiles; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
 that a template can run goes to `state.lone` (the library kernel runs it unless tuning measures
 the template faster).
 """
@@ -22,6 +23,7 @@ from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.concat_prologue import concat_prologue
+from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
@@ -51,7 +53,7 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 
 
 class AnchorEpilogue(FusionRule):
-    options = (PAD_RULE, names.CONCAT_PROLOGUE, RESIZE_RULE, names.LAYOUT_VIEWS)
+    options = (PAD_RULE, names.CONCAT_PROLOGUE, names.OPERAND_PROLOGUE, RESIZE_RULE, names.LAYOUT_VIEWS)
 
     def match(self) -> Iterator[Candidate]:
         graph, state = self.graph, self.state
@@ -103,6 +105,8 @@ class AnchorEpilogue(FusionRule):
             if not prologue and state.on(names.CONCAT_PROLOGUE):
                 prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
+        if kind == "gemm" and variant == "template" and state.on(names.OPERAND_PROLOGUE):
+            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             # A row group planned before (attention reading Q, K and V through the Split as views
@@ -118,13 +122,24 @@ class AnchorEpilogue(FusionRule):
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         views: dict[str, Any] = {}
+        if kind == "gemm" and prologue:
+            epilogue_reads = {x for n in nodes[1:] for x in n.inputs if x}
+            if epilogue_reads & {x for n in prologue for x in n.inputs}:
+                prologue = []  # the epilogue loads that input at the output's index: it stays a buffer
+            else:
+                rule = f"{rule}+{names.OPERAND_PROLOGUE}"
+                if state.on(names.LAYOUT_VIEWS):
+                    readers = frozenset(n.id for n in prologue)
+                    views = prologue_views(graph, prologue, readers, taken | members, epilogue_reads)
         batched = kind == "gemm" and is_batched(graph, anchor)
-        if batched and len(members) == 1:
+        if batched and len(members) == 1 and not prologue:
             return  # nothing to fuse: the library's batched matmul reads strided operands itself
         if kind == "gemm" and variant == "template" and state.on(names.LAYOUT_VIEWS):
             if batched:
-                views = _batched_operand_views(graph, anchor, nodes[1:], taken | members)
-            else:
+                # A with a prologue is computed on its tiles: only B is read through a view.
+                skip = {anchor.inputs[0]} if prologue else set()
+                views.update(_batched_operand_views(graph, anchor, nodes[1:], taken | members, skip))
+            elif not prologue:
                 views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
         prefix = PREFIX[kind]
         if len(members) == 1 and not views and not prologue and not shortcut:
@@ -281,16 +296,17 @@ def _a_operand_view(
 
 
 def _batched_operand_views(
-    graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
+    graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str], skip: set[str]
 ) -> dict[str, StridedView]:
     """Both operands of a batched MatMul read through the layout ops before them (heads split off
     a projection and rotated, Kᵀ as a Transpose): the batched template reads any strides, so no
-    copy is made. An operand the epilogue reads too is read as it is."""
+    copy is made. An operand the epilogue reads too is read as it is, and those in `skip` (an A
+    computed by a prologue) are not read at all."""
     views: dict[str, StridedView] = {}
     read = {x for n in epilogue for x in n.inputs if x}
     readers = frozenset([anchor.id, *(n.id for n in epilogue)])
     for x in dict.fromkeys(anchor.inputs[:2]):
-        if x in graph.constants or x in read:
+        if x in graph.constants or x in read or x in skip:
             continue
         view = input_view(graph, x, allow_scale=False, readers=readers)
         if not view.nodes or view.base in graph.constants:

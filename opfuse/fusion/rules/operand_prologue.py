@@ -1,0 +1,113 @@
+"""`operand_prologue`: the pointwise ops that compute a GEMM's A operand run on its A tiles.
+
+A gate applied just before a projection (gMLP's spatial gating unit, `u * v` read by the next
+Linear), an attention map rescaled before it meets V (ConViT's `attn / attn.sum(-1)`), a query
+scaled before Q @ Kᵀ where no attention rule took the MatMul (CaiT's talking heads): each is an
+elementwise op whose only reader is the GEMM, and it ran as a kernel of its own that wrote A for
+the GEMM to read back. Applied inside the anchor rule (anchor_epilogue.py) to a GEMM (batched or
+not), the pointwise ops before A that only the GEMM reads, and that have A's shape, become its
+prologue: each K step loads the ops' inputs at the A tile's coordinates (broadcast, or through
+the layout ops before them as strides), computes A's tile in float32, and rounds it to the
+model's type as the stored A would be. A is never written. Tuning times the one kernel against
+the library's ops for the prologue, then the library's GEMM.
+"""
+
+from __future__ import annotations
+
+from opfuse.frontend import rule_registry as names
+from opfuse.fusion.views import VIEW_THROUGH, input_view
+from opfuse.graph import Graph, Node
+from opfuse.ir.support import pointwise_reason
+from opfuse.ir.views import StridedView
+from opfuse.passes.rules import NotFired, node_label
+
+RULE = names.OPERAND_PROLOGUE
+MAX_NODES = 8  # ops computed on every A tile, at each K step of each column tile
+MAX_TENSORS = 4  # their tensor inputs: a pointer and a load each per K step
+
+
+def operand_prologue(
+    graph: Graph,
+    anchor: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    not_fused: list[NotFired],
+) -> list[Node]:
+    """The pointwise ops (in graph order) that compute the GEMM's A operand and that only the
+    GEMM reads, each of A's shape; [] where there are none or the template cannot compute them."""
+    a = anchor.inputs[0]
+    shape = graph.spec(a).shape
+    outputs = {o.name for o in graph.outputs}
+    members: dict[str, Node] = {}
+    frontier = [a]
+    while frontier:
+        value = frontier.pop()
+        node = producers.get(value)
+        if node is None or node.id in taken or node.id in members or value in outputs:
+            continue
+        if pointwise_reason(graph, node) is not None or graph.spec(value).shape != shape:
+            continue
+        readers = {c.id for c in consumers.get(value, [])}
+        if not readers <= {anchor.id, *members}:
+            continue  # another reader needs the value stored
+        if len(members) == MAX_NODES:
+            not_fused.append(NotFired(RULE, [node_label(node), node_label(anchor)], f"over {MAX_NODES} ops"))
+            break
+        members[node.id] = node
+        frontier.extend(x for x in node.inputs if x)
+    if not members:
+        return []
+    # A value read by a member and by a node the walk left out (a bigger shape, say) would make
+    # the prologue's boundary read it after the member that wrote it: only closed sets are taken.
+    for n in members.values():
+        for o in n.outputs:
+            if any(c.id not in members and c.id != anchor.id for c in consumers.get(o, [])):
+                return []
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    prologue = sorted(members.values(), key=lambda n: order[n.id])
+    leaves = prologue_inputs(graph, prologue)
+    if len(leaves) > MAX_TENSORS:
+        not_fused.append(
+            NotFired(
+                RULE,
+                [*(node_label(n) for n in prologue), node_label(anchor)],
+                f"A is computed from {len(leaves)} tensors (over {MAX_TENSORS}): a load of each per K step",
+            )
+        )
+        return []
+    return prologue
+
+
+def prologue_inputs(graph: Graph, prologue: list[Node]) -> list[str]:
+    """The tensors the prologue loads: its inputs made outside it, but one-value constants (the
+    kernel's literals)."""
+    made = {o for n in prologue for o in n.outputs}
+    seen: dict[str, None] = {}
+    for n in prologue:
+        for x in n.inputs:
+            if not x or x in made:
+                continue
+            if x in graph.constants and graph.constants[x].size == 1:
+                continue
+            seen[x] = None
+    return list(seen)
+
+
+def prologue_views(
+    graph: Graph, prologue: list[Node], readers: frozenset[str], taken: set[str], epilogue_reads: set[str]
+) -> dict[str, StridedView]:
+    """The prologue's inputs reached through Transpose/Reshape/Slice/Split (a projection's output
+    transposed back, one half of a chunked projection): read with strides from the buffer behind
+    them. An input the epilogue reads too is read as it is."""
+    views: dict[str, StridedView] = {}
+    for x in prologue_inputs(graph, prologue):
+        if x in graph.constants or x in epilogue_reads:
+            continue
+        view = input_view(graph, x, allow_scale=False, readers=readers)
+        if not view.nodes or view.base in graph.constants:
+            continue
+        if any(n.op_type not in VIEW_THROUGH for n in view.nodes) or any(n.id in taken for n in view.nodes):
+            continue
+        views[x] = view
+    return views

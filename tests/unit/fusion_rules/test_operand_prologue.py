@@ -1,0 +1,194 @@
+"""`operand_prologue` (opfuse/fusion/rules/operand_prologue.py): the pointwise ops that compute a
+GEMM's A operand run on its A tiles, so A is never written: gMLP's gate before its projection,
+a rescaled attention map before it meets V, a scaled query before Q @ Kᵀ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from opfuse.frontend import rule_registry as names
+from tests.builders import claimed, planned, refusals
+from tests.unit.test_conv import check_every_candidate
+from tests.unit.test_fusion import check_against_ort, make_model, ort_run
+
+RNG = np.random.default_rng(53)
+RULE = f"{names.GEMM_EPILOGUE}+{names.OPERAND_PROLOGUE}"
+
+
+def gating_unit(tokens: int = 6, width: int = 16, d: int = 12) -> Any:
+    """gMLP's block on x [2, tokens, width]: u, v = split(gelu(x @ w1 + b1)); the spatial
+    projection over the tokens, transpose(transpose(v) @ wt + bt); then (u * that) @ w2 + b2 + x.
+    The gate's inputs are one half of a Split and a Transpose: both read as views."""
+    n = helper.make_node
+    inits = {
+        "w1": RNG.standard_normal((width, 2 * d)) / width**0.5,
+        "b1": RNG.standard_normal(2 * d) * 0.1,
+        "wt": RNG.standard_normal((tokens, tokens)) / tokens**0.5,
+        "bt": RNG.uniform(0.5, 1.5, tokens),
+        "w2": RNG.standard_normal((d, width)) / d**0.5,
+        "b2": RNG.standard_normal(width) * 0.1,
+        "halves": np.array([d, d]),
+    }
+    nodes = [
+        n("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        n("Add", ["h", "b1"], ["hb"], name="fc1_bias"),
+        n("Gelu", ["hb"], ["g"], name="gelu", domain=""),
+        n("Split", ["g", "halves_i"], ["u", "v"], axis=2, name="chunk"),
+        n("Transpose", ["v"], ["vt"], perm=[0, 2, 1], name="to_tokens"),
+        n("MatMul", ["vt", "wt"], ["p"], name="proj"),
+        n("Add", ["p", "bt"], ["pb"], name="proj_bias"),
+        n("Transpose", ["pb"], ["gate"], perm=[0, 2, 1], name="back"),
+        n("Mul", ["u", "gate"], ["a"], name="gate_mul"),
+        n("MatMul", ["a", "w2"], ["o"], name="fc2"),
+        n("Add", ["o", "b2"], ["ob"], name="fc2_bias"),
+        n("Add", ["ob", "x"], ["y"], name="residual"),
+    ]
+    model = make_model(nodes, {"x": [2, tokens, width]}, {"y": [2, tokens, width]}, inits)
+    # Split's sizes are int64 (make_model writes float initializers).
+    model.graph.initializer.append(helper.make_tensor("halves_i", 7, [2], [d, d]))
+    model.graph.initializer.remove(next(t for t in model.graph.initializer if t.name == "halves"))
+    model.opset_import[0].version = 20  # Gelu
+    return model
+
+
+def scaled_scores(heads: int = 3, m: int = 5, k: int = 8, n: int = 7) -> Any:
+    """A batched MatMul of a scaled query and a transposed key, nothing after it (no Softmax: no
+    attention rule takes it): (q * 0.35) @ transpose(kx)."""
+    nd = helper.make_node
+    nodes = [
+        nd("Mul", ["q", "scale"], ["qs"], name="scale_q"),
+        nd("Transpose", ["kx"], ["kt"], perm=[0, 1, 3, 2], name="k_t"),
+        nd("MatMul", ["qs", "kt"], ["y"], name="scores"),
+    ]
+    return make_model(
+        nodes,
+        {"q": [2, heads, m, k], "kx": [2, heads, n, k]},
+        {"y": [2, heads, m, n]},
+        {"scale": np.array(0.35)},
+    )
+
+
+def renormalized(heads: int = 3, m: int = 6, n: int = 5) -> Any:
+    """ConViT's renormalized attention map meeting V: (attn / total) @ v, the total one value per
+    row ([.., M, 1], broadcast along A's K axis)."""
+    nd = helper.make_node
+    nodes = [
+        nd("Div", ["attn", "total"], ["a"], name="renorm"),
+        nd("MatMul", ["a", "v"], ["y"], name="attn_v"),
+    ]
+    return make_model(
+        nodes,
+        {"attn": [2, heads, m, m], "total": [2, heads, m, 1], "v": [2, heads, m, n]},
+        {"y": [2, heads, m, n]},
+    )
+
+
+def test_the_gate_is_computed_on_the_projections_a_tiles() -> None:
+    _, plan = planned(gating_unit())
+    (group,) = [g for g in plan.groups if g.nodes[0].name == "fc2"]
+    assert group.rule == RULE
+    assert [n.name for n in group.prologue] == ["gate_mul"]
+    assert [n.name for n in group.nodes] == ["fc2", "fc2_bias", "residual"]
+    # The gate's inputs are read through the Split and the Transpose: the Transpose leaves the plan.
+    assert sorted(group.views) == ["gate", "u"]
+    assert "back" in [n.name for n in group.absorbed]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_gated_projection_matches_onnxruntime_at_every_candidate(precision: str) -> None:
+    model = gating_unit()
+    cm = check_against_ort(model, {"x": [2, 6, 16]}, precision, tune_budget_s=0)
+    steps = [s for s in cm.plan.steps if s.launches]
+    assert not [s for s in steps if s.kind == "op" and s.op_type == "Mul"]
+    (k,) = [k for k in cm.plan.kernels.values() if "gate_mul" in k.source]
+    assert "prologue: computed on A's tiles" in k.source and "a_tile = tl.where(a_ok" in k.source
+    x = RNG.standard_normal((2, 6, 16)).astype(np.float32)
+    check_every_candidate(cm, k, model, {"x": x}, precision, [{"BLOCK_K": 8}])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_scaled_query_in_a_batched_matmul(precision: str) -> None:
+    """The batched template computes A = q * 0.35 at each tile (the scale a literal) and reads Kᵀ
+    through its Transpose: one launch, every element against onnxruntime."""
+    model = scaled_scores()
+    shapes = {"q": [2, 3, 5, 8], "kx": [2, 3, 7, 8]}
+    cm = check_against_ort(model, shapes, precision, tune_budget_s=0)
+    assert cm.report["kernels"]["after"] == 1
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == [RULE]
+    (k,) = cm.plan.kernels.values()
+    assert "q0 * 0.3" in k.source  # the constant as a literal, in the precision's type
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    check_every_candidate(cm, k, model, feeds, precision)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_divisor_broadcast_along_k(precision: str) -> None:
+    """total [.., M, 1] is loaded once per row of the tile, attn at each element; lanes past K
+    (BLOCK_K 16 over K = 6) divide 0 by 0 and must not reach the sum."""
+    model = renormalized()
+    shapes = {"attn": [2, 3, 6, 6], "total": [2, 3, 6, 1], "v": [2, 3, 6, 5]}
+    cm = check_against_ort(model, shapes, precision, tune_budget_s=0)
+    assert cm.report["kernels"]["after"] == 1
+    (k,) = cm.plan.kernels.values()
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    feeds["total"] = RNG.uniform(1.0, 2.0, shapes["total"]).astype(np.float32)
+    check_every_candidate(cm, k, model, feeds, precision, [{"BLOCK_K": 16}])
+
+
+def test_the_vendor_variant_runs_the_prologue_before_the_librarys_gemm() -> None:
+    """Tuning's alternative: the gate's Mul as a kernel of its own (reading the Split and the
+    Transpose as views, as the GEMM did), the library's GEMM, then its epilogue's kernel; the same
+    result as the one kernel."""
+    from bench.kernels import plan_model
+    from opfuse.codegen.registry import split_form
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+    from tests.builders import TEST_DEVICE
+
+    model = gating_unit()
+    p = plan_model(model, {"x": [2, 6, 16]}, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.rule == RULE]
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [s.op_type or "kernel" for s in vendor.steps if s.group == g.id and s.launches]
+    assert mine == ["kernel", "MatMul", "kernel"]
+    assert split_form(g) == "split: the prologue's kernel, the library's GEMM, the epilogue's kernel"
+    x = RNG.standard_normal((2, 6, 16)).astype(np.float32)
+    want = ort_run(model, {"x": x})[0]
+    for plan in (p.plan, vendor):
+        got = np.asarray(Executor(plan, TEST_DEVICE).run({"x": x})["y"])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_value_read_elsewhere_too_stays_a_buffer() -> None:
+    """Where the gate's product is a graph output as well, it must be stored: no prologue."""
+    model = gating_unit()
+    model.graph.output.append(helper.make_tensor_value_info("a", 1, [2, 6, 12]))
+    _, plan = planned(model)
+    assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
+
+
+def test_more_inputs_than_the_kernel_loads_per_step_are_refused() -> None:
+    nd = helper.make_node
+    nodes = [
+        nd("Mul", ["a0", "a1"], ["m1"], name="m1"),
+        nd("Mul", ["m1", "a2"], ["m2"], name="m2"),
+        nd("Add", ["m2", "a3"], ["m3"], name="m3"),
+        nd("Sub", ["m3", "a4"], ["a"], name="m4"),
+        nd("MatMul", ["a", "w"], ["y"], name="mm"),
+    ]
+    model = make_model(
+        nodes, {f"a{i}": [4, 8] for i in range(5)}, {"y": [4, 3]}, {"w": RNG.standard_normal((8, 3))}
+    )
+    _, plan = planned(model)
+    why = "A is computed from 5 tensors (over 4): a load of each per K step"
+    assert refusals(plan, names.OPERAND_PROLOGUE) == [(["m1", "m2", "m3", "m4", "mm"], why)]
+
+
+def test_disabling_the_rule_gives_the_plan_without_it() -> None:
+    _, plan = planned(gating_unit(), (names.OPERAND_PROLOGUE,))
+    assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
+    assert not [g for g in claimed(plan) if "gate_mul" in g[2]]  # the Mul runs on its own
