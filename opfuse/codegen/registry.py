@@ -136,6 +136,10 @@ def _conv_split(g: GroupLike) -> SplitForm | None:
     """A depthwise conv or a max or average pool computed on the input tiles: the prologue's own
     kernel (the conv's or the pool's template, with its activation), then the anchor's template,
     as without the prologue rule."""
+    if g.prologue and g.prologue[0].op_type == "Concat":  # concat_prologue
+        return SplitForm(
+            "split: the prologue's kernel, the library's conv, the epilogue's kernel", _prologue_split(g)
+        )
     if not (g.prologue and g.prologue[0].op_type in (NHWC_CONV, *NHWC_POOLS.values())):
         return None
     head = "pool" if g.prologue[0].op_type in NHWC_POOLS.values() else "conv"
@@ -169,7 +173,7 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
         return None
     if g.prologue[-1].op_type not in POOLS:
         return SplitForm(
-            "split: the prologue's kernel, the library's GEMM, the epilogue's kernel", _operand_split(g)
+            "split: the prologue's kernel, the library's GEMM, the epilogue's kernel", _prologue_split(g)
         )
 
     def pieces(graph: Graph) -> list[SplitPiece]:
@@ -182,7 +186,13 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
     return SplitForm("split: the row kernel, then the GEMM's template", pieces)
 
 
-def _operand_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
+def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
+    """A prologue of memory-bound ops on the anchor's input tiles (a Concat and the ops after it
+    before a 1x1 conv, pointwise ops computing a GEMM's A): as the plan without the rule runs
+    them, one pointwise kernel (reading its inputs through the group's views), the library's
+    anchor, then the epilogue's kernel. Not the prologue's ops one library launch each: that
+    alternative lost to the one kernel where the plan without the rule would have won."""
+
     def pieces(graph: Graph) -> list[SplitPiece]:
         reads = {x for n in g.prologue for x in n.inputs if x}
         views = {x: v for x, v in g.views.items() if x in reads}
@@ -193,7 +203,10 @@ def _operand_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
         epilogue = [n for n in g.nodes[1:] if n.op_type != "Concat"]
         concat = [n for n in g.nodes[1:] if n.op_type == "Concat"]  # written in place: a copy after
         out = [SplitPiece(None, before)] if before else []
-        out += [SplitPiece("pointwise", g.prologue, views=views), SplitPiece(None, [g.nodes[0]])]
+        out += [
+            SplitPiece("pointwise", g.prologue, views=views),
+            SplitPiece(None, [g.nodes[0]]),
+        ]  # the anchor
         if epilogue:
             out.append(SplitPiece("pointwise", epilogue))
         if concat:

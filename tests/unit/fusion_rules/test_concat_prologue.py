@@ -89,9 +89,12 @@ def test_a_dense_layer_is_its_two_convolutions(precision: str) -> None:
 
 
 def test_the_vendor_variant_runs_the_concat_and_its_activation_before_the_librarys_conv() -> None:
-    """Tuning's alternative: the Concat, the BN's Mul and Add and the Relu as library ops, then the
-    library's 1x1 conv (and its epilogue's kernel); the same result as the one kernel."""
+    """Tuning's alternative, as the plan without the rule: the Concat, the BN's Mul and Add and
+    the Relu as one pointwise kernel, then the library's 1x1 conv; the same result as the one
+    kernel. (Those four ops as library launches each lost to the one kernel on the H200 where the
+    plan without the rule won: densenet121 1.29x torch.compile with them, 0.95x without the rule.)"""
     from bench.kernels import plan_model
+    from opfuse.codegen.registry import split_form
     from opfuse.lowering import build_plan
     from opfuse.runtime.executor import Executor
     from tests.builders import TEST_DEVICE
@@ -100,8 +103,9 @@ def test_the_vendor_variant_runs_the_concat_and_its_activation_before_the_librar
     p = plan_model(model, {"x": [2, 24, 6, 6]}, "fp32", NHWC_ALWAYS)
     (g,) = [g for g in p.fusion.groups if g.rule == RULE and g.nodes[0].name == "conv_b"]
     vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    mine = [s.op_type for s in vendor.steps if s.group == g.id and s.launches]
-    assert mine == ["Concat", "Mul", "Add", "Relu", "opfuse.ConvNHWC"]
+    mine = [s.op_type or "kernel" for s in vendor.steps if s.group == g.id and s.launches]
+    assert mine == ["kernel", "opfuse.ConvNHWC"]
+    assert split_form(g) == "split: the prologue's kernel, the library's conv, the epilogue's kernel"
     x = RNG.standard_normal((2, 24, 6, 6)).astype(np.float32)
     want = ort_run(model, {"x": x})[0]
     for plan in (p.plan, vendor):
