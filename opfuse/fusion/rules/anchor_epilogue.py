@@ -106,7 +106,12 @@ class AnchorEpilogue(FusionRule):
                 prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
         if kind == "gemm" and variant == "template" and state.on(names.OPERAND_PROLOGUE):
-            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
+            rows = bool(consumers.get(anchor.outputs[0])) and all(
+                c.id in state.in_rows for c in consumers[anchor.outputs[0]]
+            )
+            prologue = operand_prologue(
+                graph, anchor, taken, producers, consumers, not_fused, rows and state.on(names.GEMM_REDUCTION)
+            )
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             # A row group planned before (attention reading Q, K and V through the Split as views

@@ -17,7 +17,8 @@ from __future__ import annotations
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.support import pointwise_reason
+from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
+from opfuse.ir.support import gemm_dims, is_batched, pointwise_reason
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
@@ -33,11 +34,17 @@ def operand_prologue(
     producers: dict[str, Node],
     consumers: dict[str, list[Node]],
     not_fused: list[NotFired],
+    row_kernel_reads_it: bool = False,
 ) -> list[Node]:
     """The pointwise ops (in graph order) that compute the GEMM's A operand and that only the
-    GEMM reads, each of A's shape; [] where there are none or the template cannot compute them."""
+    GEMM reads, each of A's shape; [] where there are none or the template cannot compute them.
+    `row_kernel_reads_it`: only row kernels read the GEMM's output. Then, where a row of it fits
+    one tile, `gemm_reduction` computes the GEMM on the row kernel's tiles, which its prologue
+    would stop (the row kernel loads A): the launch the prologue saves, that rule saves too."""
     a = anchor.inputs[0]
     shape = graph.spec(a).shape
+    if row_kernel_reads_it and not is_batched(graph, anchor) and gemm_dims(graph, anchor)[1] <= GEMM_ROW_MAX:
+        return []  # gemm_reduction computes the GEMM on the row kernel's tiles: as many launches
     outputs = {o.name for o in graph.outputs}
     members: dict[str, Node] = {}
     frontier = [a]
@@ -51,12 +58,15 @@ def operand_prologue(
         readers = {c.id for c in consumers.get(value, [])}
         if not readers <= {anchor.id, *members}:
             continue  # another reader needs the value stored
-        if len(members) == MAX_NODES:
-            not_fused.append(NotFired(RULE, [node_label(node), node_label(anchor)], f"over {MAX_NODES} ops"))
-            break
         members[node.id] = node
         frontier.extend(x for x in node.inputs if x)
     if not members:
+        return []
+    if len(members) > MAX_NODES:
+        # Part of the ops would still be a kernel writing a buffer of A's size: none saved.
+        labels = [node_label(n) for n in members.values()]
+        why = f"A is computed by {len(members)} ops (over {MAX_NODES}) on every tile of every K step"
+        not_fused.append(NotFired(RULE, [*labels, node_label(anchor)], why))
         return []
     # A value read by a member and by a node the walk left out (a bigger shape, say) would make
     # the prologue's boundary read it after the member that wrote it: only closed sets are taken.

@@ -193,3 +193,44 @@ def test_disabling_the_rule_gives_the_plan_without_it() -> None:
     _, plan = planned(gating_unit(), (names.OPERAND_PROLOGUE,))
     assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
     assert not [g for g in claimed(plan) if "gate_mul" in g[2]]  # the Mul runs on its own
+
+
+def test_a_chain_over_the_cap_is_refused_whole() -> None:
+    """Nine ops before the GEMM: taking eight would leave the ninth a kernel writing A's size."""
+    nd = helper.make_node
+    nodes = [nd("Mul", ["x", "h"], ["t0"], name="op0")]
+    for i in range(1, 9):
+        nodes.append(nd("Mul", [f"t{i - 1}", "h"], [f"t{i}"], name=f"op{i}"))
+    nodes.append(nd("MatMul", ["t8", "w"], ["y"], name="mm"))
+    model = make_model(
+        nodes,
+        {"x": [4, 8], "h": [4, 8]},
+        {"y": [4, 3]},
+        {"w": RNG.standard_normal((8, 3))},
+    )
+    _, plan = planned(model)
+    ((labels, why),) = refusals(plan, names.OPERAND_PROLOGUE)
+    assert why == "A is computed by 9 ops (over 8) on every tile of every K step"
+    assert sorted(labels) == sorted([*(f"op{i}" for i in range(9)), "mm"])
+    assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
+
+
+def test_a_gemm_only_a_row_kernel_reads_is_left_to_gemm_reduction() -> None:
+    """(a * b) @ w, then a LayerNorm: the row kernel computes the GEMM on its tiles (loading A),
+    so the Mul stays a kernel of its own, as many launches as a prologue would save."""
+    nd = helper.make_node
+    nodes = [
+        nd("Mul", ["a", "b"], ["m"], name="gate"),
+        nd("MatMul", ["m", "w"], ["p"], name="mm"),
+        nd("LayerNormalization", ["p", "g", "beta"], ["y"], name="ln", axis=-1),
+    ]
+    model = make_model(
+        nodes,
+        {"a": [6, 8], "b": [6, 8]},
+        {"y": [6, 16]},
+        {"w": RNG.standard_normal((8, 16)), "g": RNG.uniform(0.5, 1.5, 16), "beta": RNG.standard_normal(16)},
+    )
+    _, plan = planned(model)
+    rules = [g[1] for g in claimed(plan)]
+    assert f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}" in rules
+    assert not [r for r in rules if names.OPERAND_PROLOGUE in r]
