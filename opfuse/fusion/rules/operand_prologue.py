@@ -15,9 +15,9 @@ the library's ops for the prologue, then the library's GEMM.
 from __future__ import annotations
 
 from opfuse.frontend import rule_registry as names
+from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
-from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
 from opfuse.ir.support import gemm_dims, is_batched, pointwise_reason
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
