@@ -10,11 +10,15 @@ and every group output is stored once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.source import SourceBuffer
+from opfuse.codegen.source import SourceBuffer, in_bounds
 from opfuse.graph import Graph, Node
-from opfuse.ir.queries import scalar_constant
+from opfuse.ir.ops import FLOAT_TYPES
+from opfuse.ir.queries import contiguous_strides, scalar_constant
 
 # For an extra input: (offset expression, or None for a single element; load mask).
 IndexOf = Callable[[str], tuple[str | None, str]]
@@ -125,3 +129,55 @@ def emit_launch(buf: SourceBuffer, fn: str, args: list[str], grid: str) -> None:
         buf.line("c = CONFIG if config is None else config")
         buf.line(f"grid = {grid}")
         buf.line(f"{fn}[grid]({', '.join(args)}, **c)")
+
+
+def folded_row_coords(shape: tuple[int, ...], rows: str) -> dict[int, str]:
+    """Each leading axis of `shape` (all but the last) decoded from the folded row index `rows`."""
+    lead = shape[:-1]
+    coords: dict[int, str] = {}
+    for d, size in enumerate(lead):
+        inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
+        coord = f"({rows} // {inner})" if inner > 1 else rows
+        coords[d] = f"({coord} % {size})" if d > 0 else coord
+    return coords
+
+
+def computed_a_tile(
+    buf: SourceBuffer,
+    graph: Graph,
+    prologue: list[Node],
+    a_name: str,
+    loads: list[str],
+    pointers: list[str],
+    literals: dict[str, str],
+    a_shape: tuple[int, ...],
+    coords: dict[int, str],
+    views: dict[str, Any],
+    dtype: str,
+) -> None:
+    """`a_tile` computed by a GEMM's pointwise prologue (fusion/rules/operand_prologue.py): each
+    input (`loads`, at `pointers`) loaded at the tile's coordinates of A (`coords`: A's axis ->
+    expression, `a_ok` the tile's mask), broadcast from the right, or through its view's strides;
+    the ops in float32; the result rounded to `dtype`, as the stored A would be, and 0 outside
+    the tile (an op of a masked lane, a division by the 0 loaded there, must not reach the sum).
+    The GEMM templates and the row kernel's GEMM (codegen/rowwise.py) share it."""
+    regs = dict(literals)
+    for j, name in enumerate(loads):
+        view = views.get(name)
+        shape = tuple(view.shape if view is not None else graph.spec(name).shape)
+        strides = tuple(view.strides) if view is not None else contiguous_strides(shape)
+        shift = len(a_shape) - len(shape)
+        terms = [str(view.offset)] if view is not None and view.offset else []
+        for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
+            if size != 1:
+                terms.append(f"{coords[shift + d]} * {stride}" if stride != 1 else coords[shift + d])
+        floating = graph.spec(name).dtype in FLOAT_TYPES
+        up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
+        if terms:
+            at = in_bounds(" + ".join(terms), "a_ok")
+            buf.line(f"q{j} = tl.load({pointers[j]} + {at}, mask=a_ok, other={zero}){up}")
+        else:
+            buf.line(f"q{j} = tl.load({pointers[j]}){up}")
+        regs[name] = f"q{j}"
+    emit_nodes(buf, graph, prologue, regs, prefix="u")
+    buf.line(f"a_tile = tl.where(a_ok, {regs[a_name]}, 0.0).to({dtype})")

@@ -43,8 +43,9 @@ def split_literals(
         if value is not None and np.isfinite(value) and name not in tensors:
             kind = graph.constants[name].dtype.kind
             # An integer or boolean constant (the pointwise template's exact arithmetic) keeps its
-            # type: a float literal would turn integer registers into float ones.
-            literals[name] = float_literal(value) if kind == "f" else str(int(value))
+            # type: a float literal would turn integer registers into float ones. Any other kind is
+            # a float (bfloat16's numpy kind is "V": int() of it made 0.35 the literal 0).
+            literals[name] = str(int(value)) if kind in "biu" else float_literal(value)
         elif name not in loaded:
             loaded.append(name)
     return literals, loaded

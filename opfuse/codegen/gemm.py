@@ -18,11 +18,13 @@ import numpy as np
 
 from opfuse.codegen.epilogue import (
     accumulator_epilogue,
+    computed_a_tile,
     dot_precision,
     emit_dot,
     emit_launch,
     emit_nodes,
     emit_stores,
+    folded_row_coords,
     k_loop,
 )
 from opfuse.codegen.fragments import (
@@ -37,7 +39,6 @@ from opfuse.codegen.fragments import (
 )
 from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
@@ -251,7 +252,7 @@ def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str, views: di
             _pooled_a_tile(buf, gm.graph, gm.prologue, gm.pool_loads, gm.pool_literals, m, k)
         elif gm.prologue:
             a_shape = tuple(gm.graph.spec(gm.anchor.inputs[0]).shape)
-            coords = _folded_row_coords(a_shape, "rm[:, None]")
+            coords = folded_row_coords(a_shape, "rm[:, None]")
             coords[len(a_shape) - 1] = "kk[None, :]"
             buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
             _computed_a_tile(buf, gm, a_shape, coords, views)
@@ -263,46 +264,14 @@ def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str, views: di
     k_loop(buf, k, n, f"b + kk[:, None] * {sbk} + rn[None, :] * {sbn}", prec, a_tile)
 
 
-def _folded_row_coords(shape: tuple[int, ...], rows: str) -> dict[int, str]:
-    """Each leading axis of `shape` (all but the last) decoded from the folded row index `rows`."""
-    lead = shape[:-1]
-    coords: dict[int, str] = {}
-    for d, size in enumerate(lead):
-        inner = int(np.prod(lead[d + 1 :], dtype=np.int64))
-        coord = f"({rows} // {inner})" if inner > 1 else rows
-        coords[d] = f"({coord} % {size})" if d > 0 else coord
-    return coords
-
-
 def _computed_a_tile(
     buf: SourceBuffer, gm: _Gemm, a_shape: tuple[int, ...], coords: dict[int, str], views: dict[str, Any]
 ) -> None:
-    """`a_tile` computed by the prologue's pointwise ops (fusion/rules/operand_prologue.py): each
-    input loaded at the tile's coordinates of A (`coords`: A's axis -> expression, `a_ok` the
-    tile's mask), broadcast from the right, or through its view's strides; the ops in float32;
-    the result rounded to the model's type, as the stored A would be, and 0 outside the tile
-    (an op of a masked lane, a division by the 0 loaded there, must not reach the sum)."""
-    graph = gm.graph
-    regs = dict(gm.pool_literals)
-    for j, name in enumerate(gm.pool_loads):
-        view = views.get(name)
-        shape = tuple(view.shape if view is not None else graph.spec(name).shape)
-        strides = tuple(view.strides) if view is not None else contiguous_strides(shape)
-        shift = len(a_shape) - len(shape)
-        terms = [str(view.offset)] if view is not None and view.offset else []
-        for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
-            if size != 1:
-                terms.append(f"{coords[shift + d]} * {stride}" if stride != 1 else coords[shift + d])
-        floating = graph.spec(name).dtype in FLOAT_TYPES
-        up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
-        if terms:
-            at = in_bounds(" + ".join(terms), "a_ok")
-            buf.line(f"q{j} = tl.load(p{j} + {at}, mask=a_ok, other={zero}){up}")
-        else:
-            buf.line(f"q{j} = tl.load(p{j}){up}")
-        regs[name] = f"q{j}"
-    emit_nodes(buf, graph, gm.prologue, regs, prefix="u")
-    buf.line(f"a_tile = tl.where(a_ok, {regs[gm.anchor.inputs[0]]}, 0.0).to(b.dtype.element_ty)")
+    pointers = [f"p{j}" for j in range(len(gm.pool_loads))]
+    computed_a_tile(
+        buf, gm.graph, gm.prologue, gm.anchor.inputs[0], gm.pool_loads, pointers, gm.pool_literals,
+        a_shape, coords, views, "b.dtype.element_ty",
+    )  # fmt: skip
 
 
 def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str]) -> None:

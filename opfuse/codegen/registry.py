@@ -154,6 +154,22 @@ def _rowwise_split(g: GroupLike) -> SplitForm | None:
     gemm_reduction.py): the library's kernel for it, as without the rule, then the row kernel."""
     if not g.prologue:
         return None
+    gemm = [n for n in g.prologue if n.op_type in ("MatMul", "Gemm")]
+    if gemm and len(g.prologue) > 1:
+        # Pointwise ops computing the GEMM's A (operand_prologue): their own pointwise kernel
+        # through the group's views of their inputs, the library's GEMM, the row kernel.
+        ops = [n for n in g.prologue if n not in gemm]
+        reads = {x for n in ops for x in n.inputs if x}
+        views = {x: v for x, v in g.views.items() if x in reads}
+        rest = {x: v for x, v in g.views.items() if x not in reads}
+        return SplitForm(
+            "split: the prologue's kernel, the library's GEMM, then the row kernel",
+            lambda graph: [
+                SplitPiece("pointwise", ops, views=views),
+                SplitPiece(None, gemm),
+                SplitPiece("rowwise", g.nodes, g.full, g.split, rest),
+            ],
+        )
     what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(g.prologue[0].op_type, "depthwise conv")
     return SplitForm(
         f"split: the library's {what}, then the row kernel",

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.epilogue import dot_precision, k_loop
+from opfuse.codegen.epilogue import computed_a_tile, dot_precision, folded_row_coords, k_loop
 from opfuse.codegen.fragments import (
     KernelSource,
     concat_comments,
@@ -157,12 +157,23 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
     buf.line(f"dwv = dacc.to({x}.dtype.element_ty).to(tl.float32)")
 
 
-def _gemm_tile(buf: SourceBuffer, graph: Graph, mm: Node, ptr: dict[str, str], precision: str) -> None:
+def _gemm_tile(
+    buf: SourceBuffer,
+    graph: Graph,
+    mm: Node,
+    ptr: dict[str, str],
+    precision: str,
+    a_ops: list[Node],
+    a_loads: list[str],
+    a_literals: dict[str, str],
+    views: dict[str, Any],
+) -> None:
     """The GEMM's output on the tile (rows `row`, all N columns `cols`), rounded to the model's type
     as the stored product would be: A's rows [M, K] times B [K, N] (or [N, K], Gemm's transB),
-    BLOCK_K at a time, into a float32 accumulator."""
+    BLOCK_K at a time, into a float32 accumulator. With `a_ops`, A's tiles are computed by those
+    pointwise ops from `a_loads` (read through `views` where folded) instead of loaded."""
     m, n, k, trans_b = gemm_dims(graph, mm)
-    a, b = ptr[mm.inputs[0]], ptr[mm.inputs[1]]
+    b = ptr[mm.inputs[1]]
     sbk, sbn = (1, k) if trans_b else (n, 1)
     buf.line("rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
     buf.line("rn = tl.arange(0, BLOCK_R)")
@@ -170,13 +181,25 @@ def _gemm_tile(buf: SourceBuffer, graph: Graph, mm: Node, ptr: dict[str, str], p
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
 
     def a_tile() -> None:
+        if a_ops:
+            a_shape = tuple(graph.spec(mm.inputs[0]).shape)
+            coords = folded_row_coords(a_shape, "rm[:, None]")
+            coords[len(a_shape) - 1] = "kk[None, :]"
+            buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
+            pointers = [ptr[x] for x in a_loads]
+            computed_a_tile(
+                buf, graph, a_ops, mm.inputs[0], a_loads, pointers, a_literals, a_shape, coords, views,
+                f"{b}.dtype.element_ty",
+            )  # fmt: skip
+            return
         buf.line(
-            f"a_tile = tl.load({a} + rm[:, None] * {k} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
+            f"a_tile = tl.load({ptr[mm.inputs[0]]} + rm[:, None] * {k} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
         )
 
     b_at = f"{b} + kk[:, None] * {sbk} + rn[None, :] * {sbn}"
     k_loop(buf, k, n, b_at, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
-    buf.line(f"gmv = acc.to({a}.dtype.element_ty).to(tl.float32)")
+    rounded = b if a_ops else ptr[mm.inputs[0]]  # the model's type (A's, where A is loaded)
+    buf.line(f"gmv = acc.to({rounded}.dtype.element_ty).to(tl.float32)")
 
 
 def _gather_tile(buf: SourceBuffer, graph: Graph, gather: Node, ptr: dict[str, str], j: int) -> str:
@@ -249,14 +272,24 @@ def generate_rowwise(
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
     first = prologue[0] if prologue else None
-    gemm = first if first is not None and first.op_type in ("MatMul", "Gemm") else None
+    gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)
+    # Pointwise ops computing the GEMM's A on its tiles (operand_prologue, inside gemm_reduction).
+    a_ops = [n for n in prologue or [] if n is not gemm] if gemm is not None else []
     gathers = [n for n in prologue or [] if n.op_type == "Gather"]
     assert not gathers or len(gathers) == len(prologue or []), "Gathers and another prologue"
     window = first if gemm is None and not gathers else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
     for on_rows in (gemm, gathers[0] if gathers else None):
         assert on_rows is None or (not tiled and not space.groups and space.first == len(full) - 1), space
-    prologue_args = list(dict.fromkeys(x for n in prologue or [] for x in n.inputs[:3] if x))
+    made_by_a = {o for n in a_ops for o in n.outputs}
+    a_reads = [x for x in inputs if any(x in n.inputs for n in a_ops)]
+    a_literals, a_loads = split_literals(graph, a_reads)
+    prologue_args = list(
+        dict.fromkeys(
+            x for n in prologue or [] if n not in a_ops for x in n.inputs[:3] if x and x not in made_by_a
+        )
+    )
+    prologue_args += [x for x in a_loads if x not in prologue_args]
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
@@ -287,7 +320,7 @@ def generate_rowwise(
             _depthwise_tile(buf, graph, window, ptr, tiled)
             regs[window.outputs[0]] = "dwv"
         if gemm is not None:
-            _gemm_tile(buf, graph, gemm, ptr, precision)
+            _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views)
             regs[gemm.outputs[0]] = "gmv"
         for j, g in enumerate(gathers):
             regs[g.outputs[0]] = _gather_tile(buf, graph, g, ptr, j)
@@ -327,7 +360,9 @@ def _row_header(
         what = f"{rows} rows of {r} elements"
     buf.line(f"# {len(rk.nodes) + len(prologue)} ONNX nodes over {what} (shape {list(space.full)}):")
     for n in prologue:
-        if rk.gemm is not None:
+        if rk.gemm is not None and n is not rk.gemm:
+            what = "A of the GEMM computed"
+        elif rk.gemm is not None:
             what = "GEMM, its columns the row,"
         elif rk.gathers:
             what = "the table's rows looked up"

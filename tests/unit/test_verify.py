@@ -110,8 +110,14 @@ def _noisy_steps(
     monkeypatch.setattr(ex.Executor, "_run_step", noisy)
 
 
+# Compiled with operand_prologue off, `_two_group_model` keeps its two groups: the rule would
+# compute the pointwise group on the GEMM's A tiles, one group.
+TWO_GROUPS = ("operand_prologue",)
+
+
 def _two_group_model() -> Any:
-    """A pointwise group, then a GEMM with its epilogue: two fused groups, eight nodes unfused."""
+    """A pointwise group, then a GEMM with its epilogue: two fused groups (compiled with
+    `fusion_disable=TWO_GROUPS`), eight nodes unfused."""
     from onnx import helper
 
     from tests.unit.test_fusion import make_model
@@ -147,7 +153,14 @@ def test_fp16_fusion_is_held_to_the_unfused_plans_own_error_where_that_misses_rt
     from tests.builders import TEST_DEVICE
 
     _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025)
-    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        _two_group_model(),
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=TWO_GROUPS,
+    )
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], v
     assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
@@ -204,7 +217,14 @@ def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on
         return (0.03 if index < 5 else 0.12) * t.abs() * jitter
 
     seen = _noise_by_input(monkeypatch, noise)
-    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        _two_group_model(),
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=TWO_GROUPS,
+    )
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
     assert v["basis"] == "unfused_precision" and len(seen) == 5, (v, len(seen))
@@ -232,7 +252,14 @@ def test_an_error_near_rtol_that_grows_on_later_inputs_rolls_nothing_back(
         return level * torch.linalg.vector_norm(t.float()) / torch.linalg.vector_norm(jitter.float()) * jitter
 
     _noise_by_input(monkeypatch, noise)
-    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        _two_group_model(),
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=TWO_GROUPS,
+    )
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
     assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
@@ -250,12 +277,22 @@ def test_a_wrong_kernel_is_rolled_back_under_the_unfused_plans_error_too(
     from tests.builders import TEST_DEVICE
 
     model = _two_group_model()
-    probe = opfuse.compile(model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    probe = opfuse.compile(
+        model,
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        verify=False,
+        fusion_disable=TWO_GROUPS,
+    )
     groups = [g["id"] for g in probe.report["fusion"]["groups"]]
     assert len(groups) == 2, probe.report["fusion"]["groups"]
     gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
     _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025, skew=gemm)
-    cm = opfuse.compile(model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0, fusion_disable=TWO_GROUPS
+    )
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [gemm] and v["basis"] == "unfused_precision", v
     assert [g["id"] for g in cm.report["fusion"]["groups"] if g["id"] not in v["rolled_back"]] != []
@@ -274,7 +311,9 @@ def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
     from tests.builders import TEST_DEVICE
 
     model = _two_group_model()
-    probe = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, verify=False)
+    probe = opfuse.compile(
+        model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, verify=False, fusion_disable=TWO_GROUPS
+    )
     gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
     draws: list[dict[str, np.ndarray]] = []
     real_inputs = rollback.random_inputs
@@ -301,7 +340,7 @@ def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
     monkeypatch.setattr(rollback, "random_inputs", inputs)
     monkeypatch.setattr(ex.Executor, "run", tracked)
     monkeypatch.setattr(ex.Executor, "_run_step", wrong_there)
-    cm = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, fusion_disable=TWO_GROUPS)
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [gemm], v
     assert sum(marked) >= 3  # the failing inputs ran again: unfused check, bisection, final check
@@ -321,7 +360,14 @@ def test_an_unfused_plan_far_off_the_reference_is_not_a_precision_bound(
     from tests.builders import TEST_DEVICE
 
     _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
-    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        _two_group_model(),
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=TWO_GROUPS,
+    )
     v = cm.report["verification"]
     assert v["passed"] is False and "basis" not in v and "no fusion is to blame" in v["note"], v
     assert "relative L2 error" in v["note"] and "baseline_rel_l2_err" not in v["outputs"]["y"]
@@ -499,7 +545,14 @@ def test_a_sensitivity_measurement_that_raises_leaves_the_compile_unverified_and
 
     monkeypatch.setattr(OnnxRuntimeReference, "sensitivity", broken)
     _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
-    cm = opfuse.compile(_two_group_model(), {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0)
+    cm = opfuse.compile(
+        _two_group_model(),
+        {"x": [8, 32]},
+        "fp16",
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=TWO_GROUPS,
+    )
     v = cm.report["verification"]
     assert v["passed"] is False and "no fusion is to blame" in v["note"], v
     assert "sensitivity could not be measured: RuntimeError: no second session" in v["note"], v["note"]

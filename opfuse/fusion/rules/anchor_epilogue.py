@@ -21,8 +21,9 @@ from typing import Any
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.resize import plan_resize_gathers
-from opfuse.fusion.rules.base import Candidate, FusionRule
+from opfuse.fusion.rules.base import Candidate, FusionRule, PlanState
 from opfuse.fusion.rules.concat_prologue import concat_prologue
+from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
@@ -31,6 +32,7 @@ from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut
 from opfuse.ir.support import (
     conv_anchor_reason,
     gemm_anchor_reason,
+    gemm_dims,
     input_scale_reason,
     is_batched,
     pointwise_reason,
@@ -105,13 +107,9 @@ class AnchorEpilogue(FusionRule):
             if not prologue and state.on(names.CONCAT_PROLOGUE):
                 prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
-        if kind == "gemm" and variant == "template" and state.on(names.OPERAND_PROLOGUE):
-            rows = bool(consumers.get(anchor.outputs[0])) and all(
-                c.id in state.in_rows for c in consumers[anchor.outputs[0]]
-            )
-            prologue = operand_prologue(
-                graph, anchor, taken, producers, consumers, not_fused, rows and state.on(names.GEMM_REDUCTION)
-            )
+        operand = kind == "gemm" and variant == "template" and state.on(names.OPERAND_PROLOGUE)
+        if operand and not _left_to_a_row_kernel(graph, anchor, consumers, state):
+            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             # A row group planned before (attention reading Q, K and V through the Split as views
@@ -273,6 +271,18 @@ def _split_epilogue(
             members.add(node.id)
             value = node.outputs[0]
     return members
+
+
+def _left_to_a_row_kernel(
+    graph: Graph, anchor: Node, consumers: dict[str, list[Node]], state: PlanState
+) -> bool:
+    """Only row kernels read the GEMM's output, a row of it fits one tile: `gemm_reduction` will
+    compute the GEMM on the row kernel's tiles, and the pointwise ops before A with it. A prologue
+    of the GEMM's own kernel would stop that (the GEMM would not be lone)."""
+    readers = consumers.get(anchor.outputs[0], [])
+    if not readers or not all(c.id in state.in_rows for c in readers) or not state.on(names.GEMM_REDUCTION):
+        return False
+    return not is_batched(graph, anchor) and gemm_dims(graph, anchor)[1] <= GEMM_ROW_MAX
 
 
 def _a_operand_view(

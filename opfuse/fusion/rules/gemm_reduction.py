@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import merge_refusal
+from opfuse.fusion.groups import group_boundary, merge_refusal
 from opfuse.fusion.rules.base import Candidate, RowPrologueRule
+from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims
 
@@ -66,6 +67,34 @@ class GemmReduction(RowPrologueRule):
             return f"a row of {n} columns is longer than one tile of the row kernel holds ({GEMM_ROW_MAX})"
         why, _ = merge_refusal(graph, {mm.id, *(node.id for node in rg.nodes)}, self.order)
         return why
+
+    def claim(self, c: Candidate) -> None:
+        """The GEMM joins the row kernel; with `operand_prologue` on, so do the pointwise ops that
+        compute its A and that only it reads (a gated FFN's `gelu(x @ wi_0) * (x @ wi_1)` before
+        `wo`, gMLP's gate before its projection): the row kernel computes A's tiles in its K loop."""
+        super().claim(c)
+        rg, graph, state = c.group, self.graph, self.state
+        assert rg is not None
+        if not state.on(names.OPERAND_PROLOGUE):
+            return
+        mm = c.nodes[0]
+        ops = operand_prologue(graph, mm, state.held(), graph.producers(), graph.consumers(), state.not_fused)
+        if not ops:
+            return
+        rows_read = {x for n in rg.nodes for x in n.inputs if x}
+        if rows_read & {x for n in ops for x in n.inputs if x}:
+            return  # the row kernel loads that input as a row: it stays a buffer
+        readers = frozenset(n.id for n in ops)
+        views = (
+            prologue_views(graph, ops, readers, state.held(), set()) if state.on(names.LAYOUT_VIEWS) else {}
+        )
+        if any(n.id in {x.id for x in rg.absorbed} for v in views.values() for n in v.nodes):
+            return
+        rg.prologue = [*ops, mm]
+        rg.views.update(views)
+        rg.absorbed += [n for v in views.values() for n in v.owned()]
+        rg.inputs, rg.outputs = group_boundary(graph, [*rg.prologue, *rg.nodes])
+        rg.rule = f"{rg.rule}+{names.OPERAND_PROLOGUE}"
 
 
 RULE = GemmReduction

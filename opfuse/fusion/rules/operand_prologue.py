@@ -15,15 +15,14 @@ the library's ops for the prologue, then the library's GEMM.
 from __future__ import annotations
 
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.support import gemm_dims, is_batched, pointwise_reason
+from opfuse.ir.support import pointwise_reason
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
 RULE = names.OPERAND_PROLOGUE
-MAX_NODES = 8  # ops computed on every A tile, at each K step of each column tile
+MAX_NODES = 12  # ops computed on every A tile, at each K step of each column tile (a gated tanh-GELU is 9)
 MAX_TENSORS = 4  # their tensor inputs: a pointer and a load each per K step
 
 
@@ -34,17 +33,13 @@ def operand_prologue(
     producers: dict[str, Node],
     consumers: dict[str, list[Node]],
     not_fused: list[NotFired],
-    row_kernel_reads_it: bool = False,
 ) -> list[Node]:
     """The pointwise ops (in graph order) that compute the GEMM's A operand and that only the
     GEMM reads, each of A's shape; [] where there are none or the template cannot compute them.
-    `row_kernel_reads_it`: only row kernels read the GEMM's output. Then, where a row of it fits
-    one tile, `gemm_reduction` computes the GEMM on the row kernel's tiles, which its prologue
-    would stop (the row kernel loads A): the launch the prologue saves, that rule saves too."""
+    The anchor rule asks it for a GEMM's own kernel, `gemm_reduction` for a GEMM it computes on a
+    row kernel's tiles."""
     a = anchor.inputs[0]
     shape = graph.spec(a).shape
-    if row_kernel_reads_it and not is_batched(graph, anchor) and gemm_dims(graph, anchor)[1] <= GEMM_ROW_MAX:
-        return []  # gemm_reduction computes the GEMM on the row kernel's tiles: as many launches
     outputs = {o.name for o in graph.outputs}
     members: dict[str, Node] = {}
     frontier = [a]

@@ -196,12 +196,12 @@ def test_disabling_the_rule_gives_the_plan_without_it() -> None:
 
 
 def test_a_chain_over_the_cap_is_refused_whole() -> None:
-    """Nine ops before the GEMM: taking eight would leave the ninth a kernel writing A's size."""
+    """Thirteen ops before the GEMM: taking twelve would leave the last a kernel writing A's size."""
     nd = helper.make_node
     nodes = [nd("Mul", ["x", "h"], ["t0"], name="op0")]
-    for i in range(1, 9):
+    for i in range(1, 13):
         nodes.append(nd("Mul", [f"t{i - 1}", "h"], [f"t{i}"], name=f"op{i}"))
-    nodes.append(nd("MatMul", ["t8", "w"], ["y"], name="mm"))
+    nodes.append(nd("MatMul", ["t12", "w"], ["y"], name="mm"))
     model = make_model(
         nodes,
         {"x": [4, 8], "h": [4, 8]},
@@ -210,27 +210,77 @@ def test_a_chain_over_the_cap_is_refused_whole() -> None:
     )
     _, plan = planned(model)
     ((labels, why),) = refusals(plan, names.OPERAND_PROLOGUE)
-    assert why == "A is computed by 9 ops (over 8) on every tile of every K step"
-    assert sorted(labels) == sorted([*(f"op{i}" for i in range(9)), "mm"])
+    assert why == "A is computed by 13 ops (over 12) on every tile of every K step"
+    assert sorted(labels) == sorted([*(f"op{i}" for i in range(13)), "mm"])
     assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
 
 
-def test_a_gemm_only_a_row_kernel_reads_is_left_to_gemm_reduction() -> None:
-    """(a * b) @ w, then a LayerNorm: the row kernel computes the GEMM on its tiles (loading A),
-    so the Mul stays a kernel of its own, as many launches as a prologue would save."""
+def gated_norm() -> Any:
+    """A T5-style gated FFN's end: (gelu(a) * b) @ w, the residual x added, then a LayerNorm."""
     nd = helper.make_node
     nodes = [
-        nd("Mul", ["a", "b"], ["m"], name="gate"),
-        nd("MatMul", ["m", "w"], ["p"], name="mm"),
-        nd("LayerNormalization", ["p", "g", "beta"], ["y"], name="ln", axis=-1),
+        nd("Gelu", ["a"], ["ga"], name="act", approximate="tanh"),
+        nd("Mul", ["ga", "b"], ["m"], name="gate"),
+        nd("MatMul", ["m", "w"], ["p"], name="wo"),
+        nd("Add", ["p", "x"], ["r"], name="residual"),
+        nd("LayerNormalization", ["r", "g", "beta"], ["y"], name="ln", axis=-1),
     ]
     model = make_model(
         nodes,
-        {"a": [6, 8], "b": [6, 8]},
-        {"y": [6, 16]},
-        {"w": RNG.standard_normal((8, 16)), "g": RNG.uniform(0.5, 1.5, 16), "beta": RNG.standard_normal(16)},
+        {"a": [2, 5, 24], "b": [2, 5, 24], "x": [2, 5, 16]},
+        {"y": [2, 5, 16]},
+        {
+            "w": RNG.standard_normal((24, 16)) / 24**0.5,
+            "g": RNG.uniform(0.5, 1.5, 16),
+            "beta": RNG.standard_normal(16),
+        },
     )
-    _, plan = planned(model)
-    rules = [g[1] for g in claimed(plan)]
-    assert f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}" in rules
-    assert not [r for r in rules if names.OPERAND_PROLOGUE in r]
+    model.opset_import[0].version = 20  # Gelu
+    return model
+
+
+ROW_RULE = f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}+{names.OPERAND_PROLOGUE}"
+GATED_SHAPES = {"a": [2, 5, 24], "b": [2, 5, 24], "x": [2, 5, 16]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_row_kernels_gemm_computes_its_a_too(precision: str) -> None:
+    """Only the LayerNorm's row kernel reads the GEMM: gemm_reduction computes it on the row
+    kernel's tiles, and the gate's ops with it, on A's tiles in the K loop. One launch, every
+    element against onnxruntime, at every candidate and a K block wider than K."""
+    model = gated_norm()
+    cm = check_against_ort(model, GATED_SHAPES, precision, tune_budget_s=0)
+    assert cm.report["kernels"]["after"] == 1
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == [ROW_RULE]
+    (k,) = cm.plan.kernels.values()
+    assert "prologue: A of the GEMM computed on the tiles" in k.source
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in GATED_SHAPES.items()}
+    check_every_candidate(cm, k, model, feeds, precision, [{"BLOCK_K": 32}])
+
+
+def test_the_row_kernels_split_form_runs_the_ops_as_one_kernel() -> None:
+    from bench.kernels import plan_model
+    from opfuse.codegen.registry import split_form
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+    from tests.builders import TEST_DEVICE
+
+    model = gated_norm()
+    p = plan_model(model, GATED_SHAPES, "fp32")
+    (g,) = p.fusion.groups
+    assert split_form(g) == "split: the prologue's kernel, the library's GEMM, then the row kernel"
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [s.op_type or "kernel" for s in vendor.steps if s.launches] == ["kernel", "MatMul", "kernel"]
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in GATED_SHAPES.items()}
+    want = ort_run(model, feeds)[0]
+    for plan in (p.plan, vendor):
+        got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gemm_a_row_kernel_takes_gets_no_prologue_of_its_own() -> None:
+    """With gemm_reduction off the GEMM is not left to a row kernel: its own kernel takes the
+    gate's ops, and the LayerNorm is a row kernel of its own."""
+    _, plan = planned(gated_norm(), (names.GEMM_REDUCTION,))
+    rules = sorted(g[1] for g in claimed(plan))
+    assert rules == sorted([names.ROW_REDUCTION, RULE])

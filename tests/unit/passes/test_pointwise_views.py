@@ -73,9 +73,14 @@ def test_the_compiled_linear_runs_in_two_launches_and_matches_onnxruntime() -> N
     cm = opfuse.compile(model, device="cpu")
     assert cm.report["verification"]["passed"] is True
     # fc1 with the normalization and the activation, then fc2; without the move, the
-    # normalization and the activation run as kernels of their own.
+    # normalization runs as a kernel of its own and the activation as fc2's prologue (computed
+    # on its A tiles), or as a kernel of its own too without operand_prologue.
     assert cm.report["kernels"]["after"] == 2
     off = opfuse.compile(model, device="cpu", fusion_disable=[names.POINTWISE_BEFORE_VIEWS])
+    assert off.report["kernels"]["after"] == 3
+    off = opfuse.compile(
+        model, device="cpu", fusion_disable=[names.POINTWISE_BEFORE_VIEWS, names.OPERAND_PROLOGUE]
+    )
     assert off.report["kernels"]["after"] == 4
     x = np.random.default_rng(7).standard_normal((2, 5, 6)).astype(np.float32)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
