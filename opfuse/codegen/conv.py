@@ -35,6 +35,7 @@ from opfuse.codegen.conv_fragments import (
 from opfuse.codegen.conv_operands import NhwcConv, nhwc_conv
 from opfuse.codegen.epilogue import (
     accumulator_epilogue,
+    computed_a_tile,
     dot_precision,
     dot_step,
     emit_dot,
@@ -231,6 +232,8 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
             role = f"{windows[window.op_type]} on the input tiles"
         elif cv.pieces:
             role = "its inputs read in turn" if node.op_type == "Concat" else "on each loaded tile"
+        elif cv.ops:
+            role = "computed on the input tiles"
         else:
             role = "read through" if cv.pad is not None else "input scale"
         buf.line(node_comment(node, f"prologue: {role}"))
@@ -375,6 +378,9 @@ def _flat_loop(buf: SourceBuffer, cv: NhwcConv) -> None:
         buf.line(f"ih = ih0[:, None] + kh[None, :] * {p['DH']}")
         buf.line(f"iw = iw0[:, None] + kw[None, :] * {p['DW']}")
         buf.line(f"ok = row_ok[:, None] & (kk[None, :] < {k}) & {Window.of(p).inside('ih', 'iw')}")
+        if cv.ops:
+            _computed_tile(buf, cv, {0: "img[:, None]", 1: "ih", 2: "iw", 3: "ci"}, "ok")
+            return
         padded_load(buf, tap, source_pixel(buf, tap, "ih", "iw", "img[:, None]"), "ok")
         if cv.scale:
             _scale_tile(buf, cv, "ok")
@@ -430,6 +436,10 @@ def _channel_block(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
         _pooled_tile(buf, cv, "ih[:, None]", "iw[:, None]", "a_ok")
         if cv.pool_out:
             _store_pooled(buf, cv, "ih[:, None]", "iw[:, None]", "a_ok")
+    elif cv.ops:
+        _computed_tile(
+            buf, cv, {0: "img[:, None]", 1: "ih[:, None]", 2: "iw[:, None]", 3: "ci[None, :]"}, "a_ok"
+        )
     else:
         padded_load(buf, cv.tap, "base[:, None]", "a_ok")
     if cv.scale:
@@ -440,6 +450,20 @@ def _channel_block(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
         f"(ci[:, None] < {c}) & (rn[None, :] < {n})",
         cv.prec,
     )
+
+
+def _computed_tile(buf: SourceBuffer, cv: NhwcConv, coords: dict[int, str], mask: str) -> None:
+    """The input tile computed by the pointwise ops before the conv (operand_prologue): their
+    inputs loaded at the tap's pixels and channels (`coords`: axis of the NHWC input ->
+    expression), 0 outside `mask` (the conv's zero padding is of the ops' result)."""
+    if mask != "a_ok":
+        buf.line(f"a_ok = {mask}")
+    pointers = [f"xo{i}" for i in range(len(cv.op_loads))]
+    shape = tuple(cv.graph.spec(cv.anchor.inputs[0]).shape)
+    computed_a_tile(
+        buf, cv.graph, cv.ops, cv.anchor.inputs[0], cv.op_loads, pointers, cv.op_literals, shape, coords,
+        cv.views, "w.dtype.element_ty",
+    )  # fmt: skip
 
 
 def _scale_tile(buf: SourceBuffer, cv: NhwcConv, mask: str) -> None:

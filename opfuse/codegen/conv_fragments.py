@@ -83,7 +83,7 @@ def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) 
         buf.line("c = CONFIG if config is None else config")
         buf.line("store = SCRATCH if scratch is None else scratch")
         buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]), c["SPLIT_K"])')
-        buf.line('key = (str(x.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
+        buf.line(f'key = (str({args[0]}.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
         buf.line("if key not in store:")
         with buf.indent():
             buf.line("import torch")
@@ -91,8 +91,8 @@ def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) 
             buf.line("tiles = grid[0] * grid[1]")
             buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
             buf.line(
-                "store[key] = (torch.empty(slots, dtype=torch.float32, device=x.device), "
-                "torch.zeros(tiles, dtype=torch.int32, device=x.device))"
+                f"store[key] = (torch.empty(slots, dtype=torch.float32, device={args[0]}.device), "
+                f"torch.zeros(tiles, dtype=torch.int32, device={args[0]}.device))"
             )
         buf.line("partials, lock = store[key]")
         buf.line(f"{fn}[grid]({', '.join(args)}, partials, lock, **c)")

@@ -14,7 +14,7 @@ from opfuse.codegen.fragments import split_literals
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.resize import ResizeGather
-from opfuse.ir.support import centre_tap, conv_params, input_scale_operands
+from opfuse.ir.support import centre_tap, conv_params, input_scale_operands, input_scale_reason
 
 
 @dataclass
@@ -63,6 +63,11 @@ class NhwcConv:
     pieces: list[tuple[str, int, int]] = field(default_factory=list)
     act: list[Node] = field(default_factory=list)
     act_consts: list[str] = field(default_factory=list)
+    # Pointwise ops computing the conv's input (fusion/rules/operand_prologue.py): each tap's
+    # tile computed from their inputs (`op_loads`, read through `views` where folded).
+    ops: list[Node] = field(default_factory=list)
+    op_loads: list[str] = field(default_factory=list)
+    op_literals: dict[str, str] = field(default_factory=dict)
 
     @property
     def gathers(self) -> dict[int, ResizeGather]:
@@ -76,8 +81,12 @@ class NhwcConv:
 
     @property
     def args(self) -> list[str]:
+        if self.ops:
+            first = [f"xo{i}" for i in range(len(self.op_loads))]
+        else:
+            first = [f"xp{i}" for i in range(len(self.pieces))] if self.pieces else ["x"]
         return (
-            ([f"xp{i}" for i in range(len(self.pieces))] if self.pieces else ["x"])
+            first
             + ["w"]
             + [f"pc{j}" for j in range(len(self.act_consts))]
             + (["xs", "ws"] if self.sx_name else [])
@@ -101,8 +110,12 @@ class NhwcConv:
     @property
     def tensor_inputs(self) -> list[str]:
         gathers = self.gathers
+        if self.ops:
+            first = [self.views[x].base if x in self.views else x for x in self.op_loads]
+        else:
+            first = [v for v, _, _ in self.pieces] if self.pieces else [self.x_name]
         return [
-            *([v for v, _, _ in self.pieces] if self.pieces else [self.x_name]),
+            *first,
             self.w_name,
             *self.act_consts,
             *([self.sx_name, self.sw_name] if self.sx_name else []),
@@ -154,6 +167,12 @@ def _read_prologue(cv: NhwcConv) -> None:
         # padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
         cv.pad = prologue[0]
         cv.x_name = cv.pad.inputs[0]
+    elif prologue and (len(prologue) > 1 or input_scale_reason(graph, prologue[0], cv.anchor) is not None):
+        # Pointwise ops computing the input (an input scale is one Mul the template folds itself).
+        cv.ops, cv.x_name = list(prologue), ""
+        made = {o for n in prologue for o in n.outputs}
+        reads = list(dict.fromkeys(x for n in prologue for x in n.inputs if x and x not in made))
+        cv.op_literals, cv.op_loads = split_literals(graph, reads)
     elif prologue:
         cv.x_name, cv.scale = input_scale_operands(graph, prologue[0], cv.anchor)
         s_shape = graph.spec(cv.scale).shape
@@ -182,7 +201,8 @@ def _read_loads(cv: NhwcConv, inputs: list[str]) -> None:
     split_sizes = {cv.split.inputs[1]} if cv.split is not None else set()
     pad_operands = set(cv.pad.inputs[1:]) if cv.pad is not None else set()
     loop_operands = {cv.x_name, cv.w_name, cv.sx_name, cv.sw_name, cv.scale, cv.dw_w, cv.dw_b}
-    loop_operands |= {v for v, _, _ in cv.pieces} | set(cv.act_consts)
+    loop_operands |= {v for v, _, _ in cv.pieces} | set(cv.act_consts) | set(cv.op_loads)
+    loop_operands |= {o for n in cv.ops for o in n.outputs}
     operands_only = {*loop_operands, *cv.copied, *split_sizes, *pad_operands} - {""} - epilogue_reads
     tensors = {cv.b_name} - {""}
     cv.literals, extra = split_literals(cv.graph, inputs, skip=operands_only, tensors=tensors)

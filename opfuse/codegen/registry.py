@@ -136,6 +136,12 @@ def _conv_split(g: GroupLike) -> SplitForm | None:
     """A depthwise conv or a max or average pool computed on the input tiles: the prologue's own
     kernel (the conv's or the pool's template, with its activation), then the anchor's template,
     as without the prologue rule."""
+    windows = (NHWC_CONV, *NHWC_POOLS.values())
+    if g.prologue and not any(n.op_type in (*windows, "Pad", "Concat") for n in g.prologue):
+        # Pointwise ops on the input tiles (operand_prologue, or an input scale): as for a GEMM.
+        return SplitForm(
+            "split: the prologue's kernel, the library's conv, the epilogue's kernel", _prologue_split(g)
+        )
     if g.prologue and g.prologue[0].op_type == "Concat":  # concat_prologue
         return SplitForm(
             "split: the prologue's kernel, the library's conv, the epilogue's kernel", _prologue_split(g)

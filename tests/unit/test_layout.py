@@ -194,16 +194,20 @@ def test_input_scale_that_varies_over_the_image_is_not_folded() -> None:
         {"y": [1, 4, 5, 5]},
         {"w": RNG.standard_normal((4, 8, 1, 1)), "w0": RNG.standard_normal((8, 8, 1, 1))},
     )
+    # The pool stays the library's, or its kernel would take the Mul as its epilogue.
+    off = (*NHWC_ALWAYS, "pool_epilogue")
     cm = opfuse.compile(
-        model,
-        {"x": shape, "t": [1, 1, 5, 5]},
-        device=TEST_DEVICE,
-        # The pool stays the library's, or its kernel would take the Mul as its epilogue.
-        fusion_disable=(*NHWC_ALWAYS, "pool_epilogue"),
+        model, {"x": shape, "t": [1, 1, 5, 5]}, device=TEST_DEVICE, fusion_disable=(*off, "operand_prologue")
     )
     assert cm.report["verification"]["passed"] is True
     reasons = [n["reason"] for n in cm.report["fusion"]["not_fused"] if "pixel_scale" in n["nodes"]]
     assert any("varies over the image" in r for r in reasons)
+    # operand_prologue computes the product on the conv's input tiles instead (no refusal left).
+    cm = opfuse.compile(model, {"x": shape, "t": [1, 1, 5, 5]}, device=TEST_DEVICE, fusion_disable=off)
+    assert cm.report["verification"]["passed"] is True
+    groups = [g for g in cm.report["fusion"]["groups"] if "pixel_scale" in g["nodes"]]
+    assert [g["rule"] for g in groups] == ["conv_epilogue+operand_prologue"]
+    assert not [n for n in cm.report["fusion"]["not_fused"] if "pixel_scale" in n["nodes"]]
 
 
 @pytest.mark.parametrize(

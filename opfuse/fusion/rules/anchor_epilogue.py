@@ -28,7 +28,7 @@ from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_view
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut
+from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.support import (
     conv_anchor_reason,
     gemm_anchor_reason,
@@ -94,11 +94,13 @@ class AnchorEpilogue(FusionRule):
             if reason is not None:
                 variant, note = "vendor", f"vendor convolution: {reason}"
         prologue = []
+        computed = False  # a conv's input computed by operand_prologue's ops
         # A conv summing a shortcut (passes/shortcut_conv.py) reads a second input in a second K
         # loop: no prologue on its tiles (its vendor variant is the library's two convolutions).
         shortcut = kind == "conv" and has_shortcut(anchor)
         if shortcut:
             rule = f"{rule}+{names.SHORTCUT_CONV}"  # the pass that made this conv (passes/shortcut_conv.py)
+        mark = len(not_fused)  # refusals of the prologues tried below
         if variant == "template" and not shortcut:
             prologue = _input_scale(graph, anchor, taken, producers, consumers, not_fused)
             if not prologue and state.on(PAD_RULE):
@@ -107,9 +109,17 @@ class AnchorEpilogue(FusionRule):
             if not prologue and state.on(names.CONCAT_PROLOGUE):
                 prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
-        operand = kind == "gemm" and variant == "template" and state.on(names.OPERAND_PROLOGUE)
-        if operand and not _left_to_a_row_kernel(graph, anchor, consumers, state):
+        operand = variant == "template" and state.on(names.OPERAND_PROLOGUE)
+        if operand and kind == "gemm" and not _left_to_a_row_kernel(graph, anchor, consumers, state):
             prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
+        elif operand and not prologue and not shortcut and _dense_nhwc_conv(graph, anchor):
+            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
+            computed = bool(prologue)
+            if computed:  # an input scale refused for a Mul these ops now compute: moot
+                mine = {node_label(n) for n in prologue}
+                not_fused[mark:] = [
+                    x for x in not_fused[mark:] if x.rule != CONV_RULE or not mine & set(x.nodes)
+                ]
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
             # A row group planned before (attention reading Q, K and V through the Split as views
@@ -125,7 +135,7 @@ class AnchorEpilogue(FusionRule):
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         views: dict[str, Any] = {}
-        if kind == "gemm" and prologue:
+        if (kind == "gemm" and prologue) or computed:
             epilogue_reads = {x for n in nodes[1:] for x in n.inputs if x}
             if epilogue_reads & {x for n in prologue for x in n.inputs}:
                 prologue = []  # the epilogue loads that input at the output's index: it stays a buffer
@@ -271,6 +281,14 @@ def _split_epilogue(
             members.add(node.id)
             value = node.outputs[0]
     return members
+
+
+def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
+    """A channels-last conv of group 1 (the template's window, segment and flat loops, where
+    operand_prologue computes each tap's input tile)."""
+    return (
+        conv.op_type == NHWC_CONV and int(conv.attrs.get("group", 1)) == 1 and not is_depthwise(graph, conv)
+    )
 
 
 def _left_to_a_row_kernel(

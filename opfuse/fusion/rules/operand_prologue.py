@@ -9,7 +9,12 @@ not), the pointwise ops before A that only the GEMM reads, and that have A's sha
 prologue: each K step loads the ops' inputs at the A tile's coordinates (broadcast, or through
 the layout ops before them as strides), computes A's tile in float32, and rounds it to the
 model's type as the stored A would be. A is never written. Tuning times the one kernel against
-the library's ops for the prologue, then the library's GEMM.
+the split form: the ops as one pointwise kernel, the library's GEMM, the epilogue's kernel.
+
+The same holds for a channels-last conv of group 1 (StarNet's `relu6(a) * b` before its 1x1
+conv, a gate that varies over the image, which no input scale folds): each tap's input tile is
+computed from the ops' inputs at its pixels and channels, 0 in the padding. And for a GEMM that
+`gemm_reduction` computes on a row kernel's tiles: the row kernel computes A's tiles.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from onnx import helper
 from opfuse.frontend import rule_registry as names
 from tests.builders import claimed, planned, refusals
 from tests.unit.test_conv import check_every_candidate
-from tests.unit.test_fusion import check_against_ort, make_model, ort_run
+from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, ort_run
 
 RNG = np.random.default_rng(53)
 RULE = f"{names.GEMM_EPILOGUE}+{names.OPERAND_PROLOGUE}"
@@ -284,3 +284,73 @@ def test_a_gemm_a_row_kernel_takes_gets_no_prologue_of_its_own() -> None:
     _, plan = planned(gated_norm(), (names.GEMM_REDUCTION,))
     rules = sorted(g[1] for g in claimed(plan))
     assert rules == sorted([names.ROW_REDUCTION, RULE])
+
+
+def gated_conv(channels: int, kernel: int) -> Any:
+    """StarNet's block: two 1x1 convs of x (merged into one conv and a Split of its channels),
+    clip(a, 0, 6) * b, then a kernel x kernel conv (padded to keep the size) of it. The product
+    varies over the image: no input scale folds it."""
+    nd = helper.make_node
+    nodes = [
+        nd("Conv", ["x", "wa"], ["a"], name="f1"),
+        nd("Conv", ["x", "wb"], ["b"], name="f2"),
+        nd("Clip", ["a", "lo", "hi"], ["ca"], name="relu6"),
+        nd("Mul", ["ca", "b"], ["m"], name="star"),
+        nd("Conv", ["m", "w", "cb"], ["y"], name="conv", pads=[kernel // 2] * 4),
+    ]
+    return make_model(
+        nodes,
+        {"x": [2, 5, 6, 6]},
+        {"y": [2, 8, 6, 6]},
+        {
+            "wa": RNG.standard_normal((channels, 5, 1, 1)),
+            "wb": RNG.standard_normal((channels, 5, 1, 1)) * 0.5,
+            "lo": np.array(0.0),
+            "hi": np.array(6.0),
+            "w": RNG.standard_normal((8, channels, kernel, kernel)) / (kernel * channels**0.5),
+            "cb": RNG.standard_normal(8) * 0.1,
+        },
+    )
+
+
+CONV_RULE = f"{names.CONV_EPILOGUE}+{names.OPERAND_PROLOGUE}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(("channels", "kernel"), [(24, 3), (24, 1), (6, 3)])
+def test_a_convs_input_computed_on_each_taps_tile(precision: str, channels: int, kernel: int) -> None:
+    """The window loop (24 channels, 3x3: the ops at each tap, the padding 0 after them), a 1x1
+    conv, and the flat loop of a first layer (6 channels): every element against onnxruntime,
+    at every tuning candidate."""
+    model = gated_conv(channels, kernel)
+    shapes = {"x": [2, 5, 6, 6]}
+    cm = check_against_ort(model, shapes, precision, NHWC_ALWAYS, tune_budget_s=0)
+    assert CONV_RULE in [g["rule"] for g in cm.report["fusion"]["groups"]]
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type in ("Clip", "Mul") and s.launches]
+    (k,) = [k for k in cm.plan.kernels.values() if "computed on the input tiles" in k.source]
+    feeds = {"x": RNG.standard_normal((2, 5, 6, 6)).astype(np.float32)}
+    check_every_candidate(cm, k, model, feeds, precision)
+
+
+def test_the_convs_split_form_runs_the_ops_as_one_kernel() -> None:
+    from bench.kernels import plan_model
+    from opfuse.codegen.registry import split_form
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+    from tests.builders import TEST_DEVICE
+
+    model = gated_conv(24, 3)
+    shapes = {"x": [2, 5, 6, 6]}
+    p = plan_model(model, shapes, "fp32", NHWC_ALWAYS)
+    (g,) = [g for g in p.fusion.groups if g.rule == CONV_RULE]
+    assert split_form(g) == "split: the prologue's kernel, the library's conv, the epilogue's kernel"
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [s.op_type or "kernel" for s in vendor.steps if s.group == g.id and s.launches] == [
+        "kernel",
+        "opfuse.ConvNHWC",
+    ]
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    want = ort_run(model, feeds)[0]
+    for plan in (p.plan, vendor):
+        got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
