@@ -77,6 +77,13 @@ def operand_prologue(
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     prologue = sorted(members.values(), key=lambda n: order[n.id])
     leaves = prologue_inputs(graph, prologue)
+    resized = [x for x in leaves if _behind_views(producers, x, "Resize")]
+    if resized:
+        # The ops' own kernel gathers an upsampled input from the Resize's input (resize_gather,
+        # an FPN's top-down Add); a prologue would read the Resize's output, copied first.
+        why = "an input is a Resize that the ops' own kernel gathers instead of copying (resize_gather)"
+        not_fused.append(NotFired(RULE, [*(node_label(n) for n in prologue), node_label(anchor)], why))
+        return []
     if len(leaves) > MAX_TENSORS:
         not_fused.append(
             NotFired(
@@ -87,6 +94,14 @@ def operand_prologue(
         )
         return []
     return prologue
+
+
+def _behind_views(producers: dict[str, Node], value: str, op_type: str) -> bool:
+    """Whether `value` is an `op_type` node's output, directly or through layout views."""
+    node = producers.get(value)
+    while node is not None and node.op_type in VIEW_THROUGH:
+        node = producers.get(node.inputs[0])
+    return node is not None and node.op_type == op_type
 
 
 def prologue_inputs(graph: Graph, prologue: list[Node]) -> list[str]:

@@ -354,3 +354,31 @@ def test_the_convs_split_form_runs_the_ops_as_one_kernel() -> None:
     for plan in (p.plan, vendor):
         got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_input_behind_a_resize_is_left_to_resize_gather() -> None:
+    """An FPN's top-down Add read by the 3x3 conv after it: the Add's own kernel gathers the
+    upsampled map from the coarse map (resize_gather), where a prologue would read the Resize's
+    output, copied first. The rule says so and leaves the Add alone."""
+    nd = helper.make_node
+    nodes = [
+        nd("Conv", ["x", "wc"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2], name="coarse"),
+        nd("Resize", ["c", "", "scales"], ["r"], mode="nearest", name="up"),
+        nd("Conv", ["x", "wl"], ["l"], name="lateral"),
+        nd("Conv", ["x", "wn"], ["n"], name="next"),
+        nd("Relu", ["n"], ["z"], name="next_relu"),
+        nd("Add", ["l", "r"], ["s"], name="top_down"),
+        nd("Conv", ["s", "wo"], ["y"], pads=[1, 1, 1, 1], name="smooth"),
+    ]
+    inits = {
+        "wc": RNG.standard_normal((8, 4, 3, 3)),
+        "wl": RNG.standard_normal((8, 4, 1, 1)),
+        "wn": RNG.standard_normal((6, 4, 1, 1)),
+        "wo": RNG.standard_normal((8, 8, 3, 3)),
+        "scales": np.array([1, 1, 2, 2]),
+    }
+    model = make_model(nodes, {"x": [2, 4, 10, 12]}, {"y": [2, 8, 10, 12], "z": [2, 6, 10, 12]}, inits)
+    _, plan = planned(model, NHWC_ALWAYS)
+    why = "an input is a Resize that the ops' own kernel gathers instead of copying (resize_gather)"
+    assert refusals(plan, names.OPERAND_PROLOGUE) == [(["top_down", "smooth"], why)]
+    assert [g[1] for g in claimed(plan) if "top_down" in g[2]] == [f"{names.POINTWISE}+{names.RESIZE_GATHER}"]
