@@ -137,16 +137,13 @@ def _conv_split(g: GroupLike) -> SplitForm | None:
     kernel (the conv's or the pool's template, with its activation), then the anchor's template,
     as without the prologue rule."""
     windows = (NHWC_CONV, *NHWC_POOLS.values())
-    if g.prologue and not any(n.op_type in (*windows, "Pad", "Concat") for n in g.prologue):
-        # Pointwise ops on the input tiles (operand_prologue, or an input scale): as for a GEMM.
+    if g.prologue and not any(n.op_type in (*windows, "Pad") for n in g.prologue):
+        # Pointwise ops on the input tiles (operand_prologue, or an input scale), or a Concat and
+        # the ops after it (concat_prologue): one pointwise kernel for them, as for a GEMM.
         return SplitForm(
             "split: the prologue's kernel, the library's conv, the epilogue's kernel", _prologue_split(g)
         )
-    if g.prologue and g.prologue[0].op_type == "Concat":  # concat_prologue
-        return SplitForm(
-            "split: the prologue's kernel, the library's conv, the epilogue's kernel", _prologue_split(g)
-        )
-    if not (g.prologue and g.prologue[0].op_type in (NHWC_CONV, *NHWC_POOLS.values())):
+    if not (g.prologue and g.prologue[0].op_type in windows):
         return None
     head = "pool" if g.prologue[0].op_type in NHWC_POOLS.values() else "conv"
     return SplitForm(

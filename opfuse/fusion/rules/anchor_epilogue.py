@@ -111,9 +111,9 @@ class AnchorEpilogue(FusionRule):
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
         operand = variant == "template" and state.on(names.OPERAND_PROLOGUE)
         if operand and kind == "gemm" and not _left_to_a_row_kernel(graph, anchor, consumers, state):
-            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
+            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused, order)
         elif operand and not prologue and not shortcut and _dense_nhwc_conv(graph, anchor):
-            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused)
+            prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused, order)
             computed = bool(prologue)
             if computed:  # an input scale refused for a Mul these ops now compute: moot
                 mine = {node_label(n) for n in prologue}

@@ -35,7 +35,9 @@ class GemmReduction(RowPrologueRule):
     kind = "gemm"
 
     def match(self) -> Iterator[Candidate]:
-        self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}  # for the cycle check
+        graph = self.graph
+        self.order = {n.id: i for i, n in enumerate(graph.nodes)}  # the cycle check, prologues
+        self.producers, self.consumers = graph.producers(), graph.consumers()  # the graph is fixed
         yield from super().match()
 
     def check(self, c: Candidate) -> str | None:
@@ -77,18 +79,17 @@ class GemmReduction(RowPrologueRule):
         assert rg is not None
         if not state.on(names.OPERAND_PROLOGUE):
             return
-        mm = c.nodes[0]
-        ops = operand_prologue(graph, mm, state.held(), graph.producers(), graph.consumers(), state.not_fused)
+        mm, held = c.nodes[0], state.held()
+        ops = operand_prologue(graph, mm, held, self.producers, self.consumers, state.not_fused, self.order)
         if not ops:
             return
         rows_read = {x for n in rg.nodes for x in n.inputs if x}
         if rows_read & {x for n in ops for x in n.inputs if x}:
             return  # the row kernel loads that input as a row: it stays a buffer
         readers = frozenset(n.id for n in ops)
-        views = (
-            prologue_views(graph, ops, readers, state.held(), set()) if state.on(names.LAYOUT_VIEWS) else {}
-        )
-        if any(n.id in {x.id for x in rg.absorbed} for v in views.values() for n in v.nodes):
+        views = prologue_views(graph, ops, readers, held, set()) if state.on(names.LAYOUT_VIEWS) else {}
+        absorbed = {x.id for x in rg.absorbed}
+        if any(n.id in absorbed for v in views.values() for n in v.nodes):
             return
         rg.prologue = [*ops, mm]
         rg.views.update(views)

@@ -38,11 +38,14 @@ def operand_prologue(
     producers: dict[str, Node],
     consumers: dict[str, list[Node]],
     not_fused: list[NotFired],
+    order: dict[str, int],
 ) -> list[Node]:
-    """The pointwise ops (in graph order) that compute the GEMM's A operand and that only the
-    GEMM reads, each of A's shape; [] where there are none or the template cannot compute them.
-    The anchor rule asks it for a GEMM's own kernel, `gemm_reduction` for a GEMM it computes on a
-    row kernel's tiles."""
+    """The pointwise ops (in graph order: `order`, each node's place) that compute the GEMM's A
+    operand and that only the GEMM reads, each of A's shape; [] where there are none or the
+    template cannot compute them. The anchor rule asks it for a GEMM's own kernel,
+    `gemm_reduction` for a GEMM it computes on a row kernel's tiles. A node joins only when every
+    reader of its output is the anchor or a member already, so the set is closed: nothing outside
+    it reads what it computes."""
     a = anchor.inputs[0]
     shape = graph.spec(a).shape
     outputs = {o.name for o in graph.outputs}
@@ -68,13 +71,6 @@ def operand_prologue(
         why = f"A is computed by {len(members)} ops (over {MAX_NODES}) on every tile of every K step"
         not_fused.append(NotFired(RULE, [*labels, node_label(anchor)], why))
         return []
-    # A value read by a member and by a node the walk left out (a bigger shape, say) would make
-    # the prologue's boundary read it after the member that wrote it: only closed sets are taken.
-    for n in members.values():
-        for o in n.outputs:
-            if any(c.id not in members and c.id != anchor.id for c in consumers.get(o, [])):
-                return []
-    order = {n.id: i for i, n in enumerate(graph.nodes)}
     prologue = sorted(members.values(), key=lambda n: order[n.id])
     leaves = prologue_inputs(graph, prologue)
     resized = [x for x in leaves if _behind_views(producers, x, "Resize")]
