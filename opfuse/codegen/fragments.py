@@ -109,7 +109,9 @@ def row_input_index(
     """(index expression, is_vector) for loading an input broadcast to `full` from row `row`.
 
     Dims before `split` (default: the last axis) index rows; the trailing dims are the row,
-    addressed by `cols`. An input either covers the whole row or is constant along it.
+    addressed by `cols`. An input that covers the whole row reads `cols`; one that varies along
+    some of the row's dims only (a per-channel constant over a channels-last (H, W, C) row) reads
+    each of those dims' coordinate out of `cols`; one constant along the row reads no column.
     """
     rank = len(full)
     k = rank - 1 if split is None else split
@@ -123,11 +125,17 @@ def row_input_index(
         coord = f"((row // {row_strides[d]}) % {full[d]})" if row_strides[d] > 1 else f"(row % {full[d]})"
         terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
     trailing, whole = padded[k:], tuple(full[k:])
-    vector = trailing == whole and prod(whole) != 1
-    if not vector and any(t != 1 for t in trailing):
-        raise ValueError(f"input of shape {shape} varies along only part of the row {whole}")
-    if vector:
+    vector = any(t != 1 for t in trailing)
+    if vector and trailing == whole:
         terms.append("cols")
+    elif vector:
+        for d in range(k, rank):
+            if padded[d] == 1:
+                continue
+            inner = prod(full[d + 1 :])
+            coord = f"(cols // {inner})" if inner > 1 else "cols"
+            coord = f"({coord} % {full[d]})" if d > k else coord
+            terms.append(f"{coord} * {strides[d]}" if strides[d] != 1 else coord)
     if not terms:
         return None, False
     return " + ".join(terms), vector

@@ -146,10 +146,18 @@ def row_op_reason(graph: Graph, node: Node) -> str | None:
     ):
         return f"the extra outputs of {node.op_type} are used"
     if node.op_type in ("LayerNormalization", "RMSNormalization"):
+        normalized = tuple(x.shape[axes[0] :])
         for p in node.inputs[1:3]:
-            if p and graph.spec(p).shape not in (tuple(x.shape[axes[0] :]), ()):
-                return "scale or bias does not cover the normalized axes"
+            if p and not _broadcasts_to(graph.spec(p).shape, normalized):
+                return "scale or bias does not broadcast to the normalized axes"
     return None
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """`shape` broadcasts to `target` (aligned at the right) without growing its rank."""
+    if len(shape) > len(target):
+        return False
+    return all(d in (1, t) for d, t in zip(reversed(shape), reversed(target), strict=False))
 
 
 def row_input_reason(shape: tuple[int, ...], out: tuple[int, ...], space: RowSpace) -> str | None:
@@ -165,17 +173,4 @@ def row_input_reason(shape: tuple[int, ...], out: tuple[int, ...], space: RowSpa
     if shape == drop and len(drop) != rank and (1,) * (rank - len(drop)) + drop != space.keep:
         # In registers it is one value per reduced row; ONNX would broadcast it along other axes.
         return f"the reduced value of shape {list(drop)} broadcasts along axes that were not reduced"
-    if space.inner == 1:
-        return row_broadcast_reason(space.load_shape(shape), space.full, space.first)
-    return None
-
-
-def row_broadcast_reason(shape: tuple[int, ...], full: tuple[int, ...], split: int) -> str | None:
-    """None if an input of `shape` broadcast to `full` either covers the whole row (the dims from
-    `split` on) or is constant along it, as a trailing row kernel reads its inputs."""
-    padded = (1,) * (len(full) - len(shape)) + tuple(shape)
-    trailing, whole = padded[split:], tuple(full[split:])
-    vector = trailing == whole and _prod(whole) != 1
-    if not vector and any(t != 1 for t in trailing):
-        return f"input of shape {shape} varies along only part of the row {whole}"
     return None

@@ -38,9 +38,15 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
         return None
     chain = [split, node, users[0]]
     tail = users[0]
+    x = graph.spec(split.inputs[0]).shape
     for op in ("Mul", "Add"):
         nxt = consumers.get(tail.outputs[0], [])
-        if len(nxt) == 1 and nxt[0].op_type == op:
+        if len(nxt) != 1 or nxt[0].op_type != op or len(x) < 2:
+            continue
+        # The affine's Mul or Add, not the block's own (a norm without bias is followed by the
+        # residual Add): only one by a per-channel constant joins.
+        other = nxt[0].inputs[1] if nxt[0].inputs[0] == tail.outputs[0] else nxt[0].inputs[0]
+        if _per_channel(graph, other, x[1], len(x)) is not None:
             chain.append(nxt[0])
             tail = nxt[0]
     return {"nodes": chain}

@@ -12,6 +12,8 @@ ops around it, pooling and global pooling work on NHWC tensors:
 - pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
 - Concat along channels concatenates along the last axis;
 - LRN becomes `opfuse.LRNNHWC`, its window over the last axis (the channels, contiguous);
+- a GroupNormalization with one group becomes LayerNormalization over axes 1-3 (the same
+  statistics), its per-channel scale and bias broadcast along the last axis;
 - the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
   a Transpose to NHWC of a value already there is that value, and the operand of a Transpose back
   to NCHW is the NHWC form of its result.
@@ -151,6 +153,16 @@ def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
     return touches
 
 
+def _one_group(graph: Graph, node: Node) -> bool:
+    """A 4-D GroupNormalization with one group, its scale and bias one value per channel (or one
+    in all), whose statistics are those of LayerNormalization over the same elements."""
+    if int(node.attrs.get("num_groups", 0)) != 1 or len([o for o in node.outputs if o]) != 1:
+        return False
+    x = graph.spec(node.inputs[0]).shape
+    params = [p for p in node.inputs[1:3] if p]
+    return len(x) == 4 and len(params) == 2 and all(graph.spec(p).shape in ((x[1],), (1,)) for p in params)
+
+
 # cuDNN's fp32 kernels (no tensor cores) for dense convolutions are NCHW-native; in channels-last
 # it converts layouts inside the library. ResNet-50 on the H200 in fp32: its convolutions took
 # 10.5 ms NCHW against 11.8 ms channels-last at batch 32 (1.59 against 1.85 ms at batch 1), 302
@@ -266,6 +278,14 @@ def to_channels_last(
             ins = [rw.nhwc_input(x) for x in node.inputs]
             attrs = {**node.attrs, "axis": TO_NHWC.index(axis)}
             rw.out.append(Node(node.id, "Concat", ins, [rw.new_output(node.outputs[0])], attrs, node.name))
+        elif op == "GroupNormalization" and node.inputs[0] in rw.twin and _one_group(graph, node):
+            # One group normalizes each sample over all of its elements, whatever their order: in
+            # NHWC that is LayerNormalization from axis 1, with the per-channel scale and bias
+            # broadcast along the last axis (PoolFormer's norms, before its channels-last pool).
+            ins = [rw.twin[node.inputs[0]], *node.inputs[1:3]]
+            attrs = {"axis": 1, "epsilon": float(node.attrs.get("epsilon", 1e-5))}
+            out = rw.new_output(node.outputs[0])
+            rw.out.append(Node(node.id, "LayerNormalization", ins, [out], attrs, node.name))
         elif _pointwise_ok(graph, node, rw.twin):
             ins = []
             for x in node.inputs:

@@ -396,3 +396,62 @@ def test_dense_layers_read_the_concat_in_their_1x1_convs(dynamo: bool, tmp_path:
     assert sum("concat_prologue" in r for r in rules(cm)) == 2, cm.report["fusion"]
     assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "Concat"]
     assert cm.report["kernels"]["after"] == 7
+
+
+class PoolFormerBlocks(nn.Module):
+    """Two of PoolFormer's blocks after a conv stem: norm -> pool(x) - x, scaled, residual; norm
+    -> 1x1 conv -> GELU -> 1x1 conv, scaled, residual. The norms are GroupNorm with one group:
+    timm's v1 (weight and bias) in the first block, v2's (no bias, F.group_norm) in the second."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(c, 2 * c, 1), nn.GELU(), nn.Conv2d(2 * c, c, 1)) for _ in range(2)
+        )
+        self.norm_w = nn.Parameter(torch.rand(4, c) + 0.5)
+        self.norm_b = nn.Parameter(torch.rand(4, c) - 0.5)
+        self.scale = nn.Parameter(torch.rand(4, c, 1, 1) + 0.5)
+
+    def norm(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        bias = self.norm_b[i] if i < 2 else None  # the second block's norms have no bias
+        return F.group_norm(x, 1, self.norm_w[i], bias, 1e-5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for b in range(2):
+            y = self.norm(x, 2 * b)
+            x = x + self.scale[2 * b] * (self.pool(y) - y)
+            x = x + self.scale[2 * b + 1] * self.mlps[b](self.norm(x, 2 * b + 1))
+        return x
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_one_group_norms_run_channels_last_with_the_pool(dynamo: bool, tmp_path: Path) -> None:
+    """A GroupNorm of one group normalizes each image over all its elements, so in the
+    channels-last region it is LayerNormalization over (H, W, C), with the per-channel scale
+    read at `cols % C`: the pool runs channels-last, nothing is transposed back to NCHW between
+    the stem and the output, and each norm is one row kernel with the pointwise ops before it
+    (the pool's Sub, the scale, the residual). Both exporters: the TorchScript one writes
+    Reshape -> InstanceNormalization -> Reshape -> Mul [-> Add], which group_norm makes one
+    GroupNormalization first, the bias-less one too (its Add after it is the residual's)."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 6, 5)
+    model = export(PoolFormerBlocks(8), (x,), tmp_path / "poolformer.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path, fusion_disable=("fp32_dense_nchw",))
+    steps = [s for s in cm.plan.steps if s.launches]
+    assert "AveragePool" not in [s.op_type for s in steps]
+    back = [s for s in cm.plan.steps if s.op_type == "Transpose" and s.attrs.get("perm") == [0, 3, 1, 2]]
+    assert len(back) <= 1, [s.op_type for s in cm.plan.steps]  # only the output's, if not folded
+    norms = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "row_reduction"]
+    assert len(norms) == 4, cm.report["fusion"]["groups"]
+    # The stem's norm alone; each other one with the pointwise ops before it: the pool's Sub, the
+    # scale and the residual Add, or the MLP's scale and residual Add where the row kernel takes
+    # them from the second conv's epilogue (that conv then runs as the library's).
+    sizes = sorted(len(g["nodes"]) for g in norms)
+    assert sizes[0] == 1 and min(sizes[1:]) >= 3, norms
+    # The stem, four norms, two pools, four 1x1 convs (31 launches unfused).
+    assert cm.report["kernels"]["after"] == 11
+    assert cm.report["verification"]["passed"] is not False
+    assert all("LayerNormalization" in k.source for k in cm.plan.kernels.values() if k.kind == "rowwise")

@@ -162,6 +162,29 @@ def check_every_element(
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_inputs_that_vary_along_part_of_the_row(precision: str) -> None:
+    """A row over (H, W, C) reads inputs that vary along some of its dims only: a [W, 1] factor,
+    and LayerNormalization's per-channel scale [C] and [W, C] bias (a one-group GroupNorm in
+    channels-last), each at its coordinates taken out of `cols`."""
+    nodes = [
+        helper.make_node("Mul", ["x", "f"], ["t"]),
+        helper.make_node("LayerNormalization", ["t", "g", "b"], ["y"], axis=1, epsilon=1e-5),
+    ]
+    m = make_model(
+        nodes,
+        {"x": [3, 4, 5, 6]},
+        {"y": [3, 4, 5, 6]},
+        {
+            "f": 1 + RNG.standard_normal((5, 1)) * 0.3,
+            "g": 1 + RNG.standard_normal(6) * 0.3,
+            "b": RNG.standard_normal((5, 6)) * 0.3,
+        },
+    )
+    cm = check_every_element(m, {"x": [3, 4, 5, 6]}, precision)
+    assert cm.report["kernels"] == {"before": 2, "after": 1}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
 def test_softmax_over_channels_of_nchw_is_one_strided_kernel(op: str, precision: str) -> None:
     shape = [2, 5, 3, 7]

@@ -51,3 +51,31 @@ def test_an_instance_norm_with_its_own_scale_is_left_written_out() -> None:
     assert [(r.nodes, r.reason) for r in log.not_fired] == [
         (["split", "inorm", "merge", "scale", "shift"], "the InstanceNormalization has its own scale or bias")
     ]
+
+
+def test_a_norm_without_bias_keeps_the_residual_add_after_it() -> None:
+    """A GroupNorm without bias (timm's GroupNorm1NoBias) is followed by the block's residual Add,
+    which is no affine: the norm is one node and the Add stays, reading it."""
+    model = tiny_model(
+        [
+            n("Reshape", ["x", "grouped"], ["g"], name="split"),
+            n("InstanceNormalization", ["g", "one", "zero"], ["i"], name="inorm", epsilon=1e-5),
+            n("Reshape", ["i", "back"], ["r"], name="merge"),
+            n("Mul", ["r", "gamma"], ["s"], name="scale"),
+            n("Add", ["s", "x"], ["y"], name="residual"),
+        ],
+        {"x": [2, 6, 3, 3]},
+        {"y": [2, 6, 3, 3]},
+        {
+            "grouped": np.array([2, 1, -1]),
+            "one": np.ones(1, np.float32),
+            "zero": np.zeros(1, np.float32),
+            "back": np.array([2, 6, 3, 3]),
+            "gamma": 1.0 + weights(6, 1, 1),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, group_norm)
+    assert ops(graph) == ["GroupNormalization", "Add"] and log.fired == {names.GROUP_NORM: 1}
+    assert graph.nodes[1].inputs[0] == graph.nodes[0].outputs[0]
+    assert_computes_as_onnxruntime(model, graph)
