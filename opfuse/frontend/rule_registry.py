@@ -39,6 +39,7 @@ ONNX_FOLD_CONSTANTS = "onnx_fold_constants"
 CHECK_INDICES = "check_constant_indices"
 FOLD_CONSTANTS = "fold_constants"
 ELIMINATE_NOOPS = "eliminate_noops"
+EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
 GATHER_TO_SLICE = "gather_to_slice"
 ROTATE_HALF = "rotate_half"
@@ -148,6 +149,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
         "consumers read the input directly. So does an Expand whose readers all broadcast its input to "
         "the same shape (F.normalize's norm).",
+    ),
+    _r(
+        EINSUM_MATMUL,
+        GRAPH_PASS,
+        "An Einsum of two operands that is a (batched) matrix product (every letter a batch, row, column "
+        "or contracted one, as in MaxViT's attention) becomes MatMul, with Transposes and Reshapes "
+        "where the operands or the output are laid out otherwise, so it fuses like any other MatMul.",
     ),
     _r(
         ATTENTION_OP,

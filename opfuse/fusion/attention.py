@@ -12,12 +12,27 @@ layout ops disappear along with the score matrix.
 
 from __future__ import annotations
 
-from opfuse.fusion.views import input_view, output_view
+import dataclasses
+
+from opfuse.fusion.views import input_view, merged_run, output_view
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import UseDef, scalar_constant
-from opfuse.ir.views import AttentionMatch
+from opfuse.ir.views import AttentionMatch, StridedView
 
 MAX_HEAD_DIM = 256
+
+
+def _batch_merged(view: StridedView) -> StridedView | None:
+    """A view of rank 5 or more as rank 4: its leading dims as one batch dim, where they lie as
+    one strided run (or are all broadcast). MaxViT's [B, G, H, S, D] (batch, window, head) is
+    then the kernel's [B*G, H, S, D]."""
+    lead = len(view.shape) - 3
+    run = merged_run(list(zip(view.shape[:lead], view.strides[:lead], strict=True)))
+    if run is None:
+        return None
+    return dataclasses.replace(
+        view, shape=(run[0], *view.shape[lead:]), strides=(run[1], *view.strides[lead:])
+    )
 
 
 def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> AttentionMatch | str | None:
@@ -91,6 +106,16 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
     k = input_view(graph, mm1.inputs[1])
     v = input_view(graph, mm2.inputs[1])
     out = output_view(graph, mm2.outputs[0])
+    if len(q.shape) > 4:
+        # Batch dims beyond [B, H]: one batch dim of the kernel, where each operand, the output
+        # and the masks have them as one strided run (masks: broadcast along them).
+        for extra in (mask, cond):
+            if extra and any(d != 1 for d in graph.spec(extra).shape[:-3]):
+                return f"a mask that varies along the {len(q.shape) - 3} batch dims of rank-{len(q.shape)} scores"
+        merged = [_batch_merged(x) if len(x.shape) == len(q.shape) else None for x in (q, k, v, out)]
+        if any(x is None for x in merged):
+            return f"operands of rank {len(q.shape)} whose batch dims are not one strided run"
+        q, k, v, out = (x for x in merged if x is not None)
     for view in (q, k, v):
         if len(view.shape) not in (3, 4):
             return f"operands of rank {len(view.shape)}: attention kernels take [B, H, S, D] or [B, S, D]"

@@ -163,7 +163,7 @@ def _replay(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> Strided
 Fine = list[tuple[int, int]]  # (size, stride) pieces of one dim, outer to inner
 
 
-def _merged(pieces: Fine) -> tuple[int, int] | None:
+def merged_run(pieces: Fine) -> tuple[int, int] | None:
     """One (size, stride) for pieces that lie as one strided run, else None."""
     real = [(n, st) for n, st in pieces if n != 1]
     if not real:
@@ -191,7 +191,7 @@ def _replay_fine(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> St
             )
             new_shape = graph.spec(out).shape
             for axis, start in window:
-                run = _merged(dims[axis])
+                run = merged_run(dims[axis])
                 if run is None:
                     return None
                 offset += start * run[1]
@@ -234,7 +234,7 @@ def _replay_fine(graph: Graph, base: str, forward: list[tuple[Node, str]]) -> St
     contiguous = contiguous_strides(out_shape)
     strides = []
     for d, pieces_of_d in enumerate(dims):
-        run = _merged(pieces_of_d)
+        run = merged_run(pieces_of_d)
         if run is None:
             return None
         strides.append(run[1] if run[0] != 1 else contiguous[d])

@@ -17,6 +17,7 @@ from opfuse.passes.channel_shuffle import fold_channel_shuffles
 from opfuse.passes.cleanup import eliminate_noops
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
+from opfuse.passes.einsum import einsum_matmul
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
@@ -49,6 +50,7 @@ PASSES: tuple[Pass, ...] = (
     GraphRule(names.CHECK_INDICES, lambda g, ctx: check_constant_indices(g)),  # before a fold could hide one
     GraphRule(names.FOLD_CONSTANTS, _fold),
     eliminate_noops,
+    einsum_matmul,
     attention_op,
     gather_to_slice,
     rotate_half,

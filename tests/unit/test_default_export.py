@@ -455,3 +455,39 @@ def test_one_group_norms_run_channels_last_with_the_pool(dynamo: bool, tmp_path:
     assert cm.report["kernels"]["after"] == 11
     assert cm.report["verification"]["passed"] is not False
     assert all("LayerNormalization" in k.source for k in cm.plan.kernels.values() if k.kind == "rowwise")
+
+
+class GridAttention(nn.Module):
+    """MaxViT's attention as torchvision writes it: windows [B, G, P, C], heads split out as
+    [B, G, H, P, D], scores and output by einsum, a relative position bias [H, P, P]."""
+
+    def __init__(self, c: int, heads: int, p: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(c, 3 * c)
+        self.bias = nn.Parameter(torch.randn(heads, p, p) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, g, p, c = x.shape
+        d = c // self.heads
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q * d**-0.5
+        q, k, v = (t.reshape(b, g, p, self.heads, d).permute(0, 1, 3, 2, 4) for t in (q, k, v))
+        scores = torch.einsum("B G H I D, B G H J D -> B G H I J", q, k)
+        probs = F.softmax(scores + self.bias, dim=-1)
+        out = torch.einsum("B G H I J, B G H J D -> B G H I D", probs, v)
+        return out.permute(0, 1, 3, 2, 4).reshape(b, g, p, c)
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_einsum_attention_of_rank_5_is_one_attention_kernel(dynamo: bool, tmp_path: Path) -> None:
+    """The two einsums become MatMuls (einsum_matmul), and the attention over [B, G, H, P, D],
+    whose batch and window dims lie as one strided run in every operand, is one flash-attention
+    kernel over [B*G, H, P, D] with the bias broadcast along both: the launches are the QKV
+    projection and the attention."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 7, 16)
+    model = export(GridAttention(16, 2, 7), (x,), tmp_path / "grid.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path)
+    assert "attention" in rules(cm), cm.report["fusion"]
+    assert cm.report["kernels"]["after"] == 2, [s.op_type for s in cm.plan.steps if s.launches]
