@@ -36,6 +36,8 @@ def _mask_strides(graph: Graph, name: str, rank: int) -> list[int]:
     scores from the right, as ONNX broadcasts: a rank-3 mask of rank-3 scores is per batch, not per
     head."""
     shape = tuple(graph.spec(name).shape)
+    while len(shape) > rank and shape[0] == 1:  # scores of rank 5+, their batch dims merged
+        shape = shape[1:]
     padded = (1,) * (rank - len(shape)) + shape
     strides = contiguous_strides(padded)
     out = [0 if padded[d] == 1 else strides[d] for d in range(rank)]

@@ -459,13 +459,13 @@ def test_one_group_norms_run_channels_last_with_the_pool(dynamo: bool, tmp_path:
 
 class GridAttention(nn.Module):
     """MaxViT's attention as torchvision writes it: windows [B, G, P, C], heads split out as
-    [B, G, H, P, D], scores and output by einsum, a relative position bias [H, P, P]."""
+    [B, G, H, P, D], scores and output by einsum, a relative position bias [1, 1, H, P, P]."""
 
     def __init__(self, c: int, heads: int, p: int) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(c, 3 * c)
-        self.bias = nn.Parameter(torch.randn(heads, p, p) * 0.5)
+        self.bias = nn.Parameter(torch.randn(1, 1, heads, p, p) * 0.5)  # rank 5, broadcast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, g, p, c = x.shape
