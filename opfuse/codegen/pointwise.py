@@ -27,10 +27,12 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
+from opfuse.codegen.index_map import index_map_load
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, float_literal
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.ops import FLOAT_TYPES, ONNX_CASTS, WINDOW_OPS, window_input
 from opfuse.ir.queries import scalar_constant
 from opfuse.ir.resize import ResizeGather
@@ -70,6 +72,9 @@ def generate_pointwise(
             buf.line(
                 f"# in{i}: resized {resized} by gather loads from its input {[a.in_size for a in g.axes]}"
             )
+        elif isinstance(g, IndexMap):
+            ops = " <- ".join(step.op for step in g.steps)
+            buf.line(f"# in{i}: {list(g.shape)} loaded through {ops} from {list(g.base_shape)}")
     concat_comments(buf, graph, group_nodes, slot)
     module_imports(buf)
     buf.line(f"N = {numel}")
@@ -87,7 +92,7 @@ def generate_pointwise(
         buf.line(f"offs = {pid} * BLOCK + tl.arange(0, BLOCK)")
         buf.line("mask = offs < n")
         wide = pid != "tl.program_id(0)" or any(
-            isinstance(v, ResizeGather) and v.extent() >= 2**31 - 1 for v in views.values()
+            isinstance(v, ResizeGather | IndexMap) and v.extent() >= 2**31 - 1 for v in views.values()
         )
         index_type = "tl.int64" if wide else "tl.int32"
         reads = _pointwise_loads(buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs)
@@ -133,6 +138,19 @@ def _pointwise_loads(
         if isinstance(view, ResizeGather):
             lines: list[str] = []
             value = resize_load(f"r{i}", f"in{i}", view, lines, index_type)
+            for text in lines:
+                buf.line(text)
+            buf.line(f"x{i} = {value}")
+            regs[name] = f"x{i}"
+            continue
+        if isinstance(view, IndexMap):
+            lines = []
+            at = (
+                "offs"
+                if tuple(view.shape) == tuple(shape)
+                else f"({broadcast_index(view.shape, shape) or 0})"
+            )
+            value = index_map_load(f"m{i}", f"in{i}", view, lines, at)
             for text in lines:
                 buf.line(text)
             buf.line(f"x{i} = {value}")

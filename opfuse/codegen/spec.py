@@ -24,6 +24,7 @@ import numpy as np
 from opfuse.codegen.fragments import KernelSource
 from opfuse.codegen.registry import TEMPLATES
 from opfuse.ir.graph import Graph, Node, TensorSpec
+from opfuse.ir.index_map import IndexMap, IndexStep
 from opfuse.ir.resize import ResizeAxis, ResizeGather
 from opfuse.ir.views import AttentionMatch, StridedView
 
@@ -59,7 +60,8 @@ class Part:
 
 
 _CLASSES: dict[str, type] = {
-    c.__name__: c for c in (Part, Node, StridedView, AttentionMatch, ResizeAxis, ResizeGather)
+    c.__name__: c
+    for c in (Part, Node, StridedView, AttentionMatch, ResizeAxis, ResizeGather, IndexMap, IndexStep)
 }
 
 

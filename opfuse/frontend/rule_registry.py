@@ -63,6 +63,7 @@ ATTENTION = "attention"
 ROW_REDUCTION = "row_reduction"
 CONCAT_SELECT = "concat_select"
 RESIZE_GATHER = "resize_gather"
+PAD_GATHER = "pad_gather"
 LAYOUT_VIEWS = "layout_views"
 GEMM_EPILOGUE = "gemm_epilogue"
 CONV_EPILOGUE = "conv_epilogue"
@@ -302,6 +303,15 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "A Resize read only by one pointwise kernel, or by one channels-last conv's epilogue, is computed "
         "by that kernel's gather loads.",
+        requires=(POINTWISE,),
+    ),
+    _r(
+        PAD_GATHER,
+        FUSION,
+        "A constant Pad, with the Reshapes, Transposes, Expands and Slices around it, read only by one "
+        "pointwise kernel is computed by that kernel's loads (relative-position logits' shifts, CoaT's "
+        "class-token row): each element loaded from the buffer behind the chain, the border lanes "
+        "the Pad's value.",
         requires=(POINTWISE,),
     ),
     _r(

@@ -491,3 +491,49 @@ def test_einsum_attention_of_rank_5_is_one_attention_kernel(dynamo: bool, tmp_pa
     cm = check(model, (x,), tmp_path)
     assert "attention" in rules(cm), cm.report["fusion"]
     assert cm.report["kernels"]["after"] == 2, [s.op_type for s in cm.plan.steps if s.launches]
+
+
+def rel_logits_1d(q: torch.Tensor, rel_k: torch.Tensor, permute_mask: tuple[int, ...]) -> torch.Tensor:
+    """timm's relative to absolute position logits (byobnet's BoTNet and HaloNet attention)."""
+    b, h, w, _ = q.shape
+    x = (q @ rel_k.transpose(-1, -2)).reshape(-1, w, 2 * w - 1)
+    x_pad = F.pad(F.pad(x, [0, 1]).flatten(1), [0, w - 1]).reshape(-1, w + 1, 2 * w - 1)
+    x = x_pad[:, :w, w - 1 :].reshape(b, h, 1, w, w).expand(-1, -1, h, -1, -1)
+    return x.permute(permute_mask)
+
+
+class RelPosAttention(nn.Module):
+    """BoTNet's self-attention over a [B, H*W, D] query/key/value with timm's relative position
+    logits for height and width added to the scores."""
+
+    def __init__(self, h: int, w: int, dim: int) -> None:
+        super().__init__()
+        self.h, self.w = h, w
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.rel_h = nn.Parameter(torch.randn(2 * h - 1, dim) * 0.5)
+        self.rel_w = nn.Parameter(torch.randn(2 * w - 1, dim) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        grid = q.reshape(b, self.h, self.w, d)
+        rel = rel_logits_1d(grid.transpose(1, 2), self.rel_h, (0, 3, 1, 4, 2)) + rel_logits_1d(
+            grid, self.rel_w, (0, 1, 3, 2, 4)
+        )
+        scores = q @ k.transpose(-1, -2) * d**-0.5 + rel.reshape(b, n, n)
+        return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_relative_position_shifts_are_gathered_by_the_add(dynamo: bool, tmp_path: Path) -> None:
+    """Each shift (pad a column, flatten, pad, reshape, slice, expand, permute) is read by the
+    kernel of the Add of the height and width logits through index arithmetic (pad_gather): no
+    Pad runs, and the launches are the QKV projection, the two position GEMMs, that Add and the
+    attention."""
+    torch.manual_seed(6)
+    x = torch.randn(2, 20, 8)
+    model = export(RelPosAttention(4, 5, 8), (x,), tmp_path / "relpos.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path)
+    assert any("pad_gather" in r for r in rules(cm)), cm.report["fusion"]
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "Pad"]
+    assert cm.report["kernels"]["after"] == 5, [s.op_type or s.kernel for s in cm.plan.steps if s.launches]

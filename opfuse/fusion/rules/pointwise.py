@@ -6,7 +6,7 @@ keep its live values in registers. Applied inside the groups it forms: `channel_
 a member like a pointwise op, except that the producer of the input it reads at neighbouring
 channels never joins its group), `concat_select` (a Concat is a member that joins no producer's
 group: its inputs are loaded), `resize_gather` (a Resize only the group reads is computed by its
-loads) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
+loads), `pad_gather` (so is a constant Pad, through the layout ops around it) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
 kernel. Nodes the row and anchor groups hold are not candidates. Integers and booleans join too
 (mask and position-id arithmetic: `ir.ops.MASK_OPS`, exact integer Add/Sub/Mul, Cast, Where),
 but an integer value some reader takes as a shape, axes or sizes stays an op.
@@ -21,10 +21,13 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.concat import LONE_COPY_REASON, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.layout_fold import fold_layout
+from opfuse.fusion.pad_gather import plan_pad_gathers
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.ops import FLOAT_TYPES, MASK_OPS, POINTWISE_OPS, WINDOW_OPS, window_input
+from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import pointwise_reason, window_reason
 from opfuse.passes.rules import NotFired, node_label
 
@@ -32,6 +35,7 @@ POINTWISE_RULE = names.POINTWISE
 WINDOW_RULE = names.CHANNEL_WINDOW
 CONCAT_SELECT_RULE = names.CONCAT_SELECT
 RESIZE_RULE = names.RESIZE_GATHER
+PAD_RULE = names.PAD_GATHER
 LAYOUT_RULE = names.LAYOUT_VIEWS
 
 
@@ -59,7 +63,7 @@ def _read_as_shape(graph: Graph, node: Node) -> bool:
 
 
 class Pointwise(FusionRule):
-    options = (WINDOW_RULE, CONCAT_SELECT_RULE, RESIZE_RULE, LAYOUT_RULE)
+    options = (WINDOW_RULE, CONCAT_SELECT_RULE, RESIZE_RULE, PAD_RULE, LAYOUT_RULE)
 
     def match(self) -> Iterator[Candidate]:
         """Every node no row or anchor group holds, in graph order: each one a kernel could compute
@@ -177,11 +181,23 @@ class Pointwise(FusionRule):
                     state.on(LAYOUT_RULE),
                     selected,
                 )
+            if state.on(PAD_RULE):
+                windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
+                read = {x for n in nodes if n.op_type != "Concat" for x in n.inputs if x}
+                pads, padded = plan_pad_gathers(
+                    graph,
+                    set(ids),
+                    [x for x in ins if x in read and x not in windowed and x not in gathers],
+                    claimed | {n.id for n in gathered},
+                )
+                gathers = {**gathers, **pads}
+                gathered = [*gathered, *padded]
             if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS and not lone_concat:
                 continue  # one pointwise op is one kernel either way: it runs as a per-op kernel
             parts = [POINTWISE_RULE] if any(n.op_type != "Concat" for n in nodes) else []
             parts += [CONCAT_SELECT_RULE] if any(n.op_type == "Concat" for n in nodes) else []
-            parts += [RESIZE_RULE] if gathers else []
+            parts += [RESIZE_RULE] if any(isinstance(v, ResizeGather) for v in gathers.values()) else []
+            parts += [PAD_RULE] if any(isinstance(v, IndexMap) for v in gathers.values()) else []
             group = Group(
                 f"g{count}", "pointwise", "+".join(parts), nodes, ins, outs, views=gathers, absorbed=gathered
             )

@@ -1,0 +1,90 @@
+"""Loads through an IndexMap (ir/index_map.py): an element's coordinates walked back through
+Transposes, Expands, Reshapes, Slices and constant Pads to the buffer behind them; a Pad's border
+lanes are masked and take its value."""
+
+from __future__ import annotations
+
+from opfuse.codegen.source import float_literal
+from opfuse.ir.index_map import IndexMap
+
+
+def _split(flat: str, shape: tuple[int, ...]) -> list[str]:
+    """The coordinates of a row-major flat index into `shape` (dims of size 1: 0)."""
+    out: list[str] = []
+    for d, size in enumerate(shape):
+        inner = 1
+        for s in shape[d + 1 :]:
+            inner *= s
+        if size == 1:
+            out.append("0")
+            continue
+        coord = f"({flat} // {inner})" if inner > 1 else flat
+        out.append(f"({coord} % {size})" if d > 0 else coord)
+    return out
+
+
+def _join(coords: list[str], shape: tuple[int, ...]) -> str:
+    """The row-major flat index of `coords` in `shape`."""
+    terms: list[str] = []
+    inner = 1
+    for c, size in zip(reversed(coords), reversed(shape), strict=True):
+        if size != 1 and c != "0":
+            terms.append(f"{c} * {inner}" if inner != 1 else c)
+        inner *= size
+    return " + ".join(reversed(terms)) or "0"
+
+
+def index_map_load(
+    prefix: str, ptr: str, im: IndexMap, lines: list[str], at: str = "offs", mask: str = "mask"
+) -> str:
+    """Append to `lines` the loads of `im` at the kernel's flat offsets `at` (row-major in
+    `im.shape`) on the lanes of `mask`; return the loaded value's expression (float32)."""
+    lines.append(f"{prefix}_f0 = {at}")
+    coords = _split(f"{prefix}_f0", im.shape)
+    inside: list[str] = []
+    borders: list[tuple[str, float]] = []  # (a Pad's inside mask, its value), outermost first
+    for i, step in enumerate(im.steps):
+        if step.op == "transpose":
+            back = ["0"] * len(coords)
+            for out_axis, in_axis in enumerate(step.perm):
+                back[in_axis] = coords[out_axis]
+            coords = back
+        elif step.op == "expand":
+            lead = len(step.out_shape) - len(step.in_shape)
+            coords = ["0" if size == 1 else c for c, size in zip(coords[lead:], step.in_shape, strict=True)]
+        elif step.op == "reshape":
+            if tuple(step.in_shape) != tuple(step.out_shape):
+                lines.append(f"{prefix}_f{i + 1} = {_join(coords, step.out_shape)}")
+                coords = _split(f"{prefix}_f{i + 1}", step.in_shape)
+        elif step.op == "slice":
+            coords = [
+                c if (s == 0 and k == 1) else (f"({c} * {k} + {s})" if k != 1 else f"({c} + {s})")
+                for c, s, k in zip(coords, step.starts, step.steps, strict=True)
+            ]
+        elif step.op == "pad":
+            here: list[str] = []
+            new: list[str] = []
+            for d, (c, b) in enumerate(zip(coords, step.begins, strict=True)):
+                size = step.in_shape[d]
+                padded = b != 0 or size != step.out_shape[d]
+                if not padded:
+                    new.append(c)
+                    continue
+                name = f"{prefix}_p{i}_{d}"
+                lines.append(f"{name} = {c} - {b}" if b else f"{name} = {c}")
+                here.append(f"({name} >= 0) & ({name} < {size})")
+                new.append(name)
+            coords = new
+            if here:
+                lines.append(f"{prefix}_in{i} = {' & '.join(here)}")
+                inside.append(f"{prefix}_in{i}")
+                borders.append((f"{prefix}_in{i}", step.value))
+        else:  # pragma: no cover - the planner makes only the steps above
+            raise AssertionError(step.op)
+    idx = _join(coords, im.base_shape)
+    held = " & ".join([mask, *inside])
+    value = f"tl.load({ptr} + {idx}, mask={held}, other=0.0).to(tl.float32)"
+    for ok, fill in reversed(borders):  # innermost first: an outer border overrides
+        if fill != 0.0:
+            value = f"tl.where({ok}, {value}, {float_literal(fill)})"
+    return value

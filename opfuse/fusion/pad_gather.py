@@ -1,0 +1,130 @@
+"""`pad_gather`: a constant Pad, with the layout ops around it, read only by one pointwise kernel
+is computed by that kernel's loads.
+
+A Pad writes a copy of its input with a border: a kernel of its own, and another for each Reshape
+of the padded value that is no strided view. Relative-position logits shift their rows that way
+(HaloNet's, BoTNet's: pad a column, flatten, pad, reshape, slice, expand, transpose, then add the
+height and width logits), and CoaT pads its convolutional position term with a row for the class
+token. Where the value reaches one pointwise kernel only through Reshapes, Transposes, Expands,
+Slices and constant Pads, that kernel loads each element from the buffer behind the chain at the
+coordinates the chain maps it to (ir/index_map.py), and the border lanes take the Pad's value: the
+chain's ops leave the plan. A chain without a Pad is left to `layout_views` (strides).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.fusion.views import RESHAPES
+from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap, IndexStep
+from opfuse.ir.queries import scalar_constant
+from opfuse.ir.support import pad_per_dim
+
+FLOAT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def _slice_step(graph: Graph, node: Node) -> IndexStep | None:
+    """A Slice with constant starts, axes and positive steps as a step, or None."""
+    x = tuple(graph.spec(node.inputs[0]).shape)
+    y = tuple(graph.spec(node.outputs[0]).shape)
+    ins = list(node.inputs) + [""] * (5 - len(node.inputs))
+    starts = graph.constants.get(ins[1]) if ins[1] else None
+    if starts is None:
+        return None
+    starts = np.ravel(starts)
+    axes = np.ravel(graph.constants[ins[3]]) if ins[3] in graph.constants else np.arange(len(starts))
+    steps = np.ravel(graph.constants[ins[4]]) if ins[4] in graph.constants else np.ones(len(starts), np.int64)
+    if (ins[3] and ins[3] not in graph.constants) or (ins[4] and ins[4] not in graph.constants):
+        return None
+    first, stride = [0] * len(x), [1] * len(x)
+    for a, s, k in zip(axes, starts, steps, strict=True):
+        axis, s, k = int(a) % len(x), int(s), int(k)
+        if k < 1:
+            return None
+        first[axis] = max(0, min(x[axis], s + x[axis] if s < 0 else s))
+        stride[axis] = k
+    return IndexStep("slice", x, y, starts=tuple(first), steps=tuple(stride))
+
+
+def _step(graph: Graph, node: Node) -> IndexStep | None:
+    """`node` as a step of an index map, or None where it is none."""
+    if not node.inputs or not node.outputs:
+        return None
+    x = tuple(graph.spec(node.inputs[0]).shape)
+    y = tuple(graph.spec(node.outputs[0]).shape)
+    if any(d < 0 for d in (*x, *y)):
+        return None
+    if node.op_type in RESHAPES:
+        return IndexStep("reshape", x, y)
+    if node.op_type == "Transpose":
+        perm = tuple(int(p) for p in node.attrs.get("perm", range(len(x) - 1, -1, -1)))
+        return IndexStep("transpose", x, y, perm=perm)
+    if node.op_type == "Expand":
+        lead = len(y) - len(x)
+        if lead < 0 or any(a not in (1, b) for a, b in zip(x, y[lead:], strict=True)):
+            return None
+        return IndexStep("expand", x, y)
+    if node.op_type == "Slice":
+        return _slice_step(graph, node)
+    if node.op_type == "Pad":
+        mode = node.attrs.get("mode", "constant")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        per_dim = pad_per_dim(graph, node)
+        if mode != "constant" or per_dim is None or any(b < 0 or e < 0 for b, e in per_dim):
+            return None
+        value = 0.0
+        if len(node.inputs) > 2 and node.inputs[2]:
+            c = scalar_constant(graph, node.inputs[2])
+            if c is None:
+                return None
+            value = float(c)
+        return IndexStep("pad", x, y, begins=tuple(b for b, _ in per_dim), value=value)
+    return None
+
+
+def plan_pad_gathers(
+    graph: Graph,
+    readers: set[str],
+    values: list[str],
+    claimed: set[str],
+    producers: dict[str, Node] | None = None,
+    consumers: dict[str, list[Node]] | None = None,
+) -> tuple[dict[str, IndexMap], list[Node]]:
+    """The inputs among `values` that reach the kernel (whose nodes are `readers`) through a chain
+    of layout ops holding a constant Pad, each read by nothing else, as index maps; and the
+    chains' nodes, which leave the plan. `claimed`: nodes other groups hold."""
+    producers = graph.producers() if producers is None else producers
+    consumers = graph.consumers() if consumers is None else consumers
+    outputs = {o.name for o in graph.outputs}
+    maps: dict[str, IndexMap] = {}
+    absorbed: list[Node] = []
+    for x in values:
+        if graph.spec(x).dtype not in FLOAT_TYPES:
+            continue
+        chain: list[Node] = []
+        steps: list[IndexStep] = []
+        cur = x
+        while True:
+            p = producers.get(cur)
+            users = consumers.get(cur, [])
+            only_ours = all(u.id in readers for u in users) if cur == x else len(users) == 1
+            if p is None or p.id in claimed or cur in outputs or not only_ours:
+                break
+            step = _step(graph, p)
+            if step is None:
+                break
+            chain.append(p)
+            steps.append(step)
+            cur = p.inputs[0]
+        # Up to the last Pad: the ops beyond it are views the strided reads cover.
+        last = max((i for i, s in enumerate(steps) if s.op == "pad"), default=-1)
+        if last < 0:
+            continue
+        chain, steps = chain[: last + 1], steps[: last + 1]
+        base = chain[-1].inputs[0]
+        if base in graph.constants:
+            continue  # a constant chain is folded, not gathered
+        maps[x] = IndexMap(base, tuple(graph.spec(base).shape), tuple(graph.spec(x).shape), tuple(steps))
+        absorbed += chain
+    return maps, absorbed

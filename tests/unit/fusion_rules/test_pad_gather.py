@@ -1,0 +1,113 @@
+"""`pad_gather` (opfuse/fusion/pad_gather.py, codegen/index_map.py): a constant Pad, with the
+layout ops around it, read only by one pointwise kernel is computed by that kernel's loads; every
+output element against onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+import opfuse
+from tests.builders import TEST_DEVICE, tiny_model
+from tests.unit.test_fusion import ort_run
+
+n = helper.make_node
+
+
+def shifted_rows() -> onnx.ModelProto:
+    """Pad by 2.5 (one row before, two columns after), merge the rows, take every second row and
+    column from the second, add y, Relu."""
+    return tiny_model(
+        [
+            n("Pad", ["x", "pads", "fill"], ["p"]),
+            n("Reshape", ["p", "rows"], ["r"]),
+            n("Slice", ["r", "starts", "ends", "axes", "steps"], ["s"]),
+            n("Add", ["s", "y"], ["a"]),
+            n("Relu", ["a"], ["out"]),
+        ],
+        {"x": [2, 3, 4], "y": [4, 3]},
+        {"out": [4, 3]},
+        {
+            "pads": np.array([0, 1, 0, 0, 0, 2]),
+            "fill": np.array(2.5),
+            "rows": np.array([8, 6]),
+            "starts": np.array([1, 0]),
+            "ends": np.array([8, 6]),
+            "axes": np.array([0, 1]),
+            "steps": np.array([2, 2]),
+        },
+    )
+
+
+def nested_pads() -> onnx.ModelProto:
+    """Two Pads of different values around a flatten, then a reshape, a transpose and an expand
+    before the kernel's Mul and Sigmoid (the relative-position shift's shape, with borders that
+    are not zero)."""
+    return tiny_model(
+        [
+            n("Pad", ["x", "pads1", "fill1"], ["p1"]),
+            n("Reshape", ["p1", "flat"], ["f"]),
+            n("Pad", ["f", "pads2", "fill2"], ["p2"]),
+            n("Reshape", ["p2", "grid"], ["g"]),
+            n("Transpose", ["g"], ["t"], perm=[1, 0]),
+            n("Expand", ["t", "wide"], ["e"]),
+            n("Mul", ["e", "y"], ["m"]),
+            n("Sigmoid", ["m"], ["out"]),
+        ],
+        {"x": [3, 5], "y": [2, 11, 3]},
+        {"out": [2, 11, 3]},
+        {
+            "pads1": np.array([1, 0, 0, 2]),
+            "fill1": np.array(1.5),
+            "flat": np.array([28]),
+            "pads2": np.array([2, 3]),
+            "fill2": np.array(-3.0),
+            "grid": np.array([3, 11]),
+            "wide": np.array([2, 11, 3]),
+        },
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("build", [shifted_rows, nested_pads])
+def test_the_kernel_loads_through_the_pads(build, precision: str) -> None:  # type: ignore[no-untyped-def]
+    model = build()
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    cm = opfuse.compile(model, shapes, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    launched = [s for s in cm.plan.steps if s.launches]
+    assert len(launched) == 1 and launched[0].kind == "kernel", [s.op_type for s in launched]
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == ["pointwise+pad_gather"]
+    rng = np.random.default_rng(3)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
+
+
+def test_a_pad_read_elsewhere_too_stays() -> None:
+    """A Pad whose output another node reads as well is written once, by its own kernel."""
+    model = tiny_model(
+        [
+            n("Pad", ["x", "pads"], ["p"]),
+            n("Add", ["p", "y"], ["a"]),
+            n("Relu", ["a"], ["out"]),
+            n("Neg", ["p"], ["other"]),
+        ],
+        {"x": [3, 4], "y": [3, 6]},
+        {"out": [3, 6], "other": [3, 6]},
+        {"pads": np.array([0, 1, 0, 1])},
+    )
+    cm = opfuse.compile(model, {"x": [3, 4], "y": [3, 6]}, device=TEST_DEVICE)
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["Pad", "Neg"]
+    assert "pad_gather" not in str(cm.report["fusion"]["groups"])
+
+
+def test_the_rule_can_be_switched_off() -> None:
+    model = shifted_rows()
+    cm = opfuse.compile(
+        model, {"x": [2, 3, 4], "y": [4, 3]}, device=TEST_DEVICE, fusion_disable=("pad_gather",)
+    )
+    assert "Pad" in [s.op_type for s in cm.plan.steps if s.launches]
