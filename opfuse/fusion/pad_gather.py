@@ -117,11 +117,8 @@ def plan_pad_gathers(
             chain.append(p)
             steps.append(step)
             cur = p.inputs[0]
-        # Up to the last Pad: the ops beyond it are views the strided reads cover.
-        last = max((i for i, s in enumerate(steps) if s.op == "pad"), default=-1)
-        if last < 0:
-            continue
-        chain, steps = chain[: last + 1], steps[: last + 1]
+        if not any(s.op == "pad" for s in steps):
+            continue  # strides cover it (layout_views)
         base = chain[-1].inputs[0]
         if base in graph.constants:
             continue  # a constant chain is folded, not gathered
