@@ -55,7 +55,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.resize import resize_load
-from opfuse.codegen.source import SourceBuffer, comment_text, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, in_bounds
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
@@ -327,7 +327,7 @@ def _concat_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
             buf.line("ci = c0 + rk")
             buf.line(f"c_ok = ci < {channels}")
             buf.line("x_ok = row_ok[:, None] & c_ok[None, :]")
-            offset = in_bounds(f"rm[:, None] * {channels} + ci[None, :]", "x_ok")
+            offset = in_bounds(f"rm[:, None] * {channels} + ci[None, :]", "x_ok", channel_run(channels))
             buf.line(f"xv = tl.load(xp{i} + {offset}, mask=x_ok, other=0.0).to(tl.float32)")
             regs = {**cv.literals, concat.outputs[0]: "xv"}
             for j, const in enumerate(cv.act_consts):
@@ -441,7 +441,7 @@ def _channel_block(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
             buf, cv, {0: "img[:, None]", 1: "ih[:, None]", 2: "iw[:, None]", 3: "ci[None, :]"}, "a_ok"
         )
     else:
-        padded_load(buf, cv.tap, "base[:, None]", "a_ok")
+        padded_load(buf, cv.tap, "base[:, None]", "a_ok", blocked=True)
     if cv.scale:
         _scale_tile(buf, cv, "a_ok")
     dot_step(
@@ -487,7 +487,7 @@ def _pooled_tile(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) -> 
     with buf.indent():
         win.emit_tap(buf, win.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))
         p_offset = f"((img[:, None] * {win.h} + ph) * {win.w} + pw) * {cv.p['C']} + ci[None, :]"
-        value = f"tl.load(x + {in_bounds(p_offset, 'p_ok')}, mask=p_ok, other={pool.fill})"
+        value = f"tl.load(x + {in_bounds(p_offset, 'p_ok', channel_run(cv.p['C']))}, mask=p_ok, other={pool.fill})"
         pool.emit_tap(buf, "pv", value, "pcount", "ph", "pw")
     pool.emit_mean(buf, "pv", "tl.maximum(pcount, 1.0)")
     chain_regs = {**cv.literals, cv.window.outputs[0]: "pv"}

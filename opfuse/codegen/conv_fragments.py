@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
-from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, in_bounds
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_POOLS
@@ -123,7 +123,7 @@ def shortcut_loop(
         buf.line("ci = c0 + rk")
         buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")
         buf.line(
-            f"a_tile = tl.load(xs + {in_bounds('s_base[:, None] + ci[None, :]', 'a_ok')}, mask=a_ok, other=0.0)"
+            f"a_tile = tl.load(xs + {in_bounds('s_base[:, None] + ci[None, :]', 'a_ok', channel_run(c2))}, mask=a_ok, other=0.0)"
         )
         buf.line(
             f"b_tile = tl.load(ws + rn[None, :] * {c2} + ci[:, None], mask=(ci[:, None] < {c2}) & (rn[None, :] < {n}), other=0.0)"
@@ -211,7 +211,7 @@ def window_prologue(
             d.emit_tap(buf, d.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line("x_ok = ok[:, None] & c_ok[None, :]")
             buf.line(
-                f"xv = tl.load(x + {in_bounds(f'(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]', 'x_ok')}, "
+                f"xv = tl.load(x + {in_bounds(f'(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]', 'x_ok', channel_run(c))}, "
                 f"mask=x_ok, other={fill})"
             )
             if pool is not None:
@@ -308,13 +308,15 @@ def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) 
     return f"{img_} * {c * h0 * w0} + sh * {w0} + sw"
 
 
-def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
+def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str, blocked: bool = False) -> None:
     """a_tile from x at `offset` (+ the channels), where `ok`; a constant Pad's value where the
-    pixel is a filled one."""
+    pixel is a filled one. `blocked`: the channels `ci` are a block from a multiple of BLOCK_K
+    (not a flattened K's), so without a Pad the loads run along them (`contiguous_run`)."""
     cs, padding = tap.channel_stride, tap.padding
     chan = "ci[None, :]" if cs == 1 else f"ci[None, :] * {cs}"
     if padding is None or padding["mode"] != "constant":
-        buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', ok)}, mask={ok}, other=0.0)")
+        run = contiguous_run(tap) if blocked else 1
+        buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', ok, run)}, mask={ok}, other=0.0)")
         return
     fill = padding["value"]
     buf.line(f"read_ok = {ok} & inside")
@@ -323,6 +325,14 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str) -> None:
     )
     if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
         buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
+
+
+def contiguous_run(tap: TapInput) -> int:
+    """The run of contiguous channels a tap's [pixels, channels] loads may claim (`in_bounds`):
+    NHWC input read directly (no Pad prologue remapping its pixels, channels at stride 1)."""
+    if tap.padding is not None or tap.channel_stride != 1:
+        return 1
+    return channel_run(tap.p["C"])
 
 
 def window_position(buf: SourceBuffer, tap: TapInput) -> None:
@@ -343,7 +353,7 @@ def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
         window_position(buf, tap)
         buf.line("x_ok = ok[:, None] & col_ok[None, :]")
         buf.line(
-            f"xv = tl.where(x_ok, tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'x_ok')}, mask=x_ok), 0.0)"
+            f"xv = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'x_ok', contiguous_run(tap))}, mask=x_ok, other=0.0)"
         )
         buf.line(
             f"wv = tl.load(w + rn[None, :] * {tap.p['KH'] * tap.p['KW']} + t, mask=col_ok[None, :], other=0.0)"

@@ -24,7 +24,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, in_bounds
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
@@ -117,6 +117,6 @@ def _tap_loop(buf: SourceBuffer, win: Window, p: dict[str, int], fill: str) -> I
         buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
         buf.line("v_ok = ok[:, None] & col_ok[None, :]")
         buf.line(
-            f"v = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'v_ok')}, mask=v_ok, other={fill})"
+            f"v = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'v_ok', channel_run(c))}, mask=v_ok, other={fill})"
         )
         yield

@@ -1133,7 +1133,8 @@ def test_a_shortcut_summed_into_the_blocks_last_conv_is_one_gemm(precision: str,
     assert g["nodes"] == ["expand+down+add", "relu3"] and g["rule"] == "conv_epilogue+shortcut_conv"
     (k,) = [k for k in cm.plan.kernels.values() if k.group == g["id"]]
     assert (
-        "summed in a second K loop" in k.source and "tl.load(xs + tl.where(a_ok, s_base[:, None]" in k.source
+        "summed in a second K loop" in k.source
+        and "tl.where(a_ok, s_base[:, None] + ci[None, :], 0)" in k.source
     )
     assert "oh * 2) * 9 + ow * 2)" in k.source  # the strided pixel of x
     assert ("for k0 in range(" in k.source) == (c < 16) and ("for t in range(" in k.source) == (c >= 16)
