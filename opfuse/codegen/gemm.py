@@ -37,7 +37,7 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds
+from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
@@ -357,6 +357,15 @@ class _Operand:
     strides: tuple[int, ...]
     offset: int = 0
 
+    def run(self, axis: int) -> int:
+        """The run `in_bounds` may claim along `axis` (-1: the operand's last, -2: the one
+        before) of its 2-D tiles, from tile starts that are multiples of 8: 1 unless that axis
+        has stride 1; else every other stride and the offset are multiples of it."""
+        if self.strides[axis] != 1:
+            return 1
+        others = [s for d, s in enumerate(self.strides) if d != len(self.strides) + axis]
+        return power_run(self.offset, *others)
+
     def batch_offset(self, batch: tuple[int, ...]) -> str:
         """Where batch entry `bid` (numbered over the output's batch dims) starts: the operand's
         batch dims broadcast from the right, a dim of 1 (or a missing one) read at stride 0."""
@@ -444,10 +453,11 @@ def generate_batched_gemm(
             if prologue:
                 _computed_a_tile(buf, gm, a.shape, _batched_coords(a.shape, batch), views)
             else:
-                a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok")
+                a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok", a.run(-1))
                 buf.line(f"a_tile = tl.load(a + {a_at}, mask=a_ok, other=0.0)")
             buf.line(f"b_ok = (kk[:, None] < {k}) & (rn[None, :] < {n})")
-            b_at = in_bounds(f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}", "b_ok")
+            b_run, b_axis = (b.run(-1), 1) if sbn == 1 else (b.run(-2), 0)
+            b_at = in_bounds(f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}", "b_ok", b_run, b_axis)
             buf.line(f"b_tile = tl.load(b + {b_at}, mask=b_ok, other=0.0)")
             emit_dot(buf, "acc", "a_tile", "b_tile", prec)
         buf.line(f"row = bid * {m} + rm[:, None]  # the output's rows, batch entries one after the other")

@@ -40,32 +40,38 @@ def comment_text(text: str, limit: int = 80) -> str:
     return escaped
 
 
-def in_bounds(offset: str, mask: str, run: int = 1) -> str:
+def in_bounds(offset: str, mask: str, run: int = 1, axis: int = 1) -> str:
     """A gather's `offset` where `mask` holds, else 0: a masked-off lane (a window tap in the
     padding, a channel past C, a row past the batch) addresses the tensor's first element, never
     memory outside it. Masked lanes are not read, but Triton's pipelined loads on Hopper were seen
     issuing their addresses: compute-sanitizer found a conv's tap load reading one element past a
     32 MiB input, and in a compile that address was unmapped (an illegal memory access).
 
-    The select hides from Triton that a [rows, channels] tile's offsets run contiguously along
-    the channels, so each lane was loaded alone (`ld.global.b16` in the PTX of a depthwise conv,
-    4x slower than cuDNN on the H200). `run` > 1 tells it again: along the last axis the offsets
-    come in runs of `run` consecutive elements, each starting at a multiple of `run`. The caller
-    guarantees it (`channel_run`); a run whose mask is off is all 0, and loads nothing."""
+    The select hides from Triton that a tile's offsets run contiguously along one axis, so each
+    lane was loaded alone (`ld.global.b16` in the PTX of a depthwise conv, 4x slower than cuDNN on
+    the H200). `run` > 1 tells it again: along `axis` of the 2-D tile the offsets come in runs of
+    `run` consecutive elements, each starting at a multiple of `run`. The caller guarantees it
+    (`channel_run`, `power_run`); a run whose mask is off is all 0, and loads nothing."""
     safe = f"tl.where({mask}, {offset}, 0)"
     if run <= 1:
         return safe
-    return f"tl.max_contiguous(tl.multiple_of({safe}, [1, {run}]), [1, {run}])"
+    hint = f"[1, {run}]" if axis == 1 else f"[{run}, 1]"
+    return f"tl.max_contiguous(tl.multiple_of({safe}, {hint}), {hint})"
+
+
+def power_run(*values: int) -> int:
+    """The largest power of two up to 8 dividing every value (0 divides by anything)."""
+    run = 8
+    while run > 1 and any(v % run for v in values):
+        run //= 2
+    return run
 
 
 def channel_run(channels: int) -> int:
     """The run `in_bounds` may claim for a [pixels, channels] tile of NHWC offsets `pixel *
     channels + c`, c from a tile start that is a multiple of 8: the largest power of two up to 8
     (16 bytes of fp16) dividing the channel count; 1 where none does."""
-    run = 8
-    while run > 1 and channels % run:
-        run //= 2
-    return run
+    return power_run(channels)
 
 
 def float_literal(value: float) -> str:

@@ -65,3 +65,20 @@ def test_channel_tiles_load_sixteen_bytes_at_a_time(
     rng = np.random.default_rng(2)
     x = rng.standard_normal((2, channels, 6, 6)).astype(np.float32)
     assert np.all(np.isfinite(cm.run({"x": x})["y"]))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_batched_gemm_tiles_load_sixteen_bytes_at_a_time(transposed: bool, tmp_path: Path) -> None:
+    """A batched GEMM's A and B tiles, B with N contiguous or (read through a Transpose) K."""
+    b_in = [4, 48, 64] if transposed else [4, 64, 48]
+    nodes = [n("MatMul", ["a", "bt" if transposed else "b"], ["c"]), n("Relu", ["c"], ["y"])]
+    if transposed:
+        nodes.insert(0, n("Transpose", ["b"], ["bt"], perm=[0, 2, 1]))
+    shapes = {"a": [4, 32, 64], "b": b_in}
+    cm = opfuse.compile(
+        tiny_model(nodes, shapes, {"y": [4, 32, 48]}), shapes, precision="fp16", tune_budget_s=0
+    )
+    (kernel,) = [k for k in cm.plan.kernels.values() if k.kind == "gemm"]
+    assert "batched GEMM" in kernel.source
+    loads = sm90_loads(kernel.source, tmp_path, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4})
+    assert "ld.global.b16" not in loads and sum(loads.values()) > 0, loads
