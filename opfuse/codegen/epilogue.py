@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.source import SourceBuffer, in_bounds
+from opfuse.codegen.source import SourceBuffer, in_bounds, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides, scalar_constant
@@ -174,7 +174,12 @@ def computed_a_tile(
         floating = graph.spec(name).dtype in FLOAT_TYPES
         up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
         if terms:
-            at = in_bounds(" + ".join(terms), "a_ok")
+            # Along K (the tile's columns, from a multiple of the K block) an input of A's last
+            # size at stride 1 runs contiguously: its loads may be vector loads (in_bounds).
+            contiguous = shape[-1] == a_shape[-1] != 1 and strides[-1] == 1
+            others = [st for size, st in zip(shape[:-1], strides[:-1], strict=True) if size != 1]
+            run = power_run(view.offset if view is not None else 0, *others) if contiguous else 1
+            at = in_bounds(" + ".join(terms), "a_ok", run)
             buf.line(f"q{j} = tl.load({pointers[j]} + {at}, mask=a_ok, other={zero}){up}")
         else:
             buf.line(f"q{j} = tl.load({pointers[j]}){up}")

@@ -82,3 +82,16 @@ def test_batched_gemm_tiles_load_sixteen_bytes_at_a_time(transposed: bool, tmp_p
     assert "batched GEMM" in kernel.source
     loads = sm90_loads(kernel.source, tmp_path, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4})
     assert "ld.global.b16" not in loads and sum(loads.values()) > 0, loads
+
+
+def test_a_gemm_prologue_loads_its_inputs_along_k(tmp_path: Path) -> None:
+    """Pointwise ops computing a GEMM's A (operand_prologue) load their inputs at A's tile
+    coordinates: along K, contiguously, in vector loads."""
+    nodes = [n("Mul", ["a", "g"], ["p"]), n("Sigmoid", ["p"], ["s"]), n("MatMul", ["s", "w"], ["y"])]
+    shapes = {"a": [32, 64], "g": [32, 64]}
+    model = tiny_model(nodes, shapes, {"y": [32, 48]}, {"w": weights(64, 48)})
+    cm = opfuse.compile(model, shapes, precision="fp16", tune_budget_s=0, verify=False)
+    (kernel,) = [k for k in cm.plan.kernels.values() if k.kind == "gemm"]
+    assert "prologue" in kernel.source
+    loads = sm90_loads(kernel.source, tmp_path, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4})
+    assert "ld.global.b16" not in loads and sum(loads.values()) > 0, loads
