@@ -182,14 +182,18 @@ class Pointwise(FusionRule):
                     selected,
                 )
             if state.on(PAD_RULE):
-                windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
-                read = {x for n in nodes if n.op_type != "Concat" for x in n.inputs if x}
+                # Loaded at the kernel's own offsets only: not at a window's neighbours, not by
+                # a Concat's selection (at offsets of its own).
+                elsewhere = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS} | {
+                    x for n in nodes if n.op_type == "Concat" for x in n.inputs if x
+                }
                 pads, padded = plan_pad_gathers(
                     graph,
                     set(ids),
-                    [x for x in ins if x in read and x not in windowed and x not in gathers],
+                    [x for x in ins if x not in elsewhere and x not in gathers],
                     claimed | {n.id for n in gathered},
                 )
+                claimed.update(n.id for n in padded)
                 gathers = {**gathers, **pads}
                 gathered = [*gathered, *padded]
             if len(nodes) == 1 and not gathers and nodes[0].op_type not in WINDOW_OPS and not lone_concat:

@@ -111,3 +111,30 @@ def test_the_rule_can_be_switched_off() -> None:
         model, {"x": [2, 3, 4], "y": [4, 3]}, device=TEST_DEVICE, fusion_disable=("pad_gather",)
     )
     assert "Pad" in [s.op_type for s in cm.plan.steps if s.launches]
+
+
+def test_a_pad_a_concat_reads_stays_a_copy() -> None:
+    """A Concat's selection loads its inputs at offsets of its own: a Pad it reads is not
+    gathered, also where another op of the kernel (the Add, broadcasting it) reads it too."""
+    model = tiny_model(
+        [
+            n("Pad", ["x", "pads"], ["p"]),
+            n("Concat", ["p", "y"], ["c"], axis=0),
+            n("Add", ["c", "p"], ["out"]),
+        ],
+        {"x": [1, 4], "y": [5, 6]},
+        {"out": [6, 6]},
+        {"pads": np.array([0, 1, 0, 1])},
+    )
+    cm = opfuse.compile(model, {"x": [1, 4], "y": [5, 6]}, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    # The Concat and the Add are one kernel (its code generated, not run unfused); the Pad its own.
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == ["pointwise+concat_select"]
+    assert [s.op_type or s.kind for s in cm.plan.steps if s.launches] == ["Pad", "kernel"]
+    rng = np.random.default_rng(4)
+    feeds = {
+        "x": rng.standard_normal((1, 4)).astype(np.float32),
+        "y": rng.standard_normal((5, 6)).astype(np.float32),
+    }
+    (ref,) = ort_run(model, feeds)
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=1e-5, atol=1e-5)
