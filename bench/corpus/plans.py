@@ -127,15 +127,19 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
     alone: Counter[str] = Counter()
     rows: Counter[str] = Counter()
     refused: Counter[tuple[str, str]] = Counter()
+    where: dict[str, Counter[str]] = {}  # op -> row[exporter] -> launches
     for c in checks:
         alone.update(c.alone)
         rows.update(set(c.alone))
         refused.update(c.refused)
+        for op, n in c.alone.items():
+            where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
     if not alone and not refused:
         return
-    say("runs outside any group (launches over the rows planned, rows):")
+    say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
     for op, n in alone.most_common(top):
-        say(f"  {op:<28} {n:6} {rows[op]:5}")
+        most = ", ".join(f"{r} {k}" for r, k in where[op].most_common(3))
+        say(f"  {op:<28} {n:6} {rows[op]:5}  {most}")
     say("the fusion rules' most frequent refusals (times, rule: reason):")
     for (rule, reason), n in refused.most_common(top):
         say(f"  {n:6}  {rule}: {reason}")

@@ -46,6 +46,9 @@ def test_subset_rows_plan_the_launches_expected_csv_holds(capsys: pytest.Capture
         "opfuse.AveragePoolNHWC" in alone
         and "row_reduction: merging would create a cycle through X" in refused
     )
+    # Each op's line names the rows that run it most often outside any group.
+    pools = next(line for line in alone.splitlines() if "opfuse.AveragePoolNHWC" in line)
+    assert "timm/test_resnet[" in pools, pools
     for (name, exporter), (file_launches, planned, check) in got.items():
         assert file_launches == expected[(name, exporter)]["launches"]
         assert check == "ok", (
@@ -113,5 +116,7 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
     b.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_17 (Add)"))] += 1
     lines: list[str] = []
     explain([a, b], lines.append)
-    assert lines[1].split() == ["MatMul", "5", "2"] and lines[2].split() == ["Add", "1", "1"]
+    # Each op: launches, rows, then the rows with the most (row[exporter] launches).
+    assert lines[1].split() == ["MatMul", "5", "2", "m1[d]", "3,", "m2[d]", "2"]
+    assert lines[2].split() == ["Add", "1", "1", "m1[d]", "1"]
     assert lines[4].split(maxsplit=1) == ["3", "gemm_epilogue: merging would create a cycle through X (Add)"]
