@@ -167,7 +167,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         GATHER_TO_SLICE,
         GRAPH_PASS,
-        "Gather by constant consecutive indices becomes a Slice (and Reshape): a view, not a kernel.",
+        "Gather (or GatherND) by constant consecutive indices becomes a Slice (and Reshape): a view, "
+        "not a kernel.",
     ),
     _r(
         ROTATE_HALF,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -41,3 +42,41 @@ def test_indices_out_of_order_stay_a_gather() -> None:
     log = run_pass(graph, gather_to_slice)
     assert ops(graph) == ["Gather"]
     assert [(r.nodes, r.reason) for r in log.not_fired] == [(["pick"], "the indices are not consecutive")]
+
+
+def gather_nd(indices: np.ndarray, out: list[int]) -> onnx.ModelProto:
+    return tiny_model(
+        [n("GatherND", ["x", "i"], ["y"], name="pick")], {"x": [3, 4, 5, 2]}, {"y": out}, {"i": indices}
+    )
+
+
+@pytest.mark.parametrize(
+    ("indices", "out"),
+    [
+        (np.array([[-2]]), [1, 4, 5, 2]),  # Falcon's fused QKV: the key heads, x[-2]
+        (np.array([[1, 2]]), [1, 5, 2]),  # one tuple of two coordinates
+        (np.array([[[0, 1], [0, 2], [0, 3]]]), [1, 3, 5, 2]),  # consecutive along the second axis
+        (np.array([2, -1]), [5, 2]),  # one tuple, no leading dims
+    ],
+)
+def test_gather_nd_of_consecutive_tuples_is_a_slice_then_a_reshape(
+    indices: np.ndarray, out: list[int]
+) -> None:
+    model = gather_nd(indices, out)
+    graph = graph_of(model)
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["Slice", "Reshape"] and log.fired == {names.GATHER_TO_SLICE: 1}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+@pytest.mark.parametrize(
+    ("indices", "out", "why"),
+    [
+        (np.array([[0, 1], [1, 2]]), [2, 5, 2], "not consecutive along one axis"),
+        (np.array([[0], [2]]), [2, 4, 5, 2], "not consecutive"),
+    ],
+)
+def test_other_gather_nd_stays(indices: np.ndarray, out: list[int], why: str) -> None:
+    graph = graph_of(gather_nd(indices, out))
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["GatherND"] and why in log.not_fired[0].reason
