@@ -37,8 +37,10 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
+from opfuse.codegen.index_map import index_map_load
 from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds, power_run
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
@@ -141,7 +143,7 @@ def generate_gemm(
         a_inputs = [views[x].base if x in views else x for x in gm.pool_loads]
     else:
         a_inputs = [gm.a_view.base if gm.a_view is not None else a_name]
-    tensor_inputs = [*a_inputs, anchor.inputs[1], *gm.extra]
+    tensor_inputs = [*a_inputs, anchor.inputs[1], *_passed(gm.extra, views)]
     args = (
         [*a_args, "b"] + [f"in{i}" for i in range(len(gm.extra))] + [f"out{i}" for i in range(len(outputs))]
     )
@@ -166,7 +168,7 @@ def generate_gemm(
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (row < {m}) & (cols < {n})")
         regs: dict[str, str] = {}
-        _gemm_epilogue(buf, gm, regs)
+        _gemm_epilogue(buf, gm, regs, views)
         emit_stores(buf, outputs, regs, f"row * {n} + cols")
     emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
     return KernelSource(kernel_id, "gemm", buf.getvalue(), tensor_inputs, list(outputs), config)
@@ -274,7 +276,29 @@ def _computed_a_tile(
     )  # fmt: skip
 
 
-def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str]) -> None:
+def gathered_epilogue_inputs(
+    buf: SourceBuffer, extra: list[str], views: dict[str, Any], n: int, regs: dict[str, str]
+) -> None:
+    """Epilogue inputs read through a constant Pad (pad_gather: {input: IndexMap}, each of the
+    output's shape), loaded at the output's elements `row * n + cols` where `mask` holds; their
+    registers go into `regs`, so the epilogue's own loads skip them."""
+    for i, name in enumerate(extra):
+        view = views.get(name)
+        if isinstance(view, IndexMap):
+            lines: list[str] = []
+            value = index_map_load(f"e{i}", f"in{i}", view, lines, f"(row * {n} + cols)", "mask")
+            for text in lines:
+                buf.line(text)
+            buf.line(f"x{i} = {value}")
+            regs[name] = f"x{i}"
+
+
+def _passed(extra: list[str], views: dict[str, Any]) -> list[str]:
+    """The tensors a kernel is handed for its epilogue inputs: an index map's buffer behind it."""
+    return [views[x].base if isinstance(views.get(x), IndexMap) else x for x in extra]
+
+
+def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: dict[str, Any]) -> None:
     """The epilogue on `acc`: a strided A the epilogue reads too, Gemm's alpha and C, the nodes."""
     graph, anchor, m = gm.graph, gm.anchor, gm.m
     out_shape = graph.spec(anchor.outputs[0]).shape
@@ -297,6 +321,7 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str]) -> None:
                 term = regs[gm.c_name] if beta == 1.0 else f"{float_literal(beta)} * {regs[gm.c_name]}"
                 buf.line(f"acc = acc + {term}")
 
+    gathered_epilogue_inputs(buf, gm.extra, views, gm.n, regs)
     accumulator_epilogue(
         buf, graph, anchor.outputs[0], gm.epilogue, gm.extra, index_of, gm.literals, regs, on_acc
     )
@@ -469,10 +494,12 @@ def generate_batched_gemm(
             idx, vector = row_input_index(graph.spec(name).shape, out_shape)
             return idx, ("mask" if vector else f"row < {nb * m}")
 
+        gathered_epilogue_inputs(buf, extra, views, n, regs)
         accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs)
         emit_stores(buf, outputs, regs, f"row * {n} + cols")
     emit_launch(buf, fn, args, f'({nb} * triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
-    return KernelSource(kernel_id, "gemm", buf.getvalue(), [*a_inputs, b.base, *extra], list(outputs), config)
+    inputs_ = [*a_inputs, b.base, *_passed(extra, views)]
+    return KernelSource(kernel_id, "gemm", buf.getvalue(), inputs_, list(outputs), config)
 
 
 def _batched_coords(shape: tuple[int, ...], batch: tuple[int, ...]) -> dict[int, str]:

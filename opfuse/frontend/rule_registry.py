@@ -310,9 +310,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
         PAD_GATHER,
         FUSION,
         "A constant Pad, with the Reshapes, Transposes, Expands and Slices around it, read only by one "
-        "pointwise kernel is computed by that kernel's loads (relative-position logits' shifts, CoaT's "
-        "class-token row): each element loaded from the buffer behind the chain, the border lanes "
-        "the Pad's value.",
+        "pointwise kernel or GEMM epilogue is computed by that kernel's loads (relative-position "
+        "logits' shifts, CoaT's class-token row): each element loaded from the buffer behind the "
+        "chain, the border lanes the Pad's value.",
         requires=(POINTWISE,),
     ),
     _r(

@@ -1,5 +1,5 @@
 """`pad_gather`: a constant Pad, with the layout ops around it, read only by one pointwise kernel
-is computed by that kernel's loads.
+(or one GEMM's epilogue: fusion/rules/anchor_epilogue.py) is computed by that kernel's loads.
 
 A Pad writes a copy of its input with a border: a kernel of its own, and another for each Reshape
 of the padded value that is no strided view. Relative-position logits shift their rows that way

@@ -20,6 +20,7 @@ from typing import Any
 
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.pad_gather import plan_pad_gathers
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule, PlanState
 from opfuse.fusion.rules.concat_prologue import concat_prologue
@@ -46,6 +47,7 @@ CONV_RULE = names.CONV_EPILOGUE
 POOL_RULE = names.POOL_EPILOGUE
 PAD_RULE = names.PAD_PROLOGUE
 RESIZE_RULE = names.RESIZE_GATHER
+PAD_GATHER_RULE = names.PAD_GATHER
 # Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
 # r (row), g (pointwise), s (chained GEMVs).
 PREFIX = {"gemm": "m", "conv": "c", "pool": "p"}
@@ -55,7 +57,14 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 
 
 class AnchorEpilogue(FusionRule):
-    options = (PAD_RULE, names.CONCAT_PROLOGUE, names.OPERAND_PROLOGUE, RESIZE_RULE, names.LAYOUT_VIEWS)
+    options = (
+        PAD_RULE,
+        names.CONCAT_PROLOGUE,
+        names.OPERAND_PROLOGUE,
+        RESIZE_RULE,
+        PAD_GATHER_RULE,
+        names.LAYOUT_VIEWS,
+    )
 
     def match(self) -> Iterator[Candidate]:
         graph, state = self.graph, self.state
@@ -193,6 +202,22 @@ class AnchorEpilogue(FusionRule):
                 views = {**views, **gathers}
                 absorbed += gathered
                 rule = f"{rule}+{RESIZE_RULE}"
+        if kind == "gemm" and variant == "template" and state.on(PAD_GATHER_RULE):
+            # An epilogue input of the output's shape that is a constant Pad (CoaT's convolutional
+            # position term, padded with the class token's row) is loaded through the Pad.
+            out_shape = tuple(graph.spec(anchor.outputs[0]).shape)
+            candidates = [
+                x
+                for x in ins
+                if x not in anchor.inputs and x not in views and tuple(graph.spec(x).shape) == out_shape
+            ]
+            pads, padded = plan_pad_gathers(
+                graph, members - {anchor.id}, candidates, taken | members, producers, consumers
+            )
+            if pads:
+                views = {**views, **pads}
+                absorbed += padded
+                rule = f"{rule}+{PAD_GATHER_RULE}"
         taken |= members | {x.id for x in [*prologue, *absorbed]}
         groups.append(
             Group(

@@ -138,3 +138,33 @@ def test_a_pad_a_concat_reads_stays_a_copy() -> None:
     }
     (ref,) = ort_run(model, feeds)
     np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_gemm_epilogue_loads_through_the_pad(batched: bool, precision: str) -> None:
+    """CoaT's factorized attention adds its convolutional position term, padded with a zero row
+    for the class token, in the epilogue of a (batched) GEMM: the epilogue loads through the Pad,
+    which runs no kernel of its own."""
+    lead = [2] if batched else []
+    model = tiny_model(
+        [
+            n("MatMul", ["a", "b"], ["c"]),
+            n("Mul", ["q", "v"], ["crpe"]),
+            n("Pad", ["crpe", "pads"], ["p"]),
+            n("Add", ["c", "p"], ["out"]),
+        ],
+        {"a": [*lead, 7, 16], "b": [*lead, 16, 8], "q": [*lead, 6, 8], "v": [*lead, 6, 8]},
+        {"out": [*lead, 7, 8]},
+        {"pads": np.array([*([0] * len(lead)), 1, 0, *([0] * len(lead)), 0, 0])},
+    )
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    cm = opfuse.compile(model, shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    assert "Pad" not in [s.op_type for s in cm.plan.steps if s.launches]
+    assert any(g["rule"].endswith("+pad_gather") for g in cm.report["fusion"]["groups"]), cm.report["fusion"]
+    rng = np.random.default_rng(5)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
