@@ -10,6 +10,11 @@ torch.matmul.
 - gemm: MatMul + bias + ReLU at zoo shapes; opfuse's template and the vendor variant (library
   GEMM + epilogue kernel), as the tuner measured them, against torch.matmul + bias + ReLU in eager
   torch and torch.matmul alone (TFLOP/s of the MatMul).
+- tiles: the templates whose tile loads gather (a 3x3 depthwise conv + ReLU at the corpus's
+  channels-last shapes, a batched MatMul + ReLU); opfuse's template and vendor form as the tuner
+  measured them, and the plan's kernels, against torch's conv (channels-last) or bmm + ReLU
+  captured in a CUDA graph. The depthwise template loaded its tile one element per lane until
+  its offsets' runs were restated (codegen.source.in_bounds): this is the A/B of that.
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ GEMM_CASES = {  # name: (M, K, N)
     "vit-b/16 qkv b32": (6304, 768, 2304),
     "llama-small mlp b1": (128, 1024, 2816),
     "resnet-like 1x1 b32": (25088, 256, 1024),
+}
+
+
+TILE_CASES = {
+    # name: (kind, NCHW input or [B, M, K], channels or N)
+    "depthwise 3x3 [1, 128, 16, 16]": ("depthwise", (1, 128, 16, 16), 0),
+    "depthwise 3x3 [32, 128, 16, 16]": ("depthwise", (32, 128, 16, 16), 0),
+    "depthwise 3x3 [8, 96, 56, 56]": ("depthwise", (8, 96, 56, 56), 0),
+    "batched matmul [64, 196, 64] x 196": ("bmm", (64, 196, 64), 196),
 }
 
 
@@ -94,6 +108,25 @@ def gemm_model(m: int, k: int, n: int) -> tuple[onnx.ModelProto, dict[str, tuple
     ]
     inits = {"w": rng.standard_normal((k, n)) / k**0.5, "bias": rng.standard_normal(n) * 0.1}
     return _model(nodes, {"x": (m, k)}, (m, n), inits), {"x": (m, k)}
+
+
+def tile_model(
+    kind: str, shape: tuple[int, ...], n: int
+) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]]:
+    """The case's model and its input shapes."""
+    rng = np.random.default_rng(0)
+    if kind == "depthwise":
+        c = shape[1]
+        nodes = [
+            helper.make_node("Conv", ["x", "w"], ["h"], group=c, pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["h"], ["y"]),
+        ]
+        weight = {"w": rng.standard_normal((c, 1, 3, 3)) / 3}
+        return _model(nodes, {"x": shape}, shape, weight), {"x": shape}
+    b, m, k = shape
+    nodes = [helper.make_node("MatMul", ["x", "z"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    ins = {"x": shape, "z": (b, k, n)}
+    return _model(nodes, ins, (b, m, n), {}), ins
 
 
 def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]]) -> tuple[float, int]:
@@ -177,6 +210,61 @@ def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
     return rows
 
 
+def tiles(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
+    rows = []
+    for name, (kind, shape, n) in TILE_CASES.items():
+        if small:
+            shape = (shape[0], max(8, shape[1] // 16), *[max(4, d // 8) for d in shape[2:]])
+            n = max(8, n // 16)
+        model, shapes = tile_model(kind, shape, n)
+        cm = opfuse.compile(
+            model,
+            {k: list(v) for k, v in shapes.items()},
+            precision="fp16",
+            device=device,
+            fusion_disable=("fp32_dense_nchw",),
+            tune_budget_s=budget if device.startswith("cuda") else None,
+        )
+        ms, kernels = kernel_step_ms(cm, shapes)
+        row: dict[str, Any] = {"case": name, "shape": list(shape), "kernels": kernels, "opfuse_ms": ms}
+        row["verified"] = cm.report["verification"]["passed"]
+        variants = cm.report.get("tuning", {}).get("variants", {})
+        if variants:
+            (v,) = variants.values()
+            row.update(choice=v.get("choice"), template_ms=v.get("template_ms"), vendor_ms=v.get("vendor_ms"))
+        if device.startswith("cuda"):
+            if kind == "depthwise":
+                x = torch.randn(*shape, device=device, dtype=torch.float16).contiguous(
+                    memory_format=torch.channels_last
+                )
+                w = torch.randn(shape[1], 1, 3, 3, device=device, dtype=torch.float16).contiguous(
+                    memory_format=torch.channels_last
+                )
+                fn = functools.partial(_depthwise_relu, x, w)
+            else:
+                a = torch.randn(*shape, device=device, dtype=torch.float16)
+                z = torch.randn(shape[0], shape[2], n, device=device, dtype=torch.float16)
+                fn = functools.partial(_bmm_relu, a, z)
+            row["torch_ms"] = cuda_graph_ms(fn, reps=20)
+            row["vs_torch"] = ms / row["torch_ms"] if row["torch_ms"] else None
+        rows.append(row)
+        vs = row.get("vs_torch")
+        print(
+            f"{name:<36} opfuse {ms:.4f} ms in {kernels} kernel(s) ({row.get('choice', '-')})"
+            + (f", {vs:.2f}x torch" if vs else ""),
+            flush=True,
+        )
+    return rows
+
+
+def _depthwise_relu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(torch.nn.functional.conv2d(x, w, None, 1, 1, 1, x.shape[1]))
+
+
+def _bmm_relu(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    return torch.relu(torch.bmm(a, z))
+
+
 def _print_bandwidth(r: dict[str, Any]) -> None:
     frac = r.get("fraction_of_copy")
     print(
@@ -207,6 +295,7 @@ def main() -> None:
     result = {
         "bandwidth": bandwidth(args.device, args.small),
         "gemm": gemm(args.device, args.small, args.tune_budget),
+        "tiles": tiles(args.device, args.small, args.tune_budget),
     }
     if args.out:
         with open(args.out, "w") as f:

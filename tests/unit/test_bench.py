@@ -19,6 +19,8 @@ def test_micro_smoke_runs_each_case_as_one_verified_kernel() -> None:
         assert row["kernels"] == 1 and row["verified"] is True and row["ms"] > 0
     for row in micro.gemm("cpu", small=True, budget=0):
         assert row["verified"] is True and row["opfuse_ms"] > 0
+    for row in micro.tiles("cpu", small=True, budget=0):
+        assert row["kernels"] >= 1 and row["verified"] is True and row["opfuse_ms"] > 0
 
 
 def test_run_prints_one_table_from_several_result_files(
