@@ -139,6 +139,22 @@ def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]])
     return float(sum(ks)), len(ks)
 
 
+def _measured(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The plan's kernel time and count, whether it verified, and the one group's variant as
+    tuning measured it (template against vendor or split form), where tuning ran."""
+    ms, kernels = kernel_step_ms(cm, shapes)
+    row: dict[str, Any] = {
+        "opfuse_ms": ms,
+        "kernels": kernels,
+        "verified": cm.report["verification"]["passed"],
+    }
+    variants = cm.report.get("tuning", {}).get("variants", {})
+    if variants:
+        (v,) = variants.values()
+        row.update(choice=v.get("choice"), template_ms=v.get("template_ms"), vendor_ms=v.get("vendor_ms"))
+    return row
+
+
 def _linear_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.relu(torch.matmul(x, w) + b)
 
@@ -187,13 +203,7 @@ def gemm(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
         )
         row: dict[str, Any] = {"case": name, "mkn": [m, k, n]}
         flops = 2.0 * m * n * k
-        ms, _ = kernel_step_ms(cm, shapes)
-        row["opfuse_ms"] = ms
-        row["verified"] = cm.report["verification"]["passed"]
-        variants = cm.report.get("tuning", {}).get("variants", {})
-        if variants:
-            (v,) = variants.values()
-            row.update(choice=v.get("choice"), template_ms=v.get("template_ms"), vendor_ms=v.get("vendor_ms"))
+        row.update(_measured(cm, shapes))
         if device.startswith("cuda"):
             x = torch.randn(m, k, device=device, dtype=torch.float16)
             w = torch.randn(k, n, device=device, dtype=torch.float16)
@@ -225,13 +235,8 @@ def tiles(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
             fusion_disable=("fp32_dense_nchw",),
             tune_budget_s=budget if device.startswith("cuda") else None,
         )
-        ms, kernels = kernel_step_ms(cm, shapes)
-        row: dict[str, Any] = {"case": name, "shape": list(shape), "kernels": kernels, "opfuse_ms": ms}
-        row["verified"] = cm.report["verification"]["passed"]
-        variants = cm.report.get("tuning", {}).get("variants", {})
-        if variants:
-            (v,) = variants.values()
-            row.update(choice=v.get("choice"), template_ms=v.get("template_ms"), vendor_ms=v.get("vendor_ms"))
+        row: dict[str, Any] = {"case": name, "shape": list(shape), **_measured(cm, shapes)}
+        ms, kernels = row["opfuse_ms"], row["kernels"]
         if device.startswith("cuda"):
             if kind == "depthwise":
                 x = torch.randn(*shape, device=device, dtype=torch.float16).contiguous(

@@ -276,7 +276,7 @@ def _computed_a_tile(
     )  # fmt: skip
 
 
-def gathered_epilogue_inputs(
+def _gathered_epilogue_inputs(
     buf: SourceBuffer, extra: list[str], views: dict[str, Any], n: int, regs: dict[str, str]
 ) -> None:
     """Epilogue inputs read through a constant Pad (pad_gather: {input: IndexMap}, each of the
@@ -321,7 +321,7 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
                 term = regs[gm.c_name] if beta == 1.0 else f"{float_literal(beta)} * {regs[gm.c_name]}"
                 buf.line(f"acc = acc + {term}")
 
-    gathered_epilogue_inputs(buf, gm.extra, views, gm.n, regs)
+    _gathered_epilogue_inputs(buf, gm.extra, views, gm.n, regs)
     accumulator_epilogue(
         buf, graph, anchor.outputs[0], gm.epilogue, gm.extra, index_of, gm.literals, regs, on_acc
     )
@@ -494,7 +494,7 @@ def generate_batched_gemm(
             idx, vector = row_input_index(graph.spec(name).shape, out_shape)
             return idx, ("mask" if vector else f"row < {nb * m}")
 
-        gathered_epilogue_inputs(buf, extra, views, n, regs)
+        _gathered_epilogue_inputs(buf, extra, views, n, regs)
         accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs)
         emit_stores(buf, outputs, regs, f"row * {n} + cols")
     emit_launch(buf, fn, args, f'({nb} * triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')

@@ -4,6 +4,8 @@ lanes are masked and take its value."""
 
 from __future__ import annotations
 
+import math
+
 from opfuse.codegen.source import float_literal
 from opfuse.ir.index_map import IndexMap
 
@@ -12,9 +14,7 @@ def _split(flat: str, shape: tuple[int, ...]) -> list[str]:
     """The coordinates of a row-major flat index into `shape` (dims of size 1: 0)."""
     out: list[str] = []
     for d, size in enumerate(shape):
-        inner = 1
-        for s in shape[d + 1 :]:
-            inner *= s
+        inner = math.prod(shape[d + 1 :])
         if size == 1:
             out.append("0")
             continue

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import FLOAT_TYPES
 
 CONCAT_SELECT_RULE = names.CONCAT_SELECT
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 LONE_COPY_REASON = (
     "a Concat of plain tensors that no pointwise op after it joins is one launch either way: "

@@ -13,38 +13,26 @@ chain's ops leave the plan. A chain without a Pad is left to `layout_views` (str
 
 from __future__ import annotations
 
-import numpy as np
-
-from opfuse.fusion.views import RESHAPES
+from opfuse.fusion.views import RESHAPES, slice_steps
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap, IndexStep
+from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import scalar_constant
 from opfuse.ir.support import pad_per_dim
-
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 
 def _slice_step(graph: Graph, node: Node) -> IndexStep | None:
     """A Slice with constant starts, axes and positive steps as a step, or None."""
+    parsed = slice_steps(graph, node)
+    if parsed is None:
+        return None
     x = tuple(graph.spec(node.inputs[0]).shape)
-    y = tuple(graph.spec(node.outputs[0]).shape)
-    ins = list(node.inputs) + [""] * (5 - len(node.inputs))
-    starts = graph.constants.get(ins[1]) if ins[1] else None
-    if starts is None:
-        return None
-    starts = np.ravel(starts)
-    axes = np.ravel(graph.constants[ins[3]]) if ins[3] in graph.constants else np.arange(len(starts))
-    steps = np.ravel(graph.constants[ins[4]]) if ins[4] in graph.constants else np.ones(len(starts), np.int64)
-    if (ins[3] and ins[3] not in graph.constants) or (ins[4] and ins[4] not in graph.constants):
-        return None
     first, stride = [0] * len(x), [1] * len(x)
-    for a, s, k in zip(axes, starts, steps, strict=True):
-        axis, s, k = int(a) % len(x), int(s), int(k)
-        if k < 1:
-            return None
-        first[axis] = max(0, min(x[axis], s + x[axis] if s < 0 else s))
-        stride[axis] = k
-    return IndexStep("slice", x, y, starts=tuple(first), steps=tuple(stride))
+    for axis, start, step in parsed:
+        first[axis], stride[axis] = start, step
+    return IndexStep(
+        "slice", x, tuple(graph.spec(node.outputs[0]).shape), starts=tuple(first), steps=tuple(stride)
+    )
 
 
 def _step(graph: Graph, node: Node) -> IndexStep | None:

@@ -19,12 +19,12 @@ import numpy as np
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.views import VIEW_THROUGH, input_view, slice_window
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides
 from opfuse.ir.resize import COORDINATE_MODES, MODES, NEAREST_MODES, ResizeAxis, ResizeGather
 from opfuse.passes.rules import NotFired, node_label
 
 RESIZE_RULE = names.RESIZE_GATHER
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 
 def _attr(node: Node, key: str, default: object) -> object:

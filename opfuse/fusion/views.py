@@ -70,9 +70,9 @@ def _split_offset(graph: Graph, split: Node, output: str) -> tuple[int, int] | N
     return axis, sum(sizes[:k])
 
 
-def slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
-    """[(axis, start)] of a Slice with constant starts/axes, unit steps and a static output shape
-    (the output's shape gives each window's length), or None."""
+def slice_steps(graph: Graph, node: Node) -> list[tuple[int, int, int]] | None:
+    """[(axis, start, step)] of a Slice with constant starts, axes and positive steps, each start
+    clamped into its axis, or None (the output's static shape gives each window's length)."""
     x = graph.spec(node.inputs[0]).shape
     ins = list(node.inputs) + [""] * (5 - len(node.inputs))
     starts = graph.constants.get(ins[1]) if ins[1] else None
@@ -80,15 +80,24 @@ def slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
         return None
     axes = graph.constants.get(ins[3]) if ins[3] else np.arange(len(np.ravel(starts)))
     steps = graph.constants.get(ins[4]) if ins[4] else np.ones(len(np.ravel(starts)), dtype=np.int64)
-    if axes is None or steps is None or any(int(s) != 1 for s in np.ravel(steps)):
+    if axes is None or steps is None or any(int(s) < 1 for s in np.ravel(steps)):
         return None
-    out: list[tuple[int, int]] = []
-    for a, st in zip(np.ravel(axes), np.ravel(starts), strict=True):
+    out: list[tuple[int, int, int]] = []
+    for a, st, k in zip(np.ravel(axes), np.ravel(starts), np.ravel(steps), strict=True):
         axis = int(a) % len(x)
         start = int(st)
         start = max(0, min(x[axis], start + x[axis] if start < 0 else start))
-        out.append((axis, start))
+        out.append((axis, start, int(k)))
     return out
+
+
+def slice_window(graph: Graph, node: Node) -> list[tuple[int, int]] | None:
+    """[(axis, start)] of a Slice with constant starts/axes, unit steps and a static output shape
+    (the output's shape gives each window's length), or None."""
+    steps = slice_steps(graph, node)
+    if steps is None or any(k != 1 for _, _, k in steps):
+        return None
+    return [(axis, start) for axis, start, _ in steps]
 
 
 def input_view(

@@ -10,6 +10,7 @@ through them, each Pad masking the lanes in its border to its value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # The ops a step can be (their ONNX spellings map onto these).
@@ -42,7 +43,4 @@ class IndexMap:
 
     def extent(self) -> int:
         """One past the farthest element of `base` a load may read."""
-        n = 1
-        for d in self.base_shape:
-            n *= d
-        return n
+        return math.prod(self.base_shape)

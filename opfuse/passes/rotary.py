@@ -21,9 +21,8 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.passes.rules import Rule
-
-FLOAT_TYPES = ("float32", "float16", "bfloat16")
 
 
 def _const_ints(graph: Graph, name: str) -> list[int] | None:

@@ -143,24 +143,31 @@ def _two_group_model() -> Any:
     return make_model(nodes, {"x": [8, 32]}, {"y": [8, 16]}, consts)
 
 
+def _compile_two_groups(model: Any = None, precision: str = "fp16", verify: bool = True) -> Any:
+    """`_two_group_model` (or `model`) compiled on the test device, untuned, its two groups kept."""
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    return opfuse.compile(
+        model if model is not None else _two_group_model(),
+        {"x": [8, 32]},
+        precision,
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        verify=verify,
+        fusion_disable=TWO_GROUPS,
+    )
+
+
 def test_fp16_fusion_is_held_to_the_unfused_plans_own_error_where_that_misses_rtol(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The unfused plan misses fp16's rtol by itself (every step's rounding, here noise of 2.5%):
     the fused plan, with as much noise per kernel, passes on twice the unfused plan's error, and
     the report says on what basis."""
-    import opfuse
-    from tests.builders import TEST_DEVICE
 
     _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025)
-    cm = opfuse.compile(
-        _two_group_model(),
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        fusion_disable=TWO_GROUPS,
-    )
+    cm = _compile_two_groups()
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], v
     assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
@@ -210,21 +217,12 @@ def test_an_error_that_varies_with_the_input_is_set_against_the_unfused_plans_on
     back: once the unfused plan's error sets the bound, the fused plan is checked on the inputs
     that error was measured on, not on fresh ones that happen to be worse (timm/mobileone_s0
     in fp16 failed so, with 114 correct groups rolled back)."""
-    import opfuse
-    from tests.builders import TEST_DEVICE
 
     def noise(t: Any, jitter: Any, index: int, step: Any) -> Any:
         return (0.03 if index < 5 else 0.12) * t.abs() * jitter
 
     seen = _noise_by_input(monkeypatch, noise)
-    cm = opfuse.compile(
-        _two_group_model(),
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        fusion_disable=TWO_GROUPS,
-    )
+    cm = _compile_two_groups()
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
     assert v["basis"] == "unfused_precision" and len(seen) == 5, (v, len(seen))
@@ -243,23 +241,13 @@ def test_an_error_near_rtol_that_grows_on_later_inputs_rolls_nothing_back(
     nothing rolled back."""
     import torch
 
-    import opfuse
-    from tests.builders import TEST_DEVICE
-
     def noise(t: Any, jitter: Any, index: int, step: Any) -> Any:
         """Of relative L2 `level` exactly: fp16's rtol is 0.02."""
         level = (0.017 if index < 5 else 0.04) * (1.4 if step.kind == "kernel" else 1.0)
         return level * torch.linalg.vector_norm(t.float()) / torch.linalg.vector_norm(jitter.float()) * jitter
 
     _noise_by_input(monkeypatch, noise)
-    cm = opfuse.compile(
-        _two_group_model(),
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        fusion_disable=TWO_GROUPS,
-    )
+    cm = _compile_two_groups()
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [], json.dumps(v)
     assert v["basis"] == "unfused_precision" and "own error" in v["note"], v
@@ -273,26 +261,14 @@ def test_a_wrong_kernel_is_rolled_back_under_the_unfused_plans_error_too(
 ) -> None:
     """Held to the unfused plan's error, a kernel 30% off still fails, is found by bisection and
     runs unfused; the other group stays fused."""
-    import opfuse
-    from tests.builders import TEST_DEVICE
 
     model = _two_group_model()
-    probe = opfuse.compile(
-        model,
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        verify=False,
-        fusion_disable=TWO_GROUPS,
-    )
+    probe = _compile_two_groups(model, verify=False)
     groups = [g["id"] for g in probe.report["fusion"]["groups"]]
     assert len(groups) == 2, probe.report["fusion"]["groups"]
     gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
     _noisy_steps(monkeypatch, op_noise=0.025, kernel_noise=0.025, skew=gemm)
-    cm = opfuse.compile(
-        model, {"x": [8, 32]}, "fp16", device=TEST_DEVICE, tune_budget_s=0, fusion_disable=TWO_GROUPS
-    )
+    cm = _compile_two_groups(model)
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [gemm] and v["basis"] == "unfused_precision", v
     assert [g["id"] for g in cm.report["fusion"]["groups"] if g["id"] not in v["rolled_back"]] != []
@@ -305,15 +281,11 @@ def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
     whose embedding row is zero, say); every later draw is fine. The inputs it failed on are run
     again by the unfused plan's check and by the bisection, so the group is found and rolled back
     rather than the compile ending unverified (or passing on luckier inputs)."""
-    import opfuse
     from opfuse.runtime import executor as ex
     from opfuse.verify import rollback
-    from tests.builders import TEST_DEVICE
 
     model = _two_group_model()
-    probe = opfuse.compile(
-        model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, verify=False, fusion_disable=TWO_GROUPS
-    )
+    probe = _compile_two_groups(model, "fp32", verify=False)
     gemm = next(g["id"] for g in probe.report["fusion"]["groups"] if g["kind"] == "gemm")
     draws: list[dict[str, np.ndarray]] = []
     real_inputs = rollback.random_inputs
@@ -340,7 +312,7 @@ def test_a_kernel_wrong_on_some_inputs_only_is_found_on_the_inputs_it_failed_on(
     monkeypatch.setattr(rollback, "random_inputs", inputs)
     monkeypatch.setattr(ex.Executor, "run", tracked)
     monkeypatch.setattr(ex.Executor, "_run_step", wrong_there)
-    cm = opfuse.compile(model, {"x": [8, 32]}, device=TEST_DEVICE, tune_budget_s=0, fusion_disable=TWO_GROUPS)
+    cm = _compile_two_groups(model, "fp32")
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"] == [gemm], v
     assert sum(marked) >= 3  # the failing inputs ran again: unfused check, bisection, final check
@@ -356,18 +328,9 @@ def test_an_unfused_plan_far_off_the_reference_is_not_a_precision_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An unfused plan 30% off is not rounding: no bound, the compile is reported unverified and why."""
-    import opfuse
-    from tests.builders import TEST_DEVICE
 
     _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
-    cm = opfuse.compile(
-        _two_group_model(),
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        fusion_disable=TWO_GROUPS,
-    )
+    cm = _compile_two_groups()
     v = cm.report["verification"]
     assert v["passed"] is False and "basis" not in v and "no fusion is to blame" in v["note"], v
     assert "relative L2 error" in v["note"] and "baseline_rel_l2_err" not in v["outputs"]["y"]
@@ -536,23 +499,14 @@ def test_a_sensitivity_measurement_that_raises_leaves_the_compile_unverified_and
 ) -> None:
     """The unfused plan 30% off (past 5 rtols) asks for the reference's sensitivity; where that
     second onnxruntime session raises, the compile still ends, unverified, with the reason."""
-    import opfuse
     from opfuse.verify.reference import OnnxRuntimeReference
-    from tests.builders import TEST_DEVICE
 
     def broken(self: Any, feeds: Any, base: Any, step: float, rng: Any) -> dict[str, float]:
         raise RuntimeError("no second session")
 
     monkeypatch.setattr(OnnxRuntimeReference, "sensitivity", broken)
     _noisy_steps(monkeypatch, op_noise=0.3, kernel_noise=0.3)
-    cm = opfuse.compile(
-        _two_group_model(),
-        {"x": [8, 32]},
-        "fp16",
-        device=TEST_DEVICE,
-        tune_budget_s=0,
-        fusion_disable=TWO_GROUPS,
-    )
+    cm = _compile_two_groups()
     v = cm.report["verification"]
     assert v["passed"] is False and "no fusion is to blame" in v["note"], v
     assert "sensitivity could not be measured: RuntimeError: no second session" in v["note"], v["note"]

@@ -153,6 +153,7 @@ class Pointwise(FusionRule):
         graph, state, not_fused = self.graph, self.state, self.state.not_fused
         groups: list[Group] = state.fused()
         claimed = {n.id for g in groups for n in g.nodes}
+        producers, consumers = graph.producers(), graph.consumers()  # the graph is fixed here
         count = 0
         for ids in members:
             if not ids:
@@ -162,36 +163,36 @@ class Pointwise(FusionRule):
             gathers: dict[str, Any] = {}
             gathered: list[Node] = []
             lone_concat = len(nodes) == 1 and nodes[0].op_type == "Concat"
+            # An LRN loads its input at neighbouring channels from memory: a value it reads that
+            # way is written by its producer, not gathered (nor is a Pad's, below).
+            windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
+            concat_reads = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x}
             if state.on(RESIZE_RULE):
                 iteration = tuple(graph.spec(outs[0]).shape)
-                # An LRN loads its input at neighbouring channels from memory: a resized value it
-                # reads that way is written by the Resize, not gathered.
-                windowed = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS}
                 # What only Concats read is loaded at its own offsets, so gathered at its own shape.
-                selected = {x for n in nodes if n.op_type == "Concat" for x in n.inputs if x} - {
-                    x for n in nodes if n.op_type != "Concat" for x in n.inputs if x
-                }
+                selected = concat_reads - {x for n in nodes if n.op_type != "Concat" for x in n.inputs if x}
                 gathers, gathered = plan_resize_gathers(
                     graph,
                     set(ids),
                     [x for x in ins if x not in windowed],
                     iteration,
-                    claimed,
+                    claimed,  # the gathered nodes are added
                     not_fused,
                     state.on(LAYOUT_RULE),
                     selected,
+                    producers=producers,
+                    consumers=consumers,
                 )
             if state.on(PAD_RULE):
-                # Loaded at the kernel's own offsets only: not at a window's neighbours, not by
-                # a Concat's selection (at offsets of its own).
-                elsewhere = {window_input(n) for n in nodes if n.op_type in WINDOW_OPS} | {
-                    x for n in nodes if n.op_type == "Concat" for x in n.inputs if x
-                }
+                # Loaded at the kernel's own offsets only: not by a Concat's selection either (at
+                # offsets of its own).
                 pads, padded = plan_pad_gathers(
                     graph,
                     set(ids),
-                    [x for x in ins if x not in elsewhere and x not in gathers],
-                    claimed | {n.id for n in gathered},
+                    [x for x in ins if x not in windowed and x not in concat_reads and x not in gathers],
+                    claimed,
+                    producers,
+                    consumers,
                 )
                 claimed.update(n.id for n in padded)
                 gathers = {**gathers, **pads}

@@ -87,6 +87,18 @@ def renormalized(heads: int = 3, m: int = 6, n: int = 5) -> Any:
     )
 
 
+def _fused_and_split_match(model: Any, shapes: dict[str, list[int]], *plans: Any) -> None:
+    """Each plan (the fused one, the split form) gives onnxruntime's `y` on random inputs."""
+    from opfuse.runtime.executor import Executor
+    from tests.builders import TEST_DEVICE
+
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    want = ort_run(model, feeds)[0]
+    for plan in plans:
+        got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_gate_is_computed_on_the_projections_a_tiles() -> None:
     _, plan = planned(gating_unit())
     (group,) = [g for g in plan.groups if g.nodes[0].name == "fc2"]
@@ -147,8 +159,6 @@ def test_the_vendor_variant_runs_the_prologue_before_the_librarys_gemm() -> None
     from bench.kernels import plan_model
     from opfuse.codegen.registry import split_form
     from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-    from tests.builders import TEST_DEVICE
 
     model = gating_unit()
     p = plan_model(model, {"x": [2, 6, 16]}, "fp32")
@@ -157,11 +167,7 @@ def test_the_vendor_variant_runs_the_prologue_before_the_librarys_gemm() -> None
     mine = [s.op_type or "kernel" for s in vendor.steps if s.group == g.id and s.launches]
     assert mine == ["kernel", "MatMul", "kernel"]
     assert split_form(g) == "split: the prologue's kernel, the library's GEMM, the epilogue's kernel"
-    x = RNG.standard_normal((2, 6, 16)).astype(np.float32)
-    want = ort_run(model, {"x": x})[0]
-    for plan in (p.plan, vendor):
-        got = np.asarray(Executor(plan, TEST_DEVICE).run({"x": x})["y"])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    _fused_and_split_match(model, {"x": [2, 6, 16]}, p.plan, vendor)
 
 
 def test_a_value_read_elsewhere_too_stays_a_buffer() -> None:
@@ -262,8 +268,6 @@ def test_the_row_kernels_split_form_runs_the_ops_as_one_kernel() -> None:
     from bench.kernels import plan_model
     from opfuse.codegen.registry import split_form
     from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-    from tests.builders import TEST_DEVICE
 
     model = gated_norm()
     p = plan_model(model, GATED_SHAPES, "fp32")
@@ -271,11 +275,7 @@ def test_the_row_kernels_split_form_runs_the_ops_as_one_kernel() -> None:
     assert split_form(g) == "split: the prologue's kernel, the library's GEMM, then the row kernel"
     vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
     assert [s.op_type or "kernel" for s in vendor.steps if s.launches] == ["kernel", "MatMul", "kernel"]
-    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in GATED_SHAPES.items()}
-    want = ort_run(model, feeds)[0]
-    for plan in (p.plan, vendor):
-        got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    _fused_and_split_match(model, GATED_SHAPES, p.plan, vendor)
 
 
 def test_a_gemm_a_row_kernel_takes_gets_no_prologue_of_its_own() -> None:
@@ -336,8 +336,6 @@ def test_the_convs_split_form_runs_the_ops_as_one_kernel() -> None:
     from bench.kernels import plan_model
     from opfuse.codegen.registry import split_form
     from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-    from tests.builders import TEST_DEVICE
 
     model = gated_conv(24, 3)
     shapes = {"x": [2, 5, 6, 6]}
@@ -349,11 +347,7 @@ def test_the_convs_split_form_runs_the_ops_as_one_kernel() -> None:
         "kernel",
         "opfuse.ConvNHWC",
     ]
-    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
-    want = ort_run(model, feeds)[0]
-    for plan in (p.plan, vendor):
-        got = np.asarray(Executor(plan, TEST_DEVICE).run(feeds)["y"])
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    _fused_and_split_match(model, shapes, p.plan, vendor)
 
 
 def test_an_input_behind_a_resize_is_left_to_resize_gather() -> None:
