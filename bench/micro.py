@@ -288,20 +288,30 @@ def _print_gemm(r: dict[str, Any]) -> None:
     )
 
 
+SECTIONS: dict[str, Any] = {
+    "bandwidth": lambda a: bandwidth(a.device, a.small),
+    "gemm": lambda a: gemm(a.device, a.small, a.tune_budget),
+    "tiles": lambda a: tiles(a.device, a.small, a.tune_budget),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes: a smoke run of the code")
     ap.add_argument("--tune-budget", type=float, default=20.0)
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--sections", default="bandwidth,gemm,tiles", help="comma-separated: bandwidth, gemm, tiles (default all)"
+    )
     args = ap.parse_args()
+    wanted = set(args.sections.split(","))
+    unknown = wanted - set(SECTIONS)
+    if unknown:
+        sys.exit(f"bench/micro.py: unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/micro.py needs a CUDA GPU (or --device cpu --small for a smoke run)")
-    result = {
-        "bandwidth": bandwidth(args.device, args.small),
-        "gemm": gemm(args.device, args.small, args.tune_budget),
-        "tiles": tiles(args.device, args.small, args.tune_budget),
-    }
+    result = {name: SECTIONS[name](args) for name in SECTIONS if name in wanted}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
