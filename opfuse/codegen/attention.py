@@ -9,11 +9,12 @@ head split and merge (Reshape/Transpose) into indexing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opfuse.codegen.epilogue import dot_precision
 from opfuse.codegen.fragments import KernelSource, module_imports, module_title, node_comment
-from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.views import AttentionMatch
@@ -163,20 +164,30 @@ def _query_tile(buf: SourceBuffer, m: AttentionMatch, g: _Geometry) -> None:
     buf.line(f"acc = tl.zeros([BLOCK_M, {g.dvp}], tl.float32)")
 
 
+def _tile_load(
+    ptr: str, offset: int, strides: Sequence[int], axes: tuple[str, str], mask: str, other: str = "0.0"
+) -> str:
+    """A tile of the key loop at (batch b, head h, rows, columns) through `strides` (each lane's
+    address inside the tensor: `guarded_load`), vector loads claimed along the axis of stride 1."""
+    b, h, s2, s3 = strides
+    at = f"{offset} + b * {b} + h * {h} + {axes[0]} * {s2} + {axes[1]} * {s3}"
+    if s3 == 1:
+        return guarded_load(ptr, at, mask, other, run=power_run(offset, b, h, s2), axis=1)
+    if s2 == 1:
+        return guarded_load(ptr, at, mask, other, run=power_run(offset, b, h, s3), axis=0)
+    return guarded_load(ptr, at, mask, other)
+
+
 def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph, prec: str) -> None:
     """One block of keys: the K and V tiles, the scores (scaled, masked), the online softmax's
     update of the running maximum, sum and output."""
     kst, vst, sq, sk = g.kst, g.vst, g.sq, g.sk
     rank = len(m.q.shape)  # the scores' rank: Q's (Q and K have one rank)
     buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
-    buf.line(
-        f"k_tile = tl.load(k + {m.k.offset} + b * {kst[0]} + h * {kst[1]} + rd[:, None] * {kst[2]} + rn[None, :] * {kst[3]}, "
-        f"mask=(rd[:, None] < {g.d}) & (rn[None, :] < {sk}), other=0.0)"
-    )
-    buf.line(
-        f"v_tile = tl.load(v + {m.v.offset} + b * {vst[0]} + h * {vst[1]} + rn[:, None] * {vst[2]} + rdv[None, :] * {vst[3]}, "
-        f"mask=(rn[:, None] < {sk}) & (rdv[None, :] < {g.dv}), other=0.0)"
-    )
+    buf.line(f"k_ok = (rd[:, None] < {g.d}) & (rn[None, :] < {sk})")
+    buf.line(f"k_tile = {_tile_load('k', m.k.offset, kst, ('rd[:, None]', 'rn[None, :]'), 'k_ok')}")
+    buf.line(f"v_ok = (rn[:, None] < {sk}) & (rdv[None, :] < {g.dv})")
+    buf.line(f"v_tile = {_tile_load('v', m.v.offset, vst, ('rn[:, None]', 'rdv[None, :]'), 'v_ok')}")
     buf.line("if UPCAST:")
     with buf.indent():
         buf.line('s = tl.dot(q_tile, k_tile.to(tl.float32), input_precision="ieee")')
@@ -184,19 +195,16 @@ def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph,
     with buf.indent():
         buf.line(f"s = tl.dot(q_tile, k_tile{prec})")
     buf.line(f"s = s * {float_literal(m.scale)}")
-    tile_mask = f"(rm[:, None] < {sq}) & (rn[None, :] < {sk})"
+    if m.mask or m.cond:
+        buf.line(f"s_ok = (rm[:, None] < {sq}) & (rn[None, :] < {sk})")
     if m.mask:
         ms = _mask_strides(graph, m.mask, rank)
         buf.line(
-            f"s = s + tl.load(mask + b * {ms[0]} + h * {ms[1]} + rm[:, None] * {ms[2]} + rn[None, :] * {ms[3]}, "
-            f"mask={tile_mask}, other=0.0).to(tl.float32)"
+            f"s = s + {_tile_load('mask', 0, ms, ('rm[:, None]', 'rn[None, :]'), 's_ok')}.to(tl.float32)"
         )
     if m.cond:
         cs = _mask_strides(graph, m.cond, rank)
-        buf.line(
-            f"keep = tl.load(cond + b * {cs[0]} + h * {cs[1]} + rm[:, None] * {cs[2]} + rn[None, :] * {cs[3]}, "
-            f"mask={tile_mask}, other=0)"
-        )
+        buf.line(f"keep = {_tile_load('cond', 0, cs, ('rm[:, None]', 'rn[None, :]'), 's_ok', other='0')}")
         buf.line(f"s = tl.where(keep != 0, s, {_literal(m.fill)})")
     buf.line(f's = tl.where(rn[None, :] < {sk}, s, float("-inf"))')
     buf.line("m_new = tl.maximum(m_i, tl.max(s, 1))")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from opfuse.codegen.epilogue import (
+    TileRead,
     dot_precision,
     dot_step,
     emit_dot,
@@ -29,7 +30,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer
+from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
 
@@ -125,10 +126,10 @@ def _hidden_tile(
     with buf.indent():
         buf.line("kk = k0 + rk")
         buf.line(f"k_ok = kk < {c}")
-        buf.line(
-            f"a_tile = tl.load(x + rm[:, None] * {c} + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)"
-        )
-        dot_step(buf, f"w1 + rh[None, :] * {c} + kk[:, None]", "k_ok[:, None] & h_ok[None, :]", prec)
+        x_at = f"rm[:, None] * {c} + kk[None, :]"
+        buf.line(f"a_tile = {guarded_load('x', x_at, 'row_ok[:, None] & k_ok[None, :]', run=power_run(c))}")
+        w1_tile = TileRead("w1", f"rh[None, :] * {c} + kk[:, None]", power_run(c))
+        dot_step(buf, w1_tile, "k_ok[:, None] & h_ok[None, :]", prec)
     buf.line("mask = row_ok[:, None] & h_ok[None, :]")
     if b1:
         emit_loads(buf, [b1], lambda name: ("rh[None, :]", "h_ok[None, :]"), regs)

@@ -34,6 +34,7 @@ from opfuse.codegen.conv_fragments import (
 )
 from opfuse.codegen.conv_operands import NhwcConv, nhwc_conv
 from opfuse.codegen.epilogue import (
+    TileRead,
     accumulator_epilogue,
     computed_a_tile,
     dot_precision,
@@ -55,7 +56,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.resize import resize_load
-from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, guarded_load, in_bounds, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
@@ -154,7 +155,8 @@ def _generate_conv_nchw(
         buf.line(f"oh = (rm[:, None] // {p['OW']}) % {p['OH']}")
         buf.line(f"ow = rm[:, None] % {p['OW']}")
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-        k_loop(buf, k, n, f"w + rn[None, :] * {k} + kk[:, None]", dot_precision(dtype, precision), a_tile)
+        w_tile = TileRead("w", f"rn[None, :] * {k} + kk[:, None]", power_run(k))
+        k_loop(buf, k, n, w_tile, dot_precision(dtype, precision), a_tile)
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (rm[:, None] < {m}) & (cols < {n})")
 
@@ -331,17 +333,14 @@ def _concat_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
             buf.line(f"xv = tl.load(xp{i} + {offset}, mask=x_ok, other=0.0).to(tl.float32)")
             regs = {**cv.literals, concat.outputs[0]: "xv"}
             for j, const in enumerate(cv.act_consts):
-                buf.line(
-                    f"k{j} = tl.load(pc{j} + {first} + ci, mask=c_ok, other=0.0).to(tl.float32)[None, :]"
-                )
+                buf.line(f"k{j} = {guarded_load(f'pc{j}', f'{first} + ci', 'c_ok')}.to(tl.float32)[None, :]")
                 regs[const] = f"k{j}"
             emit_nodes(buf, cv.graph, cv.act, regs, prefix="u")
             last = cv.act[-1].outputs[0] if cv.act else concat.outputs[0]
             buf.line(f"a_tile = tl.where(x_ok, {regs[last]}, 0.0).to(xp0.dtype.element_ty)")
-            buf.line(
-                f"b_tile = tl.load(w + rn[None, :] * {c} + {first} + ci[:, None], "
-                f"mask=c_ok[:, None] & (rn[None, :] < {n}), other=0.0)"
-            )
+            w_at = f"rn[None, :] * {c} + {first} + ci[:, None]"
+            w_ok = f"c_ok[:, None] & (rn[None, :] < {n})"
+            buf.line(f"b_tile = {guarded_load('w', w_at, w_ok, run=power_run(c, first), axis=0)}")
             dot("a_tile", "b_tile")
 
 
@@ -385,7 +384,7 @@ def _flat_loop(buf: SourceBuffer, cv: NhwcConv) -> None:
         if cv.scale:
             _scale_tile(buf, cv, "ok")
 
-    k_loop(buf, k, cv.n, f"w + rn[None, :] * {k} + kk[:, None]", cv.prec, a_tile)
+    k_loop(buf, k, cv.n, TileRead("w", f"rn[None, :] * {k} + kk[:, None]", power_run(k)), cv.prec, a_tile)
 
 
 def _window_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
@@ -446,7 +445,7 @@ def _channel_block(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
         _scale_tile(buf, cv, "a_ok")
     dot_step(
         buf,
-        f"w + rn[None, :] * {k} + t * {c} + ci[:, None]",
+        TileRead("w", f"rn[None, :] * {k} + t * {c} + ci[:, None]", power_run(k, c)),
         f"(ci[:, None] < {c}) & (rn[None, :] < {n})",
         cv.prec,
     )
@@ -468,7 +467,7 @@ def _computed_tile(buf: SourceBuffer, cv: NhwcConv, coords: dict[int, str], mask
 
 def _scale_tile(buf: SourceBuffer, cv: NhwcConv, mask: str) -> None:
     """An input scale's prologue: the loaded tile times the scale, in the model's type."""
-    buf.line(f"sc_tile = tl.load(sc + {cv.scale_index}, mask={mask}, other=0.0)")
+    buf.line(f"sc_tile = {guarded_load('sc', cv.scale_index, mask)}")
     buf.line("a_tile = (a_tile.to(tl.float32) * sc_tile.to(tl.float32)).to(a_tile.dtype)")
 
 

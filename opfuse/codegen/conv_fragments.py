@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
-from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, in_bounds, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_POOLS
@@ -125,8 +125,9 @@ def shortcut_loop(
         buf.line(
             f"a_tile = tl.load(xs + {in_bounds('s_base[:, None] + ci[None, :]', 'a_ok', channel_run(c2))}, mask=a_ok, other=0.0)"
         )
+        ws_ok = f"(ci[:, None] < {c2}) & (rn[None, :] < {n})"
         buf.line(
-            f"b_tile = tl.load(ws + rn[None, :] * {c2} + ci[:, None], mask=(ci[:, None] < {c2}) & (rn[None, :] < {n}), other=0.0)"
+            f"b_tile = {guarded_load('ws', f'rn[None, :] * {c2} + ci[:, None]', ws_ok, run=power_run(c2), axis=0)}"
         )
         dot("a_tile", "b_tile")
 
@@ -167,13 +168,14 @@ def concat_stores(
                     if stride:
                         terms.append(coord if stride == 1 else f"{coord} * {stride}")
                 src = " + ".join(terms)
+                run = power_run(v.offset, *v.strides[:3]) if v.strides[3] == 1 else 1
             else:
-                src = f"rm[:, None] * {cx} + cc[None, :]"
+                src, run = f"rm[:, None] * {cx} + cc[None, :]", power_run(cx)
             buf.line(f"for c0 in range(tl.program_id(1) * BLOCK_N, {cx}, tl.num_programs(1) * BLOCK_N):")
             with buf.indent():
                 buf.line("cc = c0 + tl.arange(0, BLOCK_N)")
                 buf.line(f"c_ok = row_ok[:, None] & (cc[None, :] < {cx})")
-                buf.line(f"cv = tl.load(cat{copied.index(x)} + {src}, mask=c_ok, other=0.0)")
+                buf.line(f"cv = {guarded_load(f'cat{copied.index(x)}', src, 'c_ok', run=run)}")
                 buf.line(
                     f"tl.store(out{i} + row_dst + {offset} + cc[None, :], cv.to(out{i}.dtype.element_ty), mask=c_ok)"
                 )
@@ -217,20 +219,21 @@ def window_prologue(
             if pool is not None:
                 pool.emit_tap(buf, "dacc", "xv", "dcount", "ih", "iw")
             else:
-                buf.line(f"wv = tl.load(dw + ci * {taps} + t, mask=c_ok, other=0.0)")
+                buf.line(f"wv = {guarded_load('dw', f'ci * {taps} + t', 'c_ok')}")
                 buf.line("dacc = dacc + xv.to(tl.float32) * wv[None, :].to(tl.float32)")
         if pool is not None:
             pool.emit_mean(buf, "dacc", "dcount[:, None]")
         if len(dw.inputs) > 2 and dw.inputs[2]:
-            buf.line("dacc = dacc + tl.load(db + ci, mask=c_ok, other=0.0)[None, :].to(tl.float32)")
+            buf.line(f"dacc = dacc + {guarded_load('db', 'ci', 'c_ok')}[None, :].to(tl.float32)")
         regs[dw.outputs[0]] = "dacc"
         emit_nodes(buf, graph, chain, regs, prefix="u")
         last = chain[-1].outputs[0] if chain else dw.outputs[0]
         buf.line(
             f"a_tile = tl.where(row_ok[:, None] & c_ok[None, :], {regs[last]}, 0.0).to(x.dtype.element_ty)"
         )
+        w_ok = f"c_ok[:, None] & (rn[None, :] < {n})"
         buf.line(
-            f"b_tile = tl.load(w + rn[None, :] * {c} + ci[:, None], mask=c_ok[:, None] & (rn[None, :] < {n}), other=0.0)"
+            f"b_tile = {guarded_load('w', f'rn[None, :] * {c} + ci[:, None]', w_ok, run=power_run(c), axis=0)}"
         )
         dot("a_tile", "b_tile")
 
@@ -355,7 +358,6 @@ def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
         buf.line(
             f"xv = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'x_ok', contiguous_run(tap))}, mask=x_ok, other=0.0)"
         )
-        buf.line(
-            f"wv = tl.load(w + rn[None, :] * {tap.p['KH'] * tap.p['KW']} + t, mask=col_ok[None, :], other=0.0)"
-        )
+        taps = tap.p["KH"] * tap.p["KW"]
+        buf.line(f"wv = {guarded_load('w', f'rn[None, :] * {taps} + t', 'col_ok[None, :]')}")
         buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")

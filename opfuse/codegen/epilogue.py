@@ -10,12 +10,13 @@ and every group output is stored once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.source import SourceBuffer, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, guarded_load, in_bounds, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides, scalar_constant
@@ -67,16 +68,28 @@ def emit_dot(buf: SourceBuffer, acc: str, a: str, b: str, prec: str) -> None:
         buf.line(f"{acc} = tl.dot({a}, {b}, {acc}{prec})")
 
 
-def dot_step(buf: SourceBuffer, b: str, mask: str, prec: str) -> None:
-    """One step of a K loop once `a_tile` is loaded: the B tile at `b` (pointer + offset), 0
-    outside `mask`, multiplied into `acc`."""
-    buf.line(f"b_tile = tl.load({b}, mask={mask}, other=0.0)")
+@dataclass(frozen=True)
+class TileRead:
+    """A [K, N] operand tile's read: pointer `ptr`, element offsets `offset` (of `kk` or `ci`
+    and `rn`), and the run of contiguous elements `in_bounds` may claim along `axis` (0: along K,
+    1: along N)."""
+
+    ptr: str
+    offset: str
+    run: int = 1
+    axis: int = 0
+
+
+def dot_step(buf: SourceBuffer, b: TileRead, mask: str, prec: str) -> None:
+    """One step of a K loop once `a_tile` is loaded: the B tile `b`, 0 outside `mask` (its every
+    lane addressing inside B: `guarded_load`), multiplied into `acc`."""
+    buf.line(f"b_tile = {guarded_load(b.ptr, b.offset, mask, run=b.run, axis=b.axis)}")
     emit_dot(buf, "acc", "a_tile", "b_tile", prec)
 
 
-def k_loop(buf: SourceBuffer, k: int, n: int, b: str, prec: str, a_tile: Callable[[], None]) -> None:
+def k_loop(buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Callable[[], None]) -> None:
     """The K loop over one flat range, BLOCK_K at a time (`kk`): `a_tile()` writes the A tile's
-    load, the B tile is read at `b` (of `kk` and `rn`) inside [K, N]."""
+    load, the B tile `b` (of `kk` and `rn`) is read inside [K, N]."""
     buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
     with buf.indent():
         buf.line("kk = k0 + rk")

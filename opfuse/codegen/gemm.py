@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import (
+    TileRead,
     accumulator_epilogue,
     computed_a_tile,
     dot_precision,
@@ -38,7 +39,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.index_map import index_map_load
-from opfuse.codegen.source import SourceBuffer, float_literal, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, in_bounds, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
 from opfuse.ir.queries import contiguous_strides, next_pow2
@@ -225,11 +226,12 @@ def _grouped_tile(buf: SourceBuffer, m: int, n: int, batched: bool = False) -> N
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
 
 
-def _a_rows(buf: SourceBuffer, gm: _Gemm) -> str:
-    """Where A's row `rm` starts: rm * K, or (A through folded layout ops) `a_row`."""
+def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int]:
+    """Where A's row `rm` starts: rm * K, or (A through folded layout ops) `a_row`; and the run of
+    contiguous elements its K tiles may claim (`in_bounds`)."""
     a_view = gm.a_view
     if a_view is None:
-        return f"rm[:, None] * {gm.k}"
+        return f"rm[:, None] * {gm.k}", power_run(gm.k)
     # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
     lead, strides = a_view.shape[:-1], a_view.strides[:-1]
     terms = [str(a_view.offset)] if a_view.offset else []
@@ -242,10 +244,13 @@ def _a_rows(buf: SourceBuffer, gm: _Gemm) -> str:
             coord = f"({coord} % {size})"
         terms.append(f"{coord} * {stride}")
     buf.line(f"a_row = {' + '.join(terms) or '0 * rm'}  # A through {len(a_view.nodes)} folded layout op(s)")
-    return "a_row[:, None]"
+    run = power_run(a_view.offset, *(s for n, s in zip(lead, strides, strict=True) if n != 1))
+    return "a_row[:, None]", run
 
 
-def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str, views: dict[str, Any]) -> None:
+def _gemm_k_loop(
+    buf: SourceBuffer, gm: _Gemm, a_rows: tuple[str, int], prec: str, views: dict[str, Any]
+) -> None:
     m, n, k = gm.m, gm.n, gm.k
     sbk, sbn = (1, k) if gm.trans_b else (n, 1)
 
@@ -259,11 +264,13 @@ def _gemm_k_loop(buf: SourceBuffer, gm: _Gemm, a_rows: str, prec: str, views: di
             buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k})")
             _computed_a_tile(buf, gm, a_shape, coords, views)
         else:
-            buf.line(
-                f"a_tile = tl.load(a + {a_rows} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
-            )
+            a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
+            buf.line(f"a_tile = {guarded_load('a', f'{a_rows[0]} + kk[None, :]', a_ok, run=a_rows[1])}")
 
-    k_loop(buf, k, n, f"b + kk[:, None] * {sbk} + rn[None, :] * {sbn}", prec, a_tile)
+    b_run, b_axis = (power_run(sbk), 1) if sbn == 1 else (power_run(sbn), 0)
+    k_loop(
+        buf, k, n, TileRead("b", f"kk[:, None] * {sbk} + rn[None, :] * {sbn}", b_run, b_axis), prec, a_tile
+    )
 
 
 def _computed_a_tile(
@@ -344,8 +351,10 @@ def _pooled_a_tile(
     11x slower than the split form on the H200)."""
     pool = prologue[-1]
     hw = "hw[:, None]"
-    if row_space(graph, pool).first == 1:  # NHWC
-        _, h, w, _c = graph.spec(pool.inputs[0]).shape
+    full = tuple(graph.spec(pool.inputs[0]).shape)
+    nhwc = row_space(graph, pool).first == 1
+    if nhwc:
+        _, h, w, _c = full
         coords = {0: "i", 1: f"({hw} // {w})", 2: f"({hw} % {w})", 3: "kk[None, :]"}
     else:  # NCHW: the channels at stride H*W
         _, _c, h, w = graph.spec(pool.inputs[0]).shape
@@ -364,7 +373,8 @@ def _pooled_a_tile(
                 if idx is None:
                     buf.line(f"q{j} = tl.load(p{j}).to(tl.float32)")
                 else:
-                    buf.line(f"q{j} = tl.load(p{j} + {idx}, mask=p_ok, other=0.0).to(tl.float32)")
+                    run = power_run(full[3]) if nhwc and tuple(graph.spec(name).shape) == full else 1
+                    buf.line(f"q{j} = {guarded_load(f'p{j}', idx, 'p_ok', run=run)}.to(tl.float32)")
                 regs[name] = f"q{j}"
             emit_nodes(buf, graph, prologue[:-1], regs, prefix="u")
             buf.line(f"isum += tl.sum(tl.where(p_ok, {regs[pool.inputs[0]]}, 0.0), axis=0)")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.epilogue import computed_a_tile, dot_precision, folded_row_coords, k_loop
+from opfuse.codegen.epilogue import TileRead, computed_a_tile, dot_precision, folded_row_coords, k_loop
 from opfuse.codegen.fragments import (
     KernelSource,
     concat_comments,
@@ -35,7 +35,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.select import emit_concat
-from opfuse.codegen.source import SourceBuffer, float_literal
+from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
@@ -192,11 +192,12 @@ def _gemm_tile(
                 f"{b}.dtype.element_ty",
             )  # fmt: skip
             return
-        buf.line(
-            f"a_tile = tl.load({ptr[mm.inputs[0]]} + rm[:, None] * {k} + kk[None, :], mask=(rm[:, None] < {m}) & (kk[None, :] < {k}), other=0.0)"
-        )
+        a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
+        a_at = f"rm[:, None] * {k} + kk[None, :]"
+        buf.line(f"a_tile = {guarded_load(ptr[mm.inputs[0]], a_at, a_ok, run=power_run(k))}")
 
-    b_at = f"{b} + kk[:, None] * {sbk} + rn[None, :] * {sbn}"
+    b_run, b_axis = (power_run(sbk), 1) if sbn == 1 else (power_run(sbn), 0)
+    b_at = TileRead(b, f"kk[:, None] * {sbk} + rn[None, :] * {sbn}", b_run, b_axis)
     k_loop(buf, k, n, b_at, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
     rounded = b if a_ops else ptr[mm.inputs[0]]  # the model's type (A's, where A is loaded)
     buf.line(f"gmv = acc.to({rounded}.dtype.element_ty).to(tl.float32)")

@@ -59,6 +59,18 @@ def in_bounds(offset: str, mask: str, run: int = 1, axis: int = 1) -> str:
     return f"tl.max_contiguous(tl.multiple_of({safe}, {hint}), {hint})"
 
 
+def guarded_load(ptr: str, offset: str, mask: str, other: str = "0.0", run: int = 1, axis: int = 1) -> str:
+    """`tl.load` of `ptr + offset` on the lanes of `mask` (`other` elsewhere) whose every lane,
+    masked-off ones too, addresses inside the tensor (`in_bounds`, with its `run` and `axis`).
+
+    The form of every masked load inside a loop a kernel runs: Triton pipelines those on the
+    GPU (cp.async on Hopper), which issues the addresses of masked-off lanes as well; a tile's
+    lanes past the last row, column or K step then address memory past the tensor, an illegal
+    memory access where that is unmapped. The interpreter's bounds checks hold every such load to
+    this (runtime/bounds.py)."""
+    return f"tl.load({ptr} + {in_bounds(offset, mask, run, axis)}, mask={mask}, other={other})"
+
+
 def power_run(*values: int) -> int:
     """The largest power of two up to 8 dividing every value (0 divides by anything)."""
     run = 8

@@ -3,8 +3,9 @@
 On the GPU a kernel that reads or writes outside its tensors fails only where the address leaves
 mapped memory ("illegal memory access", often in a later, innocent call), or silently reads a
 neighbour's bytes. In the interpreter every load, store and atomic is a numpy array of addresses,
-so each can be checked: with the checks on, every element a kernel touches (its mask's lanes only)
-must lie inside one of the tensors passed to that launch, each tensor's own extent (a view of the
+so each can be checked: with the checks on, every element a kernel touches (its mask's lanes; every
+lane of a load inside a loop, which the GPU pipelines and whose masked-off lanes' addresses it
+issues too) must lie inside one of the tensors passed to that launch, each tensor's own extent (a view of the
 executor's arena covers its own bytes, not the arena's). A touch outside raises `OutOfBounds`,
 naming the kernel, the access and the nearest tensor, and is kept in `violations`. The test
 suite turns the checks on and fails a test that left a violation (tests/conftest.py), so every
@@ -17,10 +18,14 @@ calls `install()`; compiled kernels are never touched.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -109,6 +114,44 @@ def _describe(addr: int, itemsize: int, what: str, ranges: list[tuple[int, int, 
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _loop_lines(filename: str, function: str) -> frozenset[int]:
+    """The source lines of `function` in `filename` that lie inside a loop's body."""
+    try:
+        with open(filename, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    lines: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name == function:
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.For, ast.While)) and node.body and not _unrolled(node):
+                    lines.update(range(node.body[0].lineno, (node.end_lineno or node.lineno) + 1))
+    return frozenset(lines)
+
+
+def _unrolled(loop: ast.For | ast.While) -> bool:
+    """A `for ... in tl.static_range(...)`: unrolled when the kernel compiles, so no loop the GPU
+    pipelines (a loop around it still is)."""
+    it = getattr(loop, "iter", None)
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "static_range"
+
+
+def _in_loop(kernel: str | None) -> bool:
+    """Whether the load being made comes from a line inside a loop of the kernel's function: the
+    loads Triton may pipeline on the GPU (cp.async on Hopper), which issue the addresses of
+    masked-off lanes too."""
+    if kernel is None:
+        return False
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name != kernel:
+        frame = frame.f_back
+    if frame is None:
+        return False
+    return frame.f_lineno in _loop_lines(frame.f_code.co_filename, kernel)
+
+
 @contextmanager
 def every_lane(kernels: frozenset[str]) -> Iterator[None]:
     """Within this block, the loads of the kernels named (their jitted functions' names) are
@@ -154,7 +197,8 @@ def install() -> None:
 
     def masked_load(self: Any, ptrs: Any, mask: Any, other: Any, *rest: Any) -> Any:
         size = np.dtype(ti._get_np_dtype(ptrs.get_element_ty())).itemsize
-        every = getattr(_state, "kernel", None) in getattr(_state, "every_lane", frozenset())
+        kernel = getattr(_state, "kernel", None)
+        every = kernel in getattr(_state, "every_lane", frozenset()) or _in_loop(kernel)
         check(ptrs.data, None if every else mask.data, size, "load" if not every else "load (every lane)")
         return load(self, ptrs, mask, other, *rest)
 

@@ -173,7 +173,11 @@ def test_views_through_reshape_chains_and_split() -> None:
     cm = check_against_ort(m, {"x": [B, S, hd]})
     assert [s.op_type or "kernel" for s in cm.plan.steps] == ["MatMul", "kernel"]
     (k,) = cm.plan.kernels.values()
-    assert k.inputs == ["qkv", "qkv", "qkv"] and f"k + {hd} +" in k.source and f"v + {2 * hd} +" in k.source
+    assert (
+        k.inputs == ["qkv", "qkv", "qkv"]
+        and f"k_ok, {hd} + b" in k.source
+        and f"v_ok, {2 * hd} + b" in k.source
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])

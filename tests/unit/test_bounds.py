@@ -142,3 +142,51 @@ def test_conv_gathers_address_only_their_input_on_every_lane(
     x = np.random.default_rng(0).standard_normal((2, c, size, size)).astype(np.float32)
     with checked.every_lane(frozenset({"fused_conv"})):
         cm.run({"x": x})
+
+
+def _sum_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def looped_sum(x, y, n, BLOCK: tl.constexpr, GUARDED: tl.constexpr):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, n, BLOCK):
+            o = k0 + tl.arange(0, BLOCK)
+            if GUARDED:
+                acc += tl.load(x + tl.where(o < n, o, 0), mask=o < n, other=0.0)
+            else:
+                acc += tl.load(x + o, mask=o < n, other=0.0)
+        tl.store(y + tl.arange(0, BLOCK), acc)
+
+    @triton.jit
+    def unrolled_sum(x, y, n, BLOCK: tl.constexpr):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(0, 2):
+            o = k * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x + o, mask=o < n, other=0.0)
+        tl.store(y + tl.arange(0, BLOCK), acc)
+
+    return looped_sum, unrolled_sum
+
+
+def test_a_load_inside_a_loop_keeps_every_lane_inside_its_tensor(checked: Any) -> None:
+    """Triton pipelines a loop's loads on the GPU, and those issue masked-off lanes' addresses
+    too: inside a loop every lane is checked. The last block's lanes past the tensor fail
+    unless the kernel keeps them at offset 0 (codegen.source.guarded_load); outside a loop, and
+    in a `tl.static_range` (unrolled when the kernel compiles), only the active lanes are."""
+    looped, unrolled = _sum_kernels()
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal(20).astype(np.float32))
+    expected = torch.zeros(16)
+    expected += x[:16]
+    expected[:4] += x[16:]
+    for kernel, extra in ((looped, {"GUARDED": True}), (unrolled, {})):
+        y = torch.empty(16)
+        before = len(checked.violations)
+        kernel[(1,)](x, y, 20, BLOCK=16, **extra)
+        assert torch.allclose(y, expected)
+        assert len(checked.violations) == before
+    with pytest.raises(Exception, match=r"looped_sum: a load \(every lane\) of 12 element\(s\) outside"):
+        looped[(1,)](x, torch.empty(16), 20, BLOCK=16, GUARDED=False)
+    assert "element 20 of 'x'" in checked.violations[-1]

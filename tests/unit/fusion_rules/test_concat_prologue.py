@@ -83,7 +83,11 @@ def test_a_dense_layer_is_its_two_convolutions(precision: str) -> None:
     (k,) = [k for k in cm.plan.kernels.values() if "xp2" in k.source]
     assert k.source.count("for c0 in range(") == 3 and k.config["BLOCK_K"] == 16
     # Each input's channels read at its offset in the Concat: the BN constants and weight rows.
-    assert "pc0 + 24 + ci" in k.source and "pc0 + 40 + ci" in k.source and "+ 40 + ci[:, None]" in k.source
+    assert (
+        "(c_ok, 24 + ci, 0)" in k.source
+        and "(c_ok, 40 + ci, 0)" in k.source
+        and "+ 40 + ci[:, None]" in k.source
+    )
     x = RNG.standard_normal((2, 24, 6, 6)).astype(np.float32)
     check_every_candidate(cm, k, model, {"x": x}, precision, [{"BLOCK_K": 32}])
 
@@ -154,4 +158,4 @@ def test_scalar_and_per_channel_constants_of_any_affine_op(precision: str) -> No
     cm = check_against_ort(model, {"x": [1, 4, 5, 5]}, precision, NHWC_ALWAYS, tune_budget_s=0)
     assert [g["rule"] for g in cm.report["fusion"]["groups"]] == [RULE]
     (k,) = [k for k in cm.plan.kernels.values() if "xp1" in k.source]
-    assert "* 0.5)" in k.source and "pc0 + 12 + ci" in k.source
+    assert "* 0.5)" in k.source and "(c_ok, 12 + ci, 0)" in k.source
