@@ -302,7 +302,9 @@ def main() -> None:
     ap.add_argument("--tune-budget", type=float, default=20.0)
     ap.add_argument("--out", default="")
     ap.add_argument(
-        "--sections", default="bandwidth,gemm,tiles", help="comma-separated: bandwidth, gemm, tiles (default all)"
+        "--sections",
+        default="bandwidth,gemm,tiles",
+        help="comma-separated: bandwidth, gemm, tiles (default all)",
     )
     args = ap.parse_args()
     wanted = set(args.sections.split(","))
