@@ -73,6 +73,8 @@ REVIEWED_VERSIONS: dict[str, int] = {
     "SwiGLU": 28,  # new at 28
     "TensorScatter": 24,  # new at 24
     "Attention": 25,  # 24 adds nonpad_kv_seqlen, 25 sliding windows (both implemented)
+    **dict.fromkeys(["RNN", "GRU", "LSTM"], 22),  # types only
+    "DFT": 20,  # 20 moves `axis` to an input, default -2 (explicit_dft_axis writes it out)
 }
 
 
@@ -221,8 +223,30 @@ def explicit_mvn_axes(model: onnx.ModelProto) -> None:
             node.attribute.append(helper.make_attribute("axes", [0, 2, 3]))
 
 
+def explicit_dft_axis(model: onnx.ModelProto) -> None:
+    """DFT-20 without its `axis` input gets the default, -2, as a constant input.
+
+    DFT-17 keeps `axis` as an attribute (default 1) and DFT-20 as its third input (default -2);
+    the runtime tells the two apart by which one a node has, so the newer default is written out."""
+    if default_opset(model) < 20:
+        return
+    for node in model.graph.node:
+        if node.op_type != "DFT" or node.domain not in DEFAULT_DOMAINS:
+            continue
+        if len(node.input) >= 3 and node.input[2]:
+            continue
+        name = f"{node.output[0]}__dft_axis"
+        model.graph.initializer.append(helper.make_tensor(name, onnx.TensorProto.INT64, [], [-2]))
+        while len(node.input) < 2:
+            node.input.append("")
+        if len(node.input) == 2:
+            node.input.append(name)
+        else:
+            node.input[2] = name
+
+
 # Fixes every model gets after conversion, whatever its opset.
-FIXES_AFTER: list[Callable[[onnx.ModelProto], None]] = [explicit_mvn_axes]
+FIXES_AFTER: list[Callable[[onnx.ModelProto], None]] = [explicit_mvn_axes, explicit_dft_axis]
 
 
 def convert_opset(model: onnx.ModelProto) -> onnx.ModelProto:

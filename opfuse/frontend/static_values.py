@@ -35,6 +35,8 @@ SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
     "Upsample": (1,),
     "CenterCropPad": (1,),
     "AffineGrid": (1,),
+    "Col2Im": (1, 2),
+    "DFT": (1, 2),
     "HannWindow": (0,),
     "HammingWindow": (0,),
     "BlackmanWindow": (0,),

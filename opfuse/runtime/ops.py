@@ -26,6 +26,7 @@ from opfuse.runtime import (  # noqa: F401
     ops_math,
     ops_nn,
     ops_norm,
+    ops_recurrent,
     ops_reduce,
     ops_shape,
 )

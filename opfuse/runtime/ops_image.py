@@ -308,3 +308,46 @@ def affine_grid(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     align = attrs.get("align_corners", 0) == 1
     compute = torch.promote_types(theta.dtype, torch.float32)
     return [F.affine_grid(theta.to(compute), size, align_corners=align).to(theta.dtype)]
+
+
+@register("Col2Im", host_inputs=(1, 2))
+def col2im(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    """Col2Im, any number of spatial dims: each column's blocks summed into the padded image at
+    their window positions (one index_add), then the padding cropped off."""
+    x = required(inputs, 0, "Col2Im")
+    image = int_list(required(inputs, 1, "Col2Im"))
+    block = int_list(required(inputs, 2, "Col2Im"))
+    nd = len(image)
+    if len(block) != nd or x.dim() != 3:
+        raise ModelError(
+            f"Col2Im: image_shape {image} and block_shape {block} must have one length, and the input "
+            f"rank 3 ([N, C * prod(block_shape), L]); got input shape {list(x.shape)}"
+        )
+    dil = [int(v) for v in attrs.get("dilations", [1] * nd)]
+    strides = [int(v) for v in attrs.get("strides", [1] * nd)]
+    pads = [int(v) for v in attrs.get("pads", [0] * 2 * nd)]
+    padded = [image[d] + pads[d] + pads[d + nd] for d in range(nd)]
+    counts = [(padded[d] - dil[d] * (block[d] - 1) - 1) // strides[d] + 1 for d in range(nd)]
+    taps = math.prod(block)
+    n, cols, length = x.shape
+    if cols % taps or length != math.prod(counts) or min(counts) < 1:
+        raise ModelError(
+            f"Col2Im: input shape {list(x.shape)} does not match image_shape {image}, block_shape {block}, "
+            f"pads {pads}, strides {strides} and dilations {dil} ({math.prod(counts)} blocks of {taps})"
+        )
+    dev = x.device
+    where = torch.zeros((), dtype=torch.int64, device=dev)
+    inner = 1
+    for d in reversed(range(nd)):  # flat position in the padded image, of [taps..., blocks...]
+        k = torch.arange(block[d], device=dev) * dil[d]
+        b = torch.arange(counts[d], device=dev) * strides[d]
+        pos = k.reshape([-1 if i == d else 1 for i in range(nd)] + [1] * nd) + b.reshape(
+            [1] * nd + [-1 if i == d else 1 for i in range(nd)]
+        )
+        where = where + pos * inner
+        inner *= padded[d]
+    out = x.new_zeros(n, cols // taps, math.prod(padded))
+    out.index_add_(2, where.reshape(-1), x.reshape(n, cols // taps, -1))
+    out = out.reshape(n, cols // taps, *padded)
+    crop = tuple(slice(pads[d], pads[d] + image[d]) for d in range(nd))
+    return [out[(slice(None), slice(None), *crop)].contiguous()]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from opfuse.errors import ModelError
-from opfuse.runtime.ops_registry import onnx_torch_dtype, register, required, target_device
+from opfuse.runtime.ops_registry import normalize_axis, onnx_torch_dtype, register, required, target_device
 
 Inputs = list[torch.Tensor | None]
 Attrs = dict[str, Any]
@@ -114,3 +114,36 @@ def _window(op_type: str) -> None:
 
 for _name in _WINDOWS:
     _window(_name)
+
+
+@register("DFT", host_inputs=(1, 2))
+def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    """DFT-17 (`axis` an attribute, default 1) and DFT-20 (`axis` the third input; the frontend
+    writes its default, -2, out: opsets.explicit_dft_axis). The signal's last axis holds the real
+    part, or the real and imaginary parts; the transform runs in float64, as numpy's (the
+    reference's) does, so a frequency that is exactly 0 comes out 0; the output is [..., 2], or
+    [..., 1] for an inverse one-sided transform (a real signal)."""
+    x = required(inputs, 0, "DFT")
+    length, axis_in = (inputs[i] if i < len(inputs) else None for i in (1, 2))
+    axis = int(axis_in.reshape(-1)[0]) if axis_in is not None else int(attrs.get("axis", 1))
+    axis = normalize_axis(axis, x.dim(), "DFT")
+    if axis == x.dim() - 1 or x.shape[-1] not in (1, 2):
+        raise ModelError(
+            f"DFT: the input's last axis must hold the real (1) or real and imaginary (2) parts and "
+            f"the transform run along another axis; got shape {list(x.shape)} and axis {axis}"
+        )
+    inverse, onesided = bool(int(attrs.get("inverse", 0))), bool(int(attrs.get("onesided", 0)))
+    xs = x.to(torch.float64)
+    signal = torch.complex(xs[..., 0], xs[..., 1]) if x.shape[-1] == 2 else xs[..., 0]
+    if length is not None:
+        n = int(length.reshape(-1)[0])
+    else:
+        n = 2 * (x.shape[axis] - 1) if inverse and onesided else x.shape[axis]
+    if n < 1:
+        raise ModelError(f"DFT: dft_length {n} is not positive")
+    if inverse and onesided:
+        return [torch.fft.irfft(signal, n=n, dim=axis).unsqueeze(-1).to(x.dtype)]
+    out = torch.fft.ifft(signal, n=n, dim=axis) if inverse else torch.fft.fft(signal, n=n, dim=axis)
+    if onesided:
+        out = out.narrow(axis, 0, n // 2 + 1)
+    return [torch.stack([out.real, out.imag], -1).to(x.dtype)]

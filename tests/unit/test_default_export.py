@@ -537,3 +537,34 @@ def test_relative_position_shifts_are_gathered_by_the_add(dynamo: bool, tmp_path
     assert any("pad_gather" in r for r in rules(cm)), cm.report["fusion"]
     assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "Pad"]
     assert cm.report["kernels"]["after"] == 5, [s.op_type or s.kernel for s in cm.plan.steps if s.launches]
+
+
+class _Recurrent(nn.Module):
+    """A bidirectional two-layer LSTM over a projected sequence, a GRU after it, and a
+    classifier: the recurrent ops as the exporters write them (LSTM and GRU nodes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(12, 16)
+        self.lstm = nn.LSTM(16, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(16, 8, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(torch.relu(self.proj(x)))
+        g, last = self.gru(h)
+        return self.head(g[:, -1] + last[0])
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_recurrent_layers_run_as_library_ops(dynamo: bool, tmp_path: Path) -> None:
+    """An LSTM and a GRU (torch.nn, both exporters) compile and match onnxruntime: they run as
+    opfuse's per-op kernels (runtime/ops_recurrent.py), the ops around them fused as usual."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 12)
+    model = export(_Recurrent(), (x,), tmp_path / "m.onnx", dynamo=dynamo)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"LSTM", "GRU"} <= ops, ops
+    cm = check(model, (x,), tmp_path)
+    steps = [s.op_type for s in cm.plan.steps if s.kind == "op"]
+    assert "LSTM" in steps and "GRU" in steps

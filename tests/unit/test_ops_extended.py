@@ -452,6 +452,77 @@ def _semantics_cases() -> list[Case]:
     ]
 
 
+def _recurrent_cases() -> list[Case]:
+    """RNN, GRU and LSTM with what the conformance cases leave out: sequence_lens with both
+    directions, clip, input_forget, linear_before_reset, activations with alpha and beta; and
+    Col2Im with uneven pads, strides and dilations; DFT zero-padded to dft_length."""
+    seq, batch, inp, hid = 4, 3, 3, 5
+    x = normal(seq, batch, inp)
+    lens = np.array([4, 2, 3], dtype=np.int32)
+
+    def weights(gates: int, dirs: int) -> list[np.ndarray]:
+        return [
+            normal(dirs, gates * hid, inp, scale=0.5),
+            normal(dirs, gates * hid, hid, scale=0.5),
+            normal(dirs, 2 * gates * hid, scale=0.2),
+        ]
+
+    def state(dirs: int) -> np.ndarray:
+        return normal(dirs, batch, hid, scale=0.5)
+
+    both = {"hidden_size": hid, "direction": "bidirectional"}
+    return [
+        Case(
+            "LSTM-bidirectional-lengths-peepholes",
+            "LSTM",
+            [x, *weights(4, 2), lens, state(2), state(2), normal(2, 3 * hid, scale=0.2)],
+            both,
+            num_outputs=3,
+        ),
+        Case(
+            "LSTM-clip-input-forget",
+            "LSTM",
+            [x, *weights(4, 1), None, state(1), state(1)],
+            {"hidden_size": hid, "clip": 0.7, "input_forget": 1},
+            num_outputs=3,
+        ),
+        Case(
+            "LSTM-hardsigmoid-gates",
+            "LSTM",
+            [x, *weights(4, 1)],
+            {
+                "hidden_size": hid,
+                "activations": ["HardSigmoid", "Tanh", "Tanh"],
+                "activation_alpha": [0.3],
+                "activation_beta": [0.4],
+            },
+            num_outputs=3,
+        ),
+        Case(
+            "GRU-reverse-lengths-linear-before-reset",
+            "GRU",
+            [x, *weights(3, 1), np.array([1, 4, 2], dtype=np.int32), state(1)],
+            {"hidden_size": hid, "direction": "reverse", "linear_before_reset": 1},
+            num_outputs=2,
+        ),
+        Case("GRU-bidirectional-lengths", "GRU", [x, *weights(3, 2), lens, state(2)], both, num_outputs=2),
+        Case(
+            "RNN-bidirectional-lengths-relu",
+            "RNN",
+            [x, *weights(1, 2), lens, state(2)],
+            {**both, "activations": ["Relu", "Tanh"]},
+            num_outputs=2,
+        ),
+        Case(
+            "Col2Im-pads-strides-dilations",
+            "Col2Im",
+            [normal(2, 2 * 2 * 3, 12), i64(5, 6), i64(2, 3)],
+            {"pads": [1, 0, 0, 2], "strides": [2, 1], "dilations": [1, 2]},
+        ),
+        Case("DFT-17-dft-length", "DFT", [normal(2, 6, 1), i64(8)], {"axis": 1}, opset=17),
+    ]
+
+
 EXTENDED_CASES: list[Case] = [
     *_math_cases(),
     *_activation_cases(),
@@ -462,6 +533,7 @@ EXTENDED_CASES: list[Case] = [
     *_transformer_cases(),
     *_attention_cases(),
     *_semantics_cases(),
+    *_recurrent_cases(),
 ]
 
 

@@ -1,0 +1,261 @@
+"""Per-op torch kernels of the ONNX recurrent ops: RNN, GRU and LSTM.
+
+One time step at a time, as the ONNX operators define them: the input's projection for every step
+is one matmul up front, the recurrence a matmul and the gates' pointwise ops per step. Every
+attribute is implemented: the three directions, both layouts, `clip`, LSTM's peepholes and
+`input_forget`, GRU's `linear_before_reset`, and any of the activations ONNX names with their
+alphas and betas. `sequence_lens` is read on the device (masks, no host copy): a batch entry's
+steps past its length give zeros in Y and leave its state as it was, and the reverse direction
+runs each entry's own steps backwards, as onnxruntime does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from opfuse.errors import ModelError
+from opfuse.runtime.ops_registry import optional, register, required
+
+Inputs = list[torch.Tensor | None]
+Attrs = dict[str, Any]
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+# name -> (uses alpha, uses beta, default alpha, default beta)
+_ACTIVATION_PARAMS: dict[str, tuple[bool, bool, float, float]] = {
+    "relu": (False, False, 0.0, 0.0),
+    "tanh": (False, False, 0.0, 0.0),
+    "sigmoid": (False, False, 0.0, 0.0),
+    "softsign": (False, False, 0.0, 0.0),
+    "softplus": (False, False, 0.0, 0.0),
+    "affine": (True, True, 1.0, 0.0),
+    "leakyrelu": (True, False, 0.01, 0.0),
+    "thresholdedrelu": (True, False, 1.0, 0.0),
+    "scaledtanh": (True, True, 1.0, 1.0),
+    "hardsigmoid": (True, True, 0.2, 0.5),
+    "elu": (True, False, 1.0, 0.0),
+}
+
+
+def _activation(name: str, alpha: float, beta: float) -> Act:
+    fns: dict[str, Act] = {
+        "relu": torch.relu,
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+        "softsign": F.softsign,
+        "softplus": F.softplus,
+        "affine": lambda x: alpha * x + beta,
+        "leakyrelu": lambda x: F.leaky_relu(x, alpha),
+        "thresholdedrelu": lambda x: torch.where(x > alpha, x, torch.zeros_like(x)),
+        "scaledtanh": lambda x: alpha * torch.tanh(beta * x),
+        "hardsigmoid": lambda x: torch.clamp(alpha * x + beta, 0.0, 1.0),
+        "elu": lambda x: F.elu(x, alpha),
+    }
+    return fns[name]
+
+
+def _activations(op_type: str, attrs: Attrs, defaults: list[str], directions: int) -> list[list[Act]]:
+    """Each direction's activation functions, in the order the op consumes them. `activation_alpha`
+    and `activation_beta` are consumed in order by the functions that take them."""
+    names = [str(n) for n in attrs.get("activations", defaults * directions)]
+    if len(names) == len(defaults) and directions == 2:
+        names = names * 2
+    if len(names) != len(defaults) * directions:
+        raise ModelError(
+            f"{op_type}: `activations` names {len(names)} functions where {len(defaults) * directions} "
+            f"({len(defaults)} per direction) are needed"
+        )
+    alphas = [float(a) for a in attrs.get("activation_alpha", [])]
+    betas = [float(b) for b in attrs.get("activation_beta", [])]
+    fns: list[Act] = []
+    for name in names:
+        key = name.lower()
+        if key not in _ACTIVATION_PARAMS:
+            raise ModelError(f"{op_type}: unknown activation function {name!r}")
+        uses_alpha, uses_beta, alpha, beta = _ACTIVATION_PARAMS[key]
+        if uses_alpha and alphas:
+            alpha = alphas.pop(0)
+        if uses_beta and betas:
+            beta = betas.pop(0)
+        fns.append(_activation(key, alpha, beta))
+    per = len(defaults)
+    return [fns[d * per : (d + 1) * per] for d in range(directions)]
+
+
+class _Recurrence:
+    """What RNN, GRU and LSTM share: the inputs in [seq, batch, ...] order, the directions, the
+    step masks of `sequence_lens`, and Y and the final states in the model's layout."""
+
+    def __init__(self, op_type: str, inputs: Inputs, attrs: Attrs, gates: int) -> None:
+        self.op_type = op_type
+        x = required(inputs, 0, op_type)
+        self.layout = int(attrs.get("layout", 0))
+        self.x = x.transpose(0, 1) if self.layout else x  # [seq, batch, input]
+        self.w = required(inputs, 1, op_type)
+        self.r = required(inputs, 2, op_type)
+        self.b = optional(inputs, 3)
+        direction = str(attrs.get("direction", "forward"))
+        if direction not in ("forward", "reverse", "bidirectional"):
+            raise ModelError(f"{op_type}: direction {direction!r} is not forward, reverse or bidirectional")
+        self.reverse = [False, True] if direction == "bidirectional" else [direction == "reverse"]
+        self.hidden = int(attrs.get("hidden_size", self.r.shape[-1]))
+        if self.w.shape[0] != len(self.reverse) or self.w.shape[1] != gates * self.hidden:
+            raise ModelError(
+                f"{op_type}: W has shape {list(self.w.shape)}, not [{len(self.reverse)}, "
+                f"{gates * self.hidden}, input_size] for direction {direction!r} and hidden_size {self.hidden}"
+            )
+        clip = attrs.get("clip")
+        self.clip = float(clip) if clip is not None else None
+        seq, batch = self.x.shape[0], self.x.shape[1]
+        lens = optional(inputs, 4)
+        steps = torch.arange(seq, device=x.device)
+        if lens is None:
+            self.lens = None
+            self.valid = None
+        else:
+            self.lens = lens.to(device=x.device, dtype=torch.int64).reshape(batch)
+            self.valid = (steps[:, None] < self.lens[None, :]).unsqueeze(-1)  # [seq, batch, 1]
+        self.steps = steps
+
+    def initial(self, inputs: Inputs, index: int) -> torch.Tensor:
+        """initial_h or initial_c as [directions, batch, hidden] (zeros where absent)."""
+        t = optional(inputs, index)
+        if t is None:
+            return self.x.new_zeros(len(self.reverse), self.x.shape[1], self.hidden)
+        return t.transpose(0, 1) if self.layout else t
+
+    def clipped(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.clip is None else torch.clamp(t, -self.clip, self.clip)
+
+    def order(self, t: torch.Tensor, reverse: bool) -> torch.Tensor:
+        """`t` [seq, batch, ...] with each batch entry's own steps in the direction's order: all
+        steps reversed, or with sequence_lens only the first len[b] of entry b (the rest stay)."""
+        if not reverse:
+            return t
+        if self.lens is None:
+            return t.flip(0)
+        idx = torch.where(
+            self.steps[:, None] < self.lens[None, :],
+            self.lens[None, :] - 1 - self.steps[:, None],
+            self.steps[:, None],
+        )
+        idx = idx.reshape(*idx.shape, *([1] * (t.dim() - 2))).expand_as(t)
+        return torch.gather(t, 0, idx)
+
+    def keep(self, step: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """The state after step `step`: `new` where the entry's sequence has that step, else `old`."""
+        return new if self.valid is None else torch.where(self.valid[step], new, old)
+
+    def outputs(self, ys: list[torch.Tensor], finals: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Y [seq, directions, batch, hidden] and each final state [directions, batch, hidden], in
+        the model's layout."""
+        y = torch.stack(ys, 1)
+        states = [torch.stack(f, 0) for f in finals]
+        if self.layout:
+            y = y.permute(2, 0, 1, 3)
+            states = [s.transpose(0, 1) for s in states]
+        return [y, *states]
+
+
+def _directions(
+    rec: _Recurrence, gates: int
+) -> list[tuple[int, bool, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per direction: its index, whether it runs backwards, X·Wᵀ + Wb for every step ([seq,
+    batch, gates·hidden], in the direction's step order), R, and Rb."""
+    out = []
+    for d, reverse in enumerate(rec.reverse):
+        x = rec.order(rec.x, reverse)
+        xw = torch.matmul(x, rec.w[d].transpose(0, 1))
+        rb = rec.x.new_zeros(gates * rec.hidden)
+        if rec.b is not None:
+            xw = xw + rec.b[d, : gates * rec.hidden]
+            rb = rec.b[d, gates * rec.hidden :]
+        out.append((d, reverse, xw, rec.r[d], rb))
+    return out
+
+
+def _finish(rec: _Recurrence, d: int, reverse: bool, hs: list[torch.Tensor]) -> torch.Tensor:
+    """The direction's Y [seq, batch, hidden] in time order, zeros past each entry's length."""
+    y = torch.stack(hs, 0)
+    if rec.valid is not None:
+        y = torch.where(rec.valid, y, torch.zeros_like(y))
+    return rec.order(y, reverse)
+
+
+@register("RNN")
+def rnn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    rec = _Recurrence("RNN", inputs, attrs, 1)
+    acts = _activations("RNN", attrs, ["Tanh"], len(rec.reverse))
+    h0 = rec.initial(inputs, 5)
+    ys, finals = [], []
+    for d, reverse, xw, r, rb in _directions(rec, 1):
+        (f,) = acts[d]
+        h = h0[d]
+        hs = []
+        for t in range(xw.shape[0]):
+            h = rec.keep(t, f(rec.clipped(xw[t] + h @ r.T + rb)), h)
+            hs.append(h)
+        ys.append(_finish(rec, d, reverse, hs))
+        finals.append(h)
+    return rec.outputs(ys, [finals])
+
+
+@register("GRU")
+def gru(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    rec = _Recurrence("GRU", inputs, attrs, 3)
+    acts = _activations("GRU", attrs, ["Sigmoid", "Tanh"], len(rec.reverse))
+    before_reset = bool(int(attrs.get("linear_before_reset", 0)))
+    h0 = rec.initial(inputs, 5)
+    n = rec.hidden
+    ys, finals = [], []
+    for d, reverse, xw, r, rb in _directions(rec, 3):
+        f, g = acts[d]
+        h = h0[d]
+        hs = []
+        for t in range(xw.shape[0]):
+            hr = h @ r[: 2 * n].T + rb[: 2 * n]
+            z = f(rec.clipped(xw[t, :, :n] + hr[:, :n]))
+            rr = f(rec.clipped(xw[t, :, n : 2 * n] + hr[:, n:]))
+            if before_reset:
+                cand = xw[t, :, 2 * n :] + rr * (h @ r[2 * n :].T + rb[2 * n :])
+            else:
+                cand = xw[t, :, 2 * n :] + (rr * h) @ r[2 * n :].T + rb[2 * n :]
+            hh = g(rec.clipped(cand))
+            h = rec.keep(t, (1 - z) * hh + z * h, h)
+            hs.append(h)
+        ys.append(_finish(rec, d, reverse, hs))
+        finals.append(h)
+    return rec.outputs(ys, [finals])
+
+
+@register("LSTM")
+def lstm(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    rec = _Recurrence("LSTM", inputs, attrs, 4)
+    acts = _activations("LSTM", attrs, ["Sigmoid", "Tanh", "Tanh"], len(rec.reverse))
+    input_forget = bool(int(attrs.get("input_forget", 0)))
+    h0, c0 = rec.initial(inputs, 5), rec.initial(inputs, 6)
+    peep = optional(inputs, 7)
+    n = rec.hidden
+    ys, final_h, final_c = [], [], []
+    for d, reverse, xw, r, rb in _directions(rec, 4):
+        f, g, hf = acts[d]
+        pi, po, pf = (peep[d, :n], peep[d, n : 2 * n], peep[d, 2 * n :]) if peep is not None else (0, 0, 0)
+        h, c = h0[d], c0[d]
+        hs = []
+        for t in range(xw.shape[0]):
+            gates = xw[t] + h @ r.T + rb  # i, o, f, c
+            i = f(rec.clipped(gates[:, :n] + pi * c))
+            fg = 1 - i if input_forget else f(rec.clipped(gates[:, 2 * n : 3 * n] + pf * c))
+            cand = g(rec.clipped(gates[:, 3 * n :]))
+            c_new = fg * c + i * cand
+            o = f(rec.clipped(gates[:, n : 2 * n] + po * c_new))
+            h_new = o * hf(c_new)
+            h, c = rec.keep(t, h_new, h), rec.keep(t, c_new, c)
+            hs.append(h)
+        ys.append(_finish(rec, d, reverse, hs))
+        final_h.append(h)
+        final_c.append(c)
+    return rec.outputs(ys, [final_h, final_c])
