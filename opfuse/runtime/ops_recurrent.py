@@ -7,6 +7,11 @@ attribute is implemented: the three directions, both layouts, `clip`, LSTM's pee
 alphas and betas. `sequence_lens` is read on the device (masks, no host copy): a batch entry's
 steps past its length give zeros in Y and leave its state as it was, and the reverse direction
 runs each entry's own steps backwards, as onnxruntime does.
+
+Where an LSTM or GRU is what torch's own layers compute (the default activations, no clip, no
+peepholes or coupled gates, no sequence_lens, and for GRU `linear_before_reset=1`, which is how
+torch.onnx.export writes torch.nn.GRU), it runs as torch.lstm / torch.gru instead: one cuDNN
+kernel per layer on the GPU rather than a handful per time step.
 """
 
 from __future__ import annotations
@@ -185,6 +190,57 @@ def _finish(rec: _Recurrence, d: int, reverse: bool, hs: list[torch.Tensor]) -> 
     return rec.order(y, reverse)
 
 
+# ONNX's gate blocks, in torch's order: LSTM's i, o, f, c -> i, f, c(g), o; GRU's z, r, h -> r, z, n.
+_TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2)}
+_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"]}
+
+
+def _library_form(op_type: str, inputs: Inputs, attrs: Attrs) -> bool:
+    """Whether torch.lstm / torch.gru compute exactly this node."""
+    names = [str(n).lower() for n in attrs.get("activations", [])]
+    defaults = _DEFAULT_ACTIVATIONS[op_type]
+    if names and names not in (defaults, defaults * 2):
+        return False
+    if attrs.get("clip") is not None or optional(inputs, 4) is not None:
+        return False
+    if op_type == "LSTM":
+        return not int(attrs.get("input_forget", 0)) and optional(inputs, 7) is None
+    return bool(int(attrs.get("linear_before_reset", 0)))
+
+
+def _torch_gates(t: torch.Tensor, op_type: str) -> torch.Tensor:
+    blocks = t.chunk(len(_TORCH_GATES[op_type]), 0)
+    return torch.cat([blocks[i] for i in _TORCH_GATES[op_type]], 0)
+
+
+def _library(op_type: str, rec: _Recurrence, inputs: Inputs) -> list[torch.Tensor]:
+    """The node as torch's LSTM or GRU: its weights in torch's gate order, one call per
+    direction (a reverse direction on the reversed sequence)."""
+    gates = len(_TORCH_GATES[op_type])
+    h0 = rec.initial(inputs, 5)
+    c0 = rec.initial(inputs, 6) if op_type == "LSTM" else None
+    ys, final_h, final_c = [], [], []
+    for d, reverse in enumerate(rec.reverse):
+        w = _torch_gates(rec.w[d], op_type)
+        r = _torch_gates(rec.r[d], op_type)
+        if rec.b is not None:
+            wb = _torch_gates(rec.b[d, : gates * rec.hidden], op_type)
+            rb = _torch_gates(rec.b[d, gates * rec.hidden :], op_type)
+        else:
+            wb = rb = rec.x.new_zeros(gates * rec.hidden)
+        x = rec.x.flip(0) if reverse else rec.x
+        if op_type == "LSTM":
+            assert c0 is not None
+            state: Any = (h0[d : d + 1].contiguous(), c0[d : d + 1].contiguous())
+            y, h, c = torch.lstm(x, state, [w, r, wb, rb], True, 1, 0.0, False, False, False)
+            final_c.append(c[0])
+        else:
+            y, h = torch.gru(x, h0[d : d + 1].contiguous(), [w, r, wb, rb], True, 1, 0.0, False, False, False)
+        ys.append(y.flip(0) if reverse else y)
+        final_h.append(h[0])
+    return rec.outputs(ys, [final_h, final_c] if op_type == "LSTM" else [final_h])
+
+
 @register("RNN")
 def rnn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("RNN", inputs, attrs, 1)
@@ -206,6 +262,8 @@ def rnn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
 @register("GRU")
 def gru(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("GRU", inputs, attrs, 3)
+    if _library_form("GRU", inputs, attrs):
+        return _library("GRU", rec, inputs)
     acts = _activations("GRU", attrs, ["Sigmoid", "Tanh"], len(rec.reverse))
     before_reset = bool(int(attrs.get("linear_before_reset", 0)))
     h0 = rec.initial(inputs, 5)
@@ -234,6 +292,8 @@ def gru(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
 @register("LSTM")
 def lstm(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("LSTM", inputs, attrs, 4)
+    if _library_form("LSTM", inputs, attrs):
+        return _library("LSTM", rec, inputs)
     acts = _activations("LSTM", attrs, ["Sigmoid", "Tanh", "Tanh"], len(rec.reverse))
     input_forget = bool(int(attrs.get("input_forget", 0)))
     h0, c0 = rec.initial(inputs, 5), rec.initial(inputs, 6)

@@ -15,6 +15,7 @@ from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 
 from opfuse.errors import ModelError
+from opfuse.runtime import ops_recurrent
 from opfuse.runtime.ops import run_op
 from tests.unit.test_ops import (
     Case,
@@ -573,3 +574,35 @@ def test_bad_attributes_are_model_errors() -> None:
         run_op("GroupNormalization", [torch.ones(1, 6, 2), torch.ones(6), torch.ones(6)], {"num_groups": 4})
     with pytest.raises(ModelError, match="mode"):
         run_op("Resize", [torch.ones(1, 1, 2, 2), None, torch.ones(4)], {"mode": "area"})
+
+
+@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3)])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
+    op: str, gates: int, direction: str
+) -> None:
+    """An LSTM, or a GRU with linear_before_reset=1, runs as torch.lstm / torch.gru (cuDNN on the
+    GPU); the same node with a clip no value reaches runs step by step: every output agrees."""
+    dirs = 2 if direction == "bidirectional" else 1
+    seq, batch, inp, hid = 5, 3, 4, 6
+    tensors = [
+        normal(seq, batch, inp),
+        normal(dirs, gates * hid, inp, scale=0.5),
+        normal(dirs, gates * hid, hid, scale=0.5),
+        normal(dirs, 2 * gates * hid, scale=0.2),
+        None,
+        normal(dirs, batch, hid, scale=0.5),
+    ]
+    if op == "LSTM":
+        tensors.append(normal(dirs, batch, hid, scale=0.5))
+    attrs: dict[str, object] = {"hidden_size": hid, "direction": direction}
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1
+    inputs = [torch.from_numpy(t) if t is not None else None for t in tensors]
+    assert ops_recurrent._library_form(op, inputs, attrs)
+    assert not ops_recurrent._library_form(op, inputs, {**attrs, "clip": 1e30})
+    outs = len(tensors) - 4
+    library = run_op(op, inputs, attrs, num_outputs=outs)
+    steps = run_op(op, inputs, {**attrs, "clip": 1e30}, num_outputs=outs)
+    for a, b in zip(library, steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
