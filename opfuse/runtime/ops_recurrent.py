@@ -121,7 +121,9 @@ class _Recurrence:
             self.lens = None
             self.valid = None
         else:
-            self.lens = lens.to(device=x.device, dtype=torch.int64).reshape(batch)
+            # Clamped into [0, seq] on the device (a check would cost a host sync): a length past
+            # the sequence reads as all of it, a negative one as none, never an index outside it.
+            self.lens = lens.to(device=x.device, dtype=torch.int64).reshape(batch).clamp(0, seq)
             self.valid = (steps[:, None] < self.lens[None, :]).unsqueeze(-1)  # [seq, batch, 1]
         self.steps = steps
 

@@ -606,3 +606,20 @@ def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
     steps = run_op(op, inputs, {**attrs, "clip": 1e30}, num_outputs=outs)
     for a, b in zip(library, steps, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_lengths_outside_the_sequence_are_clamped_into_it() -> None:
+    """sequence_lens is a run-time input: a length past the sequence reads as all of it and a
+    negative one as none (Y zeros, the initial state), never an index outside the input."""
+    seq, batch, inp, hid = 4, 3, 2, 3
+    x = torch.from_numpy(normal(seq, batch, inp))
+    w, r = torch.from_numpy(normal(1, hid, inp)), torch.from_numpy(normal(1, hid, hid))
+    h0 = torch.from_numpy(normal(1, batch, hid))
+    attrs = {"hidden_size": hid, "direction": "reverse"}
+    bad = torch.tensor([9, -2, 4], dtype=torch.int32)
+    good = torch.tensor([4, 0, 4], dtype=torch.int32)
+    y, h = run_op("RNN", [x, w, r, None, bad, h0], attrs, num_outputs=2)
+    want_y, want_h = run_op("RNN", [x, w, r, None, good, h0], attrs, num_outputs=2)
+    torch.testing.assert_close(y, want_y)
+    torch.testing.assert_close(h, want_h)
+    assert torch.count_nonzero(y[:, :, 1]) == 0 and torch.equal(h[0, 1], h0[0, 1])
