@@ -66,14 +66,14 @@ def test_unsupported_ops_are_listed_with_node_names() -> None:
         helper.make_node("Relu", ["x"], ["a"], name="ok"),
         helper.make_node("Unique", ["a"], ["b"], name="first"),
         helper.make_node("LpPool", ["b"], ["c"], name="ok2", kernel_shape=[1]),
-        helper.make_node("Col2Im", ["c", "c", "c"], ["y"], name="second"),
+        helper.make_node("MaxUnpool", ["c", "c", "c"], ["y"], name="second", kernel_shape=[1]),
     ]
     m = helper.make_model(
         helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 18)]
     )
     with pytest.raises(ModelError) as exc:
         load_and_specialize(m, None, SUPPORTED_OPS)
-    assert "Unique (nodes 'first')" in str(exc.value) and "Col2Im (nodes 'second')" in str(exc.value)
+    assert "Unique (nodes 'first')" in str(exc.value) and "MaxUnpool (nodes 'second')" in str(exc.value)
 
 
 def test_old_opset_is_converted_and_specialized() -> None:
