@@ -83,8 +83,9 @@ class Rule:
         return RULES[self.name].doc
 
     def apply(self, graph: Graph, ctx: PassContext) -> None:
+        alive = {id(n) for n in graph.nodes}  # by identity: a list scan per node was quadratic
         for node in list(graph.nodes):
-            if node not in graph.nodes:
+            if id(node) not in alive:
                 continue  # removed by an earlier rewrite
             m = self.match(graph, node)
             if m is None:
@@ -95,6 +96,7 @@ class Rule:
                 ctx.log.not_fired.append(NotFired(self.name, labels, reason))
                 continue
             self.rewrite(graph, node, m)
+            alive = {id(n) for n in graph.nodes}
             ctx.log.fire(self.name)
 
 
