@@ -39,6 +39,7 @@ ONNX_FOLD_CONSTANTS = "onnx_fold_constants"
 CHECK_INDICES = "check_constant_indices"
 FOLD_CONSTANTS = "fold_constants"
 ELIMINATE_NOOPS = "eliminate_noops"
+FOLD_PAD_INTO_CONV = "fold_pad_into_conv"
 EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
 GATHER_TO_SLICE = "gather_to_slice"
@@ -150,6 +151,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
         "consumers read the input directly. So does an Expand whose readers all broadcast its input to "
         "the same shape (F.normalize's norm).",
+    ),
+    _r(
+        FOLD_PAD_INTO_CONV,
+        GRAPH_PASS,
+        'A zero Pad of the spatial axes read only by a Conv (TensorFlow\'s "same" padding, which the '
+        "exporter writes out before each conv of a ported model) becomes the Conv's own pads: one launch "
+        "less, and every conv template, depthwise ones too, takes the padding.",
     ),
     _r(
         EINSUM_MATMUL,

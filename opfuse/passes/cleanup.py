@@ -17,6 +17,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
+from opfuse.ir.support import pad_per_dim
 from opfuse.passes.rules import Rule
 
 NOOP_OPS = ("Identity", "Dropout")
@@ -113,3 +114,56 @@ eliminate_noops = Rule(
     _check_noop,
     _rewrite_noop,
 )
+
+
+def _match_pad_conv(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "Conv" or not node.inputs[0]:
+        return None
+    pad = graph.producers().get(node.inputs[0])
+    if pad is None or pad.op_type != "Pad":
+        return None
+    return {"nodes": [pad, node], "pad": pad}
+
+
+def _check_pad_conv(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    pad: Node = m["pad"]
+    if str(node.attrs.get("auto_pad", "NOTSET")) not in ("NOTSET", "VALID"):
+        return f"the Conv pads itself (auto_pad {node.attrs.get('auto_pad')})"
+    if str(pad.attrs.get("mode", "constant")) != "constant":
+        return f"a {pad.attrs.get('mode')} Pad: a Conv pads with zeros only"
+    if len(pad.inputs) > 2 and pad.inputs[2]:
+        value = _constant(graph, pad, 2)
+        if value is None or value.size != 1 or float(np.asarray(value).ravel()[0]) != 0.0:
+            return "the pad value is not the constant 0"
+    per_dim = pad_per_dim(graph, pad)
+    if per_dim is None:
+        return "the pads (or axes) are not constants"
+    if per_dim[0] != (0, 0) or per_dim[1] != (0, 0):
+        return "the Pad pads the batch or channel axis"
+    if any(b < 0 or e < 0 for b, e in per_dim):
+        return "negative pads (a crop)"
+    readers = graph.consumers().get(pad.outputs[0], [])
+    if [r.id for r in readers] != [node.id] or pad.outputs[0] in {o.name for o in graph.outputs}:
+        return "the padded tensor is read by more than this Conv"
+    return None
+
+
+def _rewrite_pad_conv(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    pad: Node = m["pad"]
+    per_dim = pad_per_dim(graph, pad)
+    assert per_dim is not None
+    spatial = per_dim[2:]
+    own = [int(p) for p in node.attrs.get("pads", [0] * 2 * len(spatial))]
+    nd = len(spatial)
+    node.attrs = {k: v for k, v in node.attrs.items() if k != "auto_pad"}
+    node.attrs["pads"] = [own[d] + spatial[d][0] for d in range(nd)] + [
+        own[nd + d] + spatial[d][1] for d in range(nd)
+    ]
+    node.inputs = [pad.inputs[0], *node.inputs[1:]]
+    graph.nodes.remove(pad)
+
+
+# A zero Pad of the spatial axes read only by a Conv (TensorFlow's "same" padding, written out by
+# the exporter before every conv of a ported model) is the Conv's own padding: one launch less,
+# and every conv template and library call handles its pads.
+fold_pad_into_conv = Rule(names.FOLD_PAD_INTO_CONV, _match_pad_conv, _check_pad_conv, _rewrite_pad_conv)

@@ -14,7 +14,7 @@ from opfuse.graph import Graph
 from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
-from opfuse.passes.cleanup import eliminate_noops
+from opfuse.passes.cleanup import eliminate_noops, fold_pad_into_conv
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.einsum import einsum_matmul
@@ -50,6 +50,7 @@ PASSES: tuple[Pass, ...] = (
     GraphRule(names.CHECK_INDICES, lambda g, ctx: check_constant_indices(g)),  # before a fold could hide one
     GraphRule(names.FOLD_CONSTANTS, _fold),
     eliminate_noops,
+    fold_pad_into_conv,
     einsum_matmul,
     attention_op,
     gather_to_slice,

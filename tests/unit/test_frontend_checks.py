@@ -348,7 +348,10 @@ def test_every_supported_op_version_after_18_was_reviewed() -> None:
 def test_errors_come_before_any_work_and_list_everything() -> None:
     # Two unsupported ops and a type problem: the unsupported ops are all listed, in one error.
     m = model(
-        [n("Unique", ["x"], ["a"], name="u"), n("MaxUnpool", ["a", "a", "a"], ["y"], name="g", kernel_shape=[1])],
+        [
+            n("Unique", ["x"], ["a"], name="u"),
+            n("MaxUnpool", ["a", "a", "a"], ["y"], name="g", kernel_shape=[1]),
+        ],
     )
     msg = load_error(m)
     assert "2 op type(s)" in msg and "'u'" in msg and "'g'" in msg

@@ -5,7 +5,7 @@ from __future__ import annotations
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
-from opfuse.passes.cleanup import eliminate_noops
+from opfuse.passes.cleanup import eliminate_noops, fold_pad_into_conv
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model, weights
 
 n = helper.make_node
@@ -80,4 +80,47 @@ def test_copies_whose_output_is_their_input_are_removed() -> None:
     log = run_pass(graph, eliminate_noops)
     assert ops(graph) == ["Add", "Relu", "Pad", "Slice", "Expand"]
     assert log.fired == {names.ELIMINATE_NOOPS: 4}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_zero_pad_before_a_conv_becomes_the_convs_own_padding() -> None:
+    """TensorFlow's "same" padding as exported (HF MobileNets): a zero Pad of H and W before a
+    depthwise and a dense conv is folded into each conv's pads (added to its own). A reflect
+    Pad, a Pad of value 1 and a Pad someone else reads stay, each with the reason."""
+    import numpy as np
+
+    c = 8
+    consts = {
+        "p1": np.array([0, 0, 0, 1, 0, 0, 1, 1], dtype=np.int64),
+        "p2": np.array([0, 0, 1, 1, 0, 0, 1, 1], dtype=np.int64),
+        "zero": np.array(0.0, dtype=np.float32),
+        "onev": np.array(1.0, dtype=np.float32),
+        "wd": weights(c, 1, 3, 3),
+        "w": weights(c, c, 3, 3) * 0.2,
+    }
+    model = tiny_model(
+        [
+            n("Pad", ["x", "p1", "zero"], ["a"], name="same_pad"),
+            n("Conv", ["a", "wd"], ["b"], name="dw", group=c, strides=[2, 2]),
+            n("Relu", ["b"], ["r"], name="relu"),
+            n("Pad", ["r", "p2"], ["d"], name="pad_dense"),
+            n("Conv", ["d", "w"], ["e"], name="dense", pads=[1, 0, 0, 1]),
+            n("Pad", ["e", "p2"], ["f"], name="reflect", mode="reflect"),
+            n("Conv", ["f", "w"], ["g"], name="after_reflect"),
+            n("Pad", ["g", "p2", "onev"], ["h"], name="ones"),
+            n("Conv", ["h", "w"], ["y"], name="after_ones"),
+        ],
+        {"x": [2, c, 9, 8]},
+        {"y": [2, c, 5, 5]},
+        consts,
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, fold_pad_into_conv)
+    assert ops(graph) == ["Conv", "Relu", "Conv", "Pad", "Conv", "Pad", "Conv"]
+    convs = [node for node in graph.nodes if node.op_type == "Conv"]
+    assert convs[0].attrs["pads"] == [0, 1, 1, 1] and convs[0].inputs[0] == "x"
+    assert convs[1].attrs["pads"] == [2, 1, 1, 2]
+    assert log.fired == {names.FOLD_PAD_INTO_CONV: 2}
+    reasons = sorted(r.reason for r in log.not_fired)
+    assert reasons == ["a reflect Pad: a Conv pads with zeros only", "the pad value is not the constant 0"]
     assert_computes_as_onnxruntime(model, graph)
