@@ -53,6 +53,7 @@ MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
 POINTWISE_BEFORE_VIEWS = "pointwise_before_views"
+COLLAPSE_RESHAPES = "collapse_reshapes"
 FOLD_CHANNEL_SHUFFLE = "fold_channel_shuffle"
 MERGE_PROJECTIONS = "merge_projections"
 CHANNELS_LAST = "channels_last"
@@ -239,6 +240,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A pointwise op after a view (Reshape, Flatten, Squeeze, Unsqueeze, Transpose) whose only reader "
         "it is runs before the view, so it joins the producer's epilogue: view(x) → f becomes f(x) → view "
         "(constants only where they broadcast alike on both sides).",
+    ),
+    _r(
+        COLLAPSE_RESHAPES,
+        GRAPH_PASS,
+        "A Reshape of a Reshape (Flatten, Squeeze, Unsqueeze) reads the first one's input (one view, not "
+        "two), and a Reshape to its "
+        "input's own shape goes: such pairs, which exporters write around a Linear on flattened tokens "
+        "(LeViT), kept the residual Add out of the GEMM's epilogue.",
     ),
     _r(
         FOLD_CHANNEL_SHUFFLE,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
-from opfuse.graph import Graph, Node
+from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.support import pad_per_dim
 from opfuse.passes.rules import Rule
 
@@ -167,3 +167,56 @@ def _rewrite_pad_conv(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 # the exporter before every conv of a ported model) is the Conv's own padding: one launch less,
 # and every conv template and library call handles its pads.
 fold_pad_into_conv = Rule(names.FOLD_PAD_INTO_CONV, _match_pad_conv, _check_pad_conv, _rewrite_pad_conv)
+
+
+def _static(graph: Graph, name: str) -> bool:
+    return name in graph.values and all(int(d) >= 0 for d in graph.spec(name).shape)
+
+
+# Views whose output is their input's elements in the same order, only the shape changed.
+RESHAPING_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _match_reshape(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "Reshape" or not _static(graph, node.inputs[0]) or not _static(graph, node.outputs[0]):
+        return None
+    inner = graph.producers().get(node.inputs[0])
+    if tuple(graph.spec(node.inputs[0]).shape) == tuple(graph.spec(node.outputs[0]).shape):
+        return {"nodes": [node], "identity": True}
+    if inner is not None and inner.op_type in RESHAPING_VIEWS and _static(graph, inner.inputs[0]):
+        return {"nodes": [inner, node], "inner": inner}
+    return None
+
+
+def _check_reshape(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    return _check_noop(graph, node, m) if m.get("identity") else None
+
+
+def _rewrite_reshape(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    if m.get("identity"):
+        _rewrite_noop(graph, node, m)
+        return
+    # Reshape(Reshape(x)) is one Reshape of x to the outer's (static) shape; the inner one stays
+    # for its other readers, or goes with the unused values once it has none.
+    inner: Node = m["inner"]
+    target = f"{node.id}_collapsed_shape"
+    shape = tuple(int(d) for d in graph.spec(node.outputs[0]).shape)
+    graph.constants[target] = np.array(shape, dtype=np.int64)
+    graph.values[target] = TensorSpec(target, "int64", (len(shape),))
+    node.inputs = [inner.inputs[0], target]
+    node.attrs = {k: v for k, v in node.attrs.items() if k != "allowzero"}
+    if not graph.consumers().get(inner.outputs[0]) and inner.outputs[0] not in {
+        o.name for o in graph.outputs
+    }:
+        graph.nodes.remove(inner)
+    if tuple(graph.spec(inner.inputs[0]).shape) == shape:
+        _check = _check_noop(graph, node, {"nodes": [node]})
+        if _check is None:
+            _rewrite_noop(graph, node, {"nodes": [node]})
+
+
+# A Reshape of a Reshape (or of a Flatten, Squeeze, Unsqueeze) reads the first one's input (one
+# view, not two), and a Reshape to its input's own shape is no view at all. Exporters write both (a Linear on the flattened tokens of
+# LeViT, then the view back), and a pair between a GEMM's epilogue and the residual Add kept the
+# Add out of the epilogue. Runs after pointwise_before_views, which leaves such pairs behind.
+collapse_reshapes = Rule(names.COLLAPSE_RESHAPES, _match_reshape, _check_reshape, _rewrite_reshape)

@@ -14,7 +14,7 @@ from opfuse.graph import Graph
 from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
-from opfuse.passes.cleanup import eliminate_noops, fold_pad_into_conv
+from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.einsum import einsum_matmul
@@ -64,6 +64,7 @@ PASSES: tuple[Pass, ...] = (
     batchnorm_to_affine,
     gemm_to_matmul,
     GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views),
+    collapse_reshapes,
     GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
     GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),
     GraphRule(names.CHANNELS_LAST, _channels_last, options=(names.FP32_DENSE_NCHW,)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
-from opfuse.passes.cleanup import eliminate_noops, fold_pad_into_conv
+from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model, weights
 
 n = helper.make_node
@@ -124,3 +124,44 @@ def test_a_zero_pad_before_a_conv_becomes_the_convs_own_padding() -> None:
     reasons = sorted(r.reason for r in log.not_fired)
     assert reasons == ["a reflect Pad: a Conv pads with zeros only", "the pad value is not the constant 0"]
     assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_reshape_of_a_view_reads_the_views_input_and_an_identity_reshape_goes() -> None:
+    """LeViT's Linear on flattened tokens, then the view back: MatMul -> Flatten -> Reshape to the
+    MatMul's own shape -> residual Add. The Reshape reads the MatMul's output, is the identity,
+    and goes; the Flatten, read by nothing else, goes too. A Reshape of a view with another
+    reader reads the view's input; the view stays for that reader."""
+    import numpy as np
+
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    model = tiny_model(
+        [
+            n("MatMul", ["x", "w"], ["m"], name="linear"),
+            n("Flatten", ["m"], ["f"], name="flatten", axis=2),
+            n("Reshape", ["f", "back"], ["r"], name="view_back"),
+            n("Add", ["x", "r"], ["y"], name="residual"),
+            n("Reshape", ["x", "flat"], ["xf"], name="flat_x"),
+            n("Reshape", ["xf", "split"], ["z"], name="split_x"),
+            n("Relu", ["xf"], ["u"], name="other_reader"),
+        ],
+        {"x": [1, 4, 8]},
+        {"y": [1, 4, 8], "z": [2, 2, 8], "u": [4, 8]},
+        {
+            "w": weights(8, 8),
+            "back": np.array([1, 4, 8], dtype=np.int64),
+            "flat": np.array([4, 8], dtype=np.int64),
+            "split": np.array([2, 2, 8], dtype=np.int64),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, collapse_reshapes)
+    assert ops(graph) == ["MatMul", "Add", "Reshape", "Reshape", "Relu"]
+    assert [node.inputs[0] for node in graph.nodes if node.op_type == "Reshape"] == ["x", "x"]
+    assert log.fired == {names.COLLAPSE_RESHAPES: 2}
+    assert_computes_as_onnxruntime(model, graph)
+    cm = opfuse.compile(model, {"x": [1, 4, 8]}, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    (gemm,) = [g for g in cm.report["fusion"]["groups"] if "linear" in g["nodes"]]
+    assert "residual" in gemm["nodes"]  # the Add is the GEMM's epilogue
