@@ -17,7 +17,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
-from opfuse.ir.support import pad_per_dim
+from opfuse.ir.support import pad_per_dim, spatial_pad_reason
 from opfuse.passes.rules import Rule
 
 NOOP_OPS = ("Identity", "Dropout")
@@ -135,13 +135,9 @@ def _check_pad_conv(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
         value = _constant(graph, pad, 2)
         if value is None or value.size != 1 or float(np.asarray(value).ravel()[0]) != 0.0:
             return "the pad value is not the constant 0"
-    per_dim = pad_per_dim(graph, pad)
-    if per_dim is None:
-        return "the pads (or axes) are not constants"
-    if per_dim[0] != (0, 0) or per_dim[1] != (0, 0):
-        return "the Pad pads the batch or channel axis"
-    if any(b < 0 or e < 0 for b, e in per_dim):
-        return "negative pads (a crop)"
+    why = spatial_pad_reason(graph, pad)
+    if why is not None:
+        return why
     readers = graph.consumers().get(pad.outputs[0], [])
     if [r.id for r in readers] != [node.id] or pad.outputs[0] in {o.name for o in graph.outputs}:
         return "the padded tensor is read by more than this Conv"

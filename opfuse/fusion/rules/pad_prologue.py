@@ -13,7 +13,7 @@ import numpy as np
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, is_depthwise
-from opfuse.ir.support import PAD_MODES, pad_per_dim
+from opfuse.ir.support import PAD_MODES, pad_per_dim, spatial_pad_reason
 from opfuse.passes.rules import NotFired, node_label
 
 PAD_RULE = names.PAD_PROLOGUE
@@ -60,13 +60,11 @@ def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:
         return f"Pad mode {mode!r}: the conv reads through constant, reflect and edge padding"
     if len(x.shape) != 4:
         return "not a 4-D Pad"
+    why = spatial_pad_reason(graph, pad)
+    if why is not None:
+        return why
     per_dim = pad_per_dim(graph, pad)
-    if per_dim is None:
-        return "the pads (or axes) are not constants"
-    if per_dim[0] != (0, 0) or per_dim[1] != (0, 0):
-        return "the Pad pads the batch or channel axis"
-    if any(b < 0 or e < 0 for b, e in per_dim):
-        return "negative pads (a crop)"
+    assert per_dim is not None
     if mode == "reflect" and any(max(per_dim[a]) >= x.shape[a] for a in (2, 3)):
         return "a reflection wider than the image"
     if len(pad.inputs) > 2 and pad.inputs[2]:
