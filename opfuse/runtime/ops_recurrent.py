@@ -8,10 +8,11 @@ alphas and betas. `sequence_lens` is read on the device (masks, no host copy): a
 steps past its length give zeros in Y and leave its state as it was, and the reverse direction
 runs each entry's own steps backwards, as onnxruntime does.
 
-Where an LSTM or GRU is what torch's own layers compute (the default activations, no clip, no
-peepholes or coupled gates, no sequence_lens, and for GRU `linear_before_reset=1`, which is how
-torch.onnx.export writes torch.nn.GRU), it runs as torch.lstm / torch.gru instead: one cuDNN
-kernel per layer on the GPU rather than a handful per time step.
+Where an LSTM, GRU or RNN is what torch's own layers compute (the default activations, or Relu
+for an RNN; no clip, no peepholes or coupled gates, no sequence_lens; for GRU
+`linear_before_reset=1`, which is how torch.onnx.export writes torch.nn.GRU), it runs as
+torch.lstm / torch.gru / torch.rnn_tanh / torch.rnn_relu instead: one cuDNN call per direction
+on the GPU rather than a handful of kernels per time step.
 """
 
 from __future__ import annotations
@@ -193,21 +194,31 @@ def _finish(rec: _Recurrence, d: int, reverse: bool, hs: list[torch.Tensor]) -> 
 
 
 # ONNX's gate blocks, in torch's order: LSTM's i, o, f, c -> i, f, c(g), o; GRU's z, r, h -> r, z, n.
-_TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2)}
-_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"]}
+_TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}
+_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
+
+
+def _rnn_activation(attrs: Attrs) -> str:
+    names = {str(n).lower() for n in attrs.get("activations", ["tanh"])}
+    return names.pop() if len(names) == 1 else ""
 
 
 def _library_form(op_type: str, inputs: Inputs, attrs: Attrs) -> bool:
-    """Whether torch.lstm / torch.gru compute exactly this node."""
+    """Whether torch.lstm / torch.gru / torch.rnn_tanh / torch.rnn_relu compute exactly this node."""
     names = [str(n).lower() for n in attrs.get("activations", [])]
     defaults = _DEFAULT_ACTIVATIONS[op_type]
-    if names and names not in (defaults, defaults * 2):
+    if op_type == "RNN":
+        if _rnn_activation(attrs) not in ("tanh", "relu"):
+            return False
+    elif names and names not in (defaults, defaults * 2):
         return False
     if attrs.get("clip") is not None or optional(inputs, 4) is not None:
         return False
     if op_type == "LSTM":
         return not int(attrs.get("input_forget", 0)) and optional(inputs, 7) is None
-    return bool(int(attrs.get("linear_before_reset", 0)))
+    if op_type == "GRU":
+        return bool(int(attrs.get("linear_before_reset", 0)))
+    return True
 
 
 def _torch_gates(t: torch.Tensor, op_type: str) -> torch.Tensor:
@@ -215,9 +226,9 @@ def _torch_gates(t: torch.Tensor, op_type: str) -> torch.Tensor:
     return torch.cat([blocks[i] for i in _TORCH_GATES[op_type]], 0)
 
 
-def _library(op_type: str, rec: _Recurrence, inputs: Inputs) -> list[torch.Tensor]:
-    """The node as torch's LSTM or GRU: its weights in torch's gate order, one call per
-    direction (a reverse direction on the reversed sequence)."""
+def _library(op_type: str, rec: _Recurrence, inputs: Inputs, act: str = "") -> list[torch.Tensor]:
+    """The node as torch's LSTM, GRU or Elman RNN (`act`: tanh or relu): its weights in torch's
+    gate order, one call per direction (a reverse direction on the reversed sequence)."""
     gates = len(_TORCH_GATES[op_type])
     h0 = rec.initial(inputs, 5)
     c0 = rec.initial(inputs, 6) if op_type == "LSTM" else None
@@ -237,7 +248,8 @@ def _library(op_type: str, rec: _Recurrence, inputs: Inputs) -> list[torch.Tenso
             y, h, c = torch.lstm(x, state, [w, r, wb, rb], True, 1, 0.0, False, False, False)
             final_c.append(c[0])
         else:
-            y, h = torch.gru(x, h0[d : d + 1].contiguous(), [w, r, wb, rb], True, 1, 0.0, False, False, False)
+            fn = torch.gru if op_type == "GRU" else (torch.rnn_relu if act == "relu" else torch.rnn_tanh)
+            y, h = fn(x, h0[d : d + 1].contiguous(), [w, r, wb, rb], True, 1, 0.0, False, False, False)
         ys.append(y.flip(0) if reverse else y)
         final_h.append(h[0])
     return rec.outputs(ys, [final_h, final_c] if op_type == "LSTM" else [final_h])
@@ -246,6 +258,8 @@ def _library(op_type: str, rec: _Recurrence, inputs: Inputs) -> list[torch.Tenso
 @register("RNN")
 def rnn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("RNN", inputs, attrs, 1)
+    if _library_form("RNN", inputs, attrs):
+        return _library("RNN", rec, inputs, _rnn_activation(attrs))
     acts = _activations("RNN", attrs, ["Tanh"], len(rec.reverse))
     h0 = rec.initial(inputs, 5)
     ys, finals = [], []

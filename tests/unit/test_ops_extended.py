@@ -576,13 +576,15 @@ def test_bad_attributes_are_model_errors() -> None:
         run_op("Resize", [torch.ones(1, 1, 2, 2), None, torch.ones(4)], {"mode": "area"})
 
 
-@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3)])
+@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3), ("RNN", 1), ("RNN-relu", 1)])
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
 def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
     op: str, gates: int, direction: str
 ) -> None:
-    """An LSTM, or a GRU with linear_before_reset=1, runs as torch.lstm / torch.gru (cuDNN on the
-    GPU); the same node with a clip no value reaches runs step by step: every output agrees."""
+    """An LSTM, a GRU with linear_before_reset=1, or a Tanh or Relu RNN runs as torch's own layer
+    (cuDNN on the GPU); the same node with a clip no value reaches runs step by step: every output
+    agrees."""
+    op, relu = op.removesuffix("-relu"), op.endswith("-relu")
     dirs = 2 if direction == "bidirectional" else 1
     seq, batch, inp, hid = 5, 3, 4, 6
     tensors = [
@@ -598,6 +600,8 @@ def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
     attrs: dict[str, object] = {"hidden_size": hid, "direction": direction}
     if op == "GRU":
         attrs["linear_before_reset"] = 1
+    if relu:
+        attrs["activations"] = ["Relu"] * dirs
     inputs = [torch.from_numpy(t) if t is not None else None for t in tensors]
     assert ops_recurrent._library_form(op, inputs, attrs)
     assert not ops_recurrent._library_form(op, inputs, {**attrs, "clip": 1e30})
