@@ -56,7 +56,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.resize import resize_load
-from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, guarded_load, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, guarded_load, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
@@ -145,7 +145,7 @@ def _generate_conv_nchw(
         buf.line(f"iw = {ow0} + kw * {p['DW']}")
         buf.line(f"ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & {win.inside('ih', 'iw')}")
         a_offset = f"img * {p['C'] * p['H'] * p['W']} + ci * {p['H'] * p['W']} + ih * {p['W']} + iw"
-        buf.line(f"a_tile = tl.load(x + {in_bounds(a_offset, 'ok')}, mask=ok, other=0.0)")
+        buf.line(f"a_tile = {guarded_load('x', a_offset, 'ok')}")
 
     with buf.indent():
         buf.line("rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
@@ -329,8 +329,9 @@ def _concat_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
             buf.line("ci = c0 + rk")
             buf.line(f"c_ok = ci < {channels}")
             buf.line("x_ok = row_ok[:, None] & c_ok[None, :]")
-            offset = in_bounds(f"rm[:, None] * {channels} + ci[None, :]", "x_ok", channel_run(channels))
-            buf.line(f"xv = tl.load(xp{i} + {offset}, mask=x_ok, other=0.0).to(tl.float32)")
+            offset = f"rm[:, None] * {channels} + ci[None, :]"
+            xv = guarded_load(f"xp{i}", offset, "x_ok", run=channel_run(channels))
+            buf.line(f"xv = {xv}.to(tl.float32)")
             regs = {**cv.literals, concat.outputs[0]: "xv"}
             for j, const in enumerate(cv.act_consts):
                 buf.line(f"k{j} = {guarded_load(f'pc{j}', f'{first} + ci', 'c_ok')}.to(tl.float32)[None, :]")
@@ -486,7 +487,7 @@ def _pooled_tile(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) -> 
     with buf.indent():
         win.emit_tap(buf, win.origin(ih, iw), "pt", ok, ("ph", "pw", "p_ok"))
         p_offset = f"((img[:, None] * {win.h} + ph) * {win.w} + pw) * {cv.p['C']} + ci[None, :]"
-        value = f"tl.load(x + {in_bounds(p_offset, 'p_ok', channel_run(cv.p['C']))}, mask=p_ok, other={pool.fill})"
+        value = guarded_load("x", p_offset, "p_ok", pool.fill, channel_run(cv.p["C"]))
         pool.emit_tap(buf, "pv", value, "pcount", "ph", "pw")
     pool.emit_mean(buf, "pv", "tl.maximum(pcount, 1.0)")
     chain_regs = {**cv.literals, cv.window.outputs[0]: "pv"}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.epilogue import emit_nodes
-from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_POOLS
@@ -123,7 +123,7 @@ def shortcut_loop(
         buf.line("ci = c0 + rk")
         buf.line(f"a_ok = row_ok[:, None] & (ci[None, :] < {c2})")
         buf.line(
-            f"a_tile = tl.load(xs + {in_bounds('s_base[:, None] + ci[None, :]', 'a_ok', channel_run(c2))}, mask=a_ok, other=0.0)"
+            f"a_tile = {guarded_load('xs', 's_base[:, None] + ci[None, :]', 'a_ok', run=channel_run(c2))}"
         )
         ws_ok = f"(ci[:, None] < {c2}) & (rn[None, :] < {n})"
         buf.line(
@@ -212,10 +212,8 @@ def window_prologue(
         with buf.indent():
             d.emit_tap(buf, d.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
             buf.line("x_ok = ok[:, None] & c_ok[None, :]")
-            buf.line(
-                f"xv = tl.load(x + {in_bounds(f'(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]', 'x_ok', channel_run(c))}, "
-                f"mask=x_ok, other={fill})"
-            )
+            x_at = f"(((img * {d.h} + ih) * {d.w} + iw) * {c})[:, None] + ci[None, :]"
+            buf.line(f"xv = {guarded_load('x', x_at, 'x_ok', fill, channel_run(c))}")
             if pool is not None:
                 pool.emit_tap(buf, "dacc", "xv", "dcount", "ih", "iw")
             else:
@@ -319,13 +317,11 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str, blocked:
     chan = "ci[None, :]" if cs == 1 else f"ci[None, :] * {cs}"
     if padding is None or padding["mode"] != "constant":
         run = contiguous_run(tap) if blocked else 1
-        buf.line(f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', ok, run)}, mask={ok}, other=0.0)")
+        buf.line(f"a_tile = {guarded_load('x', f'{offset} + {chan}', ok, run=run)}")
         return
     fill = padding["value"]
     buf.line(f"read_ok = {ok} & inside")
-    buf.line(
-        f"a_tile = tl.load(x + {in_bounds(f'{offset} + {chan}', 'read_ok')}, mask=read_ok, other={fill})"
-    )
+    buf.line(f"a_tile = {guarded_load('x', f'{offset} + {chan}', 'read_ok', fill)}")
     if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
         buf.line(f"a_tile = tl.where({ok}, a_tile, 0.0).to(a_tile.dtype)")
 
@@ -355,9 +351,7 @@ def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
     with buf.indent():
         window_position(buf, tap)
         buf.line("x_ok = ok[:, None] & col_ok[None, :]")
-        buf.line(
-            f"xv = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'x_ok', contiguous_run(tap))}, mask=x_ok, other=0.0)"
-        )
+        buf.line(f"xv = {guarded_load('x', 'base[:, None] + rn[None, :]', 'x_ok', run=contiguous_run(tap))}")
         taps = tap.p["KH"] * tap.p["KW"]
         buf.line(f"wv = {guarded_load('w', f'rn[None, :] * {taps} + t', 'col_ok[None, :]')}")
         buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")

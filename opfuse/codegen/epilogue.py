@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
-from opfuse.codegen.source import SourceBuffer, guarded_load, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import FLOAT_TYPES
 from opfuse.ir.queries import contiguous_strides, scalar_constant
@@ -78,6 +78,13 @@ class TileRead:
     offset: str
     run: int = 1
     axis: int = 0
+
+    @staticmethod
+    def strided(ptr: str, sbk: int, sbn: int) -> TileRead:
+        """B [K, N] at strides (sbk, sbn), one of them 1 (row-major, or transposed): its tiles at
+        `kk`, `rn`, vector loads claimed along the axis of stride 1."""
+        run, axis = (power_run(sbk), 1) if sbn == 1 else (power_run(sbn), 0)
+        return TileRead(ptr, f"kk[:, None] * {sbk} + rn[None, :] * {sbn}", run, axis)
 
 
 def dot_step(buf: SourceBuffer, b: TileRead, mask: str, prec: str) -> None:
@@ -192,8 +199,7 @@ def computed_a_tile(
             contiguous = shape[-1] == a_shape[-1] != 1 and strides[-1] == 1
             others = [st for size, st in zip(shape[:-1], strides[:-1], strict=True) if size != 1]
             run = power_run(view.offset if view is not None else 0, *others) if contiguous else 1
-            at = in_bounds(" + ".join(terms), "a_ok", run)
-            buf.line(f"q{j} = tl.load({pointers[j]} + {at}, mask=a_ok, other={zero}){up}")
+            buf.line(f"q{j} = {guarded_load(pointers[j], ' + '.join(terms), 'a_ok', zero, run)}{up}")
         else:
             buf.line(f"q{j} = tl.load({pointers[j]}){up}")
         regs[name] = f"q{j}"

@@ -39,7 +39,7 @@ from opfuse.codegen.fragments import (
     split_literals,
 )
 from opfuse.codegen.index_map import index_map_load
-from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, in_bounds, power_run
+from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
 from opfuse.ir.queries import contiguous_strides, next_pow2
@@ -267,10 +267,7 @@ def _gemm_k_loop(
             a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
             buf.line(f"a_tile = {guarded_load('a', f'{a_rows[0]} + kk[None, :]', a_ok, run=a_rows[1])}")
 
-    b_run, b_axis = (power_run(sbk), 1) if sbn == 1 else (power_run(sbn), 0)
-    k_loop(
-        buf, k, n, TileRead("b", f"kk[:, None] * {sbk} + rn[None, :] * {sbn}", b_run, b_axis), prec, a_tile
-    )
+    k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile)
 
 
 def _computed_a_tile(
@@ -488,12 +485,12 @@ def generate_batched_gemm(
             if prologue:
                 _computed_a_tile(buf, gm, a.shape, _batched_coords(a.shape, batch), views)
             else:
-                a_at = in_bounds(f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}", "a_ok", a.run(-1))
-                buf.line(f"a_tile = tl.load(a + {a_at}, mask=a_ok, other=0.0)")
+                a_at = f"a_at + rm[:, None] * {sam} + kk[None, :] * {sak}"
+                buf.line(f"a_tile = {guarded_load('a', a_at, 'a_ok', run=a.run(-1))}")
             buf.line(f"b_ok = (kk[:, None] < {k}) & (rn[None, :] < {n})")
             b_run, b_axis = (b.run(-1), 1) if sbn == 1 else (b.run(-2), 0)
-            b_at = in_bounds(f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}", "b_ok", b_run, b_axis)
-            buf.line(f"b_tile = tl.load(b + {b_at}, mask=b_ok, other=0.0)")
+            b_at = f"b_at + kk[:, None] * {sbk} + rn[None, :] * {sbn}"
+            buf.line(f"b_tile = {guarded_load('b', b_at, 'b_ok', run=b_run, axis=b_axis)}")
             emit_dot(buf, "acc", "a_tile", "b_tile", prec)
         buf.line(f"row = bid * {m} + rm[:, None]  # the output's rows, batch entries one after the other")
         buf.line("cols = rn[None, :]")

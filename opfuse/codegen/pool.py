@@ -24,7 +24,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.source import SourceBuffer, channel_run, in_bounds
+from opfuse.codegen.source import SourceBuffer, channel_run, guarded_load
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
@@ -116,7 +116,5 @@ def _tap_loop(buf: SourceBuffer, win: Window, p: dict[str, int], fill: str) -> I
         win.emit_tap(buf, win.origin("oh", "ow"), "t", "row_ok", ("ih", "iw", "ok"))
         buf.line(f"base = ((img * {p['H']} + ih) * {p['W']} + iw) * {c}")
         buf.line("v_ok = ok[:, None] & col_ok[None, :]")
-        buf.line(
-            f"v = tl.load(x + {in_bounds('base[:, None] + rn[None, :]', 'v_ok', channel_run(c))}, mask=v_ok, other={fill})"
-        )
+        buf.line(f"v = {guarded_load('x', 'base[:, None] + rn[None, :]', 'v_ok', fill, channel_run(c))}")
         yield

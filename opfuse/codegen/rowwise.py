@@ -196,9 +196,14 @@ def _gemm_tile(
         a_at = f"rm[:, None] * {k} + kk[None, :]"
         buf.line(f"a_tile = {guarded_load(ptr[mm.inputs[0]], a_at, a_ok, run=power_run(k))}")
 
-    b_run, b_axis = (power_run(sbk), 1) if sbn == 1 else (power_run(sbn), 0)
-    b_at = TileRead(b, f"kk[:, None] * {sbk} + rn[None, :] * {sbn}", b_run, b_axis)
-    k_loop(buf, k, n, b_at, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
+    k_loop(
+        buf,
+        k,
+        n,
+        TileRead.strided(b, sbk, sbn),
+        dot_precision(graph.spec(mm.inputs[0]).dtype, precision),
+        a_tile,
+    )
     rounded = b if a_ops else ptr[mm.inputs[0]]  # the model's type (A's, where A is loaded)
     buf.line(f"gmv = acc.to({rounded}.dtype.element_ty).to(tl.float32)")
 

@@ -201,18 +201,18 @@ def _rewrite_reshape(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     graph.values[target] = TensorSpec(target, "int64", (len(shape),))
     node.inputs = [inner.inputs[0], target]
     node.attrs = {k: v for k, v in node.attrs.items() if k != "allowzero"}
-    if not graph.consumers().get(inner.outputs[0]) and inner.outputs[0] not in {
-        o.name for o in graph.outputs
-    }:
+    graph_outputs = {o.name for o in graph.outputs}
+    if not graph.consumers().get(inner.outputs[0]) and inner.outputs[0] not in graph_outputs:
         graph.nodes.remove(inner)
-    if tuple(graph.spec(inner.inputs[0]).shape) == shape:
-        _check = _check_noop(graph, node, {"nodes": [node]})
-        if _check is None:
-            _rewrite_noop(graph, node, {"nodes": [node]})
+    # Back to the view's input's own shape: no view at all (this node is not visited again).
+    one = {"nodes": [node]}
+    if tuple(graph.spec(inner.inputs[0]).shape) == shape and _check_noop(graph, node, one) is None:
+        _rewrite_noop(graph, node, one)
 
 
 # A Reshape of a Reshape (or of a Flatten, Squeeze, Unsqueeze) reads the first one's input (one
-# view, not two), and a Reshape to its input's own shape is no view at all. Exporters write both (a Linear on the flattened tokens of
-# LeViT, then the view back), and a pair between a GEMM's epilogue and the residual Add kept the
-# Add out of the epilogue. Runs after pointwise_before_views, which leaves such pairs behind.
+# view, not two), and a Reshape to its input's own shape is no view at all. Exporters write both
+# (a Linear on the flattened tokens of LeViT, then the view back), and a pair between a GEMM's
+# epilogue and the residual Add kept the Add out of the epilogue. Runs after
+# pointwise_before_views, which leaves such pairs behind.
 collapse_reshapes = Rule(names.COLLAPSE_RESHAPES, _match_reshape, _check_reshape, _rewrite_reshape)

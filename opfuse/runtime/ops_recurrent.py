@@ -21,51 +21,61 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from opfuse.errors import ModelError
-from opfuse.runtime.ops_registry import optional, register, required
+from opfuse.runtime.ops_registry import OP_TABLE, optional, register, required
 
 Inputs = list[torch.Tensor | None]
 Attrs = dict[str, Any]
 Act = Callable[[torch.Tensor], torch.Tensor]
 
-# name -> (uses alpha, uses beta, default alpha, default beta)
-_ACTIVATION_PARAMS: dict[str, tuple[bool, bool, float, float]] = {
-    "relu": (False, False, 0.0, 0.0),
-    "tanh": (False, False, 0.0, 0.0),
-    "sigmoid": (False, False, 0.0, 0.0),
-    "softsign": (False, False, 0.0, 0.0),
-    "softplus": (False, False, 0.0, 0.0),
-    "affine": (True, True, 1.0, 0.0),
-    "leakyrelu": (True, False, 0.01, 0.0),
-    "thresholdedrelu": (True, False, 1.0, 0.0),
-    "scaledtanh": (True, True, 1.0, 1.0),
-    "hardsigmoid": (True, True, 0.2, 0.5),
-    "elu": (True, False, 1.0, 0.0),
+# The activations the recurrent ops name, lower-cased: each is the ONNX op of that name (its
+# kernel in OP_TABLE, its default alpha and beta), but Affine and ScaledTanh, which exist only as
+# activations. The letters say which of activation_alpha / activation_beta a function consumes.
+_ACTIVATION_OPS = {
+    n.lower(): n
+    for n in (
+        "Relu",
+        "Tanh",
+        "Sigmoid",
+        "Softsign",
+        "Softplus",
+        "LeakyRelu",
+        "ThresholdedRelu",
+        "HardSigmoid",
+        "Elu",
+    )
+}
+_TAKES = {
+    "affine": "ab",
+    "scaledtanh": "ab",
+    "hardsigmoid": "ab",
+    "leakyrelu": "a",
+    "thresholdedrelu": "a",
+    "elu": "a",
 }
 
 
-def _activation(name: str, alpha: float, beta: float) -> Act:
-    fns: dict[str, Act] = {
-        "relu": torch.relu,
-        "tanh": torch.tanh,
-        "sigmoid": torch.sigmoid,
-        "softsign": F.softsign,
-        "softplus": F.softplus,
-        "affine": lambda x: alpha * x + beta,
-        "leakyrelu": lambda x: F.leaky_relu(x, alpha),
-        "thresholdedrelu": lambda x: torch.where(x > alpha, x, torch.zeros_like(x)),
-        "scaledtanh": lambda x: alpha * torch.tanh(beta * x),
-        "hardsigmoid": lambda x: torch.clamp(alpha * x + beta, 0.0, 1.0),
-        "elu": lambda x: F.elu(x, alpha),
-    }
-    return fns[name]
+# Each op's activations (f, g, h) where the node names none.
+_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
 
 
-def _activations(op_type: str, attrs: Attrs, defaults: list[str], directions: int) -> list[list[Act]]:
+def _activation(name: str, given: Attrs) -> Act:
+    """Activation `name` (lower-cased) with the alpha and beta `given` (the op's defaults else)."""
+    if name == "affine":
+        a, b = float(given.get("alpha", 1.0)), float(given.get("beta", 0.0))
+        return lambda x: a * x + b
+    if name == "scaledtanh":
+        a, b = float(given.get("alpha", 1.0)), float(given.get("beta", 1.0))
+        return lambda x: a * torch.tanh(b * x)
+    impl = OP_TABLE[_ACTIVATION_OPS[name]].impl
+    return lambda x: impl([x], given)[0]
+
+
+def _activations(op_type: str, attrs: Attrs, directions: int) -> list[list[Act]]:
     """Each direction's activation functions, in the order the op consumes them. `activation_alpha`
     and `activation_beta` are consumed in order by the functions that take them."""
+    defaults = _DEFAULT_ACTIVATIONS[op_type]
     names = [str(n) for n in attrs.get("activations", defaults * directions)]
     if len(names) == len(defaults) and directions == 2:
         names = names * 2
@@ -79,14 +89,14 @@ def _activations(op_type: str, attrs: Attrs, defaults: list[str], directions: in
     fns: list[Act] = []
     for name in names:
         key = name.lower()
-        if key not in _ACTIVATION_PARAMS:
+        if key not in _ACTIVATION_OPS and key not in _TAKES:
             raise ModelError(f"{op_type}: unknown activation function {name!r}")
-        uses_alpha, uses_beta, alpha, beta = _ACTIVATION_PARAMS[key]
-        if uses_alpha and alphas:
-            alpha = alphas.pop(0)
-        if uses_beta and betas:
-            beta = betas.pop(0)
-        fns.append(_activation(key, alpha, beta))
+        given: Attrs = {}
+        if "a" in _TAKES.get(key, "") and alphas:
+            given["alpha"] = alphas.pop(0)
+        if "b" in _TAKES.get(key, "") and betas:
+            given["beta"] = betas.pop(0)
+        fns.append(_activation(key, given))
     per = len(defaults)
     return [fns[d * per : (d + 1) * per] for d in range(directions)]
 
@@ -117,16 +127,14 @@ class _Recurrence:
         self.clip = float(clip) if clip is not None else None
         seq, batch = self.x.shape[0], self.x.shape[1]
         lens = optional(inputs, 4)
-        steps = torch.arange(seq, device=x.device)
-        if lens is None:
-            self.lens = None
-            self.valid = None
-        else:
+        self.lens: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        if lens is not None:
             # Clamped into [0, seq] on the device (a check would cost a host sync): a length past
             # the sequence reads as all of it, a negative one as none, never an index outside it.
+            self.steps = torch.arange(seq, device=x.device)
             self.lens = lens.to(device=x.device, dtype=torch.int64).reshape(batch).clamp(0, seq)
-            self.valid = (steps[:, None] < self.lens[None, :]).unsqueeze(-1)  # [seq, batch, 1]
-        self.steps = steps
+            self.valid = (self.steps[:, None] < self.lens[None, :]).unsqueeze(-1)  # [seq, batch, 1]
 
     def initial(self, inputs: Inputs, index: int) -> torch.Tensor:
         """initial_h or initial_c as [directions, batch, hidden] (zeros where absent)."""
@@ -195,7 +203,6 @@ def _finish(rec: _Recurrence, d: int, reverse: bool, hs: list[torch.Tensor]) -> 
 
 # ONNX's gate blocks, in torch's order: LSTM's i, o, f, c -> i, f, c(g), o; GRU's z, r, h -> r, z, n.
 _TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}
-_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
 
 
 def _rnn_activation(attrs: Attrs) -> str:
@@ -255,24 +262,41 @@ def _library(op_type: str, rec: _Recurrence, inputs: Inputs, act: str = "") -> l
     return rec.outputs(ys, [final_h, final_c] if op_type == "LSTM" else [final_h])
 
 
+State = tuple[torch.Tensor, ...]
+Step = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, State], State]
+
+
+def _scan(rec: _Recurrence, gates: int, initial: list[torch.Tensor], step: Step) -> list[torch.Tensor]:
+    """Each direction step by step from its `initial` states ([directions, batch, hidden] each,
+    h first): `step(direction, X·Wᵀ + Wb of the step, R, Rb, states)` gives the new states, kept
+    only where the entry's sequence has the step. Returns Y and the final states."""
+    ys: list[torch.Tensor] = []
+    finals: list[list[torch.Tensor]] = [[] for _ in initial]
+    for d, reverse, xw, r, rb in _directions(rec, gates):
+        state = tuple(s[d] for s in initial)
+        hs = []
+        for t in range(xw.shape[0]):
+            new = step(d, xw[t], r, rb, state)
+            state = tuple(rec.keep(t, a, b) for a, b in zip(new, state, strict=True))
+            hs.append(state[0])
+        ys.append(_finish(rec, d, reverse, hs))
+        for f, last in zip(finals, state, strict=True):
+            f.append(last)
+    return rec.outputs(ys, finals)
+
+
 @register("RNN")
 def rnn(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("RNN", inputs, attrs, 1)
     if _library_form("RNN", inputs, attrs):
         return _library("RNN", rec, inputs, _rnn_activation(attrs))
-    acts = _activations("RNN", attrs, ["Tanh"], len(rec.reverse))
-    h0 = rec.initial(inputs, 5)
-    ys, finals = [], []
-    for d, reverse, xw, r, rb in _directions(rec, 1):
-        (f,) = acts[d]
-        h = h0[d]
-        hs = []
-        for t in range(xw.shape[0]):
-            h = rec.keep(t, f(rec.clipped(xw[t] + h @ r.T + rb)), h)
-            hs.append(h)
-        ys.append(_finish(rec, d, reverse, hs))
-        finals.append(h)
-    return rec.outputs(ys, [finals])
+    acts = _activations("RNN", attrs, len(rec.reverse))
+
+    def step(d: int, xw: torch.Tensor, r: torch.Tensor, rb: torch.Tensor, state: State) -> State:
+        (h,) = state
+        return (acts[d][0](rec.clipped(xw + h @ r.T + rb)),)
+
+    return _scan(rec, 1, [rec.initial(inputs, 5)], step)
 
 
 @register("GRU")
@@ -280,29 +304,23 @@ def gru(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("GRU", inputs, attrs, 3)
     if _library_form("GRU", inputs, attrs):
         return _library("GRU", rec, inputs)
-    acts = _activations("GRU", attrs, ["Sigmoid", "Tanh"], len(rec.reverse))
+    acts = _activations("GRU", attrs, len(rec.reverse))
     before_reset = bool(int(attrs.get("linear_before_reset", 0)))
-    h0 = rec.initial(inputs, 5)
     n = rec.hidden
-    ys, finals = [], []
-    for d, reverse, xw, r, rb in _directions(rec, 3):
+
+    def step(d: int, xw: torch.Tensor, r: torch.Tensor, rb: torch.Tensor, state: State) -> State:
+        (h,) = state
         f, g = acts[d]
-        h = h0[d]
-        hs = []
-        for t in range(xw.shape[0]):
-            hr = h @ r[: 2 * n].T + rb[: 2 * n]
-            z = f(rec.clipped(xw[t, :, :n] + hr[:, :n]))
-            rr = f(rec.clipped(xw[t, :, n : 2 * n] + hr[:, n:]))
-            if before_reset:
-                cand = xw[t, :, 2 * n :] + rr * (h @ r[2 * n :].T + rb[2 * n :])
-            else:
-                cand = xw[t, :, 2 * n :] + (rr * h) @ r[2 * n :].T + rb[2 * n :]
-            hh = g(rec.clipped(cand))
-            h = rec.keep(t, (1 - z) * hh + z * h, h)
-            hs.append(h)
-        ys.append(_finish(rec, d, reverse, hs))
-        finals.append(h)
-    return rec.outputs(ys, [finals])
+        hr = h @ r[: 2 * n].T + rb[: 2 * n]
+        z = f(rec.clipped(xw[:, :n] + hr[:, :n]))
+        rr = f(rec.clipped(xw[:, n : 2 * n] + hr[:, n:]))
+        if before_reset:
+            cand = xw[:, 2 * n :] + rr * (h @ r[2 * n :].T + rb[2 * n :])
+        else:
+            cand = xw[:, 2 * n :] + (rr * h) @ r[2 * n :].T + rb[2 * n :]
+        return ((1 - z) * g(rec.clipped(cand)) + z * h,)
+
+    return _scan(rec, 3, [rec.initial(inputs, 5)], step)
 
 
 @register("LSTM")
@@ -310,28 +328,24 @@ def lstm(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     rec = _Recurrence("LSTM", inputs, attrs, 4)
     if _library_form("LSTM", inputs, attrs):
         return _library("LSTM", rec, inputs)
-    acts = _activations("LSTM", attrs, ["Sigmoid", "Tanh", "Tanh"], len(rec.reverse))
+    acts = _activations("LSTM", attrs, len(rec.reverse))
     input_forget = bool(int(attrs.get("input_forget", 0)))
-    h0, c0 = rec.initial(inputs, 5), rec.initial(inputs, 6)
     peep = optional(inputs, 7)
     n = rec.hidden
-    ys, final_h, final_c = [], [], []
-    for d, reverse, xw, r, rb in _directions(rec, 4):
+    # Each direction's peepholes (i, o, f), or none.
+    peeps: list[tuple[Any, Any, Any]] = [(0.0, 0.0, 0.0)] * len(rec.reverse)
+    if peep is not None:
+        peeps = [(p[:n], p[n : 2 * n], p[2 * n :]) for p in peep]
+
+    def step(d: int, xw: torch.Tensor, r: torch.Tensor, rb: torch.Tensor, state: State) -> State:
+        h, c = state
         f, g, hf = acts[d]
-        pi, po, pf = (peep[d, :n], peep[d, n : 2 * n], peep[d, 2 * n :]) if peep is not None else (0, 0, 0)
-        h, c = h0[d], c0[d]
-        hs = []
-        for t in range(xw.shape[0]):
-            gates = xw[t] + h @ r.T + rb  # i, o, f, c
-            i = f(rec.clipped(gates[:, :n] + pi * c))
-            fg = 1 - i if input_forget else f(rec.clipped(gates[:, 2 * n : 3 * n] + pf * c))
-            cand = g(rec.clipped(gates[:, 3 * n :]))
-            c_new = fg * c + i * cand
-            o = f(rec.clipped(gates[:, n : 2 * n] + po * c_new))
-            h_new = o * hf(c_new)
-            h, c = rec.keep(t, h_new, h), rec.keep(t, c_new, c)
-            hs.append(h)
-        ys.append(_finish(rec, d, reverse, hs))
-        final_h.append(h)
-        final_c.append(c)
-    return rec.outputs(ys, [final_h, final_c])
+        pi, po, pf = peeps[d]
+        gates = xw + h @ r.T + rb  # i, o, f, c
+        i = f(rec.clipped(gates[:, :n] + pi * c))
+        fg = 1 - i if input_forget else f(rec.clipped(gates[:, 2 * n : 3 * n] + pf * c))
+        c_new = fg * c + i * g(rec.clipped(gates[:, 3 * n :]))
+        o = f(rec.clipped(gates[:, n : 2 * n] + po * c_new))
+        return (o * hf(c_new), c_new)
+
+    return _scan(rec, 4, [rec.initial(inputs, 5), rec.initial(inputs, 6)], step)
