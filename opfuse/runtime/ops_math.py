@@ -120,9 +120,11 @@ for _name in _WINDOWS:
 def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     """DFT-17 (`axis` an attribute, default 1) and DFT-20 (`axis` the third input; the frontend
     writes its default, -2, out: opsets.explicit_dft_axis). The signal's last axis holds the real
-    part, or the real and imaginary parts; the transform runs in float64, as numpy's (the
-    reference's) does, so a frequency that is exactly 0 comes out 0; the output is [..., 2], or
-    [..., 1] for an inverse one-sided transform (a real signal)."""
+    part, or the real and imaginary parts. The transform runs in float32 (float64 for a float64
+    signal): a half-precision signal is widened, as every reduction here accumulates in float32.
+    The complex values are read and written in place of the [..., 2] pairs (view_as_complex,
+    view_as_real), so a transform is its FFT and a cast each side, whatever the axis. The output
+    is [..., 2], or [..., 1] for an inverse one-sided transform (a real signal)."""
     x = required(inputs, 0, "DFT")
     length, axis_in = (inputs[i] if i < len(inputs) else None for i in (1, 2))
     axis = int(axis_in.reshape(-1)[0]) if axis_in is not None else int(attrs.get("axis", 1))
@@ -133,8 +135,9 @@ def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
             f"the transform run along another axis; got shape {list(x.shape)} and axis {axis}"
         )
     inverse, onesided = bool(int(attrs.get("inverse", 0))), bool(int(attrs.get("onesided", 0)))
-    xs = x.to(torch.float64)
-    signal = torch.complex(xs[..., 0], xs[..., 1]) if x.shape[-1] == 2 else xs[..., 0]
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs = x.to(wide).contiguous()
+    signal = torch.view_as_complex(xs) if x.shape[-1] == 2 else xs[..., 0]
     if length is not None:
         n = int(length.reshape(-1)[0])
     else:
@@ -143,7 +146,10 @@ def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
         raise ModelError(f"DFT: dft_length {n} is not positive")
     if inverse and onesided:
         return [torch.fft.irfft(signal, n=n, dim=axis).unsqueeze(-1).to(x.dtype)]
-    out = torch.fft.ifft(signal, n=n, dim=axis) if inverse else torch.fft.fft(signal, n=n, dim=axis)
-    if onesided:
-        out = out.narrow(axis, 0, n // 2 + 1)
-    return [torch.stack([out.real, out.imag], -1).to(x.dtype)]
+    if onesided and not signal.is_complex():
+        out = torch.fft.rfft(signal, n=n, dim=axis)
+    else:
+        out = torch.fft.ifft(signal, n=n, dim=axis) if inverse else torch.fft.fft(signal, n=n, dim=axis)
+        if onesided:
+            out = out.narrow(axis, 0, n // 2 + 1)
+    return [torch.view_as_real(out).to(x.dtype)]

@@ -568,3 +568,28 @@ def test_recurrent_layers_run_as_library_ops(dynamo: bool, tmp_path: Path) -> No
     cm = check(model, (x,), tmp_path)
     steps = [s.op_type for s in cm.plan.steps if s.kind == "op"]
     assert "LSTM" in steps and "GRU" in steps
+
+
+class FourierMixing(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT over the sequence and hidden axes, between
+    a projection and a layer norm (the exporter writes a DFT per axis and a Gather of the real part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return self.norm(h + torch.fft.fftn(h, dim=(1, 2)).real)
+
+
+def test_fourier_mixing_runs_its_dfts_and_matches(tmp_path: Path) -> None:
+    """Two DFTs over different axes of a real signal (real and imaginary pairs in between) match
+    onnxruntime in every element: the transform reads and writes the pairs in place."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    model = export(FourierMixing(), (x,), tmp_path / "m.onnx")
+    assert [n.op_type for n in model.graph.node].count("DFT") == 2
+    cm = check(model, (x,), tmp_path)
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op"].count("DFT") == 2
