@@ -22,9 +22,9 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.pad_gather import plan_pad_gathers
 from opfuse.fusion.resize import plan_resize_gathers
-from opfuse.fusion.rules.base import Candidate, FusionRule, PlanState
+from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.concat_prologue import concat_prologue
-from opfuse.fusion.rules.gemm_reduction import GEMM_ROW_MAX
+from opfuse.fusion.rules.gemm_reduction import left_to_a_row_kernel
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import VIEW_THROUGH, input_view
@@ -33,7 +33,6 @@ from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_dept
 from opfuse.ir.support import (
     conv_anchor_reason,
     gemm_anchor_reason,
-    gemm_dims,
     input_scale_reason,
     is_batched,
     pointwise_reason,
@@ -119,7 +118,7 @@ class AnchorEpilogue(FusionRule):
                 prologue = concat_prologue(graph, anchor, taken, producers, consumers, not_fused)
                 rule = f"{rule}+{names.CONCAT_PROLOGUE}" if prologue else rule
         operand = variant == "template" and state.on(names.OPERAND_PROLOGUE)
-        if operand and kind == "gemm" and not _left_to_a_row_kernel(graph, anchor, consumers, state):
+        if operand and kind == "gemm" and not left_to_a_row_kernel(graph, anchor, consumers, state):
             prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused, order)
         elif operand and not prologue and not shortcut and _dense_nhwc_conv(graph, anchor):
             prologue = operand_prologue(graph, anchor, taken, producers, consumers, not_fused, order)
@@ -314,18 +313,6 @@ def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
     return (
         conv.op_type == NHWC_CONV and int(conv.attrs.get("group", 1)) == 1 and not is_depthwise(graph, conv)
     )
-
-
-def _left_to_a_row_kernel(
-    graph: Graph, anchor: Node, consumers: dict[str, list[Node]], state: PlanState
-) -> bool:
-    """Only row kernels read the GEMM's output, a row of it fits one tile: `gemm_reduction` will
-    compute the GEMM on the row kernel's tiles, and the pointwise ops before A with it. A prologue
-    of the GEMM's own kernel would stop that (the GEMM would not be lone)."""
-    readers = consumers.get(anchor.outputs[0], [])
-    if not readers or not all(c.id in state.in_rows for c in readers) or not state.on(names.GEMM_REDUCTION):
-        return False
-    return not is_batched(graph, anchor) and gemm_dims(graph, anchor)[1] <= GEMM_ROW_MAX
 
 
 def _a_operand_view(

@@ -10,7 +10,9 @@ runs the row kernel's nodes on that tile: the GEMM, bias, residual, normalizatio
 row kernel stores, in one launch, and the product is never written. This holds for post-norm
 (BERT: Linear -> add -> LayerNorm) and pre-norm layers (GPT-2, LLaMA: the residual stream and the
 next layer's norm are both stored by the row kernel). On the GPU tuning times the one kernel against
-the plan without the rule (the library's GEMM, then the row kernel).
+the plan without the rule (the library's GEMM, then the row kernel). One GEMM per row kernel: where
+a row kernel adds two (a parallel-residual layer, GPT-NeoX's `x + attn(..) + mlp(..)`), the other
+runs in its own kernel, which computes its A operand (`operand_prologue`: the MLP's activation).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import group_boundary, merge_refusal
-from opfuse.fusion.rules.base import Candidate, RowPrologueRule
+from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.rules.base import Candidate, PlanState, RowPrologueRule
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
+from opfuse.graph import Graph, Node
 from opfuse.ir.rows import row_space
-from opfuse.ir.support import gemm_dims
+from opfuse.ir.support import gemm_dims, is_batched
 
 GEMM_REDUCTION_RULE = names.GEMM_REDUCTION
 # Columns of one row kernel tile: a [BLOCK_M >= 16, next_pow2(N)] float32 accumulator per program.
@@ -96,6 +99,52 @@ class GemmReduction(RowPrologueRule):
         rg.absorbed += [n for v in views.values() for n in v.owned()]
         rg.inputs, rg.outputs = group_boundary(graph, [*rg.prologue, *rg.nodes])
         rg.rule = f"{rg.rule}+{names.OPERAND_PROLOGUE}"
+
+    def finish(self) -> None:
+        """The lone GEMMs left to a row kernel that took another one (one GEMM per row kernel: a
+        parallel-residual layer's `x + attn_out(..) + mlp_out(gelu(..))` adds two GEMMs in one row
+        kernel) compute their A operand in their own kernel instead: the anchor rule left them
+        without the pointwise ops before A, for this rule to take with them, and they would run
+        as a kernel of their own that writes A."""
+        super().finish()
+        state, graph = self.state, self.graph
+        if not state.on(names.OPERAND_PROLOGUE):
+            return
+        promoted: list[Group] = []
+        for g in state.lone:
+            if g.kind != "gemm" or g.variant != "template" or len(g.nodes) != 1 or g.prologue or g.views:
+                continue
+            mm, held = g.nodes[0], state.held()
+            if not left_to_a_row_kernel(graph, mm, self.consumers, state):
+                continue  # the anchor rule tried its prologue already
+            ops = operand_prologue(
+                graph, mm, held, self.producers, self.consumers, state.not_fused, self.order
+            )
+            if not ops:
+                continue
+            readers = frozenset(n.id for n in ops)
+            views = prologue_views(graph, ops, readers, held, set()) if state.on(names.LAYOUT_VIEWS) else {}
+            g.prologue, g.views = ops, views
+            g.absorbed = [n for v in views.values() for n in v.owned()]
+            g.inputs, g.outputs = group_boundary(graph, [*g.prologue, *g.nodes])
+            g.rule, g.note = f"{g.rule}+{names.OPERAND_PROLOGUE}", ""
+            promoted.append(g)
+        if promoted:
+            state.lone[:] = [g for g in state.lone if all(g is not p for p in promoted)]
+            state.anchors = [*state.anchors, *promoted]
+
+
+def left_to_a_row_kernel(
+    graph: Graph, anchor: Node, consumers: dict[str, list[Node]], state: PlanState
+) -> bool:
+    """Only row kernels read the GEMM's output, a row of it fits one tile: this rule will compute
+    the GEMM on the row kernel's tiles, and the pointwise ops before A with it. The anchor rule
+    gives such a GEMM no prologue of its own (it would not be lone); where the row kernel takes
+    another GEMM, `finish` gives it one."""
+    readers = consumers.get(anchor.outputs[0], [])
+    if not readers or not all(c.id in state.in_rows for c in readers) or not state.on(names.GEMM_REDUCTION):
+        return False
+    return not is_batched(graph, anchor) and gemm_dims(graph, anchor)[1] <= GEMM_ROW_MAX
 
 
 RULE = GemmReduction

@@ -165,3 +165,53 @@ def test_the_split_form_computes_the_same() -> None:
         got = Executor(plan, TEST_DEVICE).run(feeds)
         for name, w in want.items():
             np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def parallel_residual(rows: tuple[int, ...] = (2, 5), d: int = 32, hidden: int = 64) -> onnx.ModelProto:
+    """GPT-NeoX's layer end: y = LayerNorm(x + a @ wo + gelu(u) @ w2), both products read only by
+    the row kernel; `u` is the MLP's half of a merged projection (a Split of p), so gelu reads a
+    view."""
+    nodes = [
+        n("MatMul", ["h", "wp"], ["p"], name="proj"),
+        n("Split", ["p", "parts"], ["q", "u"], name="split", axis=-1),
+        n("Gelu", ["u"], ["g"], name="gelu"),
+        n("MatMul", ["g", "w2"], ["mlp"], name="down"),
+        n("Relu", ["q"], ["a"], name="act"),
+        n("MatMul", ["a", "wo"], ["attn"], name="out"),
+        n("Add", ["x", "attn"], ["s1"], name="add_attn"),
+        n("Add", ["s1", "mlp"], ["s"], name="add_mlp"),
+        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    inits = {
+        "wp": weights(d, d + hidden, seed=1),
+        "parts": np.array([d, hidden], dtype=np.int64),
+        "w2": weights(hidden, d, seed=2),
+        "wo": weights(d, d, seed=3),
+        "gamma": 1.0 + weights(d, seed=4),
+        "beta": weights(d, seed=5),
+    }
+    return tiny_model(nodes, {"x": [*rows, d], "h": [*rows, d]}, {"y": [*rows, d]}, inits, opset=20)
+
+
+def test_the_gemm_a_row_kernel_leaves_computes_its_operand() -> None:
+    """One GEMM per row kernel: the other one, left lone, computes gelu on its A tiles (read
+    through the Split) instead of a Gelu kernel writing A; both match onnxruntime."""
+    model = parallel_residual()
+    shapes = {"x": [2, 5, 32], "h": [2, 5, 32]}
+    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    groups = cm.report["fusion"]["groups"]
+    (row,) = [g for g in groups if g["kind"] == "rowwise"]
+    assert row["rule"].startswith(RULE)
+    (down,) = [g for g in groups if "down" in g["nodes"]]
+    assert down["rule"].endswith(names.OPERAND_PROLOGUE) and down["nodes"][:2] == ["gelu", "down"]
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type == "Gelu"]
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+        got = cm.run(feeds)
+        np.testing.assert_allclose(np.asarray(got["y"]), _ort(model, feeds)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_switched_off_the_left_gemm_keeps_its_gelu_kernel() -> None:
+    _graph, plan = planned(parallel_residual(), disabled=(names.OPERAND_PROLOGUE,))
+    assert "down" in [g.nodes[0].name for g in plan.lone]
