@@ -434,12 +434,17 @@ def _peer(m: Any, example: dict[str, Any], b: _Batch) -> dict[str, Any]:
                 compiled(*static.values())
                 torch.cuda.synchronize()
                 rec["torch_compile_s"] = round(time.perf_counter() - t0, 2)
+
+                def call(c: Any = compiled) -> Any:
+                    with torch.no_grad():
+                        return c(*static.values())
+
                 if mode == "default":
-                    b.peer = graphed(lambda c=compiled: c(*static.values()))
+                    b.peer = graphed(call)
                 else:
                     for _ in range(3):  # cudagraph trees record on the first calls
-                        compiled(*static.values())
-                    b.peer = torch.no_grad()(lambda c=compiled: c(*static.values()))
+                        call()
+                    b.peer = call
             rec["torch_compile_mode"] = mode
             return rec
         except Exception as exc:
