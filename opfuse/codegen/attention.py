@@ -17,7 +17,7 @@ from opfuse.codegen.fragments import KernelSource, module_imports, module_title,
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import contiguous_strides, next_pow2
-from opfuse.ir.views import AttentionMatch
+from opfuse.ir.views import AttentionMatch, StridedView
 
 
 def _four_d(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -65,6 +65,9 @@ class _Geometry:
     kst: list[int]  # Kᵀ: [B, H, D, Sk]
     vst: list[int]
     ost: list[int]
+    # Q's and Kᵀ's parts (AttentionMatch.q_parts, k_parts): (first head dim, width, strides).
+    q_parts: list[tuple[int, int, list[int]]]
+    k_parts: list[tuple[int, int, list[int]]]
 
     @property
     def dp(self) -> int:
@@ -82,12 +85,26 @@ def _geometry(m: AttentionMatch) -> _Geometry:
     os_, ost = _four_d(m.out.shape, m.out.strides)
     b, h, sq, d = os_[0], os_[1], qs[2], qs[3]
     sk, dv = ks[3], vs[3]
+
+    def parts(views: list[StridedView], axis: int, target: list[int]) -> list[tuple[int, int, list[int]]]:
+        out, first = [], 0
+        for v in views:
+            shape, strides = _four_d(v.shape, v.strides)
+            width = shape[axis]
+            out.append(
+                (first, width, _broadcast(shape, strides, [*target[:axis], width, *target[axis + 1 :]]))
+            )
+            first += width
+        return out
+
     return _Geometry(
         b, h, sq, sk, d, dv,
         _broadcast(qs, qst, [b, h, sq, d]),
         _broadcast(ks, kst, [b, h, d, sk]),
         _broadcast(vs, vst, [b, h, sk, dv]),
         ost,
+        parts(m.q_parts, 3, [b, h, sq, d]),
+        parts(m.k_parts, 2, [b, h, d, sk]),
     )  # fmt: skip
 
 
@@ -96,8 +113,9 @@ def generate_attention(
 ) -> KernelSource:
     g = _geometry(m)
     dtype = graph.spec(m.q.base).dtype
-    extra = [x for x in (m.mask, m.cond) if x]
-    args = ["q", "k", "v", *(["mask"] if m.mask else []), *(["cond"] if m.cond else []), "o"]
+    q_args = [f"q{i}" for i in range(len(m.q_parts))] or ["q"]
+    k_args = [f"k{i}" for i in range(len(m.k_parts))] or ["k"]
+    args = [*q_args, *k_args, "v", *(["mask"] if m.mask else []), *(["cond"] if m.cond else []), "o"]
     fn = "fused_attention"
     buf = SourceBuffer()
     module_title(buf, f"flash-attention kernel {kernel_id} for group {group_id}.")
@@ -138,7 +156,7 @@ def generate_attention(
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
         buf.line(f'{fn}[(triton.cdiv({g.sq}, c["BLOCK_M"]), {g.b * g.h})]({", ".join(args)}, **c)')
-    inputs = [m.q.base, m.k.base, m.v.base, *extra]
+    inputs = m.inputs()
     return KernelSource(kernel_id, "attention", buf.getvalue(), inputs, [m.out.base], config)
 
 
@@ -152,10 +170,18 @@ def _query_tile(buf: SourceBuffer, m: AttentionMatch, g: _Geometry) -> None:
     buf.line("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
     buf.line(f"rd = tl.arange(0, {g.dp})")
     buf.line(f"rdv = tl.arange(0, {g.dvp})")
-    buf.line(
-        f"q_tile = tl.load(q + {m.q.offset} + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
-        f"mask=(rm[:, None] < {g.sq}) & (rd[None, :] < {g.d}), other=0.0)"
-    )
+    if not g.q_parts:
+        buf.line(
+            f"q_tile = tl.load(q + {m.q.offset} + b * {qst[0]} + h * {qst[1]} + rm[:, None] * {qst[2]} + rd[None, :] * {qst[3]}, "
+            f"mask=(rm[:, None] < {g.sq}) & (rd[None, :] < {g.d}), other=0.0)"
+        )
+    for i, ((first, width, st), view) in enumerate(zip(g.q_parts, m.q_parts, strict=True)):
+        # Each input of the Concat fills its columns of the tile; the others' lanes load 0.
+        cols = f"(rd[None, :] - {first})" if first else "rd[None, :]"
+        ok = f"(rm[:, None] < {g.sq}) & (rd[None, :] >= {first}) & (rd[None, :] < {first + width})"
+        at = f"{view.offset} + b * {st[0]} + h * {st[1]} + rm[:, None] * {st[2]} + {cols} * {st[3]}"
+        part = guarded_load(f"q{i}", at, ok)
+        buf.line(f"q_tile = {part}" if i == 0 else f"q_tile += {part}")
     buf.line("if UPCAST:")
     with buf.indent():
         buf.line("q_tile = q_tile.to(tl.float32)")
@@ -185,7 +211,13 @@ def _key_block(buf: SourceBuffer, m: AttentionMatch, g: _Geometry, graph: Graph,
     rank = len(m.q.shape)  # the scores' rank: Q's (Q and K have one rank)
     buf.line("rn = n0 + tl.arange(0, BLOCK_N)")
     buf.line(f"k_ok = (rd[:, None] < {g.d}) & (rn[None, :] < {sk})")
-    buf.line(f"k_tile = {_tile_load('k', m.k.offset, kst, ('rd[:, None]', 'rn[None, :]'), 'k_ok')}")
+    if not g.k_parts:
+        buf.line(f"k_tile = {_tile_load('k', m.k.offset, kst, ('rd[:, None]', 'rn[None, :]'), 'k_ok')}")
+    for i, ((first, width, st), view) in enumerate(zip(g.k_parts, m.k_parts, strict=True)):
+        rows = f"(rd[:, None] - {first})" if first else "rd[:, None]"
+        ok = f"k_ok & (rd[:, None] >= {first}) & (rd[:, None] < {first + width})"
+        part = _tile_load(f"k{i}", view.offset, st, (rows, "rn[None, :]"), ok)
+        buf.line(f"k_tile = {part}" if i == 0 else f"k_tile += {part}")
     buf.line(f"v_ok = (rn[:, None] < {sk}) & (rdv[None, :] < {g.dv})")
     buf.line(f"v_tile = {_tile_load('v', m.v.offset, vst, ('rn[:, None]', 'rdv[None, :]'), 'v_ok')}")
     buf.line("if UPCAST:")

@@ -297,7 +297,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         ATTENTION,
         FUSION,
         "Flash attention: MatMul → [scale, mask] → Softmax → MatMul in one kernel, head split/merge "
-        "read as strided views.",
+        "read as strided views, a Q or K joined along the head dim (a partial rotary) read from the "
+        "Concat's inputs.",
         impl=f"{RULES_PACKAGE}.attention",
     ),
     _r(

@@ -7,7 +7,10 @@ flash-attention kernel.
 
 Q, Kᵀ and V are read through their head-split Reshape/Transpose as strided views of the
 projection outputs, and the output is written through the head-merge Transpose/Reshape, so the
-layout ops disappear along with the score matrix.
+layout ops disappear along with the score matrix. A Q or Kᵀ that a Concat joins along the head
+dim (GPT-J's, GPT-NeoX's, Persimmon's partial rotary: the rotated dims, then the rest) is read
+from the Concat's inputs, each view filling its columns of the tile (`concat_parts`): the
+Concat, a copy kernel of its own otherwise, leaves the plan.
 """
 
 from __future__ import annotations
@@ -16,10 +19,55 @@ import dataclasses
 
 from opfuse.fusion.views import input_view, merged_run, output_view
 from opfuse.graph import Graph, Node
-from opfuse.ir.queries import UseDef, scalar_constant
+from opfuse.ir.queries import UseDef, contiguous_strides, scalar_constant
 from opfuse.ir.views import AttentionMatch, StridedView
 
 MAX_HEAD_DIM = 256
+MAX_PARTS = 4  # Concat inputs a Q or Kᵀ operand is read from: a load each per tile
+
+
+def concat_parts(graph: Graph, use: UseDef, view: StridedView, d_axis: int) -> list[StridedView]:
+    """Where the buffer behind `view` (Q, or Kᵀ) is a Concat along the dim that becomes the view's
+    `d_axis` (the head dim), read by nothing but the view: one view per Concat input, in the
+    view's layout over that input's width of the head dim, the inputs read through their own
+    layout ops (a Slice of a projection, a rotary's output). The view must permute the Concat's
+    output (dims of size 1 aside); else, or where an input cannot be viewed, []."""
+    cat = use.producer(view.base)
+    if cat is None or cat.op_type != "Concat" or view.offset or use.is_output(view.base):
+        return []
+    owned = {n.id for n in view.owned()}
+    if view.kept or any(u.id not in owned for u in use.consumers(view.base)):
+        return []  # the Concat's output is read elsewhere: it stays, and the view reads it
+    out = tuple(graph.spec(view.base).shape)
+    axis = int(cat.attrs.get("axis", 0)) % len(out)
+    inputs = [x for x in cat.inputs if x]
+    if not 2 <= len(inputs) <= MAX_PARTS or any(x in graph.constants for x in inputs):
+        return []
+    # Each view dim's Concat dim: the one of its size whose contiguous stride it has.
+    cs = contiguous_strides(out)
+    dims: list[int | None] = []
+    for size, stride in zip(view.shape, view.strides, strict=True):
+        if size == 1:
+            dims.append(None)
+            continue
+        found = [p for p in range(len(out)) if out[p] == size and cs[p] == stride and p not in dims]
+        if len(found) != 1:
+            return []
+        dims.append(found[0])
+    if dims[d_axis] != axis or sorted(d for d in dims if d is not None) != [
+        p for p in range(len(out)) if out[p] != 1
+    ]:
+        return []
+    parts: list[StridedView] = []
+    for x in inputs:
+        v = input_view(graph, x, allow_scale=False, readers=frozenset({cat.id}))
+        if v.offset < 0 or len(v.shape) != len(out):
+            return []
+        width = graph.spec(x).shape[axis]
+        shape = tuple(width if j == d_axis else n for j, n in enumerate(view.shape))
+        strides = tuple(0 if p is None else v.strides[p] for p in dims)
+        parts.append(StridedView(v.base, shape, strides, 1.0, v.nodes, v.offset, v.kept))
+    return parts
 
 
 def _batch_merged(view: StridedView) -> StridedView | None:
@@ -131,4 +179,11 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
     if v.scale != 1.0:
         return "the value operand is scaled"
     nodes += q.owned() + k.owned() + v.owned() + out.nodes
-    return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes)
+    q_parts = concat_parts(graph, use, q, len(q.shape) - 1)
+    k_parts = concat_parts(graph, use, k, len(k.shape) - 2)
+    for parts, view in ((q_parts, q), (k_parts, k)):
+        if parts:  # the Concat leaves the plan with the layout ops its inputs are read through
+            cat = use.producer(view.base)
+            assert cat is not None
+            nodes += [cat, *(n for part in parts for n in part.owned())]
+    return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes, q_parts, k_parts)

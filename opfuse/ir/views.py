@@ -36,3 +36,15 @@ class AttentionMatch:
     fill: float = 0.0
     nan_guard: bool = False
     nodes: list[Node] = field(default_factory=list)
+    # Q (Kᵀ) read from the inputs of the Concat along the head dim that made it (a partial
+    # rotary's rotated and passed-through halves): one view per input, in Q's (Kᵀ's) layout over
+    # that input's slice of the head dim, in order. Empty: Q (Kᵀ) is read through `q` (`k`).
+    q_parts: list[StridedView] = field(default_factory=list)
+    k_parts: list[StridedView] = field(default_factory=list)
+
+    def inputs(self) -> list[str]:
+        """The buffers the kernel reads, in its arguments' order: Q (or its parts), Kᵀ (or its
+        parts), V, then the mask and the keep-mask where present."""
+        q = [p.base for p in self.q_parts] or [self.q.base]
+        k = [p.base for p in self.k_parts] or [self.k.base]
+        return [*q, *k, self.v.base, *(x for x in (self.mask, self.cond) if x)]

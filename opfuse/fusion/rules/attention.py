@@ -47,7 +47,7 @@ class Attention(FusionRule):
         m: AttentionMatch = c.data
         ids = {x.id for x in m.nodes}
         nodes = [x for x in self.graph.nodes if x.id in ids]
-        inputs = [m.q.base, m.k.base, m.v.base] + [x for x in (m.mask, m.cond) if x]
+        inputs = m.inputs()
         gid = f"a{len(self.state.rows)}"
         group = Group(gid, "attention", names.ATTENTION, nodes, inputs, [m.out.base])
         group.match = m
