@@ -273,6 +273,13 @@ def _prepare(
             if s.get("op_type") != "Reshape"
         ],
         variants={gid: v.get("choice") for gid, v in ((r.get("tuning") or {}).get("variants") or {}).items()},
+        # Where a cold compile's time goes: the stages, and within tuning the parallel compile of
+        # every kernel (and its workers), the config search, the template/vendor timings.
+        timings_s=r.get("timings_s"),
+        tuning_s={
+            k: (r.get("tuning") or {}).get(k)
+            for k in ("compile_s", "compile_workers", "configs_s", "variants_s")
+        },
     )
     cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
     b.rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)

@@ -161,8 +161,10 @@ def tune(
                 record["compile_s"] = round(time.perf_counter() - t0, 2)
                 record["compile_workers"] = compiler.workers
                 deadline = pre.deadline or deadline
+                t1 = time.perf_counter()
                 for name, p in candidates.items():
                     tune(name, p, pool)
+                record["configs_s"] = round(time.perf_counter() - t1, 2)
             finally:
                 pre.close()
                 compiler.close()  # frees its GPU contexts before the plans run here
@@ -174,8 +176,10 @@ def tune(
             for name, p in candidates.items():
                 tune(name, p, pool)
         if to_measure:  # the plans run here only with kernels that ran cleanly in the worker
+            t1 = time.perf_counter()
             for name, (executor, tuned) in ran.items():
                 times[name] = configs_module.variant_group_times(candidates[name], executor, feeds, tuned)
+            record["variants_s"] = round(time.perf_counter() - t1, 2)
         for gid in anchors:
             if gid not in to_measure:
                 variants[gid] = known[gid]["choice"]
