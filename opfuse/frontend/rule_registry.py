@@ -49,6 +49,7 @@ GROUP_NORM = "group_norm"
 LOCAL_RESPONSE_NORM = "local_response_norm"
 FOLD_BATCHNORM = "fold_batchnorm"
 SUM_SIBLING_CONVS = "sum_sibling_convs"
+SUM_SIBLING_GEMMS = "sum_sibling_gemms"
 MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
@@ -216,6 +217,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         GRAPH_PASS,
         "Two convolutions of one input added together are one convolution whose weight is their "
         "sum (each kernel placed in the bounding window) and whose bias is the sum of theirs.",
+    ),
+    _r(
+        SUM_SIBLING_GEMMS,
+        GRAPH_PASS,
+        "Two products of one input by constant weights added together (a distilled classifier's "
+        "two heads, averaged) are one product by the sum of the weights, with the sum of their "
+        "biases: one GEMM, where the first ran alone to write what the second's epilogue added.",
     ),
     _r(
         MERGE_CONCAT_CONVS,

@@ -31,6 +31,7 @@ from opfuse.passes.rotary import rotate_half
 from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
 from opfuse.passes.shortcut_conv import shortcut_conv
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
+from opfuse.passes.sum_gemms import sum_sibling_gemms
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ PASSES: tuple[Pass, ...] = (
     local_response_norm,
     fold_batchnorm,
     sum_sibling_convs,
+    sum_sibling_gemms,
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
