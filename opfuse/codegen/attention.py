@@ -12,11 +12,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opfuse.codegen.epilogue import dot_precision
+from opfuse.codegen.epilogue import dot_precision, emit_nodes
 from opfuse.codegen.fragments import KernelSource, module_imports, module_title, node_comment
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
-from opfuse.ir.queries import contiguous_strides, next_pow2
+from opfuse.ir.queries import contiguous_strides, next_pow2, scalar_constant
 from opfuse.ir.views import AttentionMatch, StridedView
 
 
@@ -145,6 +145,15 @@ def generate_attention(
             )
         else:
             buf.line("out = acc / l_i[:, None]")
+        if m.epilogue:
+            regs = {x: "out" for x in m.epilogue[0].inputs if x and scalar_constant(graph, x) is None}
+            for n in m.epilogue:  # the ops' scalar constants, as literals
+                for x in n.inputs:
+                    c = scalar_constant(graph, x) if x else None
+                    if c is not None:
+                        regs[x] = _literal(c)
+            emit_nodes(buf, graph, m.epilogue, regs, prefix="e")
+            buf.line(f"out = {regs[m.epilogue[-1].outputs[0]]}")
         ost = g.ost
         buf.line(
             f"tl.store(o + b * {ost[0]} + h * {ost[1]} + rm[:, None] * {ost[2]} + rdv[None, :] * {ost[3]}, "

@@ -306,7 +306,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "Flash attention: MatMul → [scale, mask] → Softmax → MatMul in one kernel, head split/merge "
         "read as strided views, a Q or K joined along the head dim (a partial rotary) read from the "
-        "Concat's inputs.",
+        "Concat's inputs, one-input pointwise ops on the output (LeViT's Hardswish) computed on its tile.",
         impl=f"{RULES_PACKAGE}.attention",
     ),
     _r(

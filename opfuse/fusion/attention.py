@@ -3,14 +3,16 @@ flash-attention kernel.
 
     scores = (Q·s1) @ (Kᵀ·s2) [· s3 | / s3] [+ mask | Where(cond, ·, fill)]
     probs  = Softmax(scores, axis=-1) [guarded by Where(IsNaN(probs), 0, probs)] [Dropout removed]
-    out    = probs @ V
+    out    = act(probs @ V)   [one-input pointwise ops, scalar constants aside]
 
 Q, Kᵀ and V are read through their head-split Reshape/Transpose as strided views of the
 projection outputs, and the output is written through the head-merge Transpose/Reshape, so the
 layout ops disappear along with the score matrix. A Q or Kᵀ that a Concat joins along the head
 dim (GPT-J's, GPT-NeoX's, Persimmon's partial rotary: the rotated dims, then the rest) is read
 from the Concat's inputs, each view filling its columns of the tile (`concat_parts`): the
-Concat, a copy kernel of its own otherwise, leaves the plan.
+Concat, a copy kernel of its own otherwise, leaves the plan. One-input pointwise ops on the
+output (LeViT's Hardswish, which `pointwise_before_views` moves above the head merge) run on the
+output tile before it is stored (`_unary_epilogue`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import dataclasses
 from opfuse.fusion.views import input_view, merged_run, output_view
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import UseDef, contiguous_strides, scalar_constant
+from opfuse.ir.support import pointwise_reason
 from opfuse.ir.views import AttentionMatch, StridedView
 
 MAX_HEAD_DIM = 256
 MAX_PARTS = 4  # Concat inputs a Q or Kᵀ operand is read from: a load each per tile
+MAX_EPILOGUE = 8  # pointwise ops on the output tile
 
 
 def concat_parts(graph: Graph, use: UseDef, view: StridedView, d_axis: int) -> list[StridedView]:
@@ -81,6 +85,24 @@ def _batch_merged(view: StridedView) -> StridedView | None:
     return dataclasses.replace(
         view, shape=(run[0], *view.shape[lead:]), strides=(run[1], *view.strides[lead:])
     )
+
+
+def _unary_epilogue(graph: Graph, use: UseDef, value: str) -> list[Node]:
+    """The chain of pointwise ops after the attention output that each read only the one before
+    (their other inputs scalar constants) and keep its shape: the kernel computes them on its
+    output tile. pointwise_before_views moves an activation after the head merge up to here."""
+    chain: list[Node] = []
+    node = use.sole_consumer(value)
+    while node is not None and len(chain) < MAX_EPILOGUE and pointwise_reason(graph, node) is None:
+        tensors = [x for x in node.inputs if x and scalar_constant(graph, x) is None]
+        if tensors != [value] or graph.spec(node.outputs[0]).shape != graph.spec(value).shape:
+            break
+        if graph.spec(node.outputs[0]).dtype != graph.spec(value).dtype:
+            break
+        chain.append(node)
+        value = node.outputs[0]
+        node = use.sole_consumer(value)
+    return chain
 
 
 def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> AttentionMatch | str | None:
@@ -150,10 +172,11 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
         return None
     mm2 = node
     nodes.append(mm2)
+    epilogue = _unary_epilogue(graph, use, mm2.outputs[0])
     q = input_view(graph, mm1.inputs[0])
     k = input_view(graph, mm1.inputs[1])
     v = input_view(graph, mm2.inputs[1])
-    out = output_view(graph, mm2.outputs[0])
+    out = output_view(graph, epilogue[-1].outputs[0] if epilogue else mm2.outputs[0])
     if len(q.shape) > 4:
         # Batch dims beyond [B, H]: one batch dim of the kernel, where each operand, the output
         # and the masks have them as one strided run (masks: broadcast along them).
@@ -178,7 +201,7 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
     scale *= q.scale * k.scale
     if v.scale != 1.0:
         return "the value operand is scaled"
-    nodes += q.owned() + k.owned() + v.owned() + out.nodes
+    nodes += epilogue + q.owned() + k.owned() + v.owned() + out.nodes
     q_parts = concat_parts(graph, use, q, len(q.shape) - 1)
     k_parts = concat_parts(graph, use, k, len(k.shape) - 2)
     for parts, view in ((q_parts, q), (k_parts, k)):
@@ -186,4 +209,4 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
             cat = use.producer(view.base)
             assert cat is not None
             nodes += [cat, *(n for part in parts for n in part.owned())]
-    return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes, q_parts, k_parts)
+    return AttentionMatch(q, k, v, out, scale, mask, cond, fill, nan_guard, nodes, q_parts, k_parts, epilogue)

@@ -41,6 +41,9 @@ class AttentionMatch:
     # that input's slice of the head dim, in order. Empty: Q (Kᵀ) is read through `q` (`k`).
     q_parts: list[StridedView] = field(default_factory=list)
     k_parts: list[StridedView] = field(default_factory=list)
+    # One-input pointwise ops on the output (scalar constants aside: LeViT's Hardswish before
+    # its projection), computed on the output tile before it is stored through `out`.
+    epilogue: list[Node] = field(default_factory=list)
 
     def inputs(self) -> list[str]:
         """The buffers the kernel reads, in its arguments' order: Q (or its parts), Kᵀ (or its

@@ -35,3 +35,33 @@ def test_a_softmax_over_another_axis_is_refused_with_its_reason() -> None:
     _, plan = planned(attention(2))
     assert refusals(plan, names.ATTENTION) == [(["qk"], "softmax is not over the last axis")]
     assert all(kind != "attention" for kind, _, _ in claimed(plan))
+
+
+def test_an_activation_on_the_output_runs_in_the_attention_kernel() -> None:
+    """LeViT's `(P @ V) -> Hardswish` (and a scalar Mul after it): the kernel computes them on
+    its output tile, every output element as onnxruntime computes it."""
+    import onnxruntime as ort
+
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["q", "kt"], ["s"], name="qk"),
+        n("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        n("MatMul", ["p", "v"], ["o"], name="pv"),
+        n("HardSwish", ["o"], ["h"], name="act"),
+        n("Mul", ["h", "half"], ["y"], name="scale"),
+    ]
+    shapes = {"q": [2, 3, 9, 8], "kt": [2, 3, 8, 11], "v": [2, 3, 11, 8]}
+    model = tiny_model(nodes, shapes, {"y": [2, 3, 9, 8]}, {"half": np.array(0.5, dtype=np.float32)})
+    cm = opfuse.compile(model, device=TEST_DEVICE, verify=False)
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["kind"] == "attention" and g["nodes"][-2:] == ["act", "scale"], g
+    assert cm.plan.launches == 1
+    rng = np.random.default_rng(2)
+    feeds = {k: rng.standard_normal(s).astype(np.float32) * 2 for k, s in shapes.items()}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), want, rtol=1e-4, atol=1e-5)
