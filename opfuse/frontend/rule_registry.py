@@ -320,7 +320,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         CONCAT_SELECT,
         FUSION,
-        "A Concat in a pointwise group (or a GroupNorm/InstanceNorm row kernel's input): each element "
+        "A Concat in a pointwise group (or the input of a row kernel whose rows lie whole: GroupNorm, "
+        "InstanceNorm, a LayerNorm over the last axis): each element "
         "loaded from the input whose range holds it; a lone Concat of gathered or viewed inputs a kernel "
         "of its own.",
         requires=(POINTWISE,),

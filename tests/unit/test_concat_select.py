@@ -214,3 +214,49 @@ def test_without_concat_select_the_normalization_reads_the_copy() -> None:
     assert launched_ops(cm) == ["Resize", "Concat"]
     (g,) = cm.report["fusion"]["groups"]
     assert g["rule"] == "row_reduction" and g["nodes"] == ["norm", "relu"]
+
+
+def layer_norm_of_concat(case: str):  # type: ignore[no-untyped-def]
+    """`tokens`: ViT's class token: Concat(cls [2, 1, 8], patches [2, 6, 8]) along the tokens, plus
+    a position table, then LayerNorm over the 8 channels. `channels`: Swin's patch merging, the
+    four 2x2-strided Slices of x [2, 4, 4, 8] concatenated along the channels, then LayerNorm over
+    the 32."""
+    if case == "tokens":
+        nodes = [
+            helper.make_node("Concat", ["cls", "p"], ["c"], name="cat", axis=1),
+            helper.make_node("Add", ["c", "pos"], ["a"], name="pos_add"),
+            helper.make_node("LayerNormalization", ["a", "s", "t"], ["y"], name="norm", axis=-1),
+        ]
+        inputs, width, out = {"cls": [2, 1, 8], "p": [2, 6, 8]}, 8, [2, 7, 8]
+        inits = {"pos": RNG.standard_normal((1, 7, 8))}
+    else:
+        nodes, parts = [], []
+        for k in range(4):
+            names_ = [f"st{k}", f"en{k}", "ax", "two"]
+            nodes.append(helper.make_node("Slice", ["x", *names_], [f"x{k}"], name=f"slice{k}"))
+            parts.append(f"x{k}")
+        nodes += [
+            helper.make_node("Concat", parts, ["c"], name="cat", axis=-1),
+            helper.make_node("LayerNormalization", ["c", "s", "t"], ["y"], name="norm", axis=-1),
+        ]
+        inputs, width, out = {"x": [2, 4, 4, 8]}, 32, [2, 2, 2, 32]
+        inits = {"ax": np.array([1, 2]), "two": np.array([2, 2])}
+        for k, (h0, w0) in enumerate([(0, 0), (1, 0), (0, 1), (1, 1)]):
+            inits[f"st{k}"], inits[f"en{k}"] = np.array([h0, w0]), np.array([4, 4])
+    inits.update(s=1 + RNG.standard_normal(width) * 0.2, t=RNG.standard_normal(width) * 0.2)
+    ints = {k: v for k, v in inits.items() if v.dtype.kind == "i"}
+    model = make_model(nodes, inputs, {"y": out}, {k: v for k, v in inits.items() if k not in ints})
+    model.graph.initializer.extend(numpy_helper.from_array(v.astype(np.int64), k) for k, v in ints.items())
+    return model, inputs
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("case", ["tokens", "channels"])
+def test_a_layer_norm_reads_its_rows_through_the_concat(case: str, precision: str) -> None:
+    """A LayerNorm's rows lie whole in the Concat's output: the row kernel selects each element from
+    the input that holds it (through the Slices as strided views), so the Concat is not copied."""
+    model, inputs = layer_norm_of_concat(case)
+    cm = check_against_ort(model, inputs, precision)
+    assert cm.report["kernels"]["after"] == 1 and launched_ops(cm) == []
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["kind"] == "rowwise" and "concat_select" in g["rule"] and "cat" in g["nodes"], g

@@ -36,8 +36,15 @@ CONCAT_SELECT_RULE = names.CONCAT_SELECT
 RESIZE_RULE = names.RESIZE_GATHER
 LAYOUT_RULE = names.LAYOUT_VIEWS
 # Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
-# (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`.
+# (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`;
+# so may any row op reducing the trailing axes (`_whole_rows`: a LayerNorm's).
 CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
+
+
+def _whole_rows(space: RowSpace) -> bool:
+    """Rows that lie contiguous in the full shape (a reduction over the trailing axes: a
+    LayerNorm's), so the kernel's offsets into a Concat's output are `row * R + cols`."""
+    return space.inner == 1 and not space.groups
 
 
 def _join_reason(graph: Graph, node: Node, space: RowSpace, concats: bool = False) -> tuple[bool, str | None]:
@@ -109,7 +116,10 @@ class RowReduction(FusionRule):
                 if cand.id in members or cand.id in assigned or cand.id in refused:
                     continue
                 in_space, why = _join_reason(
-                    graph, cand, space, self.concats and anchor.op_type in CONCAT_ANCHORS
+                    graph,
+                    cand,
+                    space,
+                    self.concats and (anchor.op_type in CONCAT_ANCHORS or _whole_rows(space)),
                 )
                 if not in_space:
                     continue
