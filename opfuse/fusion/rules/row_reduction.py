@@ -35,16 +35,13 @@ ROW_RULE = names.ROW_REDUCTION
 CONCAT_SELECT_RULE = names.CONCAT_SELECT
 RESIZE_RULE = names.RESIZE_GATHER
 LAYOUT_RULE = names.LAYOUT_VIEWS
-# Row ops whose full-shaped input a Concat may be: rows of (n, c) or (n, g), each contiguous
-# (never strided columns), so the kernel's offsets into the Concat's output are `row * R + cols`;
-# so may any row op reducing the trailing axes (`_whole_rows`: a LayerNorm's).
-CONCAT_ANCHORS = ("GroupNormalization", "InstanceNormalization")
 
 
 def _whole_rows(space: RowSpace) -> bool:
-    """Rows that lie contiguous in the full shape (a reduction over the trailing axes: a
-    LayerNorm's), so the kernel's offsets into a Concat's output are `row * R + cols`."""
-    return space.inner == 1 and not space.groups
+    """Rows that lie contiguous in the full shape (GroupNorm's (n, g) groups, InstanceNorm's and
+    a LayerNorm's trailing axes; not a row kernel over strided columns), so the kernel's offsets
+    into a Concat's output, its full-shaped input, are `row * R + cols`."""
+    return space.inner == 1
 
 
 def _join_reason(graph: Graph, node: Node, space: RowSpace, concats: bool = False) -> tuple[bool, str | None]:
@@ -119,7 +116,7 @@ class RowReduction(FusionRule):
                     graph,
                     cand,
                     space,
-                    self.concats and (anchor.op_type in CONCAT_ANCHORS or _whole_rows(space)),
+                    self.concats and _whole_rows(space),
                 )
                 if not in_space:
                     continue
