@@ -54,6 +54,7 @@ MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
 POINTWISE_BEFORE_VIEWS = "pointwise_before_views"
+RESHAPE_BEFORE_POINTWISE = "reshape_before_pointwise"
 COLLAPSE_RESHAPES = "collapse_reshapes"
 FOLD_CHANNEL_SHUFFLE = "fold_channel_shuffle"
 MERGE_PROJECTIONS = "merge_projections"
@@ -248,6 +249,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A pointwise op after a view (Reshape, Flatten, Squeeze, Unsqueeze, Transpose) whose only reader "
         "it is runs before the view, so it joins the producer's epilogue: view(x) → f becomes f(x) → view "
         "(constants only where they broadcast alike on both sides).",
+    ),
+    _r(
+        RESHAPE_BEFORE_POINTWISE,
+        GRAPH_PASS,
+        "A Reshape a row op reads moves above the pointwise ops that compute its input (and a product "
+        "by a 2-D matrix, where the last axis stays): the residual Add, the bias and the GEMM before "
+        "a normalization that reads them reshaped (Swin's tokens and windows) join its row kernel.",
     ),
     _r(
         COLLAPSE_RESHAPES,

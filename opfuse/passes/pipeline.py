@@ -28,6 +28,7 @@ from opfuse.passes.local_response_norm import local_response_norm
 from opfuse.passes.pointwise_views import pointwise_before_views
 from opfuse.passes.projections import merge_projections
 from opfuse.passes.rotary import rotate_half
+from opfuse.passes.row_views import reshape_before_pointwise
 from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
 from opfuse.passes.shortcut_conv import shortcut_conv
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
@@ -66,6 +67,7 @@ PASSES: tuple[Pass, ...] = (
     batchnorm_to_affine,
     gemm_to_matmul,
     GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views),
+    GraphRule(names.RESHAPE_BEFORE_POINTWISE, reshape_before_pointwise),
     collapse_reshapes,
     GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
     GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),

@@ -59,7 +59,7 @@ def _joins_producer(graph: Graph, view: Node, producers: dict[str, Node], touche
     return node.op_type in EPILOGUE_HEADS or pointwise_reason(graph, node) is None
 
 
-def _constant_like(
+def constant_like(
     graph: Graph, name: str, view: Node, before: tuple[int, ...], after: tuple[int, ...]
 ) -> np.ndarray | None:
     """The constant `name`, shaped to broadcast against the view's input (`before`) exactly as it
@@ -138,7 +138,7 @@ def pointwise_before_views(graph: Graph, ctx: PassContext) -> None:
                 continue  # a constant of higher rank widens the output: not elementwise on x
             consts: dict[str, np.ndarray] = {}
             for c in {y for y in node.inputs if y and y in graph.constants}:
-                arr = _constant_like(graph, c, view, before, after)
+                arr = constant_like(graph, c, view, before, after)
                 if arr is None:
                     break
                 consts[c] = arr

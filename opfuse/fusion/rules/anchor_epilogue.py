@@ -27,7 +27,7 @@ from opfuse.fusion.rules.concat_prologue import concat_prologue
 from opfuse.fusion.rules.gemm_reduction import left_to_a_row_kernel
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.fusion.rules.pad_prologue import input_pad
-from opfuse.fusion.views import VIEW_THROUGH, input_view
+from opfuse.fusion.views import RESHAPES, VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.support import (
@@ -162,6 +162,10 @@ class AnchorEpilogue(FusionRule):
                 views.update(_batched_operand_views(graph, anchor, nodes[1:], taken | members, skip))
             elif not prologue:
                 views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
+                if views and _plain_reshape(views) and left_to_a_row_kernel(graph, anchor, consumers, state):
+                    # A reshaped (leading axes regrouped) is the same buffer: the row kernel that
+                    # reads the output computes the GEMM on its tiles and loads A as it lies.
+                    views = {}
         prefix = PREFIX[kind]
         if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
@@ -313,6 +317,11 @@ def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
     return (
         conv.op_type == NHWC_CONV and int(conv.attrs.get("group", 1)) == 1 and not is_depthwise(graph, conv)
     )
+
+
+def _plain_reshape(views: dict[str, StridedView]) -> bool:
+    """A view of reshapes alone of a whole buffer (its elements in their order: the same memory)."""
+    return all(not v.offset and all(n.op_type in RESHAPES for n in v.nodes) for v in views.values())
 
 
 def _a_operand_view(

@@ -27,6 +27,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
 QUIET = ""  # a check's refusal that the report does not show
@@ -143,8 +144,25 @@ class RowPrologueRule(FusionRule):
     rule: ClassVar[str]
     kind: ClassVar[str]
 
+    # Whether the row kernel may read its other full-shaped inputs through folded layout ops
+    # (StridedView) while it computes the anchor on its tiles.
+    strided_rows: ClassVar[bool] = False
+
     def takes(self, anchor: Node) -> bool:
         return True
+
+    def _plain(self, rg: Group) -> bool:
+        """A row group this rule may add its anchor to: no prologue yet, and no views, or (where
+        the rule's kernel reads rows through them) only strided views of its rows, no Concat."""
+        if rg.kind != "rowwise" or rg.prologue:
+            return False
+        if not rg.views:
+            return True
+        return (
+            self.strided_rows
+            and all(isinstance(v, StridedView) for v in rg.views.values())
+            and not any(n.op_type == "Concat" for n in rg.nodes)
+        )
 
     def match(self) -> Iterator[Candidate]:
         """Each row group's input that a lone anchor of `kind` writes (the first one a group takes):
@@ -155,7 +173,7 @@ class RowPrologueRule(FusionRule):
         }
         self.gone: set[str] = set()
         for rg in self.state.rows:
-            if rg.kind != "rowwise" or rg.prologue or rg.views:
+            if not self._plain(rg):
                 continue
             head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
             for x in rg.inputs:

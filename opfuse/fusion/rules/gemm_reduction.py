@@ -13,6 +13,10 @@ next layer's norm are both stored by the row kernel). On the GPU tuning times th
 the plan without the rule (the library's GEMM, then the row kernel). One GEMM per row kernel: where
 a row kernel adds two (a parallel-residual layer, GPT-NeoX's `x + attn(..) + mlp(..)`), the other
 runs in its own kernel, which computes its A operand (`operand_prologue`: the MLP's activation).
+The row kernel's other full-shaped inputs may be read through folded layout ops (`layout_views`:
+Swin's residual stream viewed as the grid its norm reads), and the GEMM's A may be a reshape of a
+stored buffer (leading axes regrouped): the anchor rule leaves such an A as it lies, the same
+memory, so the GEMM stays lone for this rule (`reshape_before_pointwise` makes both).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ GEMM_ROW_MAX = 1024
 class GemmReduction(RowPrologueRule):
     rule = GEMM_REDUCTION_RULE
     kind = "gemm"
+    strided_rows = True
 
     def match(self) -> Iterator[Candidate]:
         graph = self.graph
@@ -54,6 +59,8 @@ class GemmReduction(RowPrologueRule):
             return "the row kernel does not reduce over the GEMM's output columns alone"
         if tuple(graph.spec(x).shape) != full:
             return "the GEMM's output is not the row kernel's full-shaped input"
+        if x in rg.views:
+            return "the row kernel reads the GEMM's output through a view"
         if self.read_outside(x, rg):
             return "the GEMM's output is read outside the row kernel too"
         made = {o for n in rg.nodes for o in n.outputs}

@@ -1,0 +1,141 @@
+"""`reshape_before_pointwise`: a Reshape a row op reads moves above the pointwise ops that compute
+its input, and above the product by a weight matrix before them.
+
+A normalization reads its input in its own shape; exporters often compute that input in another
+one and reshape it between. Swin computes its residual stream as [B, H*W, C] tokens and its norms
+read [B, H, W, C] (and the other way round): `x + proj(attn) -> view -> LayerNorm`. The row kernel
+takes only ops of its own shape, so the residual Add ran as a kernel of its own, the GEMM before it
+as another with the bias. Reshaped before them, `view(a) + view(b) -> LayerNorm`, the Add, the bias
+and the GEMM are the row kernel's (`row_reduction`, `gemm_reduction`), and the views of `a` and `b`
+are views of stored buffers (or of layout ops, which the row kernel reads through).
+
+The move is exact: a pointwise op computes each element from the elements at the same index, and
+a Reshape only renames indices; a product `A @ W` by a 2-D matrix computes each row of its output
+from the same row of A, so where the Reshape keeps the last axis (only the leading axes regroup),
+`view(A @ W) = view'(A) @ W`. It is made where
+- a row op reads the Reshape's output as its data input, and the shapes on both sides are static;
+- the op above has no reader but the Reshape and is not a graph output;
+- a pointwise op's other tensor inputs have its output's shape (no broadcast between them), and
+  its constants broadcast the same way on both sides of the view (a scalar, or per-channel
+  constants of trailing axes the view keeps);
+- a product's second input is 2-D and the Reshape keeps the last axis.
+It repeats up a chain of pointwise ops whose only reader the moved view is, through one product at
+most (the product's A gets a view of its own, where the chain stops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opfuse.frontend import rule_registry as names
+from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.support import pointwise_reason
+from opfuse.passes.pointwise_views import constant_like
+from opfuse.passes.rules import PassContext
+
+RULE = names.RESHAPE_BEFORE_POINTWISE
+
+
+def _static(shape: tuple[int, ...]) -> bool:
+    return all(isinstance(d, int) and d >= 0 for d in shape)
+
+
+class _Mover:
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.consumers = graph.consumers()
+        self.producers = graph.producers()
+        self.outputs = {o.name for o in graph.outputs}
+        self.moved = 0
+
+    def _single_reader(self, name: str, reader: Node) -> bool:
+        readers = self.consumers.get(name, [])
+        return name not in self.outputs and len(readers) == 1 and readers[0] is reader
+
+    def _new_view(self, src: str, shape: tuple[int, ...], tag: str) -> Node:
+        """A Reshape of `src` to `shape`, placed by the caller."""
+        graph = self.graph
+        target, out = f"{tag}_shape", f"{tag}_view"
+        graph.constants[target] = np.array(shape, dtype=np.int64)
+        graph.values[target] = TensorSpec(target, "int64", (len(shape),))
+        graph.values[out] = TensorSpec(out, graph.spec(src).dtype, shape)
+        return Node(tag, "Reshape", [src, target], [out], {}, "")
+
+    def move(self, view: Node) -> None:
+        """Move `view` above its producer where it may, and the views that puts on the producer's
+        inputs above theirs (one product at most on the way)."""
+        graph = self.graph
+        src = view.inputs[0]
+        node = self.producers.get(src)
+        if node is None or not self._single_reader(src, view):
+            return
+        before = tuple(graph.spec(src).shape)
+        after = tuple(graph.spec(view.outputs[0]).shape)
+        product = node.op_type == "MatMul"
+        if product:
+            b = graph.spec(node.inputs[1]).shape
+            if len(b) != 2 or len(before) < 2 or len(after) < 2 or before[-1] != after[-1]:
+                return
+            a = graph.spec(node.inputs[0]).shape
+            if tuple(a[:-1]) != before[:-1]:
+                return  # A broadcast against B's leading axes: not one row of A per output row
+            wanted = {node.inputs[0]: (*after[:-1], int(a[-1]))}
+            consts: dict[str, np.ndarray] = {}
+        else:
+            if pointwise_reason(graph, node) is not None:
+                return
+            wanted, consts = {}, {}
+            for x in dict.fromkeys(i for i in node.inputs if i):
+                if x in graph.constants:
+                    arr = constant_like(graph, x, view, before, after)
+                    if arr is None:
+                        return
+                    consts[x] = arr
+                elif tuple(graph.spec(x).shape) == before:
+                    wanted[x] = after
+                else:
+                    return  # a tensor that broadcasts: its view would need the other's shape
+        # The views on the inputs, in front of the producer; the producer writes the view's output.
+        at = graph.nodes.index(node)
+        views: dict[str, Node] = {}
+        for k, (x, shape) in enumerate(wanted.items()):
+            views[x] = self._new_view(x, shape, f"{view.id}_above_{node.id}_{k}")
+        inputs = []
+        for x in node.inputs:
+            if x in views:
+                x = views[x].outputs[0]
+            elif x in consts and consts[x].shape != graph.constants[x].shape:
+                cname = f"{x}_as_{'x'.join(map(str, consts[x].shape)) or 'scalar'}"
+                graph.constants[cname] = consts[x]
+                graph.values[cname] = TensorSpec(cname, graph.spec(x).dtype, tuple(consts[x].shape))
+                x = cname
+            inputs.append(x)
+        graph.nodes[at : at + 1] = [
+            *views.values(),
+            Node(node.id, node.op_type, inputs, list(view.outputs), dict(node.attrs), node.name),
+        ]
+        graph.nodes.remove(view)
+        graph.values.pop(src, None)
+        self.moved += 1
+        # The maps for what follows: the producer now reads the views, the views their inputs.
+        self.consumers, self.producers = graph.consumers(), graph.producers()
+        if product:
+            return
+        for v in views.values():
+            self.move(v)
+
+
+def reshape_before_pointwise(graph: Graph, ctx: PassContext) -> None:
+    mover = _Mover(graph)
+    for view in [n for n in graph.nodes if n.op_type == "Reshape"]:
+        if view not in graph.nodes:
+            continue
+        shapes = (tuple(graph.spec(view.inputs[0]).shape), tuple(graph.spec(view.outputs[0]).shape))
+        if not all(_static(s) for s in shapes) or shapes[0] == shapes[1]:
+            continue
+        readers = mover.consumers.get(view.outputs[0], [])
+        if any(r.op_type in ROW_OPS and r.inputs[0] == view.outputs[0] for r in readers):
+            mover.move(view)
+    if mover.moved:
+        ctx.log.fire(RULE, mover.moved)
