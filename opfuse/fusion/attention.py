@@ -4,6 +4,7 @@ flash-attention kernel.
     scores = (Q·s1) @ (Kᵀ·s2) [· s3 | / s3] [+ mask | Where(cond, ·, fill)]
     probs  = Softmax(scores, axis=-1) [guarded by Where(IsNaN(probs), 0, probs)] [Dropout removed]
     out    = act(probs @ V)   [one-input pointwise ops, scalar constants aside]
+             | act(V' @ Transpose(probs))   [the channels-first form: V = V'ᵀ, out transposed]
 
 Q, Kᵀ and V are read through their head-split Reshape/Transpose as strided views of the
 projection outputs, and the output is written through the head-merge Transpose/Reshape, so the
@@ -105,6 +106,27 @@ def _unary_epilogue(graph: Graph, use: UseDef, value: str) -> list[Node]:
     return chain
 
 
+def _transposed_product(graph: Graph, use: UseDef, node: Node | None, probs: str, rank: int) -> Node | None:
+    """The MatMul of `V' @ Pᵀ` where `node` is the Transpose of the probabilities `probs` (last
+    two axes swapped) that only that MatMul reads, as its second input; else None."""
+    if node is None or node.op_type != "Transpose" or rank < 2:
+        return None
+    perm = [int(p) for p in node.attrs.get("perm", range(rank - 1, -1, -1))]
+    if perm != [*range(rank - 2), rank - 1, rank - 2]:
+        return None
+    mm2 = use.sole_consumer(node.outputs[0])
+    if mm2 is None or mm2.op_type != "MatMul" or mm2.inputs[1] != node.outputs[0] or mm2.inputs[0] == probs:
+        return None
+    return mm2
+
+
+def _swap_last(view: StridedView) -> StridedView:
+    """The view with its last two axes swapped (the transposed matrices, the same memory)."""
+    shape, strides = list(view.shape), list(view.strides)
+    shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
+    return dataclasses.replace(view, shape=tuple(shape), strides=tuple(strides))
+
+
 def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> AttentionMatch | str | None:
     """None: not attention at all; a str: attention, but why it cannot fuse; else the match.
     `use`: the graph's use-def snapshot, where the caller matches many MatMuls of one graph."""
@@ -168,15 +190,24 @@ def match_attention(graph: Graph, mm1: Node, use: UseDef | None = None) -> Atten
         nodes.append(node)
         probs = node.outputs[0]
         node = use.sole_consumer(probs)
-    if node is None or node.op_type != "MatMul" or node.inputs[0] != probs:
+    # The channels-first form (LeViT's and EfficientViT's convolutional attention, MaxViT's 2-D
+    # one): V' @ Pᵀ with V' = Vᵀ, which is (P @ V)ᵀ: V read as V'ᵀ, the output written transposed.
+    flipped = _transposed_product(graph, use, node, probs, rank)
+    if flipped is not None:
+        assert node is not None  # the Transpose of the probabilities
+        nodes.append(node)
+        node = flipped
+    elif node is None or node.op_type != "MatMul" or node.inputs[0] != probs:
         return None
     mm2 = node
     nodes.append(mm2)
     epilogue = _unary_epilogue(graph, use, mm2.outputs[0])
     q = input_view(graph, mm1.inputs[0])
     k = input_view(graph, mm1.inputs[1])
-    v = input_view(graph, mm2.inputs[1])
+    v = input_view(graph, mm2.inputs[0] if flipped else mm2.inputs[1])
     out = output_view(graph, epilogue[-1].outputs[0] if epilogue else mm2.outputs[0])
+    if flipped is not None:
+        v, out = _swap_last(v), _swap_last(out)
     if len(q.shape) > 4:
         # Batch dims beyond [B, H]: one batch dim of the kernel, where each operand, the output
         # and the masks have them as one strided run (masks: broadcast along them).

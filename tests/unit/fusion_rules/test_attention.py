@@ -65,3 +65,55 @@ def test_an_activation_on_the_output_runs_in_the_attention_kernel() -> None:
         None, feeds
     )[0]
     np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_channels_first_form_runs_in_the_attention_kernel() -> None:
+    """EfficientViT's and LeViT's convolutional attention: `v @ softmax(qᵀk + bias)ᵀ` with v as
+    [B, H, Dv, S], the output [B, H, Dv, S] then viewed as an image. One kernel reads V transposed
+    and writes the output transposed, every output element as onnxruntime computes it."""
+    import onnxruntime as ort
+
+    import opfuse
+    from tests.builders import TEST_DEVICE
+
+    n = helper.make_node
+    b, h, d, dv, s = 2, 3, 8, 12, 16
+    nodes = [
+        n("Transpose", ["q"], ["qt"], perm=[0, 1, 3, 2], name="q_t"),
+        n("MatMul", ["qt", "k"], ["sc"], name="qk"),
+        n("Add", ["sc", "bias"], ["sb"], name="bias"),
+        n("Softmax", ["sb"], ["p"], name="softmax", axis=-1),
+        n("Transpose", ["p"], ["pt"], perm=[0, 1, 3, 2], name="p_t"),
+        n("MatMul", ["v", "pt"], ["o"], name="vp"),
+        n("Reshape", ["o", "image"], ["y"], name="as_image"),
+    ]
+    shapes = {"q": [b, h, d, s], "k": [b, h, d, s], "v": [b, h, dv, s]}
+    inits = {"bias": np.random.default_rng(1).standard_normal((s, s)), "image": np.array([b, h * dv, 4, 4])}
+    model = tiny_model(nodes, shapes, {"y": [b, h * dv, 4, 4]}, inits)
+    _, plan = planned(model)
+    assert [(kind, ns) for kind, _, ns in claimed(plan)] == [
+        ("attention", ["q_t", "qk", "bias", "softmax", "p_t", "vp"])
+    ], claimed(plan)  # the view as an image, of the model's output, stays (no launch)
+    cm = opfuse.compile(model, device=TEST_DEVICE, verify=False)
+    assert cm.plan.launches == 1
+    rng = np.random.default_rng(2)
+    feeds = {k: rng.standard_normal(sh).astype(np.float32) for k, sh in shapes.items()}
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_transposed_product_read_by_another_op_too_is_not_attention() -> None:
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["q", "kt"], ["sc"], name="qk"),
+        n("Softmax", ["sc"], ["p"], name="softmax", axis=-1),
+        n("Transpose", ["p"], ["pt"], perm=[0, 1, 3, 2], name="p_t"),
+        n("MatMul", ["v", "pt"], ["y"], name="vp"),
+        n("Relu", ["pt"], ["z"], name="other"),
+    ]
+    shapes = {"q": [1, 2, 4, 8], "kt": [1, 2, 8, 4], "v": [1, 2, 8, 4]}
+    model = tiny_model(nodes, shapes, {"y": [1, 2, 8, 4], "z": [1, 2, 4, 4]})
+    _, plan = planned(model)
+    assert all(kind != "attention" for kind, _, _ in claimed(plan))
