@@ -314,7 +314,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "Flash attention: MatMul → [scale, mask] → Softmax → MatMul in one kernel, head split/merge "
         "read as strided views, a Q or K joined along the head dim (a partial rotary) read from the "
-        "Concat's inputs, one-input pointwise ops on the output (LeViT's Hardswish) computed on its tile.",
+        "Concat's inputs, one-input pointwise ops on the output (LeViT's Hardswish) computed on its tile; "
+        "the channels-first form V' @ Pᵀ (EfficientViT's) reads V and writes the output transposed.",
         impl=f"{RULES_PACKAGE}.attention",
     ),
     _r(
