@@ -1,4 +1,5 @@
-"""Triton implicit-GEMM convolution (2-D, groups=1) with a fused epilogue, NCHW or NHWC.
+"""Triton implicit-GEMM convolution (2-D) with a fused epilogue, NCHW or NHWC (NHWC also grouped
+and depthwise).
 
 The convolution is a GEMM over M = N*OH*OW output pixels, Cout columns and K = Cin*KH*KW: the A
 tile is gathered from the input window on the fly (zero outside the padding), B is the weight
@@ -183,8 +184,9 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     _nhwc_header(buf, cv, kernel_id, group_id)
     config: dict[str, Any] = {**matmul_tile_config(m, n, cv.k), "UPCAST": False}
     if not cv.flat and not cv.depthwise:
-        # A Concat's inputs are read one K loop each: a block no wider than the narrowest.
-        narrowest = min(ch for _, _, ch in cv.pieces) if cv.pieces else c
+        # A Concat's inputs are read one K loop each: a block no wider than the narrowest; a
+        # grouped conv's, no wider than a group's channels.
+        narrowest = min(ch for _, _, ch in cv.pieces) if cv.pieces else c // cv.groups
         config["BLOCK_K"] = min(64, max(16, next_pow2(narrowest)))
     flags: dict[str, Any] = {"UNROLL": False} if cv.depthwise else {"SPLIT_K": 1} if cv.splittable else {}
     config.update(flags)
@@ -224,8 +226,8 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
     module_title(buf, f"{form} kernel {kernel_id} for group {group_id} (NHWC).")
     out_shape = graph.spec(cv.anchor.outputs[0]).shape  # [N, OH, OW, CO]
     buf.line(
-        f"# x [{p['N']}, {p['H']}, {p['W']}, {c}] * w [{cv.n}, {p['KH']}, {p['KW']}, {1 if cv.depthwise else c}] -> "
-        f"{list(out_shape)}; M={cv.m} N={cv.n} K={cv.k}"
+        f"# x [{p['N']}, {p['H']}, {p['W']}, {c}] * w [{cv.n}, {p['KH']}, {p['KW']}, {c // cv.groups}] -> "
+        f"{list(out_shape)}; M={cv.m} N={cv.n} K={cv.k}" + (f", {cv.groups} groups" if cv.grouped else "")
     )
     window = cv.window
     windows = {MAX_POOL_NHWC: "max pool", AVERAGE_POOL_NHWC: "average pool", NHWC_CONV: "depthwise conv"}
@@ -284,6 +286,8 @@ def _nhwc_k_loops(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
     """The conv's own K loop, in the form its group takes (conv_operands._read_loop_form)."""
     if cv.depthwise:
         _depthwise_loop(buf, cv)
+    elif cv.grouped:
+        _grouped_loop(buf, cv, dot)
     elif cv.window is not None and not cv.pooled:
         window_prologue(buf, cv.graph, cv.window, cv.prologue[1:], {**cv.literals}, cv.p["C"], cv.n, dot)
     elif cv.pieces:
@@ -365,6 +369,33 @@ def _depthwise_loop(buf: SourceBuffer, cv: NhwcConv) -> None:
             depthwise_taps(buf, tap, f"range(0, {taps})")
     else:
         depthwise_taps(buf, tap, f"tl.static_range(0, {taps})")
+
+
+def _grouped_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
+    """A grouped conv (ResNeXt's, RegNet's): output channel n reads the input channels of its
+    group n // COG, CIG of them from channel (n // COG) * CIG. The program's columns span groups
+    g_lo..g_hi; at each window position its K loop runs over their input channels, and the
+    weight's tile is block-diagonal: zero where a channel is not of its column's group. Where
+    BLOCK_N divides COG a tile holds one group and multiplies no zeros; narrower groups share a
+    tile, at (groups in it) times the multiply-adds and the same loads. Channel blocks start at a
+    group's first channel, not at a multiple of BLOCK_K: the loads claim no alignment."""
+    p, n, k = cv.p, cv.n, cv.k
+    cig, cog = p["C"] // cv.groups, n // cv.groups
+    buf.line("n_lo = tl.program_id(1) * BLOCK_N")
+    buf.line(f"c_lo = (n_lo // {cog}) * {cig}")
+    buf.line(f"c_hi = ((tl.minimum(n_lo + BLOCK_N, {n}) - 1) // {cog} + 1) * {cig}")
+    buf.line(f"cg = rn // {cog}")
+    buf.line(f"for t in range(0, {p['KH'] * p['KW']}):")
+    with buf.indent():
+        window_position(buf, cv.tap)
+        buf.line("for c0 in range(c_lo, c_hi, BLOCK_K):")
+        with buf.indent():
+            buf.line("ci = c0 + rk")
+            buf.line("a_ok = ok[:, None] & (ci[None, :] < c_hi)")
+            padded_load(buf, cv.tap, "base[:, None]", "a_ok")
+            w_at = f"rn[None, :] * {k} + t * {cig} + ci[:, None] - cg[None, :] * {cig}"
+            w_ok = f"(ci[:, None] // {cig} == cg[None, :]) & (ci[:, None] < c_hi) & (rn[None, :] < {n})"
+            dot_step(buf, TileRead("w", w_at, 1), w_ok, cv.prec)
 
 
 def _flat_loop(buf: SourceBuffer, cv: NhwcConv) -> None:

@@ -30,6 +30,7 @@ class NhwcConv:
     p: dict[str, int]
     prec: str
     depthwise: bool
+    groups: int  # the conv's group attribute: 1, the channels (depthwise), or between (grouped)
     m: int
     n: int
     k: int
@@ -68,6 +69,11 @@ class NhwcConv:
     ops: list[Node] = field(default_factory=list)
     op_loads: list[str] = field(default_factory=list)
     op_literals: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def grouped(self) -> bool:
+        """Groups of several channels each (ResNeXt's, RegNet's): the block-diagonal K loop."""
+        return self.groups > 1 and not self.depthwise
 
     @property
     def gathers(self) -> dict[int, ResizeGather]:
@@ -215,15 +221,17 @@ def _read_loop_form(cv: NhwcConv) -> None:
     # Few input channels (a network's first layer): one flat K loop, cin = k % C. Otherwise a loop
     # over the KH*KW window positions, each reading contiguous blocks of channels (the window
     # prologue has its own loop over channel blocks).
-    cv.flat = cv.p["C"] < 16 and cv.window is None and not cv.pieces
-    window_loop = not (cv.depthwise or cv.flat or cv.pieces or (cv.window is not None and not cv.pooled))
+    cv.flat = cv.p["C"] < 16 and cv.window is None and not cv.pieces and not cv.grouped
+    window_loop = not (
+        cv.depthwise or cv.grouped or cv.flat or cv.pieces or (cv.window is not None and not cv.pooled)
+    )
     if window_loop and cv.w_name in graph.constants and not cv.pool_out:
         cv.segments = tap_segments(graph.constants[cv.w_name])
     # Split-K (a tuning choice): the plain window loop, and a shortcut's second loop after it (each
     # split among the programs of a tile); none of the forms with loops of their own (prologues,
     # zero weight segments).
     cv.splittable = (
-        not (cv.depthwise or cv.flat or cv.segments or cv.pooled or cv.pieces)
+        not (cv.depthwise or cv.grouped or cv.flat or cv.segments or cv.pooled or cv.pieces)
         and cv.window is None
         and "split_k" not in graph.disabled
     )
@@ -247,6 +255,7 @@ def nhwc_conv(
     split = next((node for node in epilogue if node.op_type == "Split"), None)
     epilogue = [node for node in epilogue if node is not split]
     depthwise = is_depthwise(graph, anchor)
+    groups = int(anchor.attrs.get("group", 1))
     cv = NhwcConv(
         graph=graph,
         anchor=anchor,
@@ -257,9 +266,10 @@ def nhwc_conv(
         p=p,
         prec=dot_precision(graph.spec(anchor.inputs[0]).dtype, precision),
         depthwise=depthwise,
+        groups=groups,
         m=p["N"] * p["OH"] * p["OW"],
         n=p["CO"],
-        k=(1 if depthwise else p["C"]) * p["KH"] * p["KW"],
+        k=p["C"] // groups * p["KH"] * p["KW"],  # a weight row: its group's channels at each tap
         x_name=anchor.inputs[0],
         w_name=anchor.inputs[1],
         b_name=anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else "",

@@ -27,7 +27,6 @@ from opfuse.ir.ops import (
     POINTWISE_OPS,
     WINDOW_OPS,
     gelu_approximate,
-    is_depthwise,
 )
 from opfuse.ir.queries import scalar_constant
 
@@ -269,9 +268,7 @@ def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
     if len(x.shape) != 4:
         return f"a {len(x.shape) - 2}-D convolution: the template is 2-D"
     group = int(node.attrs.get("group", 1))
-    if group != 1 and not (node.op_type == NHWC_CONV and is_depthwise(graph, node)):
-        if node.op_type == NHWC_CONV:
-            return "a grouped convolution: the templates compute group=1 and depthwise"
+    if group != 1 and node.op_type != NHWC_CONV:
         return "a grouped (or depthwise) convolution: the NCHW template computes group=1"
     if node.inputs[1] not in graph.constants:
         return "the weight is not a constant"

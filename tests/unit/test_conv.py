@@ -170,14 +170,68 @@ def test_depthwise_template_is_right_at_every_tuning_candidate(precision: str) -
         assert torch.allclose(got, want, rtol=tol, atol=tol * 10), (config, float((got - want).abs().max()))
 
 
-def test_grouped_conv_uses_the_vendor_kernel_and_fuses_its_epilogue() -> None:
-    m, inputs = conv_model([1, 8, 6, 6], [8, 2, 3, 3], [1, 8, 6, 6], "silu", pads=[1, 1, 1, 1], group=4)
-    cm = check_against_ort(m, inputs)
+GROUPED = [
+    # Narrow groups (2 channels in, 2 out): every tile spans several, the weight block-diagonal.
+    ([1, 8, 6, 6], [8, 2, 3, 3], [1, 8, 6, 6], {"pads": [1, 1, 1, 1], "group": 4}),
+    # Wide groups (24 in, 40 out), strided: tiles within a group and across two; channels that
+    # are no multiple of any block.
+    ([2, 48, 9, 9], [80, 24, 3, 3], [2, 80, 5, 5], {"pads": [1, 1, 1, 1], "strides": [2, 2], "group": 2}),
+    # ResNeXt's 32 groups of 4, a 1x1 conv of 6 groups of 3 in and 5 out.
+    ([1, 128, 5, 5], [128, 4, 3, 3], [1, 128, 5, 5], {"pads": [1, 1, 1, 1], "group": 32}),
+    ([2, 18, 4, 7], [30, 3, 1, 1], [2, 30, 4, 7], {"group": 6}),
+]
+
+
+@pytest.mark.parametrize("x, w, out, attrs", GROUPED)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_grouped_conv_runs_as_its_template_with_the_epilogue(
+    x: list[int], w: list[int], out: list[int], attrs: dict[str, Any], precision: str
+) -> None:
+    m, inputs = conv_model(x, w, out, "silu", **attrs)
+    cm = check_against_ort(m, inputs, precision)
     (g,) = cm.report["fusion"]["groups"]
-    assert g["variant"] == "vendor" and "grouped" in g["note"]
-    assert cm.report["kernels"] == {"before": 3, "after": 2}
-    # Launching steps: the library conv, then the epilogue kernel (the layout Transposes are views).
-    assert [s.kind for s in cm.plan.steps if s.launches] == ["op", "kernel"]
+    assert g["kind"] == "conv" and g["variant"] == "template", g
+    assert cm.report["kernels"] == {"before": 3, "after": 1}
+    (k,) = cm.plan.kernels.values()
+    assert f"{attrs['group']} groups" in k.source and "tl.dot(" in k.source
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_grouped_template_is_right_at_every_tuning_candidate(precision: str) -> None:
+    """Each tile the tuner may pick (BLOCK_N of 16 to 128 against groups of 24 output channels:
+    a tile within one group, across two, across several), against torch's convolution, every
+    output element checked."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tuning.candidates import candidates
+
+    n, c, co, groups, size = 2, 36, 72, 3, 7
+    m, inputs = conv_model(
+        [n, c, size, size], [co, c // groups, 3, 3], [n, co, size, size], "relu", pads=[1] * 4, group=groups
+    )
+    cm = opfuse.compile(m, inputs, precision=precision, device=TEST_DEVICE, verify=False, tune_budget_s=0)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    weights = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, c, size, size, generator=gen)
+    w, b = torch.tensor(weights["w"]).float(), torch.tensor(weights["b"]).float()
+    want = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1, groups=groups))
+    dtype = torch.float32 if precision == "fp32" else torch.float16
+    dev = torch.device(TEST_DEVICE)
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    xn = x.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
+    wn = w.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
+    want = want.permute(0, 2, 3, 1).contiguous()
+    for cand in candidates(k):
+        config = {**k.config, **cand}
+        got = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
+        module.launch(xn, wn, b.to(dev, dtype), got, config=config)
+        assert torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol * 10), (
+            config,
+            float((got.float().cpu() - want).abs().max()),
+        )
 
 
 def test_conv_epilogue_may_read_the_conv_input() -> None:
@@ -1372,7 +1426,7 @@ def padded_conv(
     inits: dict[str, Any] = {
         "scale": RNG.uniform(0.5, 1.5, c),
         "shift": RNG.standard_normal(c) * 0.1,
-        "w": RNG.standard_normal((co, c, 3, 3)) * 0.2,
+        "w": RNG.standard_normal((co, c // int(conv.get("group", 1)), 3, 3)) * 0.2,
         "b": RNG.standard_normal(co) * 0.1,
         "pads": np.array([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]),
     }
@@ -1405,9 +1459,11 @@ def padded_conv(
         ("edge", [1, 2, 2, 1], {}, None),
         ("constant", [1, 1, 2, 2], {}, None),
         ("constant", [2, 0, 1, 1], {"pads": [1, 1, 1, 1]}, 0.75),
+        ("reflect", [1, 2, 1, 0], {"group": 3}, None),  # a grouped conv's K loop
+        ("constant", [1, 1, 0, 2], {"group": 6, "pads": [1, 1, 1, 1]}, 0.5),
     ],
 )
-@pytest.mark.parametrize("channels", [8, 24])
+@pytest.mark.parametrize("channels", [12, 24])
 def test_a_conv_reads_its_input_through_the_pad_before_it(
     precision: str, mode: str, pads: list[int], conv: dict[str, Any], value: float | None, channels: int
 ) -> None:
