@@ -125,15 +125,28 @@ def _group_input_expr(shape: tuple[int, ...], space: RowSpace) -> tuple[str | No
     return " + ".join(terms), any("cols" in t for t in terms)
 
 
-def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str], tiled: bool) -> None:
+def _depthwise_tile(
+    buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str], tiled: bool, concat: Node | None = None
+) -> None:
     """The depthwise conv's output on the tile, rounded to the model's type as the stored output
     would be (fp32 multiply-adds over the window). Tiled (a pool over H, W): image `outer`, pixels
     `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image, height,
-    width flattened), channels `cols`."""
+    width flattened), channels `cols`. `concat`: the conv's input is that channel Concat (RDNet's
+    dense features), each channel loaded from the part that holds it (the others masked off)."""
     d = conv_params(graph, dw)
     win = Window.of(d)
     taps = win.taps
-    x, w = ptr[dw.inputs[0]], ptr[dw.inputs[1]]
+    w = ptr[dw.inputs[1]]
+    parts: list[tuple[str, int, int]] = []  # pointer, first channel, channels
+    if concat is None:
+        parts.append((ptr[dw.inputs[0]], 0, d["C"]))
+    else:
+        at = 0
+        for v in (v for v in concat.inputs if v):
+            width = int(graph.spec(v).shape[3])
+            parts.append((ptr[v], at, width))
+            at += width
+    x = parts[0][0]
     if tiled:
         img, pixel, chan, tile, chan_ok = "outer", "rr", "ii", "(BLOCK_R, BLOCK_I)", "imask"
     else:
@@ -145,11 +158,21 @@ def _depthwise_tile(buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, st
     buf.line(f"for t in tl.static_range(0, {taps}):")
     with buf.indent():
         win.emit_tap(buf, win.origin("oh", "ow"), "t", "mask" if tiled else "cmask", ("ih", "iw", "ok"))
-        buf.line(
-            f"xv = tl.load({x} + (({img} * {d['H']} + ih) * {d['W']} + iw) * {d['C']} + {chan}, mask=ok, other=0.0)"
-        )
+        pixel_at = f"(({img} * {d['H']} + ih) * {d['W']} + iw)"
+        loads = []
+        for p, first, width in parts:
+            if len(parts) == 1:
+                loads.append(
+                    f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other=0.0).to(tl.float32)"
+                )
+                continue
+            in_part = f"({chan} >= {first}) & ({chan} < {first + width})"
+            loads.append(
+                f"tl.load({p} + {pixel_at} * {width} + {chan} - {first}, mask=ok & {in_part}, other=0.0).to(tl.float32)"
+            )
+        buf.line(f"xv = {' + '.join(loads)}")
         buf.line(f"wv = tl.load({w} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
-        buf.line("dacc = dacc + xv.to(tl.float32) * wv.to(tl.float32)")
+        buf.line("dacc = dacc + xv * wv.to(tl.float32)")
     if len(dw.inputs) > 2 and dw.inputs[2]:
         buf.line(
             f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + {chan}, mask={chan_ok}, other=0.0).to(tl.float32)"
@@ -277,6 +300,9 @@ def generate_rowwise(
     space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
+    # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
+    concat = next((n for n in prologue or [] if n.op_type == "Concat"), None)
+    prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None
     gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)
     # Pointwise ops computing the GEMM's A on its tiles (operand_prologue, inside gemm_reduction).
@@ -296,6 +322,11 @@ def generate_rowwise(
         )
     )
     prologue_args += [x for x in a_loads if x not in prologue_args]
+    if concat is not None:  # the parts, not the Concat's output, which no buffer holds
+        prologue_args = [
+            *(x for x in concat.inputs if x),
+            *(x for x in prologue_args if x != concat.outputs[0]),
+        ]
     # Reduction axes are compile-time facts already in the code, not data to load.
     axes_only = {
         n.inputs[1] for n in nodes if n.op_type in ROW_REDUCTIONS and len(n.inputs) > 1 and n.inputs[1]
@@ -313,7 +344,7 @@ def generate_rowwise(
     )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
-    _row_header(buf, rk, kernel_id, group_id, prologue or [])
+    _row_header(buf, rk, kernel_id, group_id, [*([concat] if concat else []), *prologue])
     if gathers:  # checked on the CPU before each launch (runtime/executor.py)
         checks = [(tensor_inputs.index(g.inputs[1]), graph.spec(g.inputs[0]).shape[0]) for g in gathers]
         buf.line(f"INDEX_CHECKS = {checks}")
@@ -323,7 +354,7 @@ def generate_rowwise(
         _row_indices(buf, rk)
         ptr = {x: f"in{tensor_inputs.index(x)}" for x in prologue_args}
         if window is not None:
-            _depthwise_tile(buf, graph, window, ptr, tiled)
+            _depthwise_tile(buf, graph, window, ptr, tiled, concat)
             regs[window.outputs[0]] = "dwv"
         if gemm is not None:
             _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views)
@@ -372,6 +403,8 @@ def _row_header(
             what = "GEMM, its columns the row,"
         elif rk.gathers:
             what = "the table's rows looked up"
+        elif n.op_type == "Concat":
+            what = "the depthwise conv's input read from its parts"
         else:
             what = "depthwise conv"
         buf.line(node_comment(n, f"prologue: {what} on the tiles"))

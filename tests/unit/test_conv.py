@@ -1593,3 +1593,57 @@ def test_split_k_is_offered_only_where_the_tiles_are_few_and_can_be_switched_off
     assert "SPLIT_K" not in k.config and "atomic_add" not in k.source
     k = conv_kernel(residual_conv(256, 256, 7), small, ("split_k",))
     assert "SPLIT_K" not in k.config and "atomic_add" not in k.source and split_k_candidates(k) == []
+
+
+def dense_depthwise_norm(n: int, c: int, size: int, parts: int) -> Any:
+    """RDNet's block head: the block's features, the Concat of `parts` earlier feature maps (each
+    a conv's output that another Concat reads too, as the next block's features do, so no conv
+    writes its part in place), a 7x7 depthwise conv of it, channels-last, then LayerNorm over the
+    channels."""
+    widths = [c + 4 * i for i in range(parts)]
+    total = sum(widths)
+    inits: dict[str, Any] = {
+        "wd": RNG.standard_normal((total, 1, 7, 7)) * 0.2,
+        "bd": RNG.standard_normal(total) * 0.1,
+        "g": 1.0 + RNG.standard_normal(total) * 0.1,
+        "b": RNG.standard_normal(total) * 0.1,
+    }
+    nodes = []
+    for i, width in enumerate(widths):
+        inits[f"w{i}"] = RNG.standard_normal((width, c, 3, 3)) * 0.3
+        nodes.append(helper.make_node("Conv", ["x", f"w{i}"], [f"f{i}"], name=f"conv{i}", pads=[1] * 4))
+    nodes += [
+        helper.make_node("Concat", [f"f{i}" for i in range(parts)], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "wd", "bd"], ["d"], name="dw", group=total, pads=[3] * 4),
+        helper.make_node("Transpose", ["d"], ["t"], name="to_nhwc", perm=[0, 2, 3, 1]),
+        helper.make_node("LayerNormalization", ["t", "g", "b"], ["y"], name="ln", axis=-1, epsilon=1e-6),
+        helper.make_node(
+            "Concat", [f"f{i}" for i in reversed(range(parts))], ["other"], name="other", axis=1
+        ),
+    ]
+    outputs = {"y": [n, size, size, total], "other": [n, total, size, size]}
+    return make_model(nodes, {"x": [n, c, size, size]}, outputs, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_a_depthwise_conv_in_the_layernorm_kernel_reads_its_concat_in_parts(
+    precision: str, parts: int
+) -> None:
+    """The Concat of earlier features before the depthwise conv is no copy: the row kernel loads
+    each channel of each tap from the Concat input that holds it, every output element against
+    onnxruntime; without `concat_select` the Concat runs as its own copy."""
+    n, c, size = 2, 6, 5
+    m = dense_depthwise_norm(n, c, size, parts)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert g["rule"] == "row_reduction+depthwise_reduction+concat_select" and g["nodes"] == [
+        "cat",
+        "dw",
+        "ln",
+    ]
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "the depthwise conv's input read from its parts" in k.source
+    off = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=("concat_select",))
+    assert off.report["kernels"]["after"] == cm.report["kernels"]["after"] + 1
+    assert [s.op_type for s in off.plan.steps if s.kind == "op" and s.launches].count("Concat") == 2

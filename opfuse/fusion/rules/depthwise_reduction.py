@@ -6,16 +6,23 @@ A depthwise conv (NHWC) read only by a row kernel that reduces over the conv's p
 LayerNorm after its 7x7 depthwise conv) is computed on that kernel's tiles: the depthwise conv and
 the reduction in one launch, and the conv's output never written. Such a conv has nothing else to
 fuse (a lone anchor, which runs as the library kernel without this rule); tuning times the group
-against that split form.
+against that split form. A conv whose input is a channel Concat that only it reads (RDNet's dense
+features, the Concat of every earlier block's output) reads each channel from the Concat input that
+holds it: the Concat, a copy of its own otherwise, joins the prologue (`concat_select` on).
 """
 
 from __future__ import annotations
 
 from opfuse.frontend import rule_registry as names
+from opfuse.fusion.concat import concat_reason
+from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.rules.base import Candidate, RowPrologueRule
+from opfuse.fusion.views import VIEW_THROUGH
 from opfuse.graph import Node
 from opfuse.ir.ops import NHWC_CONV, is_depthwise
 from opfuse.ir.rows import row_space
+
+MAX_PARTS = 16  # Concat inputs a tap is loaded from: a masked load each
 
 DEPTHWISE_REDUCTION_RULE = names.DEPTHWISE_REDUCTION
 
@@ -42,6 +49,43 @@ class DepthwiseReduction(RowPrologueRule):
         if any(i not in graph.constants for i in dw.inputs[1:3] if i):
             return "the depthwise conv's weight or bias is not a constant"
         return None
+
+    def claim(self, c: Candidate) -> None:
+        super().claim(c)
+        rg = c.group
+        assert rg is not None
+        concat = self._channel_concat(c.nodes[0])
+        if concat is not None:
+            rg.prologue = [concat, *rg.prologue]
+            rg.inputs, rg.outputs = group_boundary(self.graph, [*rg.prologue, *rg.nodes])
+            rg.rule = f"{rg.rule}+{names.CONCAT_SELECT}"
+
+    def _channel_concat(self, dw: Node) -> Node | None:
+        """The channel Concat (NHWC, axis 3) the conv reads, where only the conv reads it and no
+        group holds it; else None."""
+        graph, state = self.graph, self.state
+        if not state.on(names.CONCAT_SELECT):
+            return None
+        concat = graph.producers().get(dw.inputs[0])
+        if concat is None or concat.op_type != "Concat" or concat.id in state.held():  # written in place
+            return None
+        out = concat.outputs[0]
+        if out in {o.name for o in graph.outputs} or [u.id for u in graph.consumers().get(out, [])] != [
+            dw.id
+        ]:
+            return None
+        parts = [x for x in concat.inputs if x]
+        shape = graph.spec(out).shape
+        if len(shape) != 4 or int(concat.attrs.get("axis", 0)) % 4 != 3 or len(parts) > MAX_PARTS:
+            return None
+        if concat_reason(graph, concat) is not None or any(x in graph.constants for x in parts):
+            return None
+        producers, held = graph.producers(), state.held()
+        for x in parts:
+            p = producers.get(x)
+            if p is None or (p.op_type in VIEW_THROUGH and p.id not in held):
+                return None  # a graph input, or a view: a copy to make contiguous before the launch
+        return concat
 
 
 RULE = DepthwiseReduction
