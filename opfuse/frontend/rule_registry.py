@@ -50,6 +50,7 @@ LOCAL_RESPONSE_NORM = "local_response_norm"
 FOLD_BATCHNORM = "fold_batchnorm"
 SUM_SIBLING_CONVS = "sum_sibling_convs"
 SUM_SIBLING_GEMMS = "sum_sibling_gemms"
+REDUCE_STACK = "reduce_stack"
 MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
@@ -225,6 +226,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Two products of one input by constant weights added together (a distilled classifier's "
         "two heads, averaged) are one product by the sum of the weights, with the sum of their "
         "biases: one GEMM, where the first ran alone to write what the second's epilogue added.",
+    ),
+    _r(
+        REDUCE_STACK,
+        GRAPH_PASS,
+        "A reduction over the axis a stack adds (`torch.stack(xs).sum(0)`, weighted or not: SKNet's "
+        "branches, BiFPN's fusion, an ensemble's mean) is the elementwise sum (mean, max, min) of the "
+        "stacked tensors: pointwise ops that join their neighbours' kernels, where a copy of every "
+        "branch and a reduction ran.",
     ),
     _r(
         MERGE_CONCAT_CONVS,

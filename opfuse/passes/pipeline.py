@@ -32,6 +32,7 @@ from opfuse.passes.row_views import reshape_before_pointwise
 from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
 from opfuse.passes.shortcut_conv import shortcut_conv
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
+from opfuse.passes.stack_reduce import reduce_stack
 from opfuse.passes.sum_gemms import sum_sibling_gemms
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ PASSES: tuple[Pass, ...] = (
     fold_batchnorm,
     sum_sibling_convs,
     sum_sibling_gemms,
+    reduce_stack,
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
