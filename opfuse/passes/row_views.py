@@ -18,7 +18,10 @@ from the same row of A, so where the Reshape keeps the last axis (only the leadi
 - a pointwise op's other tensor inputs have its output's shape (no broadcast between them), and
   its constants broadcast the same way on both sides of the view (a scalar, or per-channel
   constants of trailing axes the view keeps);
-- a product's second input is 2-D and the Reshape keeps the last axis.
+- a product's second input is 2-D and the Reshape keeps the last axis, the row op reduces over that
+  axis alone (so `gemm_reduction` can compute the product on its tiles), and no other product
+  reads its A (`merge_projections` makes one GEMM of products of one input: Hiera's stage
+  projection and its attention's QKV, where the projection's output is pooled, not normalized).
 It repeats up a chain of pointwise ops whose only reader the moved view is, through one product at
 most (the product's A gets a view of its own, where the chain stops).
 """
@@ -30,6 +33,7 @@ import numpy as np
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.pointwise_views import constant_like
 from opfuse.passes.rules import PassContext
@@ -62,9 +66,21 @@ class _Mover:
         graph.values[out] = TensorSpec(out, graph.spec(src).dtype, shape)
         return Node(tag, "Reshape", [src, target], [out], {}, "")
 
-    def move(self, view: Node) -> None:
+    def _crosses(self, mm: Node, before: tuple[int, ...], after: tuple[int, ...], products: bool) -> bool:
+        """Whether a view from `before` to `after` of the product's output may move above it."""
+        graph = self.graph
+        if not products or mm.op_type != "MatMul":
+            return False
+        if any(r is not mm and r.op_type in ("MatMul", "Gemm") for r in self.consumers.get(mm.inputs[0], [])):
+            return False  # a projection of an input other products read too: merge_projections'
+        b, a = graph.spec(mm.inputs[1]).shape, graph.spec(mm.inputs[0]).shape
+        if len(b) != 2 or len(before) < 2 or len(after) < 2 or before[-1] != after[-1]:
+            return False
+        return tuple(a[:-1]) == before[:-1]  # else A broadcasts against B: not a row of A per row
+
+    def move(self, view: Node, products: bool) -> None:
         """Move `view` above its producer where it may, and the views that puts on the producer's
-        inputs above theirs (one product at most on the way)."""
+        inputs above theirs (one product at most on the way, where `products`)."""
         graph = self.graph
         src = view.inputs[0]
         node = self.producers.get(src)
@@ -74,12 +90,9 @@ class _Mover:
         after = tuple(graph.spec(view.outputs[0]).shape)
         product = node.op_type == "MatMul"
         if product:
-            b = graph.spec(node.inputs[1]).shape
-            if len(b) != 2 or len(before) < 2 or len(after) < 2 or before[-1] != after[-1]:
+            if not self._crosses(node, before, after, products):
                 return
             a = graph.spec(node.inputs[0]).shape
-            if tuple(a[:-1]) != before[:-1]:
-                return  # A broadcast against B's leading axes: not one row of A per output row
             wanted = {node.inputs[0]: (*after[:-1], int(a[-1]))}
             consts: dict[str, np.ndarray] = {}
         else:
@@ -96,6 +109,14 @@ class _Mover:
                     wanted[x] = after
                 else:
                     return  # a tensor that broadcasts: its view would need the other's shape
+            for x in wanted:
+                # A product's epilogue (its bias, an activation) moves with the product or stays
+                # with it: a view between them would part them (and `merge_projections` matches
+                # the product with its bias).
+                p = self.producers.get(x)
+                if p is not None and p.op_type in ("MatMul", "Gemm") and self._single_reader(x, node):
+                    if not self._crosses(p, before, after, products):
+                        return
         # The views on the inputs, in front of the producer; the producer writes the view's output.
         at = graph.nodes.index(node)
         views: dict[str, Node] = {}
@@ -123,7 +144,15 @@ class _Mover:
         if product:
             return
         for v in views.values():
-            self.move(v)
+            self.move(v, products)
+
+
+def _over_last_axis(graph: Graph, row: Node) -> bool:
+    """Whether the row op reduces over its input's last axis alone (a LayerNorm, a Softmax)."""
+    if row_op_reason(graph, row) is not None:
+        return False
+    space = row_space(graph, row)
+    return not space.groups and space.inner == 1 and space.first == len(space.full) - 1
 
 
 def reshape_before_pointwise(graph: Graph, ctx: PassContext) -> None:
@@ -135,7 +164,8 @@ def reshape_before_pointwise(graph: Graph, ctx: PassContext) -> None:
         if not all(_static(s) for s in shapes) or shapes[0] == shapes[1]:
             continue
         readers = mover.consumers.get(view.outputs[0], [])
-        if any(r.op_type in ROW_OPS and r.inputs[0] == view.outputs[0] for r in readers):
-            mover.move(view)
+        rows = [r for r in readers if r.op_type in ROW_OPS and r.inputs[0] == view.outputs[0]]
+        if rows:
+            mover.move(view, any(_over_last_axis(graph, r) for r in rows))
     if mover.moved:
         ctx.log.fire(RULE, mover.moved)

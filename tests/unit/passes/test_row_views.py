@@ -146,6 +146,34 @@ def test_a_product_whose_columns_the_view_regroups_stays() -> None:
     assert log.fired == {} and ops(graph) == ["MatMul", "Reshape", "LayerNormalization"]
 
 
+def test_a_product_and_its_bias_stay_together_where_the_row_op_pools_other_axes() -> None:
+    """Hiera's stage projection: `proj(x) + b`, viewed as [1, 4, 16, 8] and max-pooled over the
+    4 mask units, while the attention's QKV reads x too. The row op does not reduce over the
+    product's columns (no GEMM on its tiles), so the view stays after the bias: the product keeps
+    its bias in its epilogue and its input shared with the QKV product (merge_projections)."""
+    model = tiny_model(
+        [
+            n("MatMul", ["x", "w"], ["p"], name="proj"),
+            n("Add", ["p", "b"], ["pb"], name="bias"),
+            n("Reshape", ["pb", "units"], ["u"], name="units"),
+            n("ReduceMax", ["u", "axes"], ["y"], name="pool", keepdims=0),
+            n("MatMul", ["x", "w2"], ["q"], name="qkv"),
+        ],
+        {"x": [1, 64, 12]},
+        {"y": [1, 16, 8], "q": [1, 64, 24]},
+        {
+            "w": weights(12, 8, seed=1),
+            "b": weights(8, seed=2),
+            "units": np.array([1, 4, 16, 8]),
+            "axes": np.array([1]),
+            "w2": weights(12, 24, seed=3),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, PASS)
+    assert log.fired == {} and ops(graph) == ["MatMul", "Add", "Reshape", "ReduceMax", "MatMul"]
+
+
 class TokensAndGrid(nn.Module):
     """A Swin block's MLP half: the norm and MLP on tokens, the next norm on the grid."""
 
