@@ -114,9 +114,10 @@ class _Mover:
                 # with it: a view between them would part them (and `merge_projections` matches
                 # the product with its bias).
                 p = self.producers.get(x)
-                if p is not None and p.op_type in ("MatMul", "Gemm") and self._single_reader(x, node):
-                    if not self._crosses(p, before, after, products):
-                        return
+                if p is None or p.op_type not in ("MatMul", "Gemm") or not self._single_reader(x, node):
+                    continue
+                if not self._crosses(p, before, after, products):
+                    return
         # The views on the inputs, in front of the producer; the producer writes the view's output.
         at = graph.nodes.index(node)
         views: dict[str, Node] = {}
