@@ -1647,3 +1647,32 @@ def test_a_depthwise_conv_in_the_layernorm_kernel_reads_its_concat_in_parts(
     off = check_against_ort(m, {"x": [n, c, size, size]}, precision, fusion_disable=("concat_select",))
     assert off.report["kernels"]["after"] == cm.report["kernels"]["after"] + 1
     assert [s.op_type for s in off.plan.steps if s.kind == "op" and s.launches].count("Concat") == 2
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_depthwise_conv_in_the_pooling_kernel_reads_its_concat_in_parts(precision: str) -> None:
+    """The strided row kernel (a global pool over the depthwise conv's pixels, channels across
+    the tile) loads each channel of the Concat before the conv from its part as well."""
+    n, c, size = 2, 6, 7
+    inits: dict[str, Any] = {
+        "w0": RNG.standard_normal((5, c, 3, 3)) * 0.3,
+        "w1": RNG.standard_normal((11, c, 1, 1)) * 0.3,
+        "wd": RNG.standard_normal((16, 1, 3, 3)) * 0.3,
+        "bd": RNG.standard_normal(16) * 0.1,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["f0"], name="conv0", pads=[1] * 4),
+        helper.make_node("Conv", ["x", "w1"], ["f1"], name="conv1"),
+        helper.make_node("Concat", ["f0", "f1"], ["cat"], name="cat", axis=1),
+        helper.make_node("Conv", ["cat", "wd", "bd"], ["d"], name="dw", group=16, pads=[1] * 4),
+        helper.make_node("HardSwish", ["d"], ["a"], name="act"),
+        helper.make_node("GlobalAveragePool", ["a"], ["y"], name="squeeze"),
+        helper.make_node("Concat", ["f1", "f0"], ["other"], name="other", axis=1),
+    ]
+    outputs = {"y": [n, 16, 1, 1], "other": [n, 16, size, size]}
+    m = make_model(nodes, {"x": [n, c, size, size]}, outputs, inits)
+    cm = check_against_ort(m, {"x": [n, c, size, size]}, precision)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert g["rule"] == "row_reduction+depthwise_reduction+concat_select" and g["nodes"][:2] == ["cat", "dw"]
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "BLOCK_I" in k.config and "the depthwise conv's input read from its parts" in k.source
