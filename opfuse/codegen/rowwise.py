@@ -162,9 +162,7 @@ def _depthwise_tile(
         loads = []
         for p, first, width in parts:
             if len(parts) == 1:
-                loads.append(
-                    f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other=0.0).to(tl.float32)"
-                )
+                loads.append(f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other=0.0)")
                 continue
             in_part = f"({chan} >= {first}) & ({chan} < {first + width})"
             loads.append(
@@ -172,7 +170,7 @@ def _depthwise_tile(
             )
         buf.line(f"xv = {' + '.join(loads)}")
         buf.line(f"wv = tl.load({w} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
-        buf.line("dacc = dacc + xv * wv.to(tl.float32)")
+        buf.line("dacc = dacc + xv.to(tl.float32) * wv.to(tl.float32)")
     if len(dw.inputs) > 2 and dw.inputs[2]:
         buf.line(
             f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + {chan}, mask={chan_ok}, other=0.0).to(tl.float32)"
