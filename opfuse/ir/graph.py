@@ -76,6 +76,21 @@ class Graph:
                 f"value {name!r} has no inferred shape and type; opfuse needs every shape static"
             ) from None
 
+    def add_constant(self, name: str, array: np.ndarray, dtype: str) -> str:
+        """A constant a rewrite makes: its array and its spec (`dtype`, the array's shape)."""
+        self.constants[name] = array
+        self.values[name] = TensorSpec(name, dtype, tuple(array.shape))
+        return name
+
+    def reshape_node(
+        self, node_id: str, src: str, shape: tuple[int, ...], out: str, name: str = "", target: str = ""
+    ) -> Node:
+        """A Reshape of `src` to `shape` writing `out` (its spec and the shape constant, `target`
+        or `<node_id>_shape`, are added); the caller places the node."""
+        target = self.add_constant(target or f"{node_id}_shape", np.array(shape, dtype=np.int64), "int64")
+        self.values[out] = TensorSpec(out, self.spec(src).dtype, tuple(shape))
+        return Node(node_id, "Reshape", [src, target], [out], {}, name)
+
     def splice(self, at: int, new: list[Node], removed: set[str]) -> None:
         """A rewrite's nodes: `new` inserted before position `at` (so every consumer of their
         outputs still comes after), then the nodes whose ids are in `removed` dropped."""

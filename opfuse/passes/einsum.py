@@ -149,11 +149,11 @@ class _Builder:
     def reshape(self, x: str, shape: tuple[int, ...], tag: str, out: str = "") -> str:
         if not out and tuple(self.graph.spec(x).shape) == shape:
             return x
-        target = f"{self.node.id}_{tag}_shape"
-        self.graph.constants[target] = np.array(shape, dtype=np.int64)
-        self.graph.values[target] = TensorSpec(target, "int64", (len(shape),))
         out = out or self.value(tag, shape)
-        self.made.append(Node(f"{self.node.id}{tag}", "Reshape", [x, target], [out], {}, self.node.name))
+        target = f"{self.node.id}_{tag}_shape"
+        self.made.append(
+            self.graph.reshape_node(f"{self.node.id}{tag}", x, shape, out, self.node.name, target)
+        )
         return out
 
 

@@ -54,14 +54,10 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         # [rows, K] -> [*out[:-1], n] is a row-major unflatten of the rows: the input takes the
         # same leading dims (ViT's attention merges heads [B, S, H, D] -> [B*S, H*D] -> [B, S, E]).
         shaped = f"{node.id}_in"
-        target = f"{node.id}_in_shape"
-        graph.constants[target] = np.array([*out_shape[:-1], k], dtype=np.int64)
-        graph.values[target] = TensorSpec(target, "int64", (len(out_shape),))
-        graph.values[shaped] = TensorSpec(shaped, graph.spec(x).dtype, (*out_shape[:-1], k))
-        graph.nodes.insert(
-            graph.nodes.index(flatten),
-            Node(f"{node.id}r", "Reshape", [x, target], [shaped], {}, flatten.name),
+        view = graph.reshape_node(
+            f"{node.id}r", x, (*out_shape[:-1], k), shaped, flatten.name, target=f"{node.id}_in_shape"
         )
+        graph.nodes.insert(graph.nodes.index(flatten), view)
         x = shaped
     w = node.inputs[1]
     if int(node.attrs.get("transB", 0)):

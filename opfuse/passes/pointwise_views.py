@@ -95,9 +95,7 @@ def _move(graph: Graph, node: Node, view: Node, consts: dict[str, np.ndarray]) -
             new = consts[x]
             if new.shape != graph.constants[x].shape:
                 cname = f"{x}_as_{'x'.join(map(str, new.shape)) or 'scalar'}"
-                graph.constants[cname] = new
-                graph.values[cname] = TensorSpec(cname, graph.spec(x).dtype, tuple(new.shape))
-                x = cname
+                x = graph.add_constant(cname, new, graph.spec(x).dtype)
             inputs.append(x)
         else:
             inputs.append(x)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
-from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
@@ -56,15 +56,6 @@ class _Mover:
     def _single_reader(self, name: str, reader: Node) -> bool:
         readers = self.consumers.get(name, [])
         return name not in self.outputs and len(readers) == 1 and readers[0] is reader
-
-    def _new_view(self, src: str, shape: tuple[int, ...], tag: str) -> Node:
-        """A Reshape of `src` to `shape`, placed by the caller."""
-        graph = self.graph
-        target, out = f"{tag}_shape", f"{tag}_view"
-        graph.constants[target] = np.array(shape, dtype=np.int64)
-        graph.values[target] = TensorSpec(target, "int64", (len(shape),))
-        graph.values[out] = TensorSpec(out, graph.spec(src).dtype, shape)
-        return Node(tag, "Reshape", [src, target], [out], {}, "")
 
     def _crosses(self, mm: Node, before: tuple[int, ...], after: tuple[int, ...], products: bool) -> bool:
         """Whether a view from `before` to `after` of the product's output may move above it."""
@@ -122,16 +113,15 @@ class _Mover:
         at = graph.nodes.index(node)
         views: dict[str, Node] = {}
         for k, (x, shape) in enumerate(wanted.items()):
-            views[x] = self._new_view(x, shape, f"{view.id}_above_{node.id}_{k}")
+            tag = f"{view.id}_above_{node.id}_{k}"
+            views[x] = graph.reshape_node(tag, x, shape, f"{tag}_view")
         inputs = []
         for x in node.inputs:
             if x in views:
                 x = views[x].outputs[0]
             elif x in consts and consts[x].shape != graph.constants[x].shape:
                 cname = f"{x}_as_{'x'.join(map(str, consts[x].shape)) or 'scalar'}"
-                graph.constants[cname] = consts[x]
-                graph.values[cname] = TensorSpec(cname, graph.spec(x).dtype, tuple(consts[x].shape))
-                x = cname
+                x = graph.add_constant(cname, consts[x], graph.spec(x).dtype)
             inputs.append(x)
         graph.nodes[at : at + 1] = [
             *views.values(),

@@ -10,8 +10,9 @@ weight's slice of the stacked axis, they are pointwise ops that join their neigh
 conv's epilogue, the next reduction's prologue), and the Concat goes once nothing else reads it.
 
 Made where the reduction (ReduceSum, ReduceMean, ReduceMax, ReduceMin) reduces exactly the Concat's
-axis, every Concat input has size 1 along it, and between them at most one Mul (Sum and Mean only)
-by a tensor or constant that broadcasts along that axis (size 1, or the stack's). The order of the
+axis, the Concat stacks 2 to MAX_PARTS inputs, each of size 1 along it, and between them at most
+one Mul (Sum and Mean only) by a tensor or constant that broadcasts along that axis (size 1, or the
+stack's). The order of the
 additions is the reduction's (left to right), as a library reduction may not sum; verification
 compares the result with the original model's.
 """
@@ -58,8 +59,8 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     if reduced_axes(graph, node) != [axis]:
         return "the reduction is not over the stacked axis alone"
     parts = [p for p in concat.inputs if p]
-    if len(parts) > MAX_PARTS:
-        return f"a stack of {len(parts)} tensors (over {MAX_PARTS})"
+    if not 2 <= len(parts) <= MAX_PARTS:
+        return f"a stack of {len(parts)} tensors (2 to {MAX_PARTS} are summed)"
     if any(len(graph.spec(p).shape) != rank or graph.spec(p).shape[axis] != 1 for p in parts):
         return "not a stack: an input has more than one element along the axis"
     if len({tuple(graph.spec(p).shape) for p in parts}) != 1:
@@ -89,11 +90,6 @@ def _value(graph: Graph, name: str, dtype: str, shape: tuple[int, ...]) -> str:
     return name
 
 
-def _constant(graph: Graph, name: str, arr: np.ndarray, dtype: str) -> str:
-    graph.constants[name] = arr
-    return _value(graph, name, dtype, tuple(arr.shape))
-
-
 class _Stack:
     """The rewrite's new nodes, named after the reduction."""
 
@@ -111,10 +107,8 @@ class _Stack:
         p = self.producers.get(value)
         if p is not None and p.op_type == "Unsqueeze" and tuple(graph.spec(p.inputs[0]).shape) == shape:
             return p.inputs[0]
-        target = _constant(graph, f"{self.tag}_{j}_shape", np.array(shape, dtype=np.int64), "int64")
-        view = _value(graph, f"{self.tag}_{j}", graph.spec(value).dtype, shape)
-        self.new.append(Node(f"{self.tag}_{j}", "Reshape", [value, target], [view], {}, ""))
-        return view
+        self.new.append(graph.reshape_node(f"{self.tag}_{j}", value, shape, f"{self.tag}_{j}"))
+        return self.new[-1].outputs[0]
 
     def weight(self, w: str, i: int, axis: int, keep: bool) -> str:
         """Part i's weight: its slice of w's stacked axis (`axis`, counted in w's own dims), that
@@ -125,10 +119,10 @@ class _Stack:
         if w in graph.constants:
             arr = np.take(graph.constants[w], [i], axis=axis)
             arr = arr if keep else arr.reshape(dropped)
-            return _constant(graph, f"{tag}_w{i}", arr, graph.spec(w).dtype)
+            return graph.add_constant(f"{tag}_w{i}", arr, graph.spec(w).dtype)
         ins = [w]
         for k, v in (("s", i), ("e", i + 1), ("a", axis)):
-            ins.append(_constant(graph, f"{tag}_w{i}_{k}", np.array([v], dtype=np.int64), "int64"))
+            ins.append(graph.add_constant(f"{tag}_w{i}_{k}", np.array([v], dtype=np.int64), "int64"))
         sliced = _value(graph, f"{tag}_w{i}_slice", graph.spec(w).dtype, (*ws[:axis], 1, *ws[axis + 1 :]))
         self.new.append(Node(f"{tag}_w{i}_slice", "Slice", ins, [sliced], {}, ""))
         return sliced if keep else self.reshape(sliced, dropped, f"w{i}")
@@ -158,15 +152,14 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
             prod = _value(graph, f"{st.tag}_m{i}", dtype, shape)
             st.new.append(Node(f"{st.tag}_m{i}", "Mul", [t, wi], [prod], {}, mul.name))
             terms[i] = prod
-    mean = node.op_type == "ReduceMean" or len(terms) == 1
+    mean = node.op_type == "ReduceMean"
     acc = terms[0]
     for i, t in enumerate(terms[1:], 1):
         name = out if i == len(terms) - 1 and not mean else _value(graph, f"{st.tag}_s{i}", dtype, shape)
         st.new.append(Node(f"{st.tag}_s{i}", COMBINE[node.op_type], [acc, t], [name], {}, node.name))
         acc = name
-    if mean:  # the mean's division (or one part: itself, times one)
-        scale = 1.0 / len(terms) if node.op_type == "ReduceMean" else 1.0
-        inv = _constant(graph, f"{st.tag}_inv", np.array(scale, dtype=np.dtype(dtype)), dtype)
+    if mean:
+        inv = graph.add_constant(f"{st.tag}_inv", np.array(1.0 / len(terms), dtype=np.dtype(dtype)), dtype)
         st.new.append(Node(f"{st.tag}_mean", "Mul", [acc, inv], [out], {}, node.name))
     removed = {node.id} | ({mul.id} if mul is not None else set())
     graph.splice(graph.nodes.index(node), st.new, removed)

@@ -66,8 +66,9 @@ class DepthwiseReduction(RowPrologueRule):
         graph, state = self.graph, self.state
         if not state.on(names.CONCAT_SELECT):
             return None
-        concat = graph.producers().get(dw.inputs[0])
-        if concat is None or concat.op_type != "Concat" or concat.id in state.held():  # written in place
+        producers, held = graph.producers(), state.held()
+        concat = producers.get(dw.inputs[0])
+        if concat is None or concat.op_type != "Concat" or concat.id in held:  # written in place
             return None
         out = concat.outputs[0]
         if out in {o.name for o in graph.outputs} or [u.id for u in graph.consumers().get(out, [])] != [
@@ -80,7 +81,6 @@ class DepthwiseReduction(RowPrologueRule):
             return None
         if concat_reason(graph, concat) is not None or any(x in graph.constants for x in parts):
             return None
-        producers, held = graph.producers(), state.held()
         for x in parts:
             p = producers.get(x)
             if p is None or (p.op_type in VIEW_THROUGH and p.id not in held):
