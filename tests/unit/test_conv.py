@@ -188,7 +188,8 @@ def test_grouped_conv_runs_as_its_template_with_the_epilogue(
     x: list[int], w: list[int], out: list[int], attrs: dict[str, Any], precision: str
 ) -> None:
     m, inputs = conv_model(x, w, out, "silu", **attrs)
-    cm = check_against_ort(m, inputs, precision)
+    # No tuning: on the GPU it measures the template against the library's conv and may keep either.
+    cm = check_against_ort(m, inputs, precision, tune_budget_s=0)
     (g,) = cm.report["fusion"]["groups"]
     assert g["kind"] == "conv" and g["variant"] == "template", g
     assert cm.report["kernels"] == {"before": 3, "after": 1}
@@ -224,14 +225,22 @@ def test_grouped_template_is_right_at_every_tuning_candidate(precision: str) -> 
     xn = x.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
     wn = w.permute(0, 2, 3, 1).contiguous().to(dev, dtype)
     want = want.permute(0, 2, 3, 1).contiguous()
+    ran = 0
     for cand in candidates(k):
         config = {**k.config, **cand}
         got = torch.full(want.shape, float("nan"), device=dev, dtype=dtype)
-        module.launch(xn, wn, b.to(dev, dtype), got, config=config)
+        try:
+            module.launch(xn, wn, b.to(dev, dtype), got, config=config)
+        except Exception as exc:  # on the GPU, a tile over the shared memory: tuning drops it too
+            if type(exc).__name__ != "OutOfResources":
+                raise
+            continue
+        ran += 1
         assert torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol * 10), (
             config,
             float((got.float().cpu() - want).abs().max()),
         )
+    assert ran, "no candidate config compiled"
 
 
 def test_conv_epilogue_may_read_the_conv_input() -> None:
