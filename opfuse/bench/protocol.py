@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from opfuse.runtime.executor import Executor
+from opfuse.runtime.timing_lock import timing_section
 
 
 def _percentiles(ms: list[float]) -> dict[str, float]:
@@ -101,6 +103,40 @@ class Replayer(Protocol):
     def replay(self) -> dict[str, torch.Tensor]: ...
 
 
+def _device_runs(
+    executor: Executor,
+    envs: list[dict[str, Any]],
+    iters: int,
+    run: Callable[[dict[str, Any]], Any],
+    replayer: Replayer | None,
+    runner: Runner | None,
+) -> tuple[list[float], int, float | None]:
+    """(ms of each of `iters` runs by CUDA events, peak bytes, mean GPU utilization)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    with _UtilizationSampler(executor.device.index or 0) as sampler:
+        for i in range(iters):
+            env = envs[i % len(envs)]
+            if replayer is not None:
+                replayer.stage(env)  # enqueued before the start event: not timed
+                starts[i].record()
+                replayer.replay()
+            else:
+                starts[i].record()
+                run(dict(env))
+            ends[i].record()
+        torch.cuda.synchronize()
+    util = sampler.mean
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    peak = int(torch.cuda.max_memory_allocated() - base)
+    peak = max(peak, int(getattr(runner, "pool_bytes", 0)))
+    peak += executor.memory.arena_bytes  # kernel outputs: allocated once, before the runs
+    return times, peak, util
+
+
 def measure(
     executor: Executor, feed_sets: list[dict[str, Any]], iters: int, warmup: int, runner: Runner | None = None
 ) -> dict[str, Any]:
@@ -119,28 +155,9 @@ def measure(
         peak = None
         util: float | None = None
         if cuda:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            with _UtilizationSampler(executor.device.index or 0) as sampler:
-                for i in range(iters):
-                    env = envs[i % len(envs)]
-                    if replayer is not None:
-                        replayer.stage(env)  # enqueued before the start event: not timed
-                        starts[i].record()
-                        replayer.replay()
-                    else:
-                        starts[i].record()
-                        run(dict(env))
-                    ends[i].record()
-                torch.cuda.synchronize()
-            util = sampler.mean
-            times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-            peak = int(torch.cuda.max_memory_allocated() - base)
-            peak = max(peak, int(getattr(runner, "pool_bytes", 0)))
-            peak += executor.memory.arena_bytes  # kernel outputs: allocated once, before the runs
+            # Only the timed runs hold the timing lock (OPFUSE_TIMING_LOCK): not the warm-up.
+            with timing_section():
+                times, peak, util = _device_runs(executor, envs, iters, run, replayer, runner)
         else:
             for i in range(iters):
                 t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from opfuse.runtime.ops_index import checked_index, host_index_checks
 from opfuse.runtime.ops_registry import host_inputs
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
+from opfuse.runtime.timing_lock import timing_section
 
 # Constants up to this many elements that an op reads on the host get a host copy (runtime/capture.py).
 HOST_COPY_MAX_ELEMENTS = 1024
@@ -228,7 +229,8 @@ class Executor:
             times = []
             with _matmul_precision(self.plan.precision, self.device):
                 for i, step in enumerate(self.plan.steps):
-                    times.append(self._device_time(i, step, full, reps))
+                    with timing_section():  # OPFUSE_TIMING_LOCK: one step's timing at a time
+                        times.append(self._device_time(i, step, full, reps))
             return times
 
     def _device_time(self, i: int, step: Step, env: dict[str, torch.Tensor], reps: int) -> float:

@@ -1,0 +1,55 @@
+"""Timings that never overlap across processes sharing one GPU.
+
+A compile times things on the GPU: tuning candidates (in its tuning worker), the template against
+the library's kernel per anchor group, the per-op profile, the before/after benchmark. A worker
+owns its GPU (one worker per GPU), so nothing else runs there while it times. Where several
+processes compile on one GPU at once (the corpus's GPU leg compiles a wave of rows together), each
+one's timings would count the others' kernels, and tuning would choose by noise.
+
+With `OPFUSE_TIMING_LOCK` set to a file path, every timing section below holds an exclusive lock
+on that file (`fcntl.flock`): the processes' timings take turns while their compiles (CPU work)
+still run side by side. Sections are short (one kernel's candidate, one plan step, one benchmark),
+so a process waits at most for one section of each of the others. A lock not taken within
+`WAIT_S` (a process stuck in its section) is given up on: the section times as it would without
+the setting. Unset (the default), nothing is locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+
+TIMING_LOCK_ENV = "OPFUSE_TIMING_LOCK"
+WAIT_S = 60.0
+_POLL_S = 0.001
+
+
+@contextlib.contextmanager
+def timing_section(wait_s: float = WAIT_S) -> Iterator[bool]:
+    """Hold the timing lock (where OPFUSE_TIMING_LOCK names one) for the `with` body; yields
+    whether it is held (False: no lock is set, or it was not free within `wait_s`)."""
+    path = os.environ.get(TIMING_LOCK_ENV, "")
+    if not path:
+        yield False
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    held = False
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(_POLL_S)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
