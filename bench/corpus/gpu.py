@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterable
@@ -48,6 +49,7 @@ from bench.corpus.run import (
     shard,
     write_rows,
 )
+from opfuse.runtime.timing_lock import TIMING_LOCK_ENV
 
 BATCHES = (1, 32)
 PRECISION = "fp16"
@@ -165,7 +167,9 @@ def merge(paths: list[str], out: str = EXPECTED) -> int:
     """Fill the GPU columns of `out`'s default-exporter rows from the JSON lines in `paths` (a
     later file's line for the same row and batch wins: pass the `.compile` file first); returns
     how many rows it filled. The CPU columns are left as they are, and so are a row's earlier
-    timings where the new lines hold none (a `--compile-only` run)."""
+    timings where the new lines hold none (a `--compile-only` run). A row the run's time limit
+    stopped (its lines `over_limit` only) keeps any earlier GPU figures: the limit is the run's,
+    not the row's fault; a row with none gets the error."""
     by_model: dict[str, dict[int, dict[str, Any]]] = {}
     for (model, batch), rec in read_done(paths, corpus_only=True).items():
         by_model.setdefault(model, {})[batch] = rec
@@ -176,6 +180,9 @@ def merge(paths: list[str], out: str = EXPECTED) -> int:
             key = (model, EXPORTER)
             if key not in rows:
                 print(f"{model}: not a row of {out} (skipped)", file=sys.stderr)
+                continue
+            if all(r.get("over_limit") for r in recs.values()) and rows[key].get("gpu_commit"):
+                print(f"{model}: over the run's time limit; its earlier GPU figures kept", file=sys.stderr)
                 continue
             cols = gpu_columns(recs)
             timed = any(cols[c] and cols[c] != "err" for c in TIMING_COLUMNS)
@@ -483,15 +490,26 @@ def _env(args: argparse.Namespace, parallel: bool) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", share)
         if parallel:
             env.setdefault("OPFUSE_COMPILE_WORKERS", share)
+            # The rows compile together but time one at a time: their tuning, profiles and
+            # benchmarks take turns on the GPU (opfuse/runtime/timing_lock.py).
+            env.setdefault(
+                TIMING_LOCK_ENV, os.path.join(tempfile.gettempdir(), f"opfuse-timing-{os.getuid()}.lock")
+            )
     return env
 
 
-def _failed(out_path: str, name: str, batches: list[int], phase: str, why: str) -> None:
+def _failed(
+    out_path: str, name: str, batches: list[int], phase: str, why: str, over_limit: bool = False
+) -> None:
     """A line for each batch the row's process did not write, with the commit and date of the
-    run (the merge files the row as run, with this error)."""
+    run (the merge files the row as run, with this error). `over_limit`: the run's own time limit
+    (--timeout) stopped the row, which says how long it takes here, not that it fails: the line
+    says so (`over_limit`), and the merge keeps a row's earlier figures for it."""
     got = read_done([out_path])
-    meta = {"precision": PRECISION, "phase": phase, "date": time.strftime("%Y-%m-%d")}
+    meta: dict[str, Any] = {"precision": PRECISION, "phase": phase, "date": time.strftime("%Y-%m-%d")}
     meta["commit"] = commit()
+    if over_limit:
+        meta["over_limit"] = True
     for b in batches:
         if (name, b) not in got:
             append_line(out_path, {"model": name, "batch": b, **meta, "error": why})
@@ -520,7 +538,8 @@ def run_row(
         if cut:
             print(f"{name}: stopped at --stop-after; not recorded", flush=True)
             return
-        why = f"not finished in {args.timeout:.0f} s (--timeout)"
+        _failed(out_path, name, batches, phase, f"not finished in {args.timeout:.0f} s (--timeout)", True)
+        return
     if why:
         _failed(out_path, name, batches, phase, why)
 
@@ -531,8 +550,6 @@ TIME_LIMIT_S = 180.0  # a ready row's timings
 def run_wave(wave: list[tuple[str, list[int]]], out_path: str, args: argparse.Namespace) -> None:
     """Rows compiled at once, each in its own process (--timeout seconds to get ready), then
     timed one at a time while the others wait: nothing else runs on the GPU during a timing."""
-    import tempfile
-
     root = os.path.dirname(os.path.dirname(HERE))
     sync = tempfile.mkdtemp(prefix="opfuse-wave-")
     env = _env(args, True)
@@ -572,7 +589,7 @@ def _run_wave(
                 procs[name].kill()
                 procs[name].wait()
                 why = f"not ready to time in {args.timeout:.0f} s (--timeout)"
-                _failed(out_path, name, waiting[name], "wave", why)
+                _failed(out_path, name, waiting[name], "wave", why, over_limit=True)
             else:
                 continue
             del waiting[name]

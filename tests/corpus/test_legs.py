@@ -151,6 +151,46 @@ def test_gpu_merge_fills_the_default_exporters_gpu_columns(tmp_path: Path) -> No
     assert vit["launches"] == "8" and vit["ms_b1"] == "0.2000" and vit["gpu_graph"] == "yes/no"
 
 
+def test_gpu_merge_keeps_earlier_figures_of_a_row_the_runs_time_limit_stopped(tmp_path: Path) -> None:
+    expected = tmp_path / "expected.csv"
+    rows = models.select(["timm/test_vit", "transformers/bert"])
+    cpu.update(str(expected), [], rows)
+    timed = tmp_path / "a.jsonl"
+    base = {"model": "timm/test_vit", "date": "2026-12-01", "commit": "abc1234", "verified": True}
+    timed.write_text(
+        "".join(
+            json.dumps({**base, "batch": b, "opfuse_ms": 0.25, "ratio_torch_compile": 0.8}) + "\n"
+            for b in (1, 32)
+        )
+    )
+    gpu.merge([str(timed)], str(expected))
+    later = tmp_path / "b.jsonl"
+    stopped = {"date": "2026-12-02", "commit": "def5678", "error": "not ready to time in 150 s (--timeout)"}
+    later.write_text(
+        "".join(
+            json.dumps({**stopped, "model": m, "batch": b, "over_limit": True}) + "\n"
+            for m in ("timm/test_vit", "transformers/bert")
+            for b in (1, 32)
+        )
+    )
+    assert gpu.merge([str(later)], str(expected)) == 1  # bert only: test_vit keeps its figures
+    got = _rows(expected)
+    vit = got[("timm/test_vit", "dynamo")]
+    assert (vit["ms_b1"], vit["ratio_torch_compile"], vit["gpu_commit"]) == (
+        "0.2500",
+        "0.800/0.800",
+        "abc1234",
+    )
+    bert = got[("transformers/bert", "dynamo")]
+    assert (bert["ms_b1"], bert["gpu_verified"], bert["gpu_commit"]) == ("err", "err/err", "def5678")
+    # A failure of the row itself (not the limit) replaces the earlier figures.
+    later.write_text(
+        json.dumps({**stopped, "model": "timm/test_vit", "batch": 1, "error": "RuntimeError: x"}) + "\n"
+    )
+    assert gpu.merge([str(later)], str(expected)) == 1
+    assert _rows(expected)[("timm/test_vit", "dynamo")]["ms_b1"] == "err"
+
+
 def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) -> None:
     out = tmp_path / "expected.csv"
     rows = models.select(["timm/test_vit", "transformers/bert"])
@@ -299,8 +339,8 @@ def test_a_wave_times_its_rows_one_at_a_time_and_records_the_ones_that_fail(
     assert syncs and not os.path.exists(syncs[0])  # the wave's sync folder is gone
     got = gpu.read_done([out])
     assert got[("a/fast", 1)]["opfuse_ms"] == 0.1 and got[("b/slow", 1)]["opfuse_ms"] == 0.1
-    assert "exited with status 3" in got[("c/crash", 1)]["error"]
-    assert "not ready to time in 5 s" in got[("d/hang", 1)]["error"]
+    assert "exited with status 3" in got[("c/crash", 1)]["error"] and "over_limit" not in got[("c/crash", 1)]
+    assert "not ready to time in 5 s" in got[("d/hang", 1)]["error"] and got[("d/hang", 1)]["over_limit"]
     assert got[("d/hang", 1)]["commit"] and got[("d/hang", 1)]["date"]  # the merge files it as run
     events = [line.split() for line in log.read_text().splitlines()]
     spans = {name: float(t) for kind, name, t in events if kind == "start"}
