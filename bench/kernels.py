@@ -257,7 +257,11 @@ def step_groups(p: Planned) -> tuple[dict[str, Any], dict[str, Any]]:
         if s.kind == "kernel":
             g = by_kernel[s.kernel]
             labels = [node_label(n) for n in g.nodes]
-            assert s.label == ", ".join(labels) or g.variant == "vendor", (s.kernel, s.label)
+            with_prologue = [node_label(n) for n in [*getattr(g, "prologue", []), *g.nodes]]
+            assert s.label in (", ".join(labels), ", ".join(with_prologue)) or g.variant == "vendor", (
+                s.kernel,
+                s.label,
+            )
     by_anchor = {g.nodes[0].id: g for g in p.fusion.groups if g.kind in ("conv", "gemm")}
     return by_kernel, by_anchor
 
