@@ -180,28 +180,48 @@ def computed_a_tile(
     expression, `a_ok` the tile's mask), broadcast from the right, or through its view's strides;
     the ops in float32; the result rounded to `dtype`, as the stored A would be, and 0 outside
     the tile (an op of a masked lane, a division by the 0 loaded there, must not reach the sum).
-    The GEMM templates and the row kernel's GEMM (codegen/rowwise.py) share it."""
+    The GEMM templates and the row kernel's GEMM (codegen/rowwise.py) share it.
+
+    A Concat along K (operand_prologue admits one for a GEMM) is its parts' loads added up: each
+    part is loaded at K minus its first column, masked to its own columns (0 elsewhere)."""
     regs = dict(literals)
+    last = len(a_shape) - 1
+    concats = [n for n in prologue if n.op_type == "Concat"]
+    part_of: dict[str, tuple[int, int]] = {}  # a Concat's part -> its first column, its width
+    for node in concats:
+        first = 0
+        for x in (x for x in node.inputs if x):
+            width = int(graph.spec(x).shape[-1])
+            part_of[x] = (first, width)
+            first += width
     for j, name in enumerate(loads):
         view = views.get(name)
         shape = tuple(view.shape if view is not None else graph.spec(name).shape)
         strides = tuple(view.strides) if view is not None else contiguous_strides(shape)
         shift = len(a_shape) - len(shape)
+        at, ok = dict(coords), "a_ok"
+        if name in part_of:
+            first, width = part_of[name]
+            k = coords[last]
+            at[last] = f"({k} - {first})" if first else k
+            ok = f"a_ok & ({k} >= {first}) & ({k} < {first + width})" if first else f"a_ok & ({k} < {width})"
         terms = [str(view.offset)] if view is not None and view.offset else []
         for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
             if size != 1:
-                terms.append(f"{coords[shift + d]} * {stride}" if stride != 1 else coords[shift + d])
+                terms.append(f"{at[shift + d]} * {stride}" if stride != 1 else at[shift + d])
         floating = graph.spec(name).dtype in FLOAT_TYPES
         up, zero = (".to(tl.float32)", "0.0") if floating else ("", "0")
         if terms:
             # Along K (the tile's columns, from a multiple of the K block) an input of A's last
             # size at stride 1 runs contiguously: its loads may be vector loads (in_bounds).
-            contiguous = shape[-1] == a_shape[-1] != 1 and strides[-1] == 1
+            contiguous = shape[-1] == a_shape[-1] != 1 and strides[-1] == 1 and name not in part_of
             others = [st for size, st in zip(shape[:-1], strides[:-1], strict=True) if size != 1]
             run = power_run(view.offset if view is not None else 0, *others) if contiguous else 1
-            buf.line(f"q{j} = {guarded_load(pointers[j], ' + '.join(terms), 'a_ok', zero, run)}{up}")
+            buf.line(f"q{j} = {guarded_load(pointers[j], ' + '.join(terms), ok, zero, run)}{up}")
         else:
             buf.line(f"q{j} = tl.load({pointers[j]}){up}")
         regs[name] = f"q{j}"
-    emit_nodes(buf, graph, prologue, regs, prefix="u")
+    for node in concats:  # its parts, each 0 outside its own columns
+        regs[node.outputs[0]] = "(" + " + ".join(regs[x] for x in node.inputs if x) + ")"
+    emit_nodes(buf, graph, [n for n in prologue if n.op_type != "Concat"], regs, prefix="u")
     buf.line(f"a_tile = tl.where(a_ok, {regs[a_name]}, 0.0).to({dtype})")

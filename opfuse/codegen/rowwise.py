@@ -299,7 +299,9 @@ def generate_rowwise(
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
-    concat = next((n for n in prologue or [] if n.op_type == "Concat"), None)
+    # (A GEMM's prologue may hold a Concat along K: computed_a_tile reads that one in parts.)
+    has_gemm = any(n.op_type in ("MatMul", "Gemm") for n in prologue or [])
+    concat = None if has_gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
     prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None
     gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)

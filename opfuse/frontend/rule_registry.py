@@ -399,7 +399,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         OPERAND_PROLOGUE,
         FUSION,
         "The pointwise ops that compute a GEMM's A operand (a gate, a rescale) and that only the GEMM "
-        "reads run on its A tiles in the K loop: A is never written.",
+        "reads run on its A tiles in the K loop: A is never written. A Concat along K is read from "
+        "its parts, each at its own columns.",
         requires=(GEMM_EPILOGUE,),
     ),
     _r(

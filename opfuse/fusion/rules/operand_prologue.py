@@ -11,6 +11,12 @@ the layout ops before them as strides), computes A's tile in float32, and rounds
 model's type as the stored A would be. A is never written. Tuning times the one kernel against
 the split form: the ops as one pointwise kernel, the library's GEMM, the epilogue's kernel.
 
+A Concat along A's K axis (Sequencer's LSTM outputs, both directions and both axes, side by side
+before the block's projection) is no copy either: each K step loads every part at its own
+columns, masked to them, and adds the loads up; ops after the Concat apply to that sum. The
+parts are loaded, not computed (one computed by another of the ops, or read by one, would be
+loaded at two K offsets: refused), and only for a GEMM, whose A's last axis is K.
+
 The same holds for a channels-last conv of group 1 (StarNet's `relu6(a) * b` before its 1x1
 conv, a gate that varies over the image, which no input scale folds): each tap's input tile is
 computed from the ops' inputs at its pixels and channels, 0 in the padding. And for a GEMM that
@@ -29,6 +35,7 @@ from opfuse.passes.rules import NotFired, node_label
 RULE = names.OPERAND_PROLOGUE
 MAX_NODES = 12  # ops computed on every A tile, at each K step of each column tile (a gated tanh-GELU is 9)
 MAX_TENSORS = 4  # their tensor inputs: a pointer and a load each per K step
+MAX_PARTS = 4  # parts of a Concat along K (each one of the tensors)
 
 
 def operand_prologue(
@@ -51,20 +58,38 @@ def operand_prologue(
     outputs = {o.name for o in graph.outputs}
     members: dict[str, Node] = {}
     frontier = [a]
+    k_axis = len(shape) - 1 if _k_is_last(anchor) else None
     while frontier:
         value = frontier.pop()
         node = producers.get(value)
         if node is None or node.id in taken or node.id in members or value in outputs:
             continue
-        if pointwise_reason(graph, node) is not None or graph.spec(value).shape != shape:
+        if graph.spec(value).shape != shape:
+            continue
+        concat = k_axis is not None and _k_concat(graph, node, k_axis)
+        if not concat and pointwise_reason(graph, node) is not None:
             continue
         readers = {c.id for c in consumers.get(value, [])}
         if not readers <= {anchor.id, *members}:
             continue  # another reader needs the value stored
         members[node.id] = node
-        frontier.extend(x for x in node.inputs if x)
+        if not concat:  # a Concat's parts are loaded, each at its own K offset
+            frontier.extend(x for x in node.inputs if x)
     if not members:
         return []
+    for node in members.values():
+        if node.op_type != "Concat":
+            continue
+        parts = {x for x in node.inputs if x}
+        if any(parts & set(n.inputs) for n in members.values() if n is not node) or parts & {
+            o for n in members.values() for o in n.outputs
+        }:
+            # A part another op reads (at A's own K coordinates) or computes: loaded two ways.
+            why = "a part of the Concat along K is read or computed by another of the ops too"
+            not_fused.append(
+                NotFired(RULE, [*(node_label(n) for n in members.values()), node_label(anchor)], why)
+            )
+            return []
     if len(members) > MAX_NODES:
         # Part of the ops would still be a kernel writing a buffer of A's size: none saved.
         labels = [node_label(n) for n in members.values()]
@@ -90,6 +115,20 @@ def operand_prologue(
         )
         return []
     return prologue
+
+
+def _k_is_last(anchor: Node) -> bool:
+    """Whether A's last axis is the GEMM's K: a MatMul's, or a Gemm's without transA."""
+    return anchor.op_type == "MatMul" or (anchor.op_type == "Gemm" and not int(anchor.attrs.get("transA", 0)))
+
+
+def _k_concat(graph: Graph, node: Node, k_axis: int) -> bool:
+    """A Concat along A's K axis of up to MAX_PARTS tensors: each K step loads every part at its
+    own offset along K, masked to its columns (codegen/epilogue.py: computed_a_tile)."""
+    if node.op_type != "Concat" or int(node.attrs.get("axis", 0)) % (k_axis + 1) != k_axis:
+        return False
+    parts = [x for x in node.inputs if x]
+    return 1 < len(parts) <= MAX_PARTS and not any(x in graph.constants for x in parts)
 
 
 def _behind_views(producers: dict[str, Node], value: str, op_type: str) -> bool:

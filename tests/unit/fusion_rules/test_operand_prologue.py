@@ -376,3 +376,127 @@ def test_an_input_behind_a_resize_is_left_to_resize_gather() -> None:
     why = "an input is a Resize that the ops' own kernel gathers instead of copying (resize_gather)"
     assert refusals(plan, names.OPERAND_PROLOGUE) == [(["top_down", "smooth"], why)]
     assert [g[1] for g in claimed(plan) if "top_down" in g[2]] == [f"{names.POINTWISE}+{names.RESIZE_GATHER}"]
+
+
+def k_concat(scaled: bool = False, widths: tuple[int, ...] = (12, 20), norm: bool = False) -> Any:
+    """Features side by side along K before a projection (Sequencer's two LSTM directions and
+    axes, a multi-branch head): concat([p0, p1, ...], -1) @ w + bias, its parts views (p0 the
+    transpose of t0 [2, width, 5]; the others as they are), optionally scaled after the Concat;
+    then Gelu, or (`norm`) the residual x and a LayerNorm."""
+    nd = helper.make_node
+    k, n = sum(widths), 16
+    nodes = [nd("Transpose", ["t0"], ["p0"], perm=[0, 2, 1], name="to_rows")]
+    nodes.append(nd("Concat", [f"p{i}" for i in range(len(widths))], ["c"], axis=-1, name="cat"))
+    a = "c"
+    if scaled:
+        nodes.append(nd("Mul", ["c", "s"], ["cs"], name="scale"))
+        a = "cs"
+    nodes += [nd("MatMul", [a, "w"], ["h"], name="proj"), nd("Add", ["h", "bias"], ["hb"], name="proj_bias")]
+    if norm:
+        nodes += [
+            nd("Add", ["hb", "x"], ["r"], name="residual"),
+            nd("LayerNormalization", ["r", "g", "beta"], ["y"], name="ln", axis=-1),
+        ]
+    else:
+        nodes.append(nd("Gelu", ["hb"], ["y"], name="act"))
+    inputs = {"t0": [2, widths[0], 5], **{f"p{i}": [2, 5, w] for i, w in enumerate(widths) if i}}
+    if norm:
+        inputs["x"] = [2, 5, n]
+    inits = {
+        "w": RNG.standard_normal((k, n)) / k**0.5,
+        "bias": RNG.standard_normal(n) * 0.1,
+        "s": RNG.uniform(0.5, 1.5, k),
+        "g": RNG.uniform(0.5, 1.5, n),
+        "beta": RNG.standard_normal(n),
+    }
+    model = make_model(nodes, inputs, {"y": [2, 5, n]}, inits)
+    model.opset_import[0].version = 20  # Gelu
+    return model
+
+
+def _k_concat_shapes(widths: tuple[int, ...], norm: bool = False) -> dict[str, list[int]]:
+    shapes = {"t0": [2, widths[0], 5], **{f"p{i}": [2, 5, w] for i, w in enumerate(widths) if i}}
+    return {**shapes, "x": [2, 5, 16]} if norm else shapes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "widths, scaled", [((12, 20), False), ((7, 16, 9), True)], ids=["two-parts", "three-parts-scaled"]
+)
+def test_a_concat_along_k_is_read_in_parts_on_a_tiles(
+    widths: tuple[int, ...], scaled: bool, precision: str
+) -> None:
+    """The Concat is never written: each K step loads every part at its own columns (masked to
+    them; p0 through its Transpose), the scale applied after. Parts of 7, 16 and 9 columns cross
+    the K blocks; every candidate, every output element against onnxruntime."""
+    model = k_concat(scaled, widths)
+    shapes = _k_concat_shapes(widths)
+    cm = check_against_ort(model, shapes, precision, tune_budget_s=0)
+    assert cm.report["kernels"]["after"] == 1
+    (g,) = cm.report["fusion"]["groups"]
+    assert g["rule"] == RULE
+    (k,) = cm.plan.kernels.values()
+    assert "cat" in k.source and "prologue: computed on A's tiles" in k.source
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    check_every_candidate(cm, k, model, feeds, precision, [{"BLOCK_K": 16}])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_row_kernels_gemm_reads_its_concat_in_parts(precision: str) -> None:
+    """Sequencer's block end: the projection of the Concat, its bias and the residual, then the
+    LayerNorm: one row kernel computing the GEMM from the parts."""
+    widths = (12, 20)
+    model = k_concat(widths=widths, norm=True)
+    shapes = _k_concat_shapes(widths, norm=True)
+    cm = check_against_ort(model, shapes, precision, tune_budget_s=0)
+    assert cm.report["kernels"]["after"] == 1
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == [ROW_RULE]
+    (k,) = cm.plan.kernels.values()
+    feeds = {x: RNG.standard_normal(s).astype(np.float32) for x, s in shapes.items()}
+    check_every_candidate(cm, k, model, feeds, precision, [{"BLOCK_K": 32}])
+
+
+def test_the_concats_split_form_runs_it_as_a_kernel_of_its_own() -> None:
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+
+    widths = (7, 16, 9)
+    model = k_concat(True, widths)
+    shapes = _k_concat_shapes(widths)
+    p = plan_model(model, shapes, "fp32")
+    (g,) = p.fusion.groups
+    vendor = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [s.op_type or "kernel" for s in vendor.steps if s.launches] == ["kernel", "MatMul", "kernel"]
+    _fused_and_split_match(model, shapes, p.plan, vendor)
+
+
+def test_a_concat_part_another_op_reads_too_is_refused() -> None:
+    """p1 is a part of the Concat and multiplies it as well: loaded at its own columns and at A's,
+    two ways; the prologue is refused, with the reason."""
+    nd = helper.make_node
+    nodes = [
+        nd("Concat", ["p0", "p1"], ["c"], axis=-1, name="cat"),
+        nd("Concat", ["p1", "p0"], ["d"], axis=-1, name="cat2"),
+        nd("Mul", ["c", "d"], ["a"], name="mix"),
+        nd("MatMul", ["a", "w"], ["y"], name="mm"),
+    ]
+    model = make_model(
+        nodes, {"p0": [4, 8], "p1": [4, 8]}, {"y": [4, 3]}, {"w": RNG.standard_normal((16, 3))}
+    )
+    _, plan = planned(model)
+    ((labels, why),) = refusals(plan, names.OPERAND_PROLOGUE)
+    assert why == "a part of the Concat along K is read or computed by another of the ops too"
+    assert "mm" in labels
+    assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
+
+
+def test_a_concat_along_m_is_no_prologue() -> None:
+    """Rows stacked (axis -2) are not K: the Concat stays a buffer."""
+    nd = helper.make_node
+    nodes = [
+        nd("Concat", ["p0", "p1"], ["c"], axis=-2, name="cat"),
+        nd("MatMul", ["c", "w"], ["y"], name="mm"),
+    ]
+    model = make_model(nodes, {"p0": [3, 8], "p1": [5, 8]}, {"y": [8, 3]}, {"w": RNG.standard_normal((8, 3))})
+    _, plan = planned(model)
+    assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
