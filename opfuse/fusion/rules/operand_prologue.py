@@ -128,7 +128,8 @@ def _k_concat(graph: Graph, node: Node, k_axis: int) -> bool:
     if node.op_type != "Concat" or int(node.attrs.get("axis", 0)) % (k_axis + 1) != k_axis:
         return False
     parts = [x for x in node.inputs if x]
-    return 1 < len(parts) <= MAX_PARTS and not any(x in graph.constants for x in parts)
+    distinct = len(set(parts)) == len(parts)  # a tensor twice would be loaded at two offsets
+    return 1 < len(parts) <= MAX_PARTS and distinct and not any(x in graph.constants for x in parts)
 
 
 def _behind_views(producers: dict[str, Node], value: str, op_type: str) -> bool:

@@ -490,13 +490,22 @@ def test_a_concat_part_another_op_reads_too_is_refused() -> None:
     assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
 
 
-def test_a_concat_along_m_is_no_prologue() -> None:
-    """Rows stacked (axis -2) are not K: the Concat stays a buffer."""
+@pytest.mark.parametrize(
+    "parts, axis, shapes",
+    [
+        (["p0", "p1"], -2, {"p0": [3, 8], "p1": [5, 8]}),  # rows stacked (M), not K
+        (["p0", "p0"], -1, {"p0": [8, 4]}),  # one tensor twice: two offsets for one load
+    ],
+    ids=["along-m", "a-part-twice"],
+)
+def test_a_concat_that_is_not_k_parts_stays_a_buffer(
+    parts: list[str], axis: int, shapes: dict[str, list[int]]
+) -> None:
     nd = helper.make_node
     nodes = [
-        nd("Concat", ["p0", "p1"], ["c"], axis=-2, name="cat"),
+        nd("Concat", parts, ["c"], axis=axis, name="cat"),
         nd("MatMul", ["c", "w"], ["y"], name="mm"),
     ]
-    model = make_model(nodes, {"p0": [3, 8], "p1": [5, 8]}, {"y": [8, 3]}, {"w": RNG.standard_normal((8, 3))})
+    model = make_model(nodes, shapes, {"y": [8, 3]}, {"w": RNG.standard_normal((8, 3))})
     _, plan = planned(model)
     assert not [g for g in claimed(plan) if names.OPERAND_PROLOGUE in g[1]]
