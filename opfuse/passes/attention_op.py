@@ -93,8 +93,7 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         return name
 
     def constant(name: str, arr: np.ndarray, dt: str = dtype) -> str:
-        graph.constants[name] = arr
-        return value(name, tuple(arr.shape), dt)
+        return graph.add_constant(name, arr, dt)
 
     scale = node.attrs.get("scale")
     scale = float(scale) if scale is not None else 1.0 / float(np.sqrt(d))

@@ -44,9 +44,7 @@ class _Names:
         return name
 
     def constant(self, array: np.ndarray, dtype: str) -> str:
-        name = self.value("", tuple(array.shape), dtype)
-        self.graph.constants[name] = array
-        return name
+        return self.graph.add_constant(self.value("", tuple(array.shape), dtype), array, dtype)
 
     def node_id(self, base: str) -> str:
         ids = {n.id for n in self.graph.nodes}

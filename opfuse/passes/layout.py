@@ -88,8 +88,9 @@ class _Rewriter:
             return name  # a scalar broadcasts the same in any layout
         full = arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
         new = self.fresh(name)
-        self.graph.constants[new] = np.ascontiguousarray(full.transpose(TO_NHWC))
-        self.graph.values[new] = TensorSpec(new, self.graph.spec(name).dtype, _nhwc_shape(full.shape))
+        self.graph.add_constant(
+            new, np.ascontiguousarray(full.transpose(TO_NHWC)), self.graph.spec(name).dtype
+        )
         self.twin[name] = new
         return new
 
@@ -227,10 +228,7 @@ def to_channels_last(
             w_name = node.inputs[1]
             w = graph.constants[w_name]
             new_w = rw.fresh(w_name)
-            graph.constants[new_w] = np.ascontiguousarray(w.transpose(0, 2, 3, 1))
-            graph.values[new_w] = TensorSpec(
-                new_w, graph.spec(w_name).dtype, (w.shape[0], *w.shape[2:], w.shape[1])
-            )
+            graph.add_constant(new_w, np.ascontiguousarray(w.transpose(0, 2, 3, 1)), graph.spec(w_name).dtype)
             attrs = dict(node.attrs)
             attrs.setdefault("kernel_shape", list(w.shape[2:]))
             ins = [x, new_w, *node.inputs[2:3]]
@@ -246,18 +244,15 @@ def to_channels_last(
                 Node(node.id, POOLS[op], ins, [rw.new_output(node.outputs[0])], dict(node.attrs), node.name)
             )
         elif op in GLOBAL_POOLS and node.inputs[0] in rw.twin:
-            axes = f"{node.id}_axes"
-            graph.constants[axes] = np.array([1, 2], dtype=np.int64)
-            graph.values[axes] = TensorSpec(axes, "int64", (2,))
+            axes = graph.add_constant(f"{node.id}_axes", np.array([1, 2], dtype=np.int64), "int64")
             ins = [rw.twin[node.inputs[0]], axes]
             out = rw.new_output(node.outputs[0])
             rw.out.append(Node(node.id, GLOBAL_POOLS[op], ins, [out], {"keepdims": 1}, node.name))
         elif op in ROW_REDUCTIONS and node.inputs[0] in rw.twin and (axes_nchw := _reduce_axes(graph, node)):
             # A reduction written out (timm's x.mean((2, 3))): the same axes, numbered in NHWC.
             keep = int(node.attrs.get("keepdims", 1))
-            axes = f"{node.id}_axes"
-            graph.constants[axes] = np.array(sorted(TO_NHWC.index(a) for a in axes_nchw), dtype=np.int64)
-            graph.values[axes] = TensorSpec(axes, "int64", (len(axes_nchw),))
+            nhwc_axes = np.array(sorted(TO_NHWC.index(a) for a in axes_nchw), dtype=np.int64)
+            axes = graph.add_constant(f"{node.id}_axes", nhwc_axes, "int64")
             ins = [rw.twin[node.inputs[0]], axes]
             # keepdims=0 leaves the kept axes in NHWC order: the same value only if that order is
             # the NCHW one (reducing H and W leaves [N, C] either way).

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
-from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.graph import Graph, Node
 from opfuse.passes.rules import Rule
 
 RULE = names.SUM_SIBLING_GEMMS
@@ -74,17 +74,13 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
             term = float(p.attrs.get("beta", 1.0)) * graph.constants[p.inputs[2]].astype(np.float64)
             c = term if c is None else c + term
     w_name = f"{p1.id}_sum_w"
-    graph.constants[w_name] = w.astype(dtype)
-    graph.values[w_name] = TensorSpec(w_name, graph.spec(p1.inputs[1]).dtype, tuple(w.shape))
-    operands = [p1.inputs[0], w_name]
+    operands = [p1.inputs[0], graph.add_constant(w_name, w.astype(dtype), graph.spec(p1.inputs[1]).dtype)]
     attrs: dict[str, Any] = {}
     if p1.op_type == "Gemm":
         attrs = {"transB": int(p1.attrs.get("transB", 0))}
         if c is not None:
             c_name = f"{p1.id}_sum_c"
-            graph.constants[c_name] = c.astype(dtype)
-            graph.values[c_name] = TensorSpec(c_name, graph.spec(p1.inputs[1]).dtype, tuple(c.shape))
-            operands.append(c_name)
+            operands.append(graph.add_constant(c_name, c.astype(dtype), graph.spec(p1.inputs[1]).dtype))
     label = "+".join(n.name for n in m["nodes"] if n.name)
     new = Node(f"{p1.id}+", p1.op_type, operands, [node.outputs[0]], attrs, label)
     graph.splice(graph.nodes.index(node), [new], {n.id for n in m["nodes"]})
