@@ -257,7 +257,7 @@ def step_groups(p: Planned) -> tuple[dict[str, Any], dict[str, Any]]:
         if s.kind == "kernel":
             g = by_kernel[s.kernel]
             labels = [node_label(n) for n in g.nodes]
-            with_prologue = [node_label(n) for n in [*getattr(g, "prologue", []), *g.nodes]]
+            with_prologue = [node_label(n) for n in [*g.prologue, *g.nodes]]
             assert s.label in (", ".join(labels), ", ".join(with_prologue)) or g.variant == "vendor", (
                 s.kernel,
                 s.label,

@@ -490,8 +490,8 @@ def _env(args: argparse.Namespace, parallel: bool) -> dict[str, str]:
         env.setdefault("OMP_NUM_THREADS", share)
         if parallel:
             env.setdefault("OPFUSE_COMPILE_WORKERS", share)
-            # The rows compile together but time one at a time: their tuning, profiles and
-            # benchmarks take turns on the GPU (opfuse/runtime/timing_lock.py).
+            # The rows compile together but time one at a time: their profiles, template-vs-library
+            # timings and benchmarks take turns on the GPU (opfuse/runtime/timing_lock.py).
             env.setdefault(
                 TIMING_LOCK_ENV, os.path.join(tempfile.gettempdir(), f"opfuse-timing-{os.getuid()}.lock")
             )

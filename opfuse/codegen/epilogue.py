@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.emitters import EMITTERS
+from opfuse.codegen.fragments import concat_parts, part_lanes
 from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import FLOAT_TYPES
@@ -187,13 +188,7 @@ def computed_a_tile(
     regs = dict(literals)
     last = len(a_shape) - 1
     concats = [n for n in prologue if n.op_type == "Concat"]
-    part_of: dict[str, tuple[int, int]] = {}  # a Concat's part -> its first column, its width
-    for node in concats:
-        first = 0
-        for x in (x for x in node.inputs if x):
-            width = int(graph.spec(x).shape[-1])
-            part_of[x] = (first, width)
-            first += width
+    part_of = {x: (start, length) for n in concats for x, start, length in concat_parts(graph, n)[1]}
     for j, name in enumerate(loads):
         view = views.get(name)
         shape = tuple(view.shape if view is not None else graph.spec(name).shape)
@@ -201,10 +196,8 @@ def computed_a_tile(
         shift = len(a_shape) - len(shape)
         at, ok = dict(coords), "a_ok"
         if name in part_of:
-            first, width = part_of[name]
-            k = coords[last]
-            at[last] = f"({k} - {first})" if first else k
-            ok = f"a_ok & ({k} >= {first}) & ({k} < {first + width})" if first else f"a_ok & ({k} < {width})"
+            at[last], held = part_lanes(coords[last], *part_of[name], a_shape[-1])
+            ok = f"a_ok & {held}" if held else ok
         terms = [str(view.offset)] if view is not None and view.offset else []
         for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
             if size != 1:

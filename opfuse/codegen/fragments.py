@@ -222,6 +222,15 @@ def module_imports(buf: SourceBuffer) -> None:
     buf.line()
 
 
+def part_lanes(coord: str, start: int, length: int, size: int) -> tuple[str, str]:
+    """A Concat part read where the Concat's coordinate along its axis is `coord` (of `size`):
+    the part's own coordinate, and the condition on the lanes it holds ("" where it holds all)."""
+    local = f"({coord} - {start})" if start else coord
+    held = [f"({coord} >= {start})"] if start else []
+    held += [f"({coord} < {start + length})"] if start + length < size else []
+    return local, " & ".join(held)
+
+
 def concat_parts(graph: Graph, node: Node) -> tuple[int, list[tuple[str, int, int]]]:
     """A Concat's axis (non-negative) and each input's (value, start, length) along it."""
     shape = tuple(graph.spec(node.outputs[0]).shape)

@@ -28,9 +28,11 @@ from opfuse.codegen.epilogue import TileRead, computed_a_tile, dot_precision, fo
 from opfuse.codegen.fragments import (
     KernelSource,
     concat_comments,
+    concat_parts,
     module_imports,
     module_title,
     node_comment,
+    part_lanes,
     row_input_index,
     split_literals,
 )
@@ -137,15 +139,9 @@ def _depthwise_tile(
     win = Window.of(d)
     taps = win.taps
     w = ptr[dw.inputs[1]]
-    parts: list[tuple[str, int, int]] = []  # pointer, first channel, channels
-    if concat is None:
-        parts.append((ptr[dw.inputs[0]], 0, d["C"]))
-    else:
-        at = 0
-        for v in (v for v in concat.inputs if v):
-            width = int(graph.spec(v).shape[3])
-            parts.append((ptr[v], at, width))
-            at += width
+    # (pointer, first channel, channels) of each input the taps load from
+    sources = concat_parts(graph, concat)[1] if concat is not None else [(dw.inputs[0], 0, d["C"])]
+    parts = [(ptr[v], first, width) for v, first, width in sources]
     x = parts[0][0]
     if tiled:
         img, pixel, chan, tile, chan_ok = "outer", "rr", "ii", "(BLOCK_R, BLOCK_I)", "imask"
@@ -164,9 +160,10 @@ def _depthwise_tile(
             if len(parts) == 1:
                 loads.append(f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other=0.0)")
                 continue
-            in_part = f"({chan} >= {first}) & ({chan} < {first + width})"
+            local, held = part_lanes(chan, first, width, d["C"])
+            mask = f"ok & {held}" if held else "ok"
             loads.append(
-                f"tl.load({p} + {pixel_at} * {width} + {chan} - {first}, mask=ok & {in_part}, other=0.0).to(tl.float32)"
+                f"tl.load({p} + {pixel_at} * {width} + {local}, mask={mask}, other=0.0).to(tl.float32)"
             )
         buf.line(f"xv = {' + '.join(loads)}")
         buf.line(f"wv = tl.load({w} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
@@ -300,11 +297,10 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
     # (A GEMM's prologue may hold a Concat along K: computed_a_tile reads that one in parts.)
-    has_gemm = any(n.op_type in ("MatMul", "Gemm") for n in prologue or [])
-    concat = None if has_gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
+    gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)
+    concat = None if gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
     prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None
-    gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)
     # Pointwise ops computing the GEMM's A on its tiles (operand_prologue, inside gemm_reduction).
     a_ops = [n for n in prologue or [] if n is not gemm] if gemm is not None else []
     gathers = [n for n in prologue or [] if n.op_type == "Gather"]

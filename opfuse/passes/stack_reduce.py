@@ -142,13 +142,13 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         w = next(i for i in mul.inputs if i != concat.outputs[0])
         ws = tuple(graph.spec(w).shape)
         w_axis = axis - (rank - len(ws))  # the stacked axis among w's dims (< 0: w lacks it)
+        shared = None  # w broadcasts along the axis: every part's weight, made once
+        if w_axis < 0 or (keep and ws[w_axis] == 1):
+            shared = w
+        elif ws[w_axis] == 1:
+            shared = st.reshape(w, ws[:w_axis] + ws[w_axis + 1 :], "w")
         for i, t in enumerate(terms):
-            if w_axis < 0:
-                wi = w  # w broadcasts along the axis: every part's weight
-            elif ws[w_axis] == 1:
-                wi = w if keep else st.reshape(w, ws[:w_axis] + ws[w_axis + 1 :], f"w{i}")
-            else:
-                wi = st.weight(w, i, w_axis, keep)
+            wi = shared if shared is not None else st.weight(w, i, w_axis, keep)
             prod = _value(graph, f"{st.tag}_m{i}", dtype, shape)
             st.new.append(Node(f"{st.tag}_m{i}", "Mul", [t, wi], [prod], {}, mul.name))
             terms[i] = prod

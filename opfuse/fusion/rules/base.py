@@ -171,6 +171,8 @@ class RowPrologueRule(FusionRule):
         lone_by_output = {
             g.outputs[0]: g for g in self.state.lone if g.kind == self.kind and len(g.outputs) == 1
         }
+        # The graph does not change while the rules plan: its use-def maps, once per rule.
+        self.producers, self.consumers = self.graph.producers(), self.graph.consumers()
         self.gone: set[str] = set()
         for rg in self.state.rows:
             if not self._plain(rg):
@@ -189,7 +191,7 @@ class RowPrologueRule(FusionRule):
         members = {n.id for n in rg.nodes}
         graph = self.graph
         return x in {o.name for o in graph.outputs} or any(
-            u.id not in members for u in graph.consumers().get(x, [])
+            u.id not in members for u in self.consumers.get(x, [])
         )
 
     def claim(self, c: Candidate) -> None:

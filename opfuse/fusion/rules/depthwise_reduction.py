@@ -66,14 +66,12 @@ class DepthwiseReduction(RowPrologueRule):
         graph, state = self.graph, self.state
         if not state.on(names.CONCAT_SELECT):
             return None
-        producers, held = graph.producers(), state.held()
+        producers, held = self.producers, state.held()
         concat = producers.get(dw.inputs[0])
         if concat is None or concat.op_type != "Concat" or concat.id in held:  # written in place
             return None
         out = concat.outputs[0]
-        if out in {o.name for o in graph.outputs} or [u.id for u in graph.consumers().get(out, [])] != [
-            dw.id
-        ]:
+        if out in {o.name for o in graph.outputs} or [u.id for u in self.consumers.get(out, [])] != [dw.id]:
             return None
         parts = [x for x in concat.inputs if x]
         shape = graph.spec(out).shape

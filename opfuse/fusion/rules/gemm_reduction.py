@@ -45,7 +45,6 @@ class GemmReduction(RowPrologueRule):
     def match(self) -> Iterator[Candidate]:
         graph = self.graph
         self.order = {n.id: i for i, n in enumerate(graph.nodes)}  # the cycle check, prologues
-        self.producers, self.consumers = graph.producers(), graph.consumers()  # the graph is fixed
         yield from super().match()
 
     def check(self, c: Candidate) -> str | None:
