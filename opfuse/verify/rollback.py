@@ -468,12 +468,19 @@ def _nothing_to_compare(ref: Mapping[str, np.ndarray]) -> list[str]:
 
 def _worse(new: OutputCheck, old: OutputCheck | None) -> bool:
     """Whether `new` replaces `old` as an output's worst check of one `Verifier.check`: a check
-    that compared something beats one that compared nothing; then a failure, the latest; then
-    the larger relative L2 error."""
+    that compared something beats one that compared nothing; then a failure beats a pass; then
+    the larger relative L2 error (NaN and a wrong shape the largest). Among failures too: the
+    unfused plan's worst check sets the precision bound (`precision_bound`), and a later,
+    smaller miss kept instead would hold every plan to less than its own error on the inputs it
+    missed most on."""
     if old is None:
         return True
     if new.compared != old.compared:
         return new.compared
-    if not new.passed:
-        return True
-    return old.passed and new.rel_l2_err > old.rel_l2_err
+    if new.passed != old.passed:
+        return not new.passed
+    return _error_size(new) > _error_size(old)
+
+
+def _error_size(check: OutputCheck) -> float:
+    return check.rel_l2_err if np.isfinite(check.rel_l2_err) else float("inf")
