@@ -289,7 +289,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         CHANNELS_LAST,
         GRAPH_PASS,
         "The conv region runs in NHWC: internal ops named `opfuse.*`, exported in the bundle's "
-        "model.onnx in the `ai.opfuse` domain, never accepted from a model.",
+        "model.onnx in the `ai.opfuse` domain, never accepted from a model. A 1-D conv's [N, C, L] "
+        "runs as one image row [N, 1, L, C], so it is the 2-D conv template's with its epilogue.",
     ),
     _r(
         FP32_DENSE_NCHW,

@@ -2,10 +2,15 @@
 
 Tensor cores and cuDNN compute 2-D convolutions natively in NHWC; an NCHW convolution pays layout
 conversions inside the library, and an implicit-GEMM template on NCHW gathers its reduction axis
-(input channels) with a stride. This pass rewrites the graph so that every 2-D Conv, the pointwise
-ops around it, pooling and global pooling work on NHWC tensors:
+(input channels) with a stride. This pass rewrites the graph so that every 2-D and 1-D Conv, the
+pointwise ops around it, pooling and global pooling work on channels-last tensors (NHWC; NLC for
+the [N, C, L] tensors of a 1-D conv):
 
-- a Conv becomes `opfuse.ConvNHWC`, its weight stored as [Cout, KH, KW, Cin/group];
+- a Conv becomes `opfuse.ConvNHWC`, its weight stored as [Cout, KH, KW, Cin/group]; a 1-D Conv
+  becomes the ConvNHWC of its NLC input viewed as [N, 1, L, C] (kernel (1, K)), its output viewed
+  back as NLC: audio front ends (wav2vec2's feature extractor and positional conv, Whisper's
+  stem) and convs over tokens (SqueezeBERT, ConvBERT) run as the conv template with their
+  epilogue, where the library's conv1d ran alone and its epilogue was a second kernel;
 - MaxPool / AveragePool become `opfuse.MaxPoolNHWC` / `opfuse.AveragePoolNHWC`;
 - GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2), and a
   written-out ReduceMean/Sum/Max/Min with constant axes reduces the same axes in NHWC numbering;
@@ -38,17 +43,25 @@ RULE = names.CHANNELS_LAST
 FP32_DENSE_RULE = names.FP32_DENSE_NCHW  # keeps a dense-only conv region NCHW in fp32 on the GPU
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
+RANKS = (3, 4)  # the ranks whose values have twins: [N, C, L] and [N, C, H, W]
 GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}
 
 
+TOKENS = (0, 2, 1)  # [N, C, L] <-> [N, L, C]: a 1-D conv's channels-first and channels-last
+
+
 def _nhwc_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a value's twin: NHWC; [N, 1, L, C] for an [N, C, L] value (one image row,
+    so that a 1-D conv is the 2-D template's and its neighbours' kernels see 4-D tensors)."""
+    if len(shape) == 3:
+        return (shape[0], 1, shape[2], shape[1])
     return tuple(shape[d] for d in TO_NHWC)
 
 
 def _conv_reason(graph: Graph, node: Node) -> str | None:
     x = graph.spec(node.inputs[0])
-    if len(x.shape) != 4:
-        return f"a {len(x.shape) - 2}-D convolution: channels-last covers 2-D"
+    if len(x.shape) not in RANKS:
+        return f"a {len(x.shape) - 2}-D convolution: channels-last covers 1-D and 2-D"
     if x.dtype not in FLOAT_TYPES:
         return f"input of type {x.dtype}"
     if node.inputs[1] not in graph.constants:
@@ -62,6 +75,7 @@ class _Rewriter:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.twin: dict[str, str] = {}  # NCHW value -> its NHWC twin
+        self.constant_twin: dict[tuple[str, int], str] = {}  # (constant, rank) -> its channels-last form
         self.out: list[Node] = []
         self.converted_outputs: set[str] = set()  # NCHW names now produced only as NHWC twins
         self.count = 0
@@ -80,32 +94,51 @@ class _Rewriter:
         return f"ncl{self.nodes_made}"
 
     def constant(self, name: str, rank: int = 4) -> str:
-        """The NHWC form of a constant that broadcasts against a 4-D value."""
-        if name in self.twin:
-            return self.twin[name]
+        """The channels-last form of a constant that broadcasts against a value of `rank`."""
+        if (name, rank) in self.constant_twin:
+            return self.constant_twin[name, rank]
         arr = self.graph.constants[name]
         if arr.size == 1:
             return name  # a scalar broadcasts the same in any layout
         full = arr.reshape((1,) * (rank - arr.ndim) + arr.shape)
+        if rank == 3:
+            last = full.transpose(TOKENS).reshape(_nhwc_shape(full.shape))
+        else:
+            last = full.transpose(TO_NHWC)
         new = self.fresh(name)
-        self.graph.add_constant(
-            new, np.ascontiguousarray(full.transpose(TO_NHWC)), self.graph.spec(name).dtype
-        )
-        self.twin[name] = new
+        self.graph.add_constant(new, np.ascontiguousarray(last), self.graph.spec(name).dtype)
+        self.constant_twin[name, rank] = new
+        if rank == 4:
+            self.twin[name] = new  # as a value's twin: a pointwise op reading it joins the region
         return new
 
     def nhwc_input(self, name: str) -> str:
-        """The NHWC twin of a 4-D value, made by a Transpose the first time it is needed."""
+        """The channels-last twin of a 3-D or 4-D value, made by a Transpose the first time it is
+        needed."""
         if name in self.twin:
             return self.twin[name]
-        if name in self.graph.constants:
-            return self.constant(name)
         spec = self.graph.spec(name)
+        if name in self.graph.constants:
+            return self.constant(name, len(spec.shape))
+        if len(spec.shape) == 3:  # the tokens transposed, viewed as one image row
+            n, c, length = spec.shape
+            tokens = self.fresh(name)
+            self.graph.values[tokens] = TensorSpec(tokens, spec.dtype, (n, length, c))
+            self.out.append(Node(self.node_id(), "Transpose", [name], [tokens], {"perm": list(TOKENS)}))
+            self.twin[name] = self.view(tokens, _nhwc_shape(spec.shape))
+            return self.twin[name]
         new = self.fresh(name)
         self.graph.values[new] = TensorSpec(new, spec.dtype, _nhwc_shape(spec.shape))
         self.out.append(Node(self.node_id(), "Transpose", [name], [new], {"perm": list(TO_NHWC)}))
         self.twin[name] = new
         return new
+
+    def view(self, src: str, shape: tuple[int, ...], out: str = "") -> str:
+        """A Reshape of `src` (a view: the same elements in the same order) appended."""
+        node_id = self.node_id()
+        out = out or self.fresh(src)
+        self.out.append(self.graph.reshape_node(node_id, src, shape, out))
+        return out
 
     def new_output(self, name: str) -> str:
         spec = self.graph.spec(name)
@@ -134,22 +167,29 @@ def _reduce_axes(graph: Graph, node: Node) -> list[int] | None:
 
 
 def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
-    """A pointwise op joins the region when one of its 4-D inputs already is NHWC."""
+    """A pointwise op joins the region when one of its inputs of its output's rank (3 or 4)
+    already is channels-last."""
     if node.op_type not in POINTWISE_OPS or len([o for o in node.outputs if o]) != 1:
         return False
-    if len(graph.spec(node.outputs[0]).shape) != 4:
+    rank = len(graph.spec(node.outputs[0]).shape)
+    if rank not in RANKS:
         return False
     touches = False
     for x in node.inputs:
         if not x:
             continue
-        if x in twin:
+        spec = graph.spec(x)
+        if x in twin and x not in graph.constants:
+            if len(spec.shape) != rank:
+                return False  # an [N, C, L] value broadcast against a 4-D one: not its twin's shape
             touches = True
             continue
-        spec = graph.spec(x)
+        if x in twin and rank == 4:
+            touches = True  # a constant already transposed for a 4-D neighbour
+            continue
         if x in graph.constants or spec.numel == 1:
             continue
-        if len(spec.shape) != 4:
+        if len(spec.shape) != rank:
             return False  # a lower-rank computed value would need a reshape as well
     return touches
 
@@ -209,6 +249,8 @@ def to_channels_last(
         return
     rw = _Rewriter(graph)
     graph_outputs = {o.name for o in graph.outputs}
+    # What the 1-D convs read: the model's permute from NLC to their NCL input is absorbed.
+    reads_1d = {n.inputs[0] for n in convs if len(graph.spec(n.inputs[0]).shape) == 3}
     rename: dict[str, str] = {}  # a model Transpose to NHWC of a value with a twin: the twin itself
     for node in graph.nodes:
         node.inputs = [rename.get(x, x) for x in node.inputs]
@@ -223,6 +265,18 @@ def to_channels_last(
             # follows stays in the region; the Transpose is made again only where an op needs it.
             rw.twin[out] = node.inputs[0]
             rw.converted_outputs.add(out)
+        elif perm == TOKENS and node.inputs[0] in rw.twin and out not in graph_outputs:
+            # Tokens back from a 1-D conv's [N, C, L] (a transformer's conv block): its twin's
+            # row, viewed as [N, L, C].
+            rw.view(rw.twin[node.inputs[0]], graph.spec(out).shape, out)
+        elif perm == TOKENS and out in reads_1d and out not in graph_outputs:
+            # Tokens [N, L, C] into a 1-D conv: the input's view as one image row is the twin of
+            # the [N, C, L] value. Only there: any other transpose of the last two axes of a
+            # 3-D value (attention's keys) is not a layout change.
+            rw.twin[out] = rw.view(node.inputs[0], _nhwc_shape(graph.spec(out).shape))
+            rw.converted_outputs.add(out)
+        elif op == "Conv" and node in convs and len(graph.spec(node.inputs[0]).shape) == 3:
+            _conv_1d(rw, node)
         elif op == "Conv" and node in convs:
             x = rw.nhwc_input(node.inputs[0])
             w_name = node.inputs[1]
@@ -243,7 +297,7 @@ def to_channels_last(
             rw.out.append(
                 Node(node.id, POOLS[op], ins, [rw.new_output(node.outputs[0])], dict(node.attrs), node.name)
             )
-        elif op in GLOBAL_POOLS and node.inputs[0] in rw.twin:
+        elif op in GLOBAL_POOLS and node.inputs[0] in rw.twin and len(graph.spec(node.inputs[0]).shape) == 4:
             axes = graph.add_constant(f"{node.id}_axes", np.array([1, 2], dtype=np.int64), "int64")
             ins = [rw.twin[node.inputs[0]], axes]
             out = rw.new_output(node.outputs[0])
@@ -286,8 +340,8 @@ def to_channels_last(
             for x in node.inputs:
                 if not x or (x not in rw.twin and x not in graph.constants and graph.spec(x).numel == 1):
                     ins.append(x)
-                elif x in graph.constants and len(graph.spec(x).shape) <= 4:
-                    ins.append(rw.constant(x))
+                elif x in graph.constants and len(graph.spec(x).shape) <= len(graph.spec(out).shape):
+                    ins.append(rw.constant(x, len(graph.spec(out).shape)))
                 else:
                     ins.append(rw.nhwc_input(x))
             out = rw.new_output(node.outputs[0])
@@ -302,8 +356,35 @@ def to_channels_last(
     log.fired[RULE] = log.fired.get(RULE, 0) + len(convs)
 
 
+def _conv_1d(rw: _Rewriter, node: Node) -> None:
+    """A 1-D Conv over [N, C, L]: the ConvNHWC of its twin [N, 1, L, C] by the weight
+    [Cout, 1, K, Cin/group] (kernel (1, K), strides (1, s), dilations (1, d), pads
+    (0, begin, 0, end)); its output [N, 1, L', Cout] is the twin of the Conv's."""
+    graph = rw.graph
+    x = rw.nhwc_input(node.inputs[0])
+    w_name = node.inputs[1]
+    w = graph.constants[w_name]
+    new_w = rw.fresh(w_name)
+    graph.add_constant(new_w, np.ascontiguousarray(w.transpose(0, 2, 1)[:, None]), graph.spec(w_name).dtype)
+    attrs = dict(node.attrs)
+    for key in ("kernel_shape", "strides", "dilations"):
+        if key in attrs:
+            attrs[key] = [1, *(int(v) for v in attrs[key])]
+    attrs.setdefault("kernel_shape", [1, int(w.shape[2])])
+    if "pads" in attrs:
+        begin, end = (int(v) for v in attrs["pads"])
+        attrs["pads"] = [0, begin, 0, end]
+    out = rw.new_output(node.outputs[0])
+    rw.out.append(Node(node.id, NHWC_CONV, [x, new_w, *node.inputs[2:3]], [out], attrs, node.name))
+
+
 def _back_to_nchw(rw: _Rewriter, name: str) -> None:
     """Make the NCHW value `name` exist again (a Transpose of its twin) if only its twin was produced."""
     if name in rw.converted_outputs:
         rw.converted_outputs.discard(name)
+        spec = rw.graph.spec(name)
+        if len(spec.shape) == 3:  # the twin's row, viewed as tokens, transposed
+            tokens = rw.view(rw.twin[name], (spec.shape[0], spec.shape[2], spec.shape[1]))
+            rw.out.append(Node(rw.node_id(), "Transpose", [tokens], [name], {"perm": list(TOKENS)}))
+            return
         rw.out.append(Node(rw.node_id(), "Transpose", [rw.twin[name]], [name], {"perm": list(TO_NCHW)}))

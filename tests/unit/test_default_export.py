@@ -636,3 +636,41 @@ def test_partial_rotary_attention_reads_the_concats_inputs(dynamo: bool, tmp_pat
     (att,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "attention"]
     assert sum(1 for n in att["nodes"] if "cat" in n.lower() or "concat" in n.lower()) >= 2, att["nodes"]
     assert not [g for g in cm.report["fusion"]["groups"] if "concat_select" in g["rule"]]
+
+
+class ConvFrontEndAndTokenConvs(nn.Module):
+    """wav2vec2's feature extractor (strided 1-D convs over raw audio, each with its GELU) and
+    SqueezeBERT's block (tokens transposed into grouped and 3-tap 1-D convs, the residual added
+    on [N, C, L], transposed back to tokens for the LayerNorm)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.extract = nn.Sequential(
+            nn.Conv1d(1, c, 10, stride=5), nn.GELU(), nn.Conv1d(c, c, 3, stride=2, bias=False), nn.GELU()
+        )
+        self.mix = nn.Conv1d(c, 2 * c, 1, groups=2)
+        self.out = nn.Conv1d(2 * c, c, 3, padding=2, dilation=2)
+        self.norm = nn.LayerNorm(c)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        tokens = self.extract(audio).transpose(1, 2)
+        x = tokens.transpose(1, 2)
+        x = x + self.out(F.gelu(self.mix(x)))
+        return self.norm(x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_1d_convolutions_run_as_the_conv_template_with_their_epilogues(dynamo: bool, tmp_path: Path) -> None:
+    """Every 1-D conv runs as the conv template over one image row, channels-last, its GELU
+    (and the last one's residual Add) in its epilogue: no library Conv, no Gelu of its own, and
+    the model's transposes between tokens and [N, C, L] are views."""
+    torch.manual_seed(6)
+    audio = torch.randn(2, 1, 203)
+    model = export(ConvFrontEndAndTokenConvs(8), (audio,), tmp_path / "audio.onnx", dynamo=dynamo)
+    cm = check(model, (audio,), tmp_path, fusion_disable=("fp32_dense_nchw",))
+    steps = [s for s in cm.plan.steps if s.launches]
+    assert not [s for s in steps if s.kind == "op"], [(s.op_type, s.label) for s in steps]
+    convs = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "conv"]
+    assert len(convs) == 4, cm.report["fusion"]["groups"]
+    assert all(len(g["nodes"]) >= 2 for g in convs), convs  # each with its GELU or residual
+    assert cm.report["kernels"]["after"] == 5, [s.label for s in steps]  # four convs, the LayerNorm

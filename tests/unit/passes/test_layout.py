@@ -38,18 +38,67 @@ def test_a_conv_region_runs_channels_last_between_two_transposes() -> None:
     assert_computes_as_onnxruntime(model, graph)
 
 
-def test_a_1d_convolution_stays_nchw() -> None:
+def test_a_1d_convolution_runs_as_the_2d_one_over_an_image_row() -> None:
+    """[N, C, L] convolved by [Cout, Cin, K] is the NHWC conv of [N, 1, L, C] by [Cout, 1, K, Cin]:
+    strides, dilations and pads gain a unit first axis; the input's tokens are transposed and
+    viewed as one row, the output viewed back and transposed at the region's edge."""
     model = tiny_model(
-        [n("Conv", ["x", "w"], ["y"], name="conv1d")],
-        {"x": [1, 3, 8]},
-        {"y": [1, 2, 6]},
-        {"w": weights(2, 3, 3)},
+        [n("Conv", ["x", "w", "b"], ["y"], name="conv1d", strides=[2], dilations=[2], pads=[3, 1])],
+        {"x": [2, 3, 11]},
+        {"y": [2, 4, 6]},
+        {"w": weights(4, 3, 3), "b": weights(4, seed=1)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, PASS)
+    assert ops(graph) == ["Transpose", "Reshape", NHWC_CONV, "Reshape", "Transpose"]
+    conv = next(node for node in graph.nodes if node.op_type == NHWC_CONV)
+    assert conv.attrs["strides"] == [1, 2] and conv.attrs["dilations"] == [1, 2]
+    assert conv.attrs["pads"] == [0, 3, 0, 1] and conv.attrs["kernel_shape"] == [1, 3]
+    assert graph.spec(conv.inputs[0]).shape == (2, 1, 11, 3) and graph.spec(conv.outputs[0]).shape == (
+        2,
+        1,
+        6,
+        4,
+    )
+    assert log.fired == {names.CHANNELS_LAST: 1}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_tokens_into_and_out_of_a_1d_convolution_need_no_transpose() -> None:
+    """Tokens [N, L, C] transposed into a 1-D conv, a per-channel scale and the residual on
+    [N, C, L], transposed back to tokens (SqueezeBERT's block): the model's two transposes are
+    views of the twins, and no Transpose is left."""
+    model = tiny_model(
+        [
+            n("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+            n("Conv", ["xt", "w", "b"], ["c"], name="conv1d", group=2),
+            n("Mul", ["c", "s"], ["cs"]),
+            n("Add", ["cs", "xt"], ["r"]),
+            n("Transpose", ["r"], ["y"], perm=[0, 2, 1]),
+            n("Relu", ["y"], ["z"]),
+        ],
+        {"x": [2, 7, 4]},
+        {"z": [2, 7, 4]},
+        {"w": weights(4, 2, 1), "b": weights(4, seed=1), "s": weights(4, 1, seed=2)},
+    )
+    graph = graph_of(model)
+    run_pass(graph, PASS)
+    assert "Transpose" not in ops(graph) and NHWC_CONV in ops(graph), ops(graph)
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_3d_convolution_stays_channels_first() -> None:
+    model = tiny_model(
+        [n("Conv", ["x", "w"], ["y"], name="conv3d")],
+        {"x": [1, 3, 4, 4, 4]},
+        {"y": [1, 2, 2, 2, 2]},
+        {"w": weights(2, 3, 3, 3, 3)},
     )
     graph = graph_of(model)
     log = run_pass(graph, PASS)
     assert ops(graph) == ["Conv"] and log.fired == {}
     assert [(r.nodes, r.reason) for r in log.not_fired] == [
-        (["conv1d"], "a 1-D convolution: channels-last covers 2-D")
+        (["conv3d"], "a 3-D convolution: channels-last covers 1-D and 2-D")
     ]
 
 
