@@ -62,19 +62,41 @@ from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
-from opfuse.ir.support import INT32_INDEX_LIMIT, conv_params
+from opfuse.ir.support import INT32_INDEX_LIMIT, SPATIAL_NAMES, conv_axes
 
 Dot = Callable[[str, str], None]
 
 
 def _epilogue_index(shape: tuple[int, ...], out: tuple[int, ...]) -> str | None:
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
-    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(4)]
-    coords = ["img", "cols", "oh", "ow"]
+    """The offset of an epilogue input of `shape`, broadcast against the channels-first output
+    `out` [N, C, *spatial], from the tile's coordinates (img, cols, then o<axis> per spatial axis)."""
+    rank = len(out)
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(rank)]
+    coords = ["img", "cols", *(f"o{a}" for a in SPATIAL_NAMES[rank - 2])]
     terms = [
-        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(4) if padded[d] != 1
+        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(rank) if padded[d] != 1
     ]
     return " + ".join(terms) if terms else None
+
+
+def _row_major(coords: list[str], sizes: list[int]) -> str:
+    """The offset of `coords` in a row-major block of `sizes` (`i * W + j`)."""
+    terms = []
+    for d, name in enumerate(coords):
+        stride = int(np.prod(sizes[d + 1 :], dtype=np.int64))
+        terms.append(f"{name} * {stride}" if d < len(coords) - 1 else name)
+    return " + ".join(terms)
+
+
+def _unflatten(index: str, name: str, d: int, sizes: list[int]) -> str:
+    """Coordinate `d` of the row-major `index` over `sizes` (`(i // W) % H`, `i % W`)."""
+    inner = int(np.prod(sizes[d + 1 :], dtype=np.int64))
+    return (
+        f"{name} = {index} % {sizes[d]}"
+        if d == len(sizes) - 1
+        else f"{name} = ({index} // {inner}) % {sizes[d]}"
+    )
 
 
 def generate_conv(
@@ -110,11 +132,16 @@ def _generate_conv_nchw(
     group_id: str,
     precision: str,
 ) -> KernelSource:
-    p = conv_params(graph, anchor)
-    win = Window.of(p)
+    """Channels-first, 1-D to 3-D: M runs (image, output pixel), K (input channel, window tap),
+    each spatial axis `a` with its coordinates o<a> (output), k<a> (tap), i<a> (input)."""
+    axes = conv_axes(graph, anchor)
+    x_shape = graph.spec(anchor.inputs[0]).shape
+    batch, cin, cout = x_shape[0], x_shape[1], graph.spec(anchor.inputs[1]).shape[0]
+    sizes, outs, kernels = [a.size for a in axes], [a.out for a in axes], [a.kernel for a in axes]
+    pixels, taps = int(np.prod(outs)), int(np.prod(kernels))
     out_shape = graph.spec(anchor.outputs[0]).shape
     dtype = graph.spec(anchor.inputs[0]).dtype
-    m, n, k = p["N"] * p["OH"] * p["OW"], p["CO"], p["C"] * p["KH"] * p["KW"]
+    m, n, k = batch * pixels, cout, cin * taps
     x_name, w_name = anchor.inputs[0], anchor.inputs[1]
     b_name = anchor.inputs[2] if len(anchor.inputs) > 2 and anchor.inputs[2] else ""
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
@@ -124,10 +151,7 @@ def _generate_conv_nchw(
     args = ["x", "w"] + [f"in{i}" for i in range(len(extra))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
     module_title(buf, f"implicit-GEMM conv kernel {kernel_id} for group {group_id}.")
-    buf.line(
-        f"# x [{p['N']}, {p['C']}, {p['H']}, {p['W']}] * w [{n}, {p['C']}, {p['KH']}, {p['KW']}] -> "
-        f"{list(out_shape)}; M={m} N={n} K={k}"
-    )
+    buf.line(f"# x {[batch, cin, *sizes]} * w {[n, cin, *kernels]} -> {list(out_shape)}; M={m} N={n} K={k}")
     buf.line(node_comment(anchor, "anchor", op="Conv"))
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
@@ -135,26 +159,26 @@ def _generate_conv_nchw(
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
     kernel_head(buf, "fused_conv", args, config, m, n, k, dtype)
     regs: dict[str, str] = {}
-    ohw = p["OH"] * p["OW"]
 
     def a_tile() -> None:
-        oh0, ow0 = win.origin("oh", "ow")
-        buf.line(f"ci = kk[None, :] // {win.taps}")
-        buf.line(f"kh = (kk[None, :] // {p['KW']}) % {p['KH']}")
-        buf.line(f"kw = kk[None, :] % {p['KW']}")
-        buf.line(f"ih = {oh0} + kh * {p['DH']}")
-        buf.line(f"iw = {ow0} + kw * {p['DW']}")
-        buf.line(f"ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & {win.inside('ih', 'iw')}")
-        a_offset = f"img * {p['C'] * p['H'] * p['W']} + ci * {p['H'] * p['W']} + ih * {p['W']} + iw"
+        buf.line(f"ci = kk[None, :] // {taps}")
+        for d, a in enumerate(axes):
+            buf.line(_unflatten("kk[None, :]", f"k{a.name}", d, kernels))
+        for a in axes:
+            buf.line(f"i{a.name} = o{a.name} * {a.stride} - {a.pad} + k{a.name} * {a.dilation}")
+        inside = " & ".join(f"(i{a.name} >= 0) & (i{a.name} < {a.size})" for a in axes)
+        buf.line(f"ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & {inside}")
+        pixel = _row_major([f"i{a.name}" for a in axes], sizes)
+        a_offset = f"img * {cin * int(np.prod(sizes))} + ci * {int(np.prod(sizes))} + {pixel}"
         buf.line(f"a_tile = {guarded_load('x', a_offset, 'ok')}")
 
     with buf.indent():
         buf.line("rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
         buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
         buf.line("rk = tl.arange(0, BLOCK_K)")
-        buf.line(f"img = rm[:, None] // {ohw}")
-        buf.line(f"oh = (rm[:, None] // {p['OW']}) % {p['OH']}")
-        buf.line(f"ow = rm[:, None] % {p['OW']}")
+        buf.line(f"img = rm[:, None] // {pixels}")
+        for d, a in enumerate(axes):
+            buf.line(_unflatten("rm[:, None]", f"o{a.name}", d, outs))
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         w_tile = TileRead("w", f"rn[None, :] * {k} + kk[:, None]", power_run(k))
         k_loop(buf, k, n, w_tile, dot_precision(dtype, precision), a_tile)
@@ -169,7 +193,8 @@ def _generate_conv_nchw(
                 buf.line(f"acc = acc + {regs[b_name]}")
 
         accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs, bias)
-        buf.line(f"dst = img * {n * ohw} + cols * {ohw} + oh * {p['OW']} + ow")
+        pixel = _row_major([f"o{a.name}" for a in axes], outs)
+        buf.line(f"dst = img * {n * pixels} + cols * {pixels} + {pixel}")
         emit_stores(buf, outputs, regs, "dst")
     emit_launch(buf, "fused_conv", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     return KernelSource(kernel_id, "conv", buf.getvalue(), [x_name, w_name, *extra], list(outputs), config)

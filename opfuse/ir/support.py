@@ -7,6 +7,8 @@ on (window strides, pads, sizes) off the node and its shapes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from opfuse.ir.graph import Graph, Node
@@ -165,24 +167,25 @@ def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
 
 
 def window_pads(
-    node: Node, size: tuple[int, int], out: tuple[int, int], kernel: tuple[int, int]
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((top, left), (bottom, right)) pads of a 2-D window op, auto_pad resolved from the input
-    and output sizes."""
-    sh, sw = (int(v) for v in node.attrs.get("strides", [1, 1]))
-    dh, dw = (int(v) for v in node.attrs.get("dilations", [1, 1]))
+    node: Node, size: tuple[int, ...], out: tuple[int, ...], kernel: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(leading, trailing) pads per spatial axis of a window op (Conv, a pool; 2-D: ((top, left),
+    (bottom, right))), auto_pad resolved from the input and output sizes."""
+    rank = len(size)
+    strides = [int(v) for v in node.attrs.get("strides", [1] * rank)]
+    dilations = [int(v) for v in node.attrs.get("dilations", [1] * rank)]
     auto_pad = str(node.attrs.get("auto_pad", "NOTSET"))
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
-        for n, o, k, st, d in ((size[0], out[0], kernel[0], sh, dh), (size[1], out[1], kernel[1], sw, dw)):
+        for n, o, k, st, d in zip(size, out, kernel, strides, dilations, strict=True):
             total = max(0, (o - 1) * st + (k - 1) * d + 1 - n)
             begins.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
             ends.append(total - begins[-1])
-        return (begins[0], begins[1]), (ends[0], ends[1])
+        return tuple(begins), tuple(ends)
     if auto_pad == "VALID":
-        return (0, 0), (0, 0)
-    p = [int(v) for v in node.attrs.get("pads", [0, 0, 0, 0])]
-    return (p[0], p[1]), (p[2], p[3])
+        return (0,) * rank, (0,) * rank
+    p = [int(v) for v in node.attrs.get("pads", [0] * (2 * rank))]
+    return tuple(p[:rank]), tuple(p[rank:])
 
 
 def window_geometry(
@@ -208,6 +211,37 @@ def conv_params(graph: Graph, node: Node) -> dict[str, int]:
         "OH": y[2],
         "OW": y[3],
     }
+
+
+@dataclass(frozen=True)
+class ConvAxis:
+    """One spatial axis of a channels-first convolution (any number of them)."""
+
+    name: str  # "d", "h" or "w": the generated code's coordinates are o<name>, i<name>, k<name>
+    size: int  # the input's extent
+    out: int
+    kernel: int
+    stride: int
+    dilation: int
+    pad: int  # leading padding
+
+
+SPATIAL_NAMES = {1: ("w",), 2: ("h", "w"), 3: ("d", "h", "w")}
+
+
+def conv_axes(graph: Graph, node: Node) -> list[ConvAxis]:
+    """The spatial axes of a channels-first Conv ([N, C, *spatial]), auto_pad resolved."""
+    x = graph.spec(node.inputs[0]).shape[2:]
+    y = graph.spec(node.outputs[0]).shape[2:]
+    k = graph.spec(node.inputs[1]).shape[2:]
+    rank = len(x)
+    strides = [int(v) for v in node.attrs.get("strides", [1] * rank)]
+    dilations = [int(v) for v in node.attrs.get("dilations", [1] * rank)]
+    pads, _ = window_pads(node, tuple(x), tuple(y), tuple(k))
+    return [
+        ConvAxis(name, *dims)
+        for name, *dims in zip(SPATIAL_NAMES[rank], x, y, k, strides, dilations, pads, strict=True)
+    ]
 
 
 PAD_MODES = ("constant", "reflect", "edge")
@@ -259,14 +293,18 @@ def centre_tap(graph: Graph, conv: Node) -> int | None:
 
 
 def conv_anchor_reason(graph: Graph, node: Node) -> str | None:
-    """None if the Conv can run as the implicit-GEMM template, else why not."""
+    """None if the Conv can run as the implicit-GEMM template, else why not. The channels-last
+    template is 2-D (a 1-D conv runs as one image row, passes/layout.py); the NCHW one 1-D to
+    3-D."""
     x = graph.spec(node.inputs[0])
     if node.op_type not in CONV_OPS:
         return f"{node.op_type} is not a convolution"
     if x.dtype not in FLOAT_TYPES:
         return f"input of type {x.dtype}"
-    if len(x.shape) != 4:
-        return f"a {len(x.shape) - 2}-D convolution: the template is 2-D"
+    if node.op_type == NHWC_CONV and len(x.shape) != 4:
+        return f"a {len(x.shape) - 2}-D convolution: the channels-last template is 2-D"
+    if len(x.shape) not in (3, 4, 5):
+        return f"a {len(x.shape) - 2}-D convolution: the template covers 1-D to 3-D"
     group = int(node.attrs.get("group", 1))
     if group != 1 and node.op_type != NHWC_CONV:
         return "a grouped (or depthwise) convolution: the NCHW template computes group=1"

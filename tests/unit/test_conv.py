@@ -1685,3 +1685,87 @@ def test_a_depthwise_conv_in_the_pooling_kernel_reads_its_concat_in_parts(precis
     assert g["rule"] == "row_reduction+depthwise_reduction+concat_select" and g["nodes"][:2] == ["cat", "dw"]
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
     assert "BLOCK_I" in k.config and "the depthwise conv's input read from its parts" in k.source
+
+
+# (input spatial size, first conv's kernel, strides, dilations, pads, second conv's kernel and
+# pads, output spatial size): every axis with its own stride, dilation and asymmetric padding.
+CHANNELS_FIRST = {
+    3: (
+        [5, 6, 7],
+        [3, 3, 3],
+        [1, 2, 1],
+        [1, 1, 2],
+        [1, 1, 0, 1, 0, 1],
+        [3, 1, 3],
+        [1, 0, 1, 1, 0, 1],
+        [5, 3, 4],
+    ),
+    1: ([11], [3], [2], [2], [3, 1], [3], [1, 1], [6]),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("axes", [3, 1])
+def test_channels_first_convs_of_one_to_three_axes_run_as_the_template_with_their_epilogue(
+    precision: str, axes: int
+) -> None:
+    """A 3-D conv (video: R3D, MC3, R(2+1)D) and a 1-D conv left channels-first run as the
+    channels-first template with the bias, the ReLU and the residual Add in its epilogue: two
+    kernels for the two convs, where the library's conv ran and its epilogue was a kernel of its
+    own."""
+    size, k1, strides, dilations, pads, k2, pads2, out = CHANNELS_FIRST[axes]
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "w1", "b1"], ["c1"], strides=strides, dilations=dilations, pads=pads, name="conv1"
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=pads2, name="conv2"),
+        helper.make_node("Add", ["c2", "r1"], ["s"], name="residual"),
+        helper.make_node("Relu", ["s"], ["y"], name="relu2"),
+    ]
+    inits = {
+        "w1": RNG.standard_normal((8, 3, *k1)) * 0.3,
+        "b1": RNG.standard_normal(8) * 0.1,
+        "w2": RNG.standard_normal((8, 8, *k2)) * 0.2,
+        "b2": RNG.standard_normal(8) * 0.1,
+    }
+    shape = [2, 3, *size]
+    model = make_model(nodes, {"x": shape}, {"y": [2, 8, *out]}, inits)
+    cm = check_against_ort(model, {"x": shape}, precision, fusion_disable=("channels_last",), tune_budget_s=0)
+    assert cm.report["kernels"] == {"before": 5, "after": 2}, cm.report["fusion"]
+    groups = cm.report["fusion"]["groups"]
+    assert [g["nodes"] for g in groups if g["kind"] == "conv"] == [
+        ["conv1", "relu1"],
+        ["conv2", "residual", "relu2"],
+    ], groups
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.launches]
+    sources = [k.source for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert all(("od = " in src) == (axes == 3) for src in sources)
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32)}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+def test_a_3d_conv_kernel_is_right_at_every_tuning_candidate() -> None:
+    """The 3-D conv of the test above with its ReLU, launched at every launch config tuning may
+    pick (its M, N and K no multiple of any tile), against torch's conv3d."""
+    import torch
+
+    size, k1, strides, dilations, pads, *_ = CHANNELS_FIRST[3]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides, dilations=dilations, pads=pads),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    w, b = RNG.standard_normal((10, 3, *k1)) * 0.3, RNG.standard_normal(10) * 0.1
+    model = make_model(nodes, {"x": [2, 3, *size]}, {"y": [2, 10, 5, 3, 4]}, {"w": w, "b": b})
+    cm = check_against_ort(model, {"x": [2, 3, *size]}, fusion_disable=("channels_last",), tune_budget_s=0)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 3, *size, generator=gen)
+    wt, bt = torch.from_numpy(w).float(), torch.from_numpy(b).float()
+    # The ONNX pads [D, H, W begin, D, H, W end], applied as F.pad's (last axis first).
+    padded = torch.nn.functional.pad(x, [pads[2], pads[5], pads[1], pads[4], pads[0], pads[3]])
+    want = torch.relu(torch.nn.functional.conv3d(padded, wt, bt, stride=strides, dilation=dilations))
+    dev = torch.device(TEST_DEVICE)
+    launch_at_every_config(k, [x.to(dev), wt.to(dev), bt.to(dev)], [want], "fp32")
