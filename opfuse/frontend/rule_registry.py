@@ -421,7 +421,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         GEMV_CHAIN,
         FUSION,
-        "Two memory-bound 1x1 convolutions of 1x1 maps back to back (squeeze-excitation's MLP) in one kernel.",
+        "Two memory-bound 1x1 convolutions of 1x1 maps back to back (squeeze-excitation's MLP) in one "
+        "kernel, with their epilogues, or either alone (ResNeSt's split attention).",
         impl=f"{RULES_PACKAGE}.gemv_chain",
     ),
     _r(

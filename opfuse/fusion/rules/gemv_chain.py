@@ -1,7 +1,8 @@
 """`gemv_chain`: two memory-bound 1x1 convolutions of 1x1 maps back to back in one kernel.
 
 Conv groups of two GEMVs, the first's output read only by the second (squeeze-excitation's MLP),
-become one "chain" group: two anchors in one kernel, which the rule "never two compute-bound
+either of them a conv alone (ResNeSt's split attention: the second GEMV's output goes to a softmax
+over the radix, no epilogue), become one "chain" group: two anchors in one kernel, which the rule "never two compute-bound
 anchors" allows (their arithmetic intensity is the batch size, far below the ridge point).
 docs/design.md ("Adding a fusion rule") walks through this file as the example of a rule.
 """
@@ -27,8 +28,10 @@ CHAIN_MAX_ROWS = 256  # beyond this batch the products are no longer GEMVs
 
 class GemvChain(FusionRule):
     def match(self) -> Iterator[Candidate]:
-        """Each conv group whose input is the only output of another, both plain GEMVs."""
-        graph, groups = self.graph, self.state.anchors
+        """Each conv group whose input is the only output of another, both plain GEMVs; a conv
+        alone (state.lone) is a group of one here."""
+        graph = self.graph
+        groups = [*self.state.anchors, *(g for g in self.state.lone if g.kind == "conv")]
         consumers = graph.consumers()
         outputs = {o.name for o in graph.outputs}
         by_output = {o: g for g in groups for o in g.outputs}
@@ -70,11 +73,14 @@ class GemvChain(FusionRule):
         self.drop |= {g1.id, g2.id}
 
     def finish(self) -> None:
-        """The chain stands where the second GEMV's group stood; the first's group is gone."""
-        groups = self.state.anchors
-        self.state.anchors = [
+        """The chain stands where the second GEMV's group stood (after the anchor groups where
+        that was a conv alone); the first's group is gone."""
+        groups, state = self.state.anchors, self.state
+        state.anchors = [
             self.merged.get(g.id, g) for g in groups if g.id not in self.drop or g.id in self.merged
         ]
+        state.anchors += [self.merged[g.id] for g in state.lone if g.id in self.merged]
+        state.lone = [g for g in state.lone if g.id not in self.drop]
 
 
 def _gemv(graph: Graph, node: Node) -> bool:
