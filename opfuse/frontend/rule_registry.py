@@ -239,7 +239,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         MERGE_CONCAT_CONVS,
         GRAPH_PASS,
         "Convolutions of one input concatenated along channels become one convolution that writes "
-        "the Concat's output (the taps a branch lacks are zeros, which the template skips).",
+        "the Concat's output (the taps a branch lacks are zeros, which the template skips); so do "
+        "depthwise convolutions of a Split's parts (MixConv), as one depthwise conv of its input.",
     ),
     _r(
         BATCHNORM_TO_AFFINE,

@@ -7,6 +7,12 @@ zeros elsewhere), their output channels side by side. The NHWC template skips a 
 (`codegen.conv.tap_segments`): a program whose output channels all belong to the 1x1 branch runs
 one window position, not nine, so the merge adds no multiply-adds there. A shared activation
 after each branch (Relu on both) runs once, in the merged conv's epilogue.
+
+Depthwise convolutions of the consecutive parts of one Split along channels, concatenated in the
+same order (MixNet's MixConv: 3x3, 5x5, 7x7 and 9x9 kernels on channel groups; CoaT's
+convolutional position encoding), are one depthwise convolution of the Split's input in the
+same way: each channel's kernel placed in the merged window, the Split, the convolutions and
+the Concat one launch.
 """
 
 from __future__ import annotations
@@ -55,9 +61,36 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
         if b is None or x in outs or len(consumers.get(x, [])) != 1 or node.inputs.count(x) != 1:
             return None
         branches.append(b)
-    if len({conv.inputs[0] for conv, _ in branches}) != 1:
+    nodes = [n for b in branches for n in b if n is not None] + [node]
+    if len({conv.inputs[0] for conv, _ in branches}) == 1:
+        return {"branches": branches, "nodes": nodes, "split": None}
+    split = _split_read_in_parts(graph, [conv for conv, _ in branches], consumers)
+    if split is None:
         return None
-    return {"branches": branches, "nodes": [n for b in branches for n in b if n is not None] + [node]}
+    return {"branches": branches, "nodes": [split, *nodes], "split": split}
+
+
+def _split_read_in_parts(graph: Graph, convs: list[Node], consumers: dict[str, list[Node]]) -> Node | None:
+    """The Split along channels whose outputs, in order, the convolutions read, one each and
+    nothing else (MixConv), or None."""
+    split = graph.producers().get(convs[0].inputs[0])
+    if split is None or split.op_type != "Split" or len(graph.spec(split.inputs[0]).shape) != 4:
+        return None
+    if int(split.attrs.get("axis", 0)) % 4 != 1 or [c.inputs[0] for c in convs] != list(split.outputs):
+        return None
+    outputs = {o.name for o in graph.outputs}
+    if any(len(consumers.get(o, [])) != 1 or o in outputs for o in split.outputs):
+        return None
+    return split
+
+
+def _depthwise_reason(graph: Graph, convs: list[Node]) -> str | None:
+    """None where every convolution is depthwise (one output channel per input channel)."""
+    for c in convs:
+        channels = graph.spec(c.inputs[0]).shape[1]
+        if int(c.attrs.get("group", 1)) != channels or graph.spec(c.outputs[0]).shape[1] != channels:
+            return "a Split's part is read by a convolution that is not depthwise"
+    return None
 
 
 def _pads(graph: Graph, conv: Node) -> tuple[int, int, int, int] | None:
@@ -83,11 +116,12 @@ def constant_weights_reason(graph: Graph, convs: list[Node]) -> str | None:
 
 
 def merged_window(
-    graph: Graph, branches: list[tuple[Node, Node | None]], nhwc: bool = False
+    graph: Graph, branches: list[tuple[Node, Node | None]], nhwc: bool = False, depthwise: bool = False
 ) -> dict[str, Any] | str:
     """The merged window (kernel size and pads) and each branch's tap offset in it, or why the
     branches cannot share one convolution. `nhwc`: the convolutions are `opfuse.ConvNHWC` (weights
-    [Cout, KH, KW, Cin], tensors [N, H, W, C])."""
+    [Cout, KH, KW, Cin], tensors [N, H, W, C]). `depthwise`: they are depthwise, each of its own
+    channels (MixConv)."""
     convs = [c for c, _ in branches]
     acts = [a for _, a in branches]
     if len({(a.op_type, repr(sorted(a.attrs.items()))) if a else None for a in acts}) != 1:
@@ -95,7 +129,7 @@ def merged_window(
     for key, default in (("strides", [1, 1]), ("dilations", [1, 1])):
         if len({tuple(int(v) for v in c.attrs.get(key, default)) for c in convs}) != 1:
             return f"the convolutions' {key} differ"
-    if any(int(c.attrs.get("group", 1)) != 1 for c in convs):
+    if not depthwise and any(int(c.attrs.get("group", 1)) != 1 for c in convs):
         return "a grouped convolution"
     why = constant_weights_reason(graph, convs)
     if why is not None:
@@ -156,7 +190,11 @@ def merged_conv(
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
-    layout = merged_window(graph, m["branches"])
+    if m["split"] is not None:
+        why = _depthwise_reason(graph, [conv for conv, _ in m["branches"]])
+        if why is not None:
+            return why
+    layout = merged_window(graph, m["branches"], depthwise=m["split"] is not None)
     if isinstance(layout, str):
         return layout
     m["layout"] = layout
@@ -180,6 +218,9 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
             b[row : row + x.shape[0]] = graph.constants[c.inputs[2]]
         row += x.shape[0]
     operands, attrs = merged_conv(graph, first, layout, w, b, "concat")
+    if m["split"] is not None:  # one depthwise conv of the Split's input
+        operands[0] = m["split"].inputs[0]
+        attrs["group"] = int(w.shape[0])
     mid = f"{first.id}_concat_conv"
     out = node.outputs[0]
     act = branches[0][1]

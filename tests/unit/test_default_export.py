@@ -674,3 +674,31 @@ def test_1d_convolutions_run_as_the_conv_template_with_their_epilogues(dynamo: b
     assert len(convs) == 4, cm.report["fusion"]["groups"]
     assert all(len(g["nodes"]) >= 2 for g in convs), convs  # each with its GELU or residual
     assert cm.report["kernels"]["after"] == 5, [s.label for s in steps]  # four convs, the LayerNorm
+
+
+class MixConv(nn.Module):
+    """MixNet's MixConv as timm writes it: torch.split of the channels, a depthwise conv of its
+    own kernel size on each part, torch.cat, then the activation."""
+
+    def __init__(self, splits: list[int], kernels: list[int]) -> None:
+        super().__init__()
+        self.splits = splits
+        self.convs = nn.ModuleList(
+            nn.Conv2d(c, c, k, padding=k // 2, groups=c) for c, k in zip(splits, kernels, strict=True)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(x, self.splits, 1)
+        return F.relu(torch.cat([conv(p) for conv, p in zip(self.convs, parts, strict=True)], 1))
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_mixconv_is_one_depthwise_conv_kernel(dynamo: bool, tmp_path: Path) -> None:
+    """The Split, the three depthwise convs (3x3, 5x5, 7x7), the Concat and the ReLU: one kernel,
+    each channel's kernel in one 7x7 window."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 16, 9, 8)
+    model = export(MixConv([4, 4, 8], [3, 5, 7]), (x,), tmp_path / "mixconv.onnx", dynamo=dynamo)
+    cm = check(model, (x,), tmp_path, fusion_disable=("fp32_dense_nchw",))
+    assert cm.report["fusion"]["passes"]["fired"].get("merge_concat_convs") == 1
+    assert cm.report["kernels"]["after"] == 1, [s.label for s in cm.plan.steps if s.launches]
