@@ -3,14 +3,15 @@
 Tensor cores and cuDNN compute 2-D convolutions natively in NHWC; an NCHW convolution pays layout
 conversions inside the library, and an implicit-GEMM template on NCHW gathers its reduction axis
 (input channels) with a stride. This pass rewrites the graph so that every 2-D and 1-D Conv, the
-pointwise ops around it, pooling and global pooling work on channels-last tensors (NHWC; NLC for
-the [N, C, L] tensors of a 1-D conv):
+pointwise ops around it, pooling and global pooling work on channels-last tensors: NHWC, and for
+the [N, C, L] tensors of a 1-D conv their tokens [N, L, C] as one image row [N, 1, L, C]:
 
 - a Conv becomes `opfuse.ConvNHWC`, its weight stored as [Cout, KH, KW, Cin/group]; a 1-D Conv
-  becomes the ConvNHWC of its NLC input viewed as [N, 1, L, C] (kernel (1, K)), its output viewed
-  back as NLC: audio front ends (wav2vec2's feature extractor and positional conv, Whisper's
-  stem) and convs over tokens (SqueezeBERT, ConvBERT) run as the conv template with their
-  epilogue, where the library's conv1d ran alone and its epilogue was a second kernel;
+  becomes the ConvNHWC of the row [N, 1, L, C] by [Cout, 1, K, Cin/group]: audio front ends
+  (wav2vec2's feature extractor and positional conv, Whisper's stem) and convs over tokens
+  (SqueezeBERT, ConvBERT, ECA's conv across channels) run as the conv template with their
+  epilogue, where the library's conv1d ran alone and its epilogue was a second kernel, and the
+  model's transposes between tokens and [N, C, L] around them are views of the row;
 - MaxPool / AveragePool become `opfuse.MaxPoolNHWC` / `opfuse.AveragePoolNHWC`;
 - GlobalAveragePool / GlobalMaxPool become ReduceMean / ReduceMax over axes (1, 2), and a
   written-out ReduceMean/Sum/Max/Min with constant axes reduces the same axes in NHWC numbering;
