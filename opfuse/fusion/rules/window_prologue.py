@@ -91,8 +91,9 @@ class WindowPrologue(FusionRule):
             return QUIET
         columns = graph.spec(pw.outputs[0]).shape[3]
         if columns > DEPTHWISE_PROLOGUE_MAX_COLUMNS:
+            conv = "1x1 conv" if _pointwise_conv(graph, pw) else "conv"
             return (
-                f"the 1x1 conv has {columns} output channels (over {DEPTHWISE_PROLOGUE_MAX_COLUMNS}): "
+                f"the {conv} has {columns} output channels (over {DEPTHWISE_PROLOGUE_MAX_COLUMNS}): "
                 f"each of its column tiles would compute the {'pool' if pool else 'depthwise conv'} again"
             )
         return None

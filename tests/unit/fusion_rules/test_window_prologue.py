@@ -74,3 +74,21 @@ def test_a_conv_too_wide_for_the_pool_prologue_is_refused(pool: str) -> None:
         "the 1x1 conv has 200 output channels (over 128): each of its column tiles would compute the pool again"
     ]
     assert all(names.POOL_PROLOGUE not in rule for _, rule, _ in claimed(plan))
+
+
+def test_a_wide_3x3_conv_is_refused_as_a_conv_not_a_1x1_one() -> None:
+    """VGG's pools before its 3x3 convs of 256 and 512 channels: the reason names the conv as it is."""
+    model = tiny_model(
+        [
+            n("Conv", ["x", "w0"], ["c"], name="stem", pads=[1, 1, 1, 1]),
+            n("MaxPool", ["c"], ["m"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+            n("Conv", ["m", "w"], ["y"], name="conv", pads=[1, 1, 1, 1]),
+        ],
+        {"x": [1, 4, 6, 6]},
+        {"y": [1, 200, 3, 3]},
+        {"w0": weights(8, 4, 3, 3, seed=1), "w": weights(200, 8, 3, 3)},
+    )
+    _, plan = planned(model)
+    assert [reason for _, reason in refusals(plan, names.POOL_PROLOGUE)] == [
+        "the conv has 200 output channels (over 128): each of its column tiles would compute the pool again"
+    ]
