@@ -57,6 +57,8 @@ MODELS: dict[str, tuple[Callable[[], tuple[onnx.ModelProto, dict[str, list[int]]
     "residual_mlp_fp16": (lambda: (residual_mlp(), {"x": [4, 32]}), "fp16", ()),
     "depthwise_conv_relu": (lambda: (depthwise_conv_relu(8), {"x": [2, 8, 10, 10]}), "fp32", ()),
     "conv_bn_relu": (lambda: (conv_bn_relu(), {"x": [2, 4, 8, 8]}), "fp32", ()),
+    # The channels-first conv template (channels-last off).
+    "conv_bn_relu_nchw": (lambda: (conv_bn_relu(), {"x": [2, 4, 8, 8]}), "fp32", ("channels_last",)),
     **{f"cnn_{name}": (_cnn(name), "fp32", ()) for name in CNNS},
     "cnn_resnet_no_split_k": (_cnn("resnet"), "fp32", ("split_k",)),
     "gpt2_block": (_gpt2, "fp32", ()),
