@@ -702,3 +702,19 @@ def test_mixconv_is_one_depthwise_conv_kernel(dynamo: bool, tmp_path: Path) -> N
     cm = check(model, (x,), tmp_path, fusion_disable=("fp32_dense_nchw",))
     assert cm.report["fusion"]["passes"]["fired"].get("merge_concat_convs") == 1
     assert cm.report["kernels"]["after"] == 1, [s.label for s in cm.plan.steps if s.launches]
+
+
+def test_1d_convolutions_in_fp16_verify_and_match(tmp_path: Path) -> None:
+    """The same model in fp16: the 1-D convs' template kernels pass verification, and every
+    output element is within fp16's tolerance of onnxruntime's fp32 result."""
+    torch.manual_seed(7)
+    audio = torch.randn(2, 1, 203)
+    model = export(ConvFrontEndAndTokenConvs(8), (audio,), tmp_path / "audio.onnx")
+    cm = opfuse.compile(model, device=TEST_DEVICE, precision="fp16", fusion_disable=("fp32_dense_nchw",))
+    assert cm.report["verification"]["passed"] is True, cm.report["verification"]
+    assert len([g for g in cm.report["fusion"]["groups"] if g["kind"] == "conv"]) == 4
+    feeds = {model.graph.input[0].name: torch.randn(2, 1, 203).numpy()}
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = session.run(None, feeds)
+    got = np.asarray(cm.run(feeds)[model.graph.output[0].name])
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))
