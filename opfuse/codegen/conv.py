@@ -70,23 +70,13 @@ Dot = Callable[[str, str], None]
 def _epilogue_index(shape: tuple[int, ...], out: tuple[int, ...]) -> str | None:
     """The offset of an epilogue input of `shape`, broadcast against the channels-first output
     `out` [N, C, *spatial], from the tile's coordinates (img, cols, then o<axis> per spatial axis)."""
-    rank = len(out)
-    padded = (1,) * (rank - len(shape)) + tuple(shape)
-    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(rank)]
-    coords = ["img", "cols", *(f"o{a}" for a in SPATIAL_NAMES[rank - 2])]
-    terms = [
-        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(rank) if padded[d] != 1
-    ]
-    return " + ".join(terms) if terms else None
+    coords = ["img", "cols", *(f"o{a}" for a in SPATIAL_NAMES[len(out) - 2])]
+    return broadcast_offset(shape, dict(enumerate(coords)))
 
 
 def _row_major(coords: list[str], sizes: list[int]) -> str:
     """The offset of `coords` in a row-major block of `sizes` (`i * W + j`)."""
-    terms = []
-    for d, name in enumerate(coords):
-        stride = int(np.prod(sizes[d + 1 :], dtype=np.int64))
-        terms.append(f"{name} * {stride}" if d < len(coords) - 1 else name)
-    return " + ".join(terms)
+    return broadcast_offset(tuple(sizes), dict(enumerate(coords))) or "0"
 
 
 def _unflatten(index: str, name: str, d: int, sizes: list[int]) -> str:

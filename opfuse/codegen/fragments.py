@@ -94,11 +94,13 @@ def kernel_head(
 
 
 def broadcast_offset(shape: tuple[int, ...], coords: dict[int, str]) -> str | None:
-    """Offset into a tensor that broadcasts against the 4-D output, from the output coordinates."""
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
-    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(4)]
+    """Offset into a row-major tensor that broadcasts against the output whose coordinate along
+    axis d is `coords[d]` (as many axes as coordinates); None where it is one element."""
+    rank = len(coords)
+    padded = (1,) * (rank - len(shape)) + tuple(shape)
+    strides = [int(np.prod(padded[d + 1 :], dtype=np.int64)) for d in range(rank)]
     terms = [
-        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(4) if padded[d] != 1
+        f"{coords[d]} * {strides[d]}" if strides[d] != 1 else coords[d] for d in range(rank) if padded[d] != 1
     ]
     return " + ".join(terms) if terms else None
 

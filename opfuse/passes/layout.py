@@ -32,6 +32,8 @@ same function: every value keeps its meaning, only NHWC twins are added.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
@@ -276,15 +278,15 @@ def to_channels_last(
             # 3-D value (attention's keys) is not a layout change.
             rw.twin[out] = rw.view(node.inputs[0], _nhwc_shape(graph.spec(out).shape))
             rw.converted_outputs.add(out)
-        elif op == "Conv" and node in convs and len(graph.spec(node.inputs[0]).shape) == 3:
-            _conv_1d(rw, node)
         elif op == "Conv" and node in convs:
             x = rw.nhwc_input(node.inputs[0])
             w_name = node.inputs[1]
             w = graph.constants[w_name]
+            attrs = dict(node.attrs)
+            if w.ndim == 3:  # a 1-D conv: the 2-D conv of its twin, one image row
+                w, attrs = w[:, :, None], _row_attrs(attrs)
             new_w = rw.fresh(w_name)
             graph.add_constant(new_w, np.ascontiguousarray(w.transpose(0, 2, 3, 1)), graph.spec(w_name).dtype)
-            attrs = dict(node.attrs)
             attrs.setdefault("kernel_shape", list(w.shape[2:]))
             ins = [x, new_w, *node.inputs[2:3]]
             rw.out.append(Node(node.id, NHWC_CONV, ins, [rw.new_output(node.outputs[0])], attrs, node.name))
@@ -357,26 +359,17 @@ def to_channels_last(
     log.fired[RULE] = log.fired.get(RULE, 0) + len(convs)
 
 
-def _conv_1d(rw: _Rewriter, node: Node) -> None:
-    """A 1-D Conv over [N, C, L]: the ConvNHWC of its twin [N, 1, L, C] by the weight
-    [Cout, 1, K, Cin/group] (kernel (1, K), strides (1, s), dilations (1, d), pads
-    (0, begin, 0, end)); its output [N, 1, L', Cout] is the twin of the Conv's."""
-    graph = rw.graph
-    x = rw.nhwc_input(node.inputs[0])
-    w_name = node.inputs[1]
-    w = graph.constants[w_name]
-    new_w = rw.fresh(w_name)
-    graph.add_constant(new_w, np.ascontiguousarray(w.transpose(0, 2, 1)[:, None]), graph.spec(w_name).dtype)
-    attrs = dict(node.attrs)
+def _row_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """A 1-D Conv's attributes as its 2-D conv over one image row's: kernel (1, K), strides
+    (1, s), dilations (1, d), pads (0, begin, 0, end)."""
+    out = dict(attrs)
     for key in ("kernel_shape", "strides", "dilations"):
         if key in attrs:
-            attrs[key] = [1, *(int(v) for v in attrs[key])]
-    attrs.setdefault("kernel_shape", [1, int(w.shape[2])])
+            out[key] = [1, *(int(v) for v in attrs[key])]
     if "pads" in attrs:
         begin, end = (int(v) for v in attrs["pads"])
-        attrs["pads"] = [0, begin, 0, end]
-    out = rw.new_output(node.outputs[0])
-    rw.out.append(Node(node.id, NHWC_CONV, [x, new_w, *node.inputs[2:3]], [out], attrs, node.name))
+        out["pads"] = [0, begin, 0, end]
+    return out
 
 
 def _back_to_nchw(rw: _Rewriter, name: str) -> None:
