@@ -118,7 +118,15 @@ def build_plan(
                     continue
                 ins, outs = group_boundary(graph, piece.nodes)
                 part = Part(
-                    g.id, piece.kind, piece.nodes, ins, outs, piece.full, piece.split, views=piece.views
+                    g.id,
+                    piece.kind,
+                    piece.nodes,
+                    ins,
+                    outs,
+                    piece.full,
+                    piece.split,
+                    piece.match,
+                    piece.views,
                 )
                 add_kernel(part, g, piece.nodes)
             continue

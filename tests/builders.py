@@ -294,3 +294,48 @@ def assert_computes_as_onnxruntime(
 def ops(graph: Graph) -> list[str]:
     """The graph's op types in order."""
     return [n.op_type for n in graph.nodes]
+
+
+def excitation_block(
+    images: int, mlp: str, pool: str = "ReduceMean", c: int = 24, hidden: int = 8, size: int = 5
+) -> onnx.ModelProto:
+    """Squeeze-excitation after a dense conv (tests/unit/test_pooled_excitation.py):
+    y = Relu(x + a * gate(MLP(mean(a)))), a = Relu(conv3x3(x)); `mlp` "two" (fc1, Relu, fc2,
+    Sigmoid: SE) or "one" (fc, HardSigmoid: ESE)."""
+    n = helper.make_node
+    inits = {"w": weights(c, c, 3, 3), "b": weights(c, seed=1)}
+    nodes = [
+        n("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        n("Relu", ["c"], ["a"], name="act"),
+    ]
+    if pool == "ReduceMean":
+        inits["axes"] = np.array([2, 3])
+        nodes.append(n("ReduceMean", ["a", "axes"], ["p"], name="pool", keepdims=1))
+    else:
+        nodes.append(n("GlobalAveragePool", ["a"], ["p"], name="pool"))
+    if mlp == "two":
+        inits |= {
+            "w1": weights(hidden, c, 1, 1, seed=2),
+            "b1": weights(hidden, seed=3),
+            "w2": weights(c, hidden, 1, 1, seed=4),
+            "b2": weights(c, seed=5),
+        }
+        nodes += [
+            n("Conv", ["p", "w1", "b1"], ["h"], name="fc1"),
+            n("Relu", ["h"], ["hr"], name="fc1_act"),
+            n("Conv", ["hr", "w2", "b2"], ["s"], name="fc2"),
+            n("Sigmoid", ["s"], ["g"], name="gate"),
+        ]
+    else:
+        inits |= {"w1": weights(c, c, 1, 1, seed=2), "b1": weights(c, seed=3)}
+        nodes += [
+            n("Conv", ["p", "w1", "b1"], ["s"], name="fc"),
+            n("HardSigmoid", ["s"], ["g"], name="gate", alpha=1 / 6, beta=0.5),
+        ]
+    nodes += [
+        n("Mul", ["a", "g"], ["scaled"], name="scale"),
+        n("Add", ["x", "scaled"], ["sum"], name="residual"),
+        n("Relu", ["sum"], ["y"], name="out"),
+    ]
+    shape = [images, c, size, size]
+    return tiny_model(nodes, {"x": shape}, {"y": shape}, inits)

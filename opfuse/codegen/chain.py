@@ -10,7 +10,10 @@ to the model's type as the unfused plan would store it, and then its tile of act
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from opfuse.codegen.epilogue import (
     TileRead,
@@ -30,9 +33,11 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
+from opfuse.codegen.gemm import pooled_a_tile
 from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
+from opfuse.ir.rows import row_space
 
 
 def hidden_width(graph: Graph, first: Node) -> int:
@@ -55,8 +60,14 @@ def generate_chain(
     graph: Graph,
     group_id: str,
     precision: str,
+    prologue: list[Node] | None = None,
+    inputs: list[str] | None = None,
 ) -> KernelSource:
+    """`prologue`: a global average pool whose mean is the first GEMV's input (pointwise ops, then
+    a mean over the pixels: fusion/rules/pooled_gemm.py), computed on the input tiles; `inputs`:
+    the group's inputs, of which the prologue loads those it reads."""
     first, second = anchors
+    prologue = prologue or []
     x_name, w1_name, w2_name = first.inputs[0], first.inputs[1], second.inputs[1]
     b1 = first.inputs[2] if len(first.inputs) > 2 else ""
     b2 = second.inputs[2] if len(second.inputs) > 2 else ""
@@ -72,12 +83,20 @@ def generate_chain(
     if extra1 or extra2:
         raise ValueError("a chained GEMV's epilogue reads only its accumulator and literals")
     biases = [b for b in (b1, b2) if b]
+    pool = _Pool.read(graph, prologue, inputs or []) if prologue else None
+    x_args, x_inputs = (
+        (["x"], [x_name]) if pool is None else ([f"p{i}" for i in range(len(pool.loads))], pool.loads)
+    )
     args = (
-        ["x", "w1", "w2"] + [f"in{i}" for i in range(len(biases))] + [f"out{i}" for i in range(len(outputs))]
+        [*x_args, "w1", "w2"]
+        + [f"in{i}" for i in range(len(biases))]
+        + [f"out{i}" for i in range(len(outputs))]
     )
     buf = SourceBuffer()
     module_title(buf, f"chained GEMV kernel {kernel_id} for group {group_id} (1x1 maps).")
     buf.line(f"# x [{m}, {c}] -> h [{m}, {hidden}] -> y [{m}, {n}]")
+    for node in prologue:
+        buf.line(node_comment(node, "prologue: x is the pool computed on its tiles"))
     for anchor, epilogue, role in ((first, epilogues[0], "first"), (second, epilogues[1], "second")):
         buf.line(node_comment(anchor, f"{role} anchor", op="Conv"))
         for node in epilogue:
@@ -91,14 +110,40 @@ def generate_chain(
         "num_stages": 2,
         "UPCAST": False,
     }
-    kernel_head(buf, "fused_chain", args, config, m, n, c, dtype)
+    flags: dict[str, Any] = {}
+    if pool is not None:  # pixels of the pool summed per step (a third tile dimension)
+        config["BLOCK_P"] = min(64, next_pow2(pool.pixels))
+        flags["BLOCK_P"] = next_pow2(pool.pixels)
+    kernel_head(buf, "fused_chain", args, config, m, n, c, dtype, flags)
     with buf.indent():
-        _hidden_tile(buf, graph, first, epilogues[0], b1, lit1, (m, c, hidden, width), prec)
+        _hidden_tile(buf, graph, first, epilogues[0], b1, lit1, (m, c, hidden, width), prec, pool)
         _output_tile(buf, graph, second, epilogues[1], outputs, b2, len(biases), lit2, (n, hidden), prec)
     emit_launch(buf, "fused_chain", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
     return KernelSource(
-        kernel_id, "chain", buf.getvalue(), [x_name, w1_name, w2_name, *biases], list(outputs), config
+        kernel_id, "chain", buf.getvalue(), [*x_inputs, w1_name, w2_name, *biases], list(outputs), config
     )
+
+
+@dataclass
+class _Pool:
+    """The pool a chain computes its input from: the prologue, the tensors it loads (`p0`, ...)
+    and the one-element constants it reads as literals, and the pixels it averages."""
+
+    prologue: list[Node]
+    loads: list[str]
+    literals: dict[str, str]
+    pixels: int
+
+    @staticmethod
+    def read(graph: Graph, prologue: list[Node], inputs: list[str]) -> _Pool:
+        pool = prologue[-1]
+        axes = pool.inputs[1] if len(pool.inputs) > 1 else ""
+        reads = [x for x in inputs if x != axes and any(x in node.inputs for node in prologue)]
+        literals, loads = split_literals(graph, reads)
+        full = graph.spec(pool.inputs[0]).shape
+        space = row_space(graph, pool)
+        pixels = int(np.prod(full[1:3] if space.first == 1 else full[2:4]))
+        return _Pool(prologue, loads, literals, pixels)
 
 
 def _hidden_tile(
@@ -110,9 +155,11 @@ def _hidden_tile(
     literals: dict[str, str],
     dims: tuple[int, int, int, int],
     prec: str,
+    pool: _Pool | None,
 ) -> None:
     """The first GEMV over the program's rows and every hidden column (`h`, in registers), its bias
-    and epilogue, rounded as a stored h would be."""
+    and epilogue, rounded as a stored h would be. Its input tiles are loaded, or (`pool`) computed
+    as the mean over the pixels of the pool's input."""
     m, c, hidden, width = dims
     regs: dict[str, str] = {}
     buf.line("rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)")
@@ -126,8 +173,13 @@ def _hidden_tile(
     with buf.indent():
         buf.line("kk = k0 + rk")
         buf.line(f"k_ok = kk < {c}")
-        x_at = f"rm[:, None] * {c} + kk[None, :]"
-        buf.line(f"a_tile = {guarded_load('x', x_at, 'row_ok[:, None] & k_ok[None, :]', run=power_run(c))}")
+        if pool is None:
+            x_at = f"rm[:, None] * {c} + kk[None, :]"
+            buf.line(
+                f"a_tile = {guarded_load('x', x_at, 'row_ok[:, None] & k_ok[None, :]', run=power_run(c))}"
+            )
+        else:
+            pooled_a_tile(buf, graph, pool.prologue, pool.loads, pool.literals, m, c, "w1.dtype.element_ty")
         w1_tile = TileRead("w1", f"rh[None, :] * {c} + kk[:, None]", power_run(c))
         dot_step(buf, w1_tile, "k_ok[:, None] & h_ok[None, :]", prec)
     buf.line("mask = row_ok[:, None] & h_ok[None, :]")
@@ -139,7 +191,8 @@ def _hidden_tile(
     emit_nodes(buf, graph, epilogue, regs)
     h_value = epilogue[-1].outputs[0] if epilogue else first.outputs[0]
     # Padding columns are zero (an epilogue may map 0 elsewhere), rounded as a stored h would be.
-    buf.line(f"h = tl.where(mask, {regs[h_value]}, 0.0).to(x.dtype.element_ty)")
+    model_type = "x.dtype.element_ty" if pool is None else "w1.dtype.element_ty"
+    buf.line(f"h = tl.where(mask, {regs[h_value]}, 0.0).to({model_type})")
 
 
 def _output_tile(

@@ -42,6 +42,7 @@ from opfuse.codegen.index_map import index_map_load
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
+from opfuse.ir.ops import NHWC_CONV
 from opfuse.ir.queries import contiguous_strides, next_pow2
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
@@ -83,8 +84,11 @@ def _read_gemm(
 ) -> _Gemm:
     m, n, k, trans_b = gemm_dims(graph, anchor)
     a_name, b_name = anchor.inputs[0], anchor.inputs[1]
+    # Gemm's C, or the bias of a conv GEMV (pooled_gemm: an NHWC 1x1 conv of a 1x1 map).
     c_name = (
-        anchor.inputs[2] if anchor.op_type == "Gemm" and len(anchor.inputs) > 2 and anchor.inputs[2] else ""
+        anchor.inputs[2]
+        if anchor.op_type in ("Gemm", NHWC_CONV) and len(anchor.inputs) > 2 and anchor.inputs[2]
+        else ""
     )
     epilogue_reads = {x for node in epilogue for x in node.inputs if x}
     a_view = None if prologue else views.get(a_name)
@@ -256,7 +260,7 @@ def _gemm_k_loop(
 
     def a_tile() -> None:
         if gm.pool is not None:
-            _pooled_a_tile(buf, gm.graph, gm.prologue, gm.pool_loads, gm.pool_literals, m, k)
+            pooled_a_tile(buf, gm.graph, gm.prologue, gm.pool_loads, gm.pool_literals, m, k)
         elif gm.prologue:
             a_shape = tuple(gm.graph.spec(gm.anchor.inputs[0]).shape)
             coords = folded_row_coords(a_shape, "rm[:, None]")
@@ -316,6 +320,8 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
         if gm.a_view is not None and a_name in gm.epilogue_reads:
             buf.line("xa = tl.load(a + a_row[:, None] + cols, mask=mask, other=0.0).to(tl.float32)")
             regs[a_name] = "xa"
+        if anchor.op_type == NHWC_CONV and gm.c_name:
+            buf.line(f"acc = acc + {regs[gm.c_name]}")
         if anchor.op_type == "Gemm":
             alpha = float(anchor.attrs.get("alpha", 1.0))
             beta = float(anchor.attrs.get("beta", 1.0))
@@ -331,7 +337,7 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
     )
 
 
-def _pooled_a_tile(
+def pooled_a_tile(
     buf: SourceBuffer,
     graph: Graph,
     prologue: list[Node],
@@ -339,10 +345,11 @@ def _pooled_a_tile(
     literals: dict[str, str],
     m: int,
     k: int,
+    model_type: str = "b.dtype.element_ty",
 ) -> None:
     """`a_tile`: rows `rm` (images) and columns `kk` (channels) of the mean over the pixels of the
-    prologue's pointwise ops (NHWC or NCHW), rounded to the model's type as the stored pooled
-    value would be. Each image's channels are summed in float32 over [BLOCK_P pixels, channels]
+    prologue's pointwise ops (NHWC or NCHW), loaded through pointers `p0`, `p1`... (one per name
+    in `loads`), rounded to the model's type (`model_type`) as the stored pooled value would be. Each image's channels are summed in float32 over [BLOCK_P pixels, channels]
     tiles, one image after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
     would hold BLOCK_M images where only these are real (that form spilled registers and ran
     11x slower than the split form on the H200)."""
@@ -376,7 +383,7 @@ def _pooled_a_tile(
             emit_nodes(buf, graph, prologue[:-1], regs, prefix="u")
             buf.line(f"isum += tl.sum(tl.where(p_ok, {regs[pool.inputs[0]]}, 0.0), axis=0)")
         buf.line("psum += tl.where(rm[:, None] == i, isum[None, :], 0.0)")
-    buf.line(f"a_tile = (psum / {h * w}.0).to(b.dtype.element_ty)")
+    buf.line(f"a_tile = (psum / {h * w}.0).to({model_type})")
 
 
 @dataclass

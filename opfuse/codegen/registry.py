@@ -24,6 +24,7 @@ from opfuse.codegen.pool import generate_pool
 from opfuse.codegen.rowwise import generate_rowwise
 from opfuse.codegen.tuning_space import (
     Candidates,
+    chain_candidates,
     conv_candidates,
     fixed,
     gemm_candidates,
@@ -81,6 +82,7 @@ class SplitPiece:
     full: tuple[int, ...] = ()
     split: int = -1
     views: dict[str, Any] = field(default_factory=dict)
+    match: Any = None  # the template's own reading of `nodes` (a chain's second anchor's place)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ def _chain(kid: str, g: GroupLike, graph: Graph, precision: str) -> KernelSource
         graph,
         g.id,
         precision,
+        g.prologue,
+        g.inputs,
     )
 
 
@@ -205,6 +209,22 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
     return SplitForm("split: the row kernel, then the GEMM's template", pieces)
 
 
+def _chain_split(g: GroupLike) -> SplitForm | None:
+    """A global average pool computed on the chain's input tiles (pooled_gemm): the pool's row
+    kernel, then the chain."""
+    if not g.prologue:
+        return None
+
+    def pieces(graph: Graph) -> list[SplitPiece]:
+        space = row_space(graph, g.prologue[-1])
+        return [
+            SplitPiece("rowwise", g.prologue, space.full, space.first),
+            SplitPiece("chain", g.nodes, match=g.match),
+        ]
+
+    return SplitForm("split: the row kernel, then the chain", pieces)
+
+
 def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
     """A prologue of memory-bound ops on the anchor's input tiles (a Concat and the ops after it
     before a 1x1 conv, pointwise ops computing a GEMM's A): as the plan without the rule runs
@@ -242,7 +262,7 @@ TEMPLATES: dict[str, Template] = {
         Template("conv", _conv, conv_anchor_reason, conv_candidates, library=True, split=_conv_split),
         Template("pool", _pool, pool_reason, fixed("pool"), library=True),
         Template("attention", _attention, None, fixed("attention")),
-        Template("chain", _chain, None, fixed("chain")),
+        Template("chain", _chain, None, chain_candidates, split=_chain_split),
         Template("rowwise", _rowwise, row_op_reason, rowwise_candidates, split=_rowwise_split),
         Template("pointwise", _pointwise, pointwise_reason, fixed("pointwise")),
     )

@@ -129,6 +129,13 @@ def gemm_candidates(k: KernelLike) -> list[dict[str, Any]]:
     return CANDIDATES["gemm"]
 
 
+def chain_candidates(k: KernelLike) -> list[dict[str, Any]]:
+    """A chain that pools its input (BLOCK_P: pooled_gemm) also tries 16 and 32 pixels per step."""
+    if "BLOCK_P" in k.config:
+        return CANDIDATES["chain"] + [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]]
+    return CANDIDATES["chain"]
+
+
 def conv_candidates(k: KernelLike) -> list[dict[str, Any]]:
     """The depthwise template (the only one with UNROLL) has its own (DEPTHWISE_CANDIDATES); a
     conv whose tiles are too few for the GPU (SPLIT_K) also tries split-K."""

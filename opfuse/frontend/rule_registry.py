@@ -458,7 +458,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         POOLED_GEMM,
         FUSION,
-        "A classifier's global average pool computed on the A tiles of the GEMM that reads it.",
+        "A global average pool computed on the A tiles of the GEMM, the 1x1 conv of the 1x1 map or "
+        "the GEMV chain that reads it (a classifier's head, squeeze-excitation's MLP).",
         impl=f"{RULES_PACKAGE}.pooled_gemm",
     ),
     _r(

@@ -158,8 +158,11 @@ def is_batched(graph: Graph, node: Node) -> bool:
 
 
 def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
+    """(M, N, K, B transposed) of a MatMul or Gemm, or of an NHWC 1x1 conv of a 1x1 map (a GEMV
+    of its [N, 1, 1, C] input by its [Cout, 1, 1, C] weight: B transposed, as the GEMM template
+    computes it under pooled_gemm)."""
     a, b = graph.spec(node.inputs[0]).shape, graph.spec(node.inputs[1]).shape
-    trans_b = node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0)))
+    trans_b = node.op_type == NHWC_CONV or (node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0))))
     k = a[-1]
     n = b[0] if trans_b else b[1]
     m = int(np.prod(a[:-1], dtype=np.int64))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from bench.kernels import plan_model
-from tests.builders import conv_bn_relu, depthwise_conv_relu, residual_mlp
+from tests.builders import conv_bn_relu, depthwise_conv_relu, excitation_block, residual_mlp
 from tests.unit.test_exports import CNNS, GPT2Block, LlamaBlock, export
 
 RECORD = Path(__file__).parent / "snapshots" / "kernel_sources.json"
@@ -61,6 +61,9 @@ MODELS: dict[str, tuple[Callable[[], tuple[onnx.ModelProto, dict[str, list[int]]
     "conv_bn_relu_nchw": (lambda: (conv_bn_relu(), {"x": [2, 4, 8, 8]}), "fp32", ("channels_last",)),
     **{f"cnn_{name}": (_cnn(name), "fp32", ()) for name in CNNS},
     "cnn_resnet_no_split_k": (_cnn("resnet"), "fp32", ("split_k",)),
+    # Squeeze-excitation's pool on the tiles of its MLP: a GEMV chain, and one GEMV (the GEMM's).
+    "se_pooled_chain": (lambda: (excitation_block(2, "two"), {"x": [2, 24, 5, 5]}), "fp32", ()),
+    "ese_pooled_gemv": (lambda: (excitation_block(1, "one"), {"x": [1, 24, 5, 5]}), "fp32", ()),
     "gpt2_block": (_gpt2, "fp32", ()),
     "llama_block": (_llama(False), "fp32", ()),
     "llama_block_dynamo_fp16": (_llama(True), "fp16", ()),

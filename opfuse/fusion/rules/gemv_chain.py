@@ -83,7 +83,7 @@ class GemvChain(FusionRule):
         state.lone = [g for g in state.lone if g.id not in self.drop]
 
 
-def _gemv(graph: Graph, node: Node) -> bool:
+def gemv(graph: Graph, node: Node) -> bool:
     """A 1x1 convolution of a 1x1 map by a constant weight: a GEMV over channels. NCHW or NHWC
     alike: a [N, C, 1, 1] tensor lies in memory as [N, 1, 1, C] does, and so do the weights."""
     if node.op_type not in CONV_OPS or int(node.attrs.get("group", 1)) != 1 or has_shortcut(node):
@@ -105,7 +105,7 @@ def _gemv(graph: Graph, node: Node) -> bool:
 def _simple(graph: Graph, g: Group) -> bool:
     """A template conv group of a GEMV whose epilogue reads the accumulator and one-element
     constants only."""
-    if g.kind != "conv" or g.variant != "template" or g.prologue or g.views or not _gemv(graph, g.nodes[0]):
+    if g.kind != "conv" or g.variant != "template" or g.prologue or g.views or not gemv(graph, g.nodes[0]):
         return False
     anchor = g.nodes[0]
     own = {anchor.inputs[0], anchor.inputs[1], *anchor.inputs[2:]}
