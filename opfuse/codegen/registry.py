@@ -203,6 +203,7 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
         space = row_space(graph, g.prologue[-1])
         return [
             SplitPiece("rowwise", g.prologue, space.full, space.first),
+            *_reshaped(g),
             SplitPiece("gemm", g.nodes, views=g.views),
         ]
 
@@ -219,10 +220,22 @@ def _chain_split(g: GroupLike) -> SplitForm | None:
         space = row_space(graph, g.prologue[-1])
         return [
             SplitPiece("rowwise", g.prologue, space.full, space.first),
+            *_reshaped(g),
             SplitPiece("chain", g.nodes, match=g.match),
         ]
 
     return SplitForm("split: the row kernel, then the chain", pieces)
+
+
+def _reshaped(g: GroupLike) -> list[SplitPiece]:
+    """The layout ops folded between a pooled vector and the GEMV reading it, where no view of
+    the group's reads through them (pooled_gemm): the library's views, in a split form."""
+    made = {n.outputs[0]: n for n in getattr(g, "absorbed", [])}
+    a, between = g.nodes[0].inputs[0], list[Node]()
+    while a not in g.views and a in made:
+        between.insert(0, made[a])
+        a = made[a].inputs[0]
+    return [SplitPiece(None, between)] if between else []
 
 
 def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:

@@ -8,12 +8,14 @@ split form tuning times it against."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper
 
 from opfuse.frontend import rule_registry as names
 from opfuse.lowering import build_plan
 from opfuse.runtime.executor import Executor
-from tests.builders import TEST_DEVICE, claimed, excitation_block, planned, refusals
+from tests.builders import TEST_DEVICE, claimed, excitation_block, planned, refusals, tiny_model, weights
 from tests.unit.test_conv import check_every_candidate
 from tests.unit.test_fusion import check_against_ort, ort_run
 
@@ -84,3 +86,58 @@ def test_the_chain_pools_a_channels_first_input() -> None:
     cm = check_against_ort(m, {"x": [2, C, SIZE, SIZE]}, fusion_disable=("channels_last",))
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "chain"]
     assert g["nodes"][0] == "pool"
+
+
+def split_attention(images: int = 2, c: int = 16, size: int = 5) -> onnx.ModelProto:
+    """ResNeSt's split attention, its radix sum over a 5-D view (which stays channels-first):
+    the mean over the pixels of that sum feeds the MLP through the [N, 1, 1, C] twin the
+    channels-last convs read, a Transpose of axes of 1."""
+    n = helper.make_node
+    inits = {
+        "w": weights(2 * c, c, 3, 3),
+        "radix": np.array([images, 2, c, size, size]),
+        "axis": np.array([1]),
+        "axes": np.array([2, 3]),
+        "w1": weights(8, c, 1, 1, seed=2),
+        "b1": weights(8, seed=3),
+        "w2": weights(2 * c, 8, 1, 1, seed=4),
+        "b2": weights(2 * c, seed=5),
+    }
+    nodes = [
+        n("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        n("Relu", ["c"], ["a"], name="act"),
+        n("Reshape", ["a", "radix"], ["parts"], name="parts"),
+        n("ReduceSum", ["parts", "axis"], ["s"], name="sum", keepdims=0),
+        n("ReduceMean", ["s", "axes"], ["p"], name="pool", keepdims=1),
+        n("Conv", ["p", "w1", "b1"], ["h"], name="fc1"),
+        n("Relu", ["h"], ["hr"], name="fc1_act"),
+        n("Conv", ["hr", "w2", "b2"], ["y"], name="fc2"),
+    ]
+    return tiny_model(nodes, {"x": [images, c, size, size]}, {"y": [images, 2 * c, 1, 1]}, inits)
+
+
+def test_the_pool_reaches_the_chain_through_its_channels_last_twin() -> None:
+    from bench.kernels import plan_model
+
+    m, shapes = split_attention(), {"x": [2, 16, 5, 5]}
+    _, plan = planned(m)
+    (chain,) = [g for g in plan.groups if g.kind == "chain"]
+    assert [n.name for n in chain.prologue] == ["pool"] and names.POOLED_GEMM in chain.rule
+    assert [n.op_type for n in chain.absorbed] == ["Transpose"]  # the twin is never written
+    cm = check_against_ort(m, shapes)
+    # Neither the mean nor its twin is a step (the model's own edge transposes are).
+    assert not [s for s in cm.plan.steps if s.op_type == "ReduceMean" or "p" in s.inputs]
+    p = plan_model(m, shapes, "fp32")
+    (g,) = [x for x in p.fusion.groups if x.kind == "chain"]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    assert [
+        (s.kernel and split.kernels[s.kernel].kind) or s.op_type for s in split.steps if s.group == g.id
+    ] == [
+        "rowwise",
+        "Transpose",
+        "chain",
+    ]
+    feeds = {"x": np.random.default_rng(7).standard_normal(shapes["x"]).astype(np.float32)}
+    got = np.asarray(Executor(split, TEST_DEVICE).run(feeds)["y"], dtype=np.float32)
+    want = ort_run(m, feeds)[0]
+    assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 1e-4

@@ -21,6 +21,7 @@ from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rules.anchor_epilogue import MAX_EPILOGUE_NODES, MAX_EPILOGUE_TENSORS
 from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.gemv_chain import gemv
+from opfuse.fusion.views import RESHAPES
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, POINTWISE_OPS, ROW_OPS
 from opfuse.ir.rows import row_space
@@ -46,6 +47,8 @@ class PooledGemm(FusionRule):
                 self.given[row.id] = back
                 pooled_by[row.nodes[-1].outputs[0]] = row
         self.gone: set[str] = set()
+        self.between: dict[str, list[Node]] = {}  # group id -> _reshapes' nodes
+        self.consumers, self.producers = self.graph.consumers(), self.graph.producers()
         for g in [*state.anchors, *state.lone]:
             if g.variant != "template" or g.prologue:
                 continue
@@ -53,9 +56,11 @@ class PooledGemm(FusionRule):
                 continue
             a = g.nodes[0].inputs[0]
             view = g.views.get(a)
-            rg = pooled_by.get(view.base if view is not None else a)
+            between = self._reshapes(a) if g.kind != "gemm" else []
+            rg = pooled_by.get(view.base if view is not None else between[0].inputs[0] if between else a)
             if rg is None or rg.id in self.gone or rg.prologue or rg.views:
                 continue
+            self.between[g.id] = between
             yield Candidate(POOLED_GEMM_RULE, [rg.nodes[-1], g.nodes[0]], group=g, data=rg)
 
     def check(self, c: Candidate) -> str | None:
@@ -66,7 +71,8 @@ class PooledGemm(FusionRule):
         space = row_space(graph, reduce)
         m, _n, k, _t = gemm_dims(graph, anchor) if g.kind != "chain" else _gemv_dims(graph, a)
         pooled = reduce.outputs[0]
-        readers = {n.id for n in [*g.absorbed, anchor]}
+        between = self.between.get(g.id, [])
+        readers = {n.id for n in [*g.absorbed, *between[:1], anchor]}
         if reduce.op_type not in POOLS or any(n.op_type in ROW_OPS for n in rg.nodes[:-1]):
             return "the row kernel is not one mean after pointwise ops"
         if len(space.full) != 4 or space.groups or (space.first, space.end) not in ((1, 3), (2, 4)):
@@ -96,6 +102,7 @@ class PooledGemm(FusionRule):
             rg.nodes = rg.nodes[-1:]
             rg.inputs, rg.outputs = group_boundary(self.graph, rg.nodes)
         g.prologue = list(rg.nodes)
+        g.absorbed += self.between.get(g.id, [])  # the pooled vector is never written to view
         g.inputs, g.outputs = group_boundary(self.graph, [*g.prologue, *g.absorbed, *g.nodes])
         g.rule = f"{g.rule}+{POOLED_GEMM_RULE}"
         if g.kind == "conv":  # a GEMV the GEMM template computes (ir.support.gemm_dims)
@@ -108,6 +115,24 @@ class PooledGemm(FusionRule):
 
     def finish(self) -> None:
         self.state.rows[:] = [rg for rg in self.state.rows if rg.id not in self.gone]
+
+    def _reshapes(self, a: str) -> list[Node]:
+        """The layout ops that only reshape the pooled vector into `a` (each value read by the
+        next alone; a Transpose that moves only axes of 1, as between the [N, C, 1, 1] mean and
+        its channels-last twin), first to last; [] where `a` is no such op's output."""
+        graph, held = self.graph, self.state.held()
+        outputs = {o.name for o in graph.outputs}
+        chain: list[Node] = []
+        while (node := self.producers.get(a)) is not None and node.id not in held:
+            if node.op_type not in RESHAPES and not (
+                node.op_type == "Transpose" and _keeps_order(graph, node)
+            ):
+                break
+            if a in outputs or len(self.consumers.get(a, [])) != 1:
+                break
+            chain.insert(0, node)
+            a = node.inputs[0]
+        return chain
 
     def _give_back(self, rg: Group) -> tuple[Group, list[Node]] | None:
         """A mean whose row kernel also stores values of the pointwise ops before it (the
@@ -141,6 +166,14 @@ class PooledGemm(FusionRule):
             graph, merged, self.order, MAX_EPILOGUE_NODES + 1, MAX_EPILOGUE_TENSORS, fixed_tensors=2
         )
         return (conv_group, list(ops)) if why is None else None
+
+
+def _keeps_order(graph: Graph, node: Node) -> bool:
+    """A Transpose that moves only axes of size 1: its output is its input's memory."""
+    shape = graph.spec(node.inputs[0]).shape
+    perm = [int(p) for p in node.attrs.get("perm", range(len(shape) - 1, -1, -1))]
+    moved = [p for p in perm if shape[p] != 1]
+    return moved == sorted(moved)
 
 
 def _gemv_dims(graph: Graph, x: str) -> tuple[int, int, int, bool]:
