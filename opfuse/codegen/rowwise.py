@@ -36,12 +36,14 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
+from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
 from opfuse.ir.queries import next_pow2, scalar_constant
+from opfuse.ir.resize import ResizeGather
 from opfuse.ir.rows import TILE, RowSpace, row_space
 from opfuse.ir.support import conv_params, gemm_dims
 
@@ -498,6 +500,19 @@ def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
             continue
         if name in group_params:  # opset 21: one value per channel
             shape = (full[1],) + (1,) * (len(full) - 2)
+        if isinstance(rk.views.get(name), ResizeGather):  # gathered from the Resize's input
+            if rk.tiled:
+                at, gather_mask = _tiled_input_expr(space.load_shape(shape), space)
+            else:
+                at, gather_mask = f"(row * {_prod(full[space.first :])} + cols)", "cmask"
+            lines: list[str] = []
+            value = resize_load(
+                f"g{i}", f"in{i}", rk.views[name], lines, "tl.int64", f"({at})", gather_mask or "cmask"
+            )
+            for text in lines:
+                buf.line(text)
+            buf.line(f"x{i} = {value}")
+            continue
         if rk.tiled:
             idx, load_mask = _tiled_input_expr(space.load_shape(shape), space)
         elif space.groups:

@@ -343,3 +343,47 @@ def test_the_lateral_convs_epilogue_gathers_the_upsampled_map(mode: str, precisi
     want = ort_run(model, {"x": x})[0]
     got = np.asarray(Executor(vendor, TEST_DEVICE).run({"x": x})["y"], dtype=np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < (1e-4 if precision == "fp32" else 2e-2)
+
+
+def attention_pool(layout: str, mode: str) -> onnx.ModelProto:
+    """GhostNetV2's attention before squeeze-excitation: m = f * Resize(Sigmoid(s)) (2x up), and
+    the mean of m over the pixels. `layout` "nchw": m and its mean in [N, C, H, W] (whole rows of
+    the row kernel); "nhwc": f in [N, H, W, C], the resized map transposed to it, the mean over
+    strided columns."""
+    nodes = [
+        helper.make_node("Sigmoid", ["s"], ["g"]),
+        helper.make_node("Resize", ["g", "", "scales"], ["up"], mode=mode),
+    ]
+    if layout == "nhwc":
+        nodes.append(helper.make_node("Transpose", ["up"], ["upt"], perm=[0, 2, 3, 1]))
+        f_shape, axes = [2, 10, 12, 6], [1, 2]
+    else:
+        f_shape, axes = [2, 6, 10, 12], [2, 3]
+    nodes += [
+        helper.make_node("Mul", ["f", "upt" if layout == "nhwc" else "up"], ["m"]),
+        helper.make_node("ReduceMean", ["m", "axes"], ["p"], keepdims=1),
+        helper.make_node("Mul", ["m", "p"], ["y"]),
+    ]
+    model = make_model(nodes, {"f": f_shape, "s": [2, 6, 5, 6]}, {"y": f_shape})
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([1.0, 1.0, 2.0, 2.0], dtype=np.float32), "scales"),
+            numpy_helper.from_array(np.array(axes, dtype=np.int64), "axes"),
+        ]
+    )
+    return model
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_row_kernel_that_pools_the_scaled_map_gathers_the_resize(
+    layout: str, mode: str, precision: str
+) -> None:
+    m = attention_pool(layout, mode)
+    f_shape = [2, 10, 12, 6] if layout == "nhwc" else [2, 6, 10, 12]
+    cm = check_against_ort(m, {"f": f_shape, "s": [2, 6, 5, 6]}, precision)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert "resize_gather" in g["rule"].split("+")
+    assert not [s for s in cm.plan.steps if s.op_type in ("Resize", "Transpose")]
+    assert cm.report["kernels"]["after"] == 2  # the sigmoid's kernel, the row kernel

@@ -177,6 +177,8 @@ class RowReduction(FusionRule):
         for g in self.groups:
             if any(n.op_type == "Concat" for n in g.nodes):
                 _select_row_concat(graph, g, claimed_by_rows, state.not_fused, state.disabled)
+            elif state.on(RESIZE_RULE):
+                _gather_row_resizes(graph, g, claimed_by_rows, state.not_fused, state.on(LAYOUT_RULE))
         if state.on(LAYOUT_RULE):
             for g in self.groups:
                 _fold_row_layout(graph, g, claimed_by_rows)
@@ -210,6 +212,24 @@ def _select_row_concat(
     if LAYOUT_RULE not in disabled:
         fold_layout(graph, group, claimed, lambda x, view: x in selected)
     group.rule = "+".join(parts)
+
+
+def _gather_row_resizes(
+    graph: Graph, group: Group, claimed: set[str], not_fused: list[NotFired], fold: bool
+) -> None:
+    """A full-shaped input of the row kernel that is a Resize only it reads (GhostNetV2's
+    upsampled attention, scaling the features that squeeze-excitation then pools) is gathered
+    from the Resize's input by the kernel's loads (`resize_gather`), as a pointwise kernel would."""
+    full = tuple(group.full)
+    values = [x for x in group.inputs if x not in graph.constants and tuple(graph.spec(x).shape) == full]
+    if not values or row_space(graph, next(n for n in group.nodes if n.op_type in ROW_OPS)).groups:
+        return  # a grouped row (GroupNorm's) addresses its elements its own way
+    ids = {n.id for n in group.nodes}
+    gathers, gathered = plan_resize_gathers(graph, ids, values, full, claimed, not_fused, fold)
+    if gathers:
+        group.views.update(gathers)
+        group.absorbed += gathered
+        group.rule = f"{group.rule}+{RESIZE_RULE}"
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
