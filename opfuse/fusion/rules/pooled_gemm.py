@@ -99,6 +99,7 @@ class PooledGemm(FusionRule):
             conv_group.note = ""
             state.lone[:] = [x for x in state.lone if x is not conv_group]
             state.anchors.append(conv_group)
+            state.in_rows -= {n.id for n in ops}
             rg.nodes = rg.nodes[-1:]
             rg.inputs, rg.outputs = group_boundary(self.graph, rg.nodes)
         g.prologue = list(rg.nodes)
