@@ -199,15 +199,7 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
             "split: the prologue's kernel, the library's GEMM, the epilogue's kernel", _prologue_split(g)
         )
 
-    def pieces(graph: Graph) -> list[SplitPiece]:
-        space = row_space(graph, g.prologue[-1])
-        return [
-            SplitPiece("rowwise", g.prologue, space.full, space.first),
-            *_reshaped(g),
-            SplitPiece("gemm", g.nodes, views=g.views),
-        ]
-
-    return SplitForm("split: the row kernel, then the GEMM's template", pieces)
+    return _pooled_split(g, SplitPiece("gemm", g.nodes, views=g.views), "the GEMM's template")
 
 
 def _chain_split(g: GroupLike) -> SplitForm | None:
@@ -215,27 +207,25 @@ def _chain_split(g: GroupLike) -> SplitForm | None:
     kernel, then the chain."""
     if not g.prologue:
         return None
-
-    def pieces(graph: Graph) -> list[SplitPiece]:
-        space = row_space(graph, g.prologue[-1])
-        return [
-            SplitPiece("rowwise", g.prologue, space.full, space.first),
-            *_reshaped(g),
-            SplitPiece("chain", g.nodes, match=g.match),
-        ]
-
-    return SplitForm("split: the row kernel, then the chain", pieces)
+    return _pooled_split(g, SplitPiece("chain", g.nodes, match=g.match), "the chain")
 
 
-def _reshaped(g: GroupLike) -> list[SplitPiece]:
-    """The layout ops folded between a pooled vector and the GEMV reading it, where no view of
-    the group's reads through them (pooled_gemm): the library's views, in a split form."""
+def _pooled_split(g: GroupLike, reader: SplitPiece, what: str) -> SplitForm:
+    """A pool computed on the tiles of its reader (pooled_gemm): the pool's row kernel, the layout
+    ops folded between the pooled vector and the reader where no view of the group's reads
+    through them (as the library's views), then the reader's kernel."""
     made = {n.outputs[0]: n for n in getattr(g, "absorbed", [])}
     a, between = g.nodes[0].inputs[0], list[Node]()
     while a not in g.views and a in made:
         between.insert(0, made[a])
         a = made[a].inputs[0]
-    return [SplitPiece(None, between)] if between else []
+
+    def pieces(graph: Graph) -> list[SplitPiece]:
+        space = row_space(graph, g.prologue[-1])
+        views = [SplitPiece(None, between)] if between else []
+        return [SplitPiece("rowwise", g.prologue, space.full, space.first), *views, reader]
+
+    return SplitForm(f"split: the row kernel, then {what}", pieces)
 
 
 def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
