@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from opfuse.codegen.epilogue import (
     TileRead,
     dot_precision,
@@ -33,11 +31,10 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.gemm import pooled_a_tile
+from opfuse.codegen.gemm import pooled_a_tile, pooled_pixels
 from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2
-from opfuse.ir.rows import row_space
 
 
 def hidden_width(graph: Graph, first: Node) -> int:
@@ -140,10 +137,7 @@ class _Pool:
         axes = pool.inputs[1] if len(pool.inputs) > 1 else ""
         reads = [x for x in inputs if x != axes and any(x in node.inputs for node in prologue)]
         literals, loads = split_literals(graph, reads)
-        full = graph.spec(pool.inputs[0]).shape
-        space = row_space(graph, pool)
-        pixels = int(np.prod(full[1:3] if space.first == 1 else full[2:4]))
-        return _Pool(prologue, loads, literals, pixels)
+        return _Pool(prologue, loads, literals, pooled_pixels(graph, pool))
 
 
 def _hidden_tile(

@@ -185,8 +185,7 @@ def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[s
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "GROUP_M": 8, "UPCAST": False}
     pool_pixels = 0
     if pool is not None:  # pixels of the pool summed per step (a third tile dimension)
-        full = gm.graph.spec(pool.inputs[0]).shape
-        pool_pixels = int(np.prod(full[1:3] if row_space(gm.graph, pool).first == 1 else full[2:4]))
+        pool_pixels = pooled_pixels(gm.graph, pool)
         config["BLOCK_P"] = min(64, next_pow2(pool_pixels))
     buf.line(f"CONFIG = {config!r}")
     bm, bn, bk = (min(128, max(16, next_pow2(x))) for x in (m, n, k))
@@ -337,6 +336,12 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
     )
 
 
+def pooled_pixels(graph: Graph, pool: Node) -> int:
+    """The pixels a global average pool (NHWC or NCHW) averages."""
+    full = graph.spec(pool.inputs[0]).shape
+    return int(np.prod(full[1:3] if row_space(graph, pool).first == 1 else full[2:4]))
+
+
 def pooled_a_tile(
     buf: SourceBuffer,
     graph: Graph,
@@ -349,8 +354,9 @@ def pooled_a_tile(
 ) -> None:
     """`a_tile`: rows `rm` (images) and columns `kk` (channels) of the mean over the pixels of the
     prologue's pointwise ops (NHWC or NCHW), loaded through pointers `p0`, `p1`... (one per name
-    in `loads`), rounded to the model's type (`model_type`) as the stored pooled value would be. Each image's channels are summed in float32 over [BLOCK_P pixels, channels]
-    tiles, one image after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
+    in `loads`), rounded to the model's type (`model_type`) as the stored pooled value would be.
+    Each image's channels are summed in float32 over [BLOCK_P pixels, channels] tiles, one image
+    after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
     would hold BLOCK_M images where only these are real (that form spilled registers and ran
     11x slower than the split form on the H200)."""
     pool = prologue[-1]
