@@ -413,7 +413,14 @@ def test_squeeze_excite_mlp_runs_as_one_chained_gemv_kernel(precision: str, layo
     n, c, hidden = 3, 40, 24
     m, w = squeeze_excite(n, c, hidden)
     off = ("channels_last",) if layout == "nchw" else NHWC_ALWAYS
-    cm = check_against_ort(m, {"x": [n, c, 5, 5]}, precision, fusion_disable=off)
+    # With pooled_gemm the pool is computed on the chain's input tiles (tests/unit/
+    # test_pooled_excitation.py): one kernel fewer.
+    pooled = check_against_ort(m, {"x": [n, c, 5, 5]}, precision, fusion_disable=off)
+    (g,) = [g for g in pooled.report["fusion"]["groups"] if g["kind"] == "chain"]
+    assert g["rule"] == "gemv_chain+pooled_gemm" and g["nodes"] == ["pool", "fc1", "relu", "fc2", "gate"]
+    assert pooled.report["kernels"] == {"before": 7, "after": 2 if layout == "nhwc" else 3}
+    # The chain of its own, reading the stored pool.
+    cm = check_against_ort(m, {"x": [n, c, 5, 5]}, precision, fusion_disable=(*off, "pooled_gemm"))
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "chain"]
     assert g["rule"] == "gemv_chain" and g["nodes"] == ["fc1", "relu", "fc2", "gate"]
     # The pool, the chained GEMVs, the project conv with the scale as its prologue (NHWC) or the
@@ -441,9 +448,15 @@ def test_squeeze_excite_mlp_with_a_large_first_weight_stays_two_kernels_and_says
     cm = check_against_ort(m, {"x": [2, 320, 3, 3]}, fusion_disable=NHWC_ALWAYS)
     (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "gemv_chain"]
     assert nf["nodes"] == ["fc1", "fc2"] and "76800 elements (over 65536)" in nf["reason"]
-    assert cm.report["kernels"]["after"] == 4
+    # fc1 computes the pool on its tiles (pooled_gemm: the GEMM template's GEMV), then fc2, then
+    # the project conv with the scale.
+    assert cm.report["kernels"]["after"] == 3
+    assert [g["nodes"] for g in cm.report["fusion"]["groups"] if g["kind"] == "gemm"] == [
+        ["pool", "fc1", "relu"]
+    ]
     m, _ = squeeze_excite(2, 16, 8)
-    cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=(*NHWC_ALWAYS, "gemv_chain"))
+    off = (*NHWC_ALWAYS, "gemv_chain", "pooled_gemm")
+    cm = check_against_ort(m, {"x": [2, 16, 5, 5]}, fusion_disable=off)
     assert not any(g["kind"] == "chain" for g in cm.report["fusion"]["groups"])
     assert cm.report["kernels"]["after"] == 4
 
