@@ -22,6 +22,8 @@ from opfuse.codegen.epilogue import (
     emit_loads,
     emit_nodes,
     emit_stores,
+    pooled_a_tile,
+    pooled_pixels,
 )
 from opfuse.codegen.fragments import (
     KernelSource,
@@ -31,7 +33,6 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.gemm import pooled_a_tile, pooled_pixels
 from opfuse.codegen.source import SourceBuffer, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.queries import next_pow2

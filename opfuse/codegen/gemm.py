@@ -23,14 +23,14 @@ from opfuse.codegen.epilogue import (
     dot_precision,
     emit_dot,
     emit_launch,
-    emit_nodes,
     emit_stores,
     folded_row_coords,
     k_loop,
+    pooled_a_tile,
+    pooled_pixels,
 )
 from opfuse.codegen.fragments import (
     KernelSource,
-    broadcast_offset,
     matmul_tile_config,
     module_imports,
     module_title,
@@ -44,7 +44,6 @@ from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
 from opfuse.ir.ops import NHWC_CONV
 from opfuse.ir.queries import contiguous_strides, next_pow2
-from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
 
 # The last op of a prologue that pools A (pooled_gemm); any other prologue is pointwise ops that
@@ -334,62 +333,6 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
     accumulator_epilogue(
         buf, graph, anchor.outputs[0], gm.epilogue, gm.extra, index_of, gm.literals, regs, on_acc
     )
-
-
-def pooled_pixels(graph: Graph, pool: Node) -> int:
-    """The pixels a global average pool (NHWC or NCHW) averages."""
-    full = graph.spec(pool.inputs[0]).shape
-    return int(np.prod(full[1:3] if row_space(graph, pool).first == 1 else full[2:4]))
-
-
-def pooled_a_tile(
-    buf: SourceBuffer,
-    graph: Graph,
-    prologue: list[Node],
-    loads: list[str],
-    literals: dict[str, str],
-    m: int,
-    k: int,
-    model_type: str = "b.dtype.element_ty",
-) -> None:
-    """`a_tile`: rows `rm` (images) and columns `kk` (channels) of the mean over the pixels of the
-    prologue's pointwise ops (NHWC or NCHW), loaded through pointers `p0`, `p1`... (one per name
-    in `loads`), rounded to the model's type (`model_type`) as the stored pooled value would be.
-    Each image's channels are summed in float32 over [BLOCK_P pixels, channels] tiles, one image
-    after the other (at most POOLED_GEMM_MAX_ROWS): a tile of every row block
-    would hold BLOCK_M images where only these are real (that form spilled registers and ran
-    11x slower than the split form on the H200)."""
-    pool = prologue[-1]
-    hw = "hw[:, None]"
-    full = tuple(graph.spec(pool.inputs[0]).shape)
-    nhwc = row_space(graph, pool).first == 1
-    if nhwc:
-        _, h, w, _c = full
-        coords = {0: "i", 1: f"({hw} // {w})", 2: f"({hw} % {w})", 3: "kk[None, :]"}
-    else:  # NCHW: the channels at stride H*W
-        _, _c, h, w = graph.spec(pool.inputs[0]).shape
-        coords = {0: "i", 1: "kk[None, :]", 2: f"({hw} // {w})", 3: f"({hw} % {w})"}
-    buf.line("psum = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)")
-    buf.line(f"for i in tl.static_range(0, {m}):  # each image's pool: rows past M are never read")
-    with buf.indent():
-        buf.line("isum = tl.zeros((BLOCK_K,), dtype=tl.float32)")
-        buf.line(f"for hw0 in range(0, {h * w}, BLOCK_P):  # BLOCK_P pixels at a time")
-        with buf.indent():
-            buf.line("hw = hw0 + tl.arange(0, BLOCK_P)")
-            buf.line(f"p_ok = ({hw} < {h * w}) & (kk[None, :] < {k})")
-            regs = dict(literals)
-            for j, name in enumerate(loads):
-                idx = broadcast_offset(graph.spec(name).shape, coords)
-                if idx is None:
-                    buf.line(f"q{j} = tl.load(p{j}).to(tl.float32)")
-                else:
-                    run = power_run(full[3]) if nhwc and tuple(graph.spec(name).shape) == full else 1
-                    buf.line(f"q{j} = {guarded_load(f'p{j}', idx, 'p_ok', run=run)}.to(tl.float32)")
-                regs[name] = f"q{j}"
-            emit_nodes(buf, graph, prologue[:-1], regs, prefix="u")
-            buf.line(f"isum += tl.sum(tl.where(p_ok, {regs[pool.inputs[0]]}, 0.0), axis=0)")
-        buf.line("psum += tl.where(rm[:, None] == i, isum[None, :], 0.0)")
-    buf.line(f"a_tile = (psum / {h * w}.0).to({model_type})")
 
 
 @dataclass

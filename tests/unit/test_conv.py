@@ -796,9 +796,14 @@ def test_depthwise_reduction_says_why_not() -> None:
     assert nf["nodes"] == ["dw", "squeeze"] and "read outside the row kernel" in nf["reason"]
     assert cm.report["kernels"]["after"] == 4
     m, _ = depthwise_squeeze_excite(1, 16, 6)
-    cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_reduction",))
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_reduction", "pooled_gemm"))
     assert cm.report["kernels"]["after"] == 4
     assert all("depthwise_reduction" not in g["rule"] for g in cm.report["fusion"]["groups"])
+    # Without depthwise_reduction but with pooled_gemm: the depthwise conv stores its activation,
+    # the SE MLP pools it on its tiles; three kernels again.
+    cm = check_against_ort(m, {"x": [1, 16, 6, 6]}, fusion_disable=("depthwise_reduction",))
+    assert cm.report["kernels"]["after"] == 3
+    assert [g["nodes"][0] for g in cm.report["fusion"]["groups"] if g["kind"] == "chain"] == ["squeeze"]
 
 
 def test_the_split_form_of_a_depthwise_reduction_computes_the_same() -> None:
