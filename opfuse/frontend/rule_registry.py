@@ -51,6 +51,7 @@ FOLD_BATCHNORM = "fold_batchnorm"
 SUM_SIBLING_CONVS = "sum_sibling_convs"
 SUM_SIBLING_GEMMS = "sum_sibling_gemms"
 REDUCE_STACK = "reduce_stack"
+MERGE_REDUCTIONS = "merge_reductions"
 MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
@@ -234,6 +235,12 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "branches, BiFPN's fusion, an ensemble's mean) is the elementwise sum (mean, max, min) of the "
         "stacked tensors: pointwise ops that join their neighbours' kernels, where a copy of every "
         "branch and a reduction ran.",
+    ),
+    _r(
+        MERGE_REDUCTIONS,
+        GRAPH_PASS,
+        "A reduction of a reduction of the same kind (`x.mean(2, keepdim=True).mean(3, keepdim=True)`: "
+        "FocalNet's global context) is one reduction over both sets of axes: one row kernel where two ran.",
     ),
     _r(
         MERGE_CONCAT_CONVS,

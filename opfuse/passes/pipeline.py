@@ -25,6 +25,7 @@ from opfuse.passes.head_scale import head_scale
 from opfuse.passes.indices import check_constant_indices
 from opfuse.passes.layout import to_channels_last
 from opfuse.passes.local_response_norm import local_response_norm
+from opfuse.passes.merge_reductions import merge_reductions
 from opfuse.passes.pointwise_views import pointwise_before_views
 from opfuse.passes.projections import merge_projections
 from opfuse.passes.rotary import rotate_half
@@ -65,6 +66,7 @@ PASSES: tuple[Pass, ...] = (
     sum_sibling_convs,
     sum_sibling_gemms,
     reduce_stack,
+    merge_reductions,
     merge_concat_convs,
     batchnorm_to_affine,
     gemm_to_matmul,
