@@ -6,7 +6,8 @@ ReduceMeans: two row kernels, the second reading the first's output. Over the un
 it is one mean of x (every output element averages the same number of inputs), and likewise for
 ReduceSum, ReduceMax and ReduceMin. Made where the first keeps its dims (so the second's axes
 number the same dims of x), the first's output is read by the second alone and is no model
-output, and the axes are constants. The order of the additions changes, as a library reduction
+output, and the axes are constants. The merged reduction keeps its dims; where the second dropped
+its own, a Reshape (a view) drops them after it, leaving the first's kept dims as they were. The order of the additions changes, as a library reduction
 may sum in any order; verification compares the result with the original model's.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
-from opfuse.graph import Graph, Node
+from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.rows import reduced_axes
 from opfuse.passes.rules import Rule
 
@@ -56,11 +57,21 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     axes = graph.add_constant(
         f"{node.id}_merged_axes", np.array(sorted(set(inner) | set(outer)), dtype=np.int64), "int64"
     )
-    attrs = {k: v for k, v in node.attrs.items() if k not in ("axes", "noop_with_empty_axes")}
+    attrs = {k: v for k, v in node.attrs.items() if k not in ("axes", "noop_with_empty_axes", "keepdims")}
+    out = node.outputs[0]
+    new = []
+    if int(node.attrs.get("keepdims", 1)) != 1:  # the first's axes stay (size 1), the second's go
+        spec = graph.spec(first.outputs[0])
+        kept = tuple(1 if d in outer else size for d, size in enumerate(spec.shape))
+        graph.values[f"{node.id}_kept"] = TensorSpec(f"{node.id}_kept", spec.dtype, kept)
+        new.append(
+            graph.reshape_node(f"{node.id}_drop", f"{node.id}_kept", tuple(graph.spec(out).shape), out)
+        )
+        out = f"{node.id}_kept"
     merged = Node(
-        f"{node.id}_merged", node.op_type, [first.inputs[0], axes], list(node.outputs), attrs, node.name
+        f"{node.id}_merged", node.op_type, [first.inputs[0], axes], [out], attrs | {"keepdims": 1}, node.name
     )
-    graph.splice(graph.nodes.index(node), [merged], {node.id, first.id})
+    graph.splice(graph.nodes.index(node), [merged, *new], {node.id, first.id})
 
 
 merge_reductions = Rule(RULE, _match, _check, _rewrite)

@@ -40,6 +40,8 @@ class PooledGemm(FusionRule):
         buffer behind its view, is the one output of a row group."""
         state = self.state
         self.order = {n.id: i for i, n in enumerate(self.graph.nodes)}  # for the cycle check
+        self.consumers, self.producers = self.graph.consumers(), self.graph.producers()
+        self.held = state.held()  # the graph's maps and the held nodes, once for every candidate
         self.given: dict[str, tuple[Group, list[Node]]] = {}  # row group id -> _give_back's
         pooled_by = {g.outputs[0]: g for g in state.rows if g.kind == "rowwise" and len(g.outputs) == 1}
         for row in state.rows:
@@ -48,7 +50,6 @@ class PooledGemm(FusionRule):
                 pooled_by[row.nodes[-1].outputs[0]] = row
         self.gone: set[str] = set()
         self.between: dict[str, list[Node]] = {}  # group id -> _reshapes' nodes
-        self.consumers, self.producers = self.graph.consumers(), self.graph.producers()
         for g in [*state.anchors, *state.lone]:
             if g.variant != "template" or g.prologue:
                 continue
@@ -121,10 +122,10 @@ class PooledGemm(FusionRule):
         """The layout ops that only reshape the pooled vector into `a` (each value read by the
         next alone; a Transpose that moves only axes of 1, as between the [N, C, 1, 1] mean and
         its channels-last twin), first to last; [] where `a` is no such op's output."""
-        graph, held = self.graph, self.state.held()
+        graph = self.graph
         outputs = {o.name for o in graph.outputs}
         chain: list[Node] = []
-        while (node := self.producers.get(a)) is not None and node.id not in held:
+        while (node := self.producers.get(a)) is not None and node.id not in self.held:
             if node.op_type not in RESHAPES and not (
                 node.op_type == "Transpose" and _keeps_order(graph, node)
             ):
@@ -156,9 +157,8 @@ class PooledGemm(FusionRule):
         if conv_group is None or conv_group.variant != "template" or conv_group.prologue or conv_group.views:
             return None
         mine = {n.id for n in ops}
-        consumers = graph.consumers()
         shape = graph.spec(y).shape
-        if y in {o.name for o in graph.outputs} or any(u.id not in mine for u in consumers.get(y, [])):
+        if y in {o.name for o in graph.outputs} or any(u.id not in mine for u in self.consumers.get(y, [])):
             return None
         if any(graph.spec(n.outputs[0]).shape != shape for n in ops):
             return None

@@ -20,17 +20,23 @@ n = helper.make_node
 
 
 def twice(
-    reduce: str = "ReduceMean", keepdims: int = 1, second: str = "", also_out: bool = False
+    reduce: str = "ReduceMean",
+    keepdims: int = 1,
+    second: str = "",
+    also_out: bool = False,
+    drop: bool = False,
 ) -> onnx.ModelProto:
     """reduce(reduce(x, axis 2, keepdims), axis 3) of x [2, 3, 4, 5]; `second` another kind for
-    the outer one; `also_out`: the first's output a model output too."""
+    the outer one; `also_out`: the first's output a model output too; `drop`: the outer one drops
+    its axis (keepdims 0)."""
     inits = {"a2": np.array([2]), "a3": np.array([3 if keepdims else 2])}
     nodes = [
         n(reduce, ["x", "a2"], ["h"], name="first", keepdims=keepdims),
-        n(second or reduce, ["h", "a3"], ["y"], name="second", keepdims=1),
+        n(second or reduce, ["h", "a3"], ["y"], name="second", keepdims=0 if drop else 1),
     ]
     h = [2, 3, 1, 5] if keepdims else [2, 3, 5]
-    outs = {"y": [2, 3, 1, 1] if keepdims else [2, 3, 1]}
+    y = [2, 3, 1, 1] if keepdims else [2, 3, 1]
+    outs = {"y": y[:-1] if drop else y}
     if also_out:
         outs["h"] = h
     return tiny_model(nodes, {"x": [2, 3, 4, 5]}, outs, inits)
@@ -45,6 +51,16 @@ def test_two_reductions_of_one_kind_are_one_over_both_axes(reduce: str) -> None:
     assert ops(graph) == [reduce]
     (node,) = graph.nodes
     assert graph.constants[node.inputs[1]].tolist() == [2, 3] and node.inputs[0] == "x"
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_an_outer_reduction_that_drops_its_axis_keeps_the_inners_as_the_model_does() -> None:
+    """x.mean(2, keepdim=True).mean(3): [2, 3, 1], the first's axis kept, the second's gone."""
+    model = twice(drop=True)
+    graph = graph_of(model)
+    assert run_pass(graph, merge_reductions).fired == {names.MERGE_REDUCTIONS: 1}
+    assert ops(graph) == ["ReduceMean", "Reshape"]
+    assert tuple(graph.spec("y").shape) == (2, 3, 1)
     assert_computes_as_onnxruntime(model, graph)
 
 
