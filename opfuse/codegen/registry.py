@@ -177,7 +177,10 @@ def _rowwise_split(g: GroupLike) -> SplitForm | None:
                 SplitPiece("rowwise", g.nodes, g.full, g.split, rest),
             ],
         )
-    what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(g.prologue[0].op_type, "depthwise conv")
+    first = g.prologue[0]
+    what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(first.op_type, "conv")
+    if first.op_type == NHWC_CONV and int(first.attrs.get("group", 1)) > 1:
+        what = "depthwise conv"
     return SplitForm(
         f"split: the library's {what}, then the row kernel",
         lambda graph: [

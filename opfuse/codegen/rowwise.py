@@ -38,10 +38,10 @@ from opfuse.codegen.fragments import (
 )
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
-from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
+from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import ROW_OPS, ROW_REDUCTIONS
+from opfuse.ir.ops import NHWC_CONV, ROW_OPS, ROW_REDUCTIONS
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
 from opfuse.ir.rows import TILE, RowSpace, row_space
@@ -191,14 +191,23 @@ def _gemm_tile(
     """The GEMM's output on the tile (rows `row`, all N columns `cols`), rounded to the model's type
     as the stored product would be: A's rows [M, K] times B [K, N] (or [N, K], Gemm's transB),
     BLOCK_K at a time, into a float32 accumulator. With `a_ops`, A's tiles are computed by those
-    pointwise ops from `a_loads` (read through `views` where folded) instead of loaded."""
+    pointwise ops from `a_loads` (read through `views` where folded) instead of loaded. A dense
+    NHWC conv (the implicit GEMM of ir.support.gemm_dims) loads A through its window and adds its
+    bias."""
     m, n, k, trans_b = gemm_dims(graph, mm)
     b = ptr[mm.inputs[1]]
     sbk, sbn = (1, k) if trans_b else (n, 1)
+    conv = mm.op_type == NHWC_CONV
     buf.line("rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
     buf.line("rn = tl.arange(0, BLOCK_R)")
     buf.line("rk = tl.arange(0, BLOCK_K)")
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
+    window = conv and not _pixelwise(graph, mm)
+    if window:
+        d = conv_params(graph, mm)
+        buf.line(f"img = (rm // {d['OH'] * d['OW']})[:, None]")
+        buf.line(f"oh = ((rm // {d['OW']}) % {d['OH']})[:, None]")
+        buf.line(f"ow = (rm % {d['OW']})[:, None]")
 
     def a_tile() -> None:
         if a_ops:
@@ -212,6 +221,9 @@ def _gemm_tile(
                 f"{b}.dtype.element_ty",
             )  # fmt: skip
             return
+        if window:
+            _window_a_tile(buf, d, ptr[mm.inputs[0]], m, k)
+            return
         a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
         a_at = f"rm[:, None] * {k} + kk[None, :]"
         buf.line(f"a_tile = {guarded_load(ptr[mm.inputs[0]], a_at, a_ok, run=power_run(k))}")
@@ -224,8 +236,40 @@ def _gemm_tile(
         dot_precision(graph.spec(mm.inputs[0]).dtype, precision),
         a_tile,
     )
+    if conv and len(mm.inputs) > 2 and mm.inputs[2]:
+        bias = ptr[mm.inputs[2]]
+        buf.line(f"acc = acc + tl.load({bias} + rn, mask=rn < {n}, other=0.0).to(tl.float32)[None, :]")
     rounded = b if a_ops else ptr[mm.inputs[0]]  # the model's type (A's, where A is loaded)
     buf.line(f"gmv = acc.to({rounded}.dtype.element_ty).to(tl.float32)")
+
+
+def _on_tiles_gemm(node: Node) -> bool:
+    """A GEMM the row kernel computes on its tiles: a MatMul, a Gemm or a dense NHWC conv (one
+    group; a depthwise conv is a window of its own, `_depthwise_tile`)."""
+    if node.op_type == NHWC_CONV:
+        return int(node.attrs.get("group", 1)) == 1
+    return node.op_type in ("MatMul", "Gemm")
+
+
+def _pixelwise(graph: Graph, conv: Node) -> bool:
+    """A 1x1 conv of stride 1, unpadded: a GEMM of the NHWC buffer as it lies ([pixels, C])."""
+    d = conv_params(graph, conv)
+    geometry = (d["KH"], d["KW"], d["SH"], d["SW"], d["PH"], d["PW"])
+    return geometry == (1, 1, 1, 1, 0, 0) and (d["H"], d["W"]) == (d["OH"], d["OW"])
+
+
+def _window_a_tile(buf: SourceBuffer, d: dict[str, int], x: str, m: int, k: int) -> None:
+    """A conv's A tile (im2col, never written): for output pixel `rm` (its `img`, `oh`, `ow`) and
+    K index `kk` = (kh * KW + kw) * C + c, the input at the tap's pixel, zero outside the image."""
+    c = d["C"]
+    buf.line(f"tap = kk // {c}")
+    buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (tap // {d['KW']})[None, :] * {d['DH']}")
+    buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (tap % {d['KW']})[None, :] * {d['DW']}")
+    buf.line(
+        f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})"
+    )
+    at = f"((img * {d['H']} + ih) * {d['W']} + iw) * {c} + (kk % {c})[None, :]"
+    buf.line(f"a_tile = {guarded_load(x, at, 'a_ok', run=channel_run(c))}")
 
 
 def _gather_tile(buf: SourceBuffer, graph: Graph, gather: Node, ptr: dict[str, str], j: int) -> str:
@@ -299,7 +343,7 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
     # (A GEMM's prologue may hold a Concat along K: computed_a_tile reads that one in parts.)
-    gemm = next((n for n in prologue or [] if n.op_type in ("MatMul", "Gemm")), None)
+    gemm = next((n for n in prologue or [] if _on_tiles_gemm(n)), None)
     concat = None if gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
     prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None
@@ -357,6 +401,8 @@ def generate_rowwise(
         if gemm is not None:
             _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views)
             regs[gemm.outputs[0]] = "gmv"
+            # The row nodes may read the product through a reshape (gemm_reduction): the same tile.
+            regs.update({x: "gmv" for x, v in views.items() if getattr(v, "base", None) == gemm.outputs[0]})
         for j, g in enumerate(gathers):
             regs[g.outputs[0]] = _gather_tile(buf, graph, g, ptr, j)
         _row_loads(buf, rk, regs)
@@ -398,7 +444,11 @@ def _row_header(
         if rk.gemm is not None and n is not rk.gemm:
             what = "A of the GEMM computed"
         elif rk.gemm is not None:
-            what = "GEMM, its columns the row,"
+            what = (
+                "conv (an implicit GEMM), its channels the row,"
+                if n.op_type == NHWC_CONV
+                else "GEMM, its columns the row,"
+            )
         elif rk.gathers:
             what = "the table's rows looked up"
         elif n.op_type == "Concat":

@@ -443,8 +443,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         GEMM_REDUCTION,
         FUSION,
-        "A GEMM computed on the tiles of the row kernel that reduces over its output's columns (a "
-        "transformer's Linear with its bias, residual add and LayerNorm), where a row fits one tile.",
+        "A GEMM, or a dense NHWC conv as an implicit GEMM, computed on the tiles of the row kernel that "
+        "reduces over its output's columns (a transformer's Linear with its bias, residual add and "
+        "LayerNorm; a patch-embedding conv and its LayerNorm), where a row fits one tile.",
         impl=f"{RULES_PACKAGE}.gemm_reduction",
     ),
     _r(

@@ -158,11 +158,16 @@ def is_batched(graph: Graph, node: Node) -> bool:
 
 
 def gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, bool]:
-    """(M, N, K, B transposed) of a MatMul or Gemm, or of an NHWC 1x1 conv of a 1x1 map (a GEMV
-    of its [N, 1, 1, C] input by its [Cout, 1, 1, C] weight: B transposed, as the GEMM template
-    computes it under pooled_gemm)."""
+    """(M, N, K, B transposed) of a MatMul or Gemm, or of a dense NHWC conv as the implicit GEMM it
+    is: M the output pixels (images, height, width flattened), N its channels, K the window's taps
+    times the input channels, B its [Cout, KH, KW, Cin] weight, transposed. A 1x1 conv of a 1x1
+    map is a GEMV of its [N, 1, 1, C] input (pooled_gemm); a conv on a row kernel's tiles loads A
+    through the window (gemm_reduction)."""
+    if node.op_type == NHWC_CONV:
+        y, w = graph.spec(node.outputs[0]).shape, graph.spec(node.inputs[1]).shape
+        return int(np.prod(y[:-1], dtype=np.int64)), w[0], int(np.prod(w[1:], dtype=np.int64)), True
     a, b = graph.spec(node.inputs[0]).shape, graph.spec(node.inputs[1]).shape
-    trans_b = node.op_type == NHWC_CONV or (node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0))))
+    trans_b = node.op_type == "Gemm" and bool(int(node.attrs.get("transB", 0)))
     k = a[-1]
     n = b[0] if trans_b else b[1]
     m = int(np.prod(a[:-1], dtype=np.int64))

@@ -19,6 +19,18 @@ class StridedView:
     # Ids of `nodes` that stay in the plan (their outputs have other readers): not absorbed.
     kept: set[str] = field(default_factory=set)
 
+    def reads_in_order(self, base_elements: int) -> bool:
+        """Whether the view reads all of its base in the base's own order (a reshape of it, the
+        layout ops composing to the identity): element i of the view is element i of the base."""
+        if self.offset or self.scale != 1.0 or self.kept:
+            return False
+        size, want = 1, []
+        for extent in reversed(self.shape):
+            want.append(size)
+            size *= extent
+        same = all(e == 1 or s == w for e, s, w in zip(self.shape, self.strides, reversed(want), strict=True))
+        return same and size == base_elements
+
     def owned(self) -> list[Node]:
         """The layout nodes a kernel reading through this view replaces (they leave the plan)."""
         return [n for n in self.nodes if n.id not in self.kept]

@@ -137,16 +137,20 @@ class FusionRule:
 class RowPrologueRule(FusionRule):
     """A lone anchor computed on the tiles of the row kernel that reads its output: the anchor
     becomes the row group's prologue, its output never written, and the group is timed against the
-    split form (the library's kernel, then the row kernel). Subclasses set `rule` and `kind` (the
-    lone group's) and write `takes` (which lone anchors to consider) and `check`. One anchor per
-    row kernel. (depthwise_reduction.py, gemm_reduction.py)"""
+    split form (the library's kernel, then the row kernel). Subclasses set `rule` and `kinds` (the
+    lone groups' kinds they consider) and write `takes` (which lone anchors of those) and `check`.
+    One anchor per row kernel. (depthwise_reduction.py, gemm_reduction.py)"""
 
     rule: ClassVar[str]
-    kind: ClassVar[str]
+    kinds: ClassVar[tuple[str, ...]]
 
     # Whether the row kernel may read its other full-shaped inputs through folded layout ops
     # (StridedView) while it computes the anchor on its tiles.
     strided_rows: ClassVar[bool] = False
+    # Whether the anchor's output may reach the row kernel through a view that reads it in order
+    # (`StridedView.reads_in_order`: a reshape, or layout ops composing to one): the kernel's
+    # tile is then the view's.
+    through_reshapes: ClassVar[bool] = False
 
     def takes(self, anchor: Node) -> bool:
         return True
@@ -165,11 +169,11 @@ class RowPrologueRule(FusionRule):
         )
 
     def match(self) -> Iterator[Candidate]:
-        """Each row group's input that a lone anchor of `kind` writes (the first one a group takes):
+        """Each row group's input that a lone anchor of one of `kinds` writes (the first one a group takes):
         the candidate's nodes are the anchor and the row kernel's first row op, its data (the
         lone group, the value)."""
         lone_by_output = {
-            g.outputs[0]: g for g in self.state.lone if g.kind == self.kind and len(g.outputs) == 1
+            g.outputs[0]: g for g in self.state.lone if g.kind in self.kinds and len(g.outputs) == 1
         }
         # The graph does not change while the rules plan: its use-def maps, once per rule.
         self.producers, self.consumers = self.graph.producers(), self.graph.consumers()
@@ -180,6 +184,11 @@ class RowPrologueRule(FusionRule):
             head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
             for x in rg.inputs:
                 src = lone_by_output.get(x)
+                view = rg.views.get(x)
+                if src is None and self.through_reshapes and isinstance(view, StridedView):
+                    base = lone_by_output.get(view.base)
+                    if base is not None and view.reads_in_order(self.graph.spec(view.base).numel):
+                        src = base
                 if src is None or src.id in self.gone or not self.takes(src.nodes[0]):
                     continue
                 yield Candidate(self.rule, [src.nodes[0], head], group=rg, data=(src, x))

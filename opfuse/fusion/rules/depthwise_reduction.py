@@ -29,7 +29,7 @@ DEPTHWISE_REDUCTION_RULE = names.DEPTHWISE_REDUCTION
 
 class DepthwiseReduction(RowPrologueRule):
     rule = DEPTHWISE_REDUCTION_RULE
-    kind = "conv"
+    kinds = ("conv",)
 
     def takes(self, anchor: Node) -> bool:
         return anchor.op_type == NHWC_CONV and is_depthwise(self.graph, anchor)

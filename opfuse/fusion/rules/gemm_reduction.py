@@ -17,6 +17,14 @@ The row kernel's other full-shaped inputs may be read through folded layout ops 
 Swin's residual stream viewed as the grid its norm reads), and the GEMM's A may be a reshape of a
 stored buffer (leading axes regrouped): the anchor rule leaves such an A as it lies, the same
 memory, so the GEMM stays lone for this rule (`reshape_before_pointwise` makes both).
+
+A dense NHWC conv is the same GEMM, implicit: its rows the output pixels, its columns the output
+channels, K the window's taps times the input channels, each A tile loaded through the window (the
+taps' pixels, zero outside the image). Where a LayerNorm over the channels follows a conv (the
+patch embeddings and spatial-reduction convs of PVT and SegFormer, wav2vec2-style feature
+encoders' convs with a LayerNorm each, ConvNeXt's and Swin's stems), the conv, its bias and the
+norm run as one kernel. Only convs of one group with no shortcut summed in; their A tiles are not
+computed by pointwise ops (no `operand_prologue`).
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rules.base import Candidate, PlanState, RowPrologueRule
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.graph import Graph, Node
+from opfuse.ir.ops import NHWC_CONV, has_shortcut
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
+from opfuse.ir.views import StridedView
 
 GEMM_REDUCTION_RULE = names.GEMM_REDUCTION
 # Columns of one row kernel tile: a [BLOCK_M >= 16, next_pow2(N)] float32 accumulator per program.
@@ -39,8 +49,15 @@ GEMM_ROW_MAX = 1024
 
 class GemmReduction(RowPrologueRule):
     rule = GEMM_REDUCTION_RULE
-    kind = "gemm"
+    kinds = ("gemm", "conv")
     strided_rows = True
+    through_reshapes = True
+
+    def takes(self, anchor: Node) -> bool:
+        """A MatMul or Gemm, or a dense NHWC conv: one group, no shortcut summed in."""
+        if anchor.op_type != NHWC_CONV:
+            return anchor.op_type in ("MatMul", "Gemm")
+        return int(anchor.attrs.get("group", 1)) == 1 and not has_shortcut(anchor)
 
     def match(self) -> Iterator[Candidate]:
         graph = self.graph
@@ -58,15 +75,21 @@ class GemmReduction(RowPrologueRule):
             return "the row kernel does not reduce over the GEMM's output columns alone"
         if tuple(graph.spec(x).shape) != full:
             return "the GEMM's output is not the row kernel's full-shaped input"
-        if x in rg.views:
+        view = rg.views.get(x)
+        if view is None:
+            if self.read_outside(x, rg):
+                return "the GEMM's output is read outside the row kernel too"
+        elif not (isinstance(view, StridedView) and view.base == mm.outputs[0]):
             return "the row kernel reads the GEMM's output through a view"
-        if self.read_outside(x, rg):
+        elif self.read_outside(x, rg) or not self._only_viewed(view):
             return "the GEMM's output is read outside the row kernel too"
         made = {o for n in rg.nodes for o in n.outputs}
         if any(i in made for i in mm.inputs if i):
             return "the GEMM reads what the row kernel computes"
         if src.views or src.prologue or src.absorbed or len(src.nodes) != 1:
             return "the GEMM reads its operand through folded layout ops"
+        if mm.op_type == NHWC_CONV and len(graph.spec(mm.inputs[0]).shape) != 4:
+            return "the conv is not a 2-D NHWC conv"
         if mm.op_type == "Gemm" and (
             (len(mm.inputs) > 2 and mm.inputs[2]) or float(mm.attrs.get("alpha", 1.0)) != 1.0
         ):
@@ -76,8 +99,17 @@ class GemmReduction(RowPrologueRule):
             return "the GEMM's rows and columns are not the row kernel's"
         if n > GEMM_ROW_MAX:
             return f"a row of {n} columns is longer than one tile of the row kernel holds ({GEMM_ROW_MAX})"
-        why, _ = merge_refusal(graph, {mm.id, *(node.id for node in rg.nodes)}, self.order)
+        between = {node.id for node in view.nodes} if view is not None else set()
+        why, _ = merge_refusal(graph, {mm.id, *between, *(node.id for node in rg.nodes)}, self.order)
         return why
+
+    def _only_viewed(self, view: StridedView) -> bool:
+        """The anchor's output is read by the view's layout ops alone (a reshape the row kernel
+        folded: `reads_in_order`), so the tile computed in the kernel replaces the whole chain."""
+        if view.base in {o.name for o in self.graph.outputs}:
+            return False
+        chain = {n.id for n in view.nodes}
+        return all(u.id in chain for u in self.consumers.get(view.base, []))
 
     def claim(self, c: Candidate) -> None:
         """The GEMM joins the row kernel; with `operand_prologue` on, so do the pointwise ops that
@@ -86,8 +118,10 @@ class GemmReduction(RowPrologueRule):
         super().claim(c)
         rg, graph, state = c.group, self.graph, self.state
         assert rg is not None
-        if not state.on(names.OPERAND_PROLOGUE):
-            return
+        if c.data[1] in rg.views:  # the anchor's output read through a reshape: the tile is the view's
+            rg.inputs = [x for x in rg.inputs if x != c.data[1]]
+        if not state.on(names.OPERAND_PROLOGUE) or c.nodes[0].op_type == NHWC_CONV:
+            return  # a conv's A tiles are loaded through its window
         mm, held = c.nodes[0], state.held()
         ops = operand_prologue(graph, mm, held, self.producers, self.consumers, state.not_fused, self.order)
         if not ops:

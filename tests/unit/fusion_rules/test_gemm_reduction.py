@@ -215,3 +215,128 @@ def test_the_gemm_a_row_kernel_leaves_computes_its_operand() -> None:
 def test_switched_off_the_left_gemm_keeps_its_gelu_kernel() -> None:
     _graph, plan = planned(parallel_residual(), disabled=(names.OPERAND_PROLOGUE,))
     assert "down" in [g.nodes[0].name for g in plan.lone]
+
+
+# A dense conv is the same GEMM, implicit: the patch embedding (or spatial-reduction conv) before a
+# LayerNorm over its channels, as PVT, SegFormer, ConvNeXt's stem and wav2vec2-style feature
+# encoders write it.
+
+
+def conv_norm(
+    channels: int = 5,
+    out_channels: int = 24,
+    size: tuple[int, int] = (9, 11),
+    kernel: tuple[int, int] = (3, 3),
+    stride: int = 2,
+    pad: int = 1,
+    images: int = 2,
+    layout: str = "tokens",
+    group: int = 1,
+    read_outside: bool = False,
+) -> tuple[onnx.ModelProto, dict[str, list[int]]]:
+    """y = LayerNorm over the channels of Conv(x) + bias, the conv's output reached as the model
+    writes it. `layout`: "tokens" (`flatten(2).transpose(1, 2)`: [N, H*W, C], PVT and SegFormer),
+    "nhwc" (`permute(0, 2, 3, 1)`, ConvNeXt's stem) or "1d" (a Conv1d over [N, C, L] and
+    `transpose(1, 2)`, a speech feature encoder). `read_outside`: the conv's output is an output
+    too."""
+    one_d = layout == "1d"
+    spatial = [size[1]] if one_d else list(size)
+    kshape = [kernel[1]] if one_d else list(kernel)
+    out = [(s + 2 * pad - k) // stride + 1 for s, k in zip(spatial, kshape, strict=True)]
+    conv = n(
+        "Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=kshape, strides=[stride] * len(kshape),
+        pads=[pad] * (2 * len(kshape)), group=group,
+    )  # fmt: skip
+    if layout == "tokens":
+        layout_ops = [
+            n("Reshape", ["c", "flat"], ["cf"], name="flatten"),
+            n("Transpose", ["cf"], ["t"], name="tokens", perm=[0, 2, 1]),
+        ]
+        shape = [images, out[0] * out[1], out_channels]
+    elif layout == "nhwc":
+        layout_ops = [n("Transpose", ["c"], ["t"], name="tokens", perm=[0, 2, 3, 1])]
+        shape = [images, *out, out_channels]
+    else:
+        layout_ops = [n("Transpose", ["c"], ["t"], name="tokens", perm=[0, 2, 1])]
+        shape = [images, out[0], out_channels]
+    nodes = [
+        conv,
+        *layout_ops,
+        n("LayerNormalization", ["t", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    inits = {
+        "w": weights(out_channels, channels // group, *kshape, seed=1),
+        "b": weights(out_channels, seed=2),
+        "gamma": 1.0 + weights(out_channels, seed=3),
+        "beta": weights(out_channels, seed=4),
+    }
+    if layout == "tokens":
+        inits["flat"] = np.array([images, out_channels, -1], dtype=np.int64)
+    outputs = {"y": shape}
+    if read_outside:
+        outputs["c"] = [images, out_channels, *out]
+    shapes = {"x": [images, channels, *spatial]}
+    return tiny_model(nodes, shapes, outputs, inits), shapes
+
+
+def test_a_conv_is_computed_on_the_row_kernels_tiles() -> None:
+    """The conv's output reaches the norm through layout ops that read it in its own order (NHWC
+    as [N, H*W, C]): the conv joins the row kernel, the layout ops with it."""
+    for layout in ("tokens", "nhwc", "1d"):
+        model, _ = conv_norm(layout=layout)
+        _, plan = planned(model)
+        (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+        assert row.rule == RULE and [x.name for x in row.prologue] == ["conv"], layout
+        assert plan.lone == [], layout
+
+
+def test_a_grouped_conv_or_one_read_outside_is_not_taken() -> None:
+    model, _ = conv_norm(group=5, channels=5, out_channels=25)
+    _, plan = planned(model)
+    assert [g.nodes[0].name for g in plan.lone] == ["conv"]  # grouped: the library's conv
+    model, _ = conv_norm(read_outside=True)
+    _, plan = planned(model)
+    assert [g.nodes[0].name for g in plan.lone] == ["conv"]
+    assert all(names.GEMM_REDUCTION not in rule for _, rule, _ in claimed(plan))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        {},  # 3x3 stride 2 pad 1 over [N, H*W, C] tokens: K 45, taps across the image edge
+        {"layout": "nhwc", "kernel": (4, 4), "stride": 4, "pad": 0, "size": (16, 12)},  # a stem
+        {"layout": "1d", "kernel": (1, 3), "stride": 2, "pad": 0, "size": (1, 29), "channels": 16},
+        {"kernel": (1, 1), "stride": 1, "pad": 0, "channels": 40},  # 1x1: the NHWC buffer as A
+        {"kernel": (7, 7), "stride": 4, "pad": 3, "size": (23, 19), "images": 3},  # SegFormer's first
+    ],
+)
+def test_the_conv_form_computes_what_onnxruntime_does(form: dict[str, Any], precision: str) -> None:
+    model, shapes = conv_norm(**form)
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert g["rule"] == RULE and g["nodes"][0] == "conv"
+    assert _every_config(cm, model, shapes, precision) == 1  # the conv and its norm: one launch
+
+
+def test_the_conv_forms_split_form_computes_the_same() -> None:
+    """What tuning measures against the one kernel: the library's conv, then the row kernel
+    reading the conv's output through the folded layout ops."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    model, shapes = conv_norm()
+    p = plan_model(model, shapes, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.kind == "rowwise" and g.prologue]
+    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
+    mine = [(s.kind, s.op_type) for s in split.steps if s.group == g.id]
+    assert mine == [("op", "opfuse.ConvNHWC"), ("kernel", "")]
+    rng = np.random.default_rng(6)
+    feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+    want = _ort(model, feeds)
+    for plan in (p.plan, split):
+        got = Executor(plan, TEST_DEVICE).run(feeds)
+        for name, w in want.items():
+            np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
