@@ -80,6 +80,7 @@ class TileRead:
     offset: str
     run: int = 1
     axis: int = 0
+    mask: str = ""  # lanes read besides those inside [K, N] (0 elsewhere: a block-diagonal B)
 
     @staticmethod
     def strided(ptr: str, sbk: int, sbn: int) -> TileRead:
@@ -103,7 +104,8 @@ def k_loop(buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Ca
     with buf.indent():
         buf.line("kk = k0 + rk")
         a_tile()
-        dot_step(buf, b, f"(kk[:, None] < {k}) & (rn[None, :] < {n})", prec)
+        inside = f"(kk[:, None] < {k}) & (rn[None, :] < {n})"
+        dot_step(buf, b, f"{inside} & {b.mask}" if b.mask else inside, prec)
 
 
 def accumulator_epilogue(

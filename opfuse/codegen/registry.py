@@ -31,6 +31,7 @@ from opfuse.codegen.tuning_space import (
     rowwise_candidates,
 )
 from opfuse.graph import Graph, Node
+from opfuse.frontend.rule_registry import DEPTHWISE_REDUCTION
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
@@ -41,6 +42,7 @@ class GroupLike(Protocol):
 
     id: str
     kind: str
+    rule: str
     nodes: list[Node]
     inputs: list[str]
     outputs: list[str]
@@ -177,9 +179,8 @@ def _rowwise_split(g: GroupLike) -> SplitForm | None:
                 SplitPiece("rowwise", g.nodes, g.full, g.split, rest),
             ],
         )
-    first = g.prologue[0]
-    what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(first.op_type, "conv")
-    if first.op_type == NHWC_CONV and int(first.attrs.get("group", 1)) > 1:
+    what = {"MatMul": "GEMM", "Gemm": "GEMM", "Gather": "Gather"}.get(g.prologue[0].op_type, "conv")
+    if DEPTHWISE_REDUCTION in g.rule.split("+"):
         what = "depthwise conv"
     return SplitForm(
         f"split: the library's {what}, then the row kernel",

@@ -41,7 +41,7 @@ from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
 from opfuse.codegen.window import Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, ROW_OPS, ROW_REDUCTIONS
+from opfuse.ir.ops import NHWC_CONV, ROW_OPS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
 from opfuse.ir.rows import TILE, RowSpace, row_space
@@ -228,14 +228,10 @@ def _gemm_tile(
         a_at = f"rm[:, None] * {k} + kk[None, :]"
         buf.line(f"a_tile = {guarded_load(ptr[mm.inputs[0]], a_at, a_ok, run=power_run(k))}")
 
-    k_loop(
-        buf,
-        k,
-        n,
-        TileRead.strided(b, sbk, sbn),
-        dot_precision(graph.spec(mm.inputs[0]).dtype, precision),
-        a_tile,
-    )
+    b_tile = TileRead.strided(b, sbk, sbn)
+    if conv and int(mm.attrs.get("group", 1)) > 1:
+        b_tile, k = _block_diagonal(graph, mm, b)
+    k_loop(buf, k, n, b_tile, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
     if conv and len(mm.inputs) > 2 and mm.inputs[2]:
         bias = ptr[mm.inputs[2]]
         buf.line(f"acc = acc + tl.load({bias} + rn, mask=rn < {n}, other=0.0).to(tl.float32)[None, :]")
@@ -243,12 +239,26 @@ def _gemm_tile(
     buf.line(f"gmv = acc.to({rounded}.dtype.element_ty).to(tl.float32)")
 
 
-def _on_tiles_gemm(node: Node) -> bool:
-    """A GEMM the row kernel computes on its tiles: a MatMul, a Gemm or a dense NHWC conv (one
-    group; a depthwise conv is a window of its own, `_depthwise_tile`)."""
+def _on_tiles_gemm(graph: Graph, node: Node) -> bool:
+    """A GEMM the row kernel computes on its tiles: a MatMul, a Gemm or an NHWC conv (a depthwise
+    conv is a window of its own, `_depthwise_tile`)."""
     if node.op_type == NHWC_CONV:
-        return int(node.attrs.get("group", 1)) == 1
+        return not is_depthwise(graph, node)
     return node.op_type in ("MatMul", "Gemm")
+
+
+def _block_diagonal(graph: Graph, conv: Node, w: str) -> tuple[TileRead, int]:
+    """A grouped conv's weight read as the dense one it stands for: K spans every input channel
+    of every tap, and B's entry for input channel c and output channel n is the weight where both
+    are of the same group, 0 elsewhere (the tile multiplies `groups` times the products it needs;
+    tuning weighs that against the library's grouped conv). Returns B's read and the dense K."""
+    d = conv_params(graph, conv)
+    groups = int(conv.attrs.get("group", 1))
+    cg, og = d["C"] // groups, d["CO"] // groups
+    taps = d["KH"] * d["KW"]
+    c = "(kk[:, None] % {})".format(d["C"])
+    offset = f"rn[None, :] * {taps * cg} + (kk[:, None] // {d['C']}) * {cg} + {c} % {cg}"
+    return TileRead(w, offset, mask=f"({c} // {cg} == rn[None, :] // {og})"), taps * d["C"]
 
 
 def _pixelwise(graph: Graph, conv: Node) -> bool:
@@ -343,7 +353,7 @@ def generate_rowwise(
     tiled = space.inner > 1 and not space.groups
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
     # (A GEMM's prologue may hold a Concat along K: computed_a_tile reads that one in parts.)
-    gemm = next((n for n in prologue or [] if _on_tiles_gemm(n)), None)
+    gemm = next((n for n in prologue or [] if _on_tiles_gemm(graph, n)), None)
     concat = None if gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
     prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None

@@ -57,6 +57,7 @@ class Part:
     match: Any = None
     views: dict[str, Any] = field(default_factory=dict)
     prologue: list[Node] = field(default_factory=list)
+    rule: str = ""  # the group's (a split form's kernel: none of its own)
 
 
 _CLASSES: dict[str, type] = {

@@ -23,8 +23,10 @@ channels, K the window's taps times the input channels, each A tile loaded throu
 taps' pixels, zero outside the image). Where a LayerNorm over the channels follows a conv (the
 patch embeddings and spatial-reduction convs of PVT and SegFormer, wav2vec2-style feature
 encoders' convs with a LayerNorm each, ConvNeXt's and Swin's stems), the conv, its bias and the
-norm run as one kernel. Only convs of one group with no shortcut summed in; their A tiles are not
-computed by pointwise ops (no `operand_prologue`).
+norm run as one kernel. A grouped conv of a few groups (GEMM_CONV_GROUPS: data2vec-audio's
+positional convs, each with its LayerNorm) multiplies its block-diagonal weight as a dense one. Not
+a conv that sums a shortcut; a conv's A tiles are not computed by pointwise ops (no
+`operand_prologue`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rules.base import Candidate, PlanState, RowPrologueRule
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, has_shortcut
+from opfuse.ir.ops import NHWC_CONV, has_shortcut, is_depthwise
 from opfuse.ir.rows import row_space
 from opfuse.ir.support import gemm_dims, is_batched
 from opfuse.ir.views import StridedView
@@ -45,6 +47,9 @@ GEMM_REDUCTION_RULE = names.GEMM_REDUCTION
 # Columns of one row kernel tile: a [BLOCK_M >= 16, next_pow2(N)] float32 accumulator per program.
 # 1024 covers hidden sizes up to BERT-large's; longer rows would spill registers.
 GEMM_ROW_MAX = 1024
+# A grouped conv on the tiles multiplies a block-diagonal weight as a dense one: `groups` times
+# the products it needs, so only a few groups (a speech encoder's positional conv).
+GEMM_CONV_GROUPS = 16
 
 
 class GemmReduction(RowPrologueRule):
@@ -54,10 +59,14 @@ class GemmReduction(RowPrologueRule):
     through_reshapes = True
 
     def takes(self, anchor: Node) -> bool:
-        """A MatMul or Gemm, or a dense NHWC conv: one group, no shortcut summed in."""
+        """A MatMul or Gemm, or an NHWC conv of at most GEMM_CONV_GROUPS groups (not depthwise:
+        depthwise_reduction's), no shortcut summed in."""
         if anchor.op_type != NHWC_CONV:
             return anchor.op_type in ("MatMul", "Gemm")
-        return int(anchor.attrs.get("group", 1)) == 1 and not has_shortcut(anchor)
+        groups = int(anchor.attrs.get("group", 1))
+        if groups > 1 and (groups > GEMM_CONV_GROUPS or is_depthwise(self.graph, anchor)):
+            return False
+        return not has_shortcut(anchor)
 
     def match(self) -> Iterator[Candidate]:
         graph = self.graph

@@ -290,10 +290,10 @@ def test_a_conv_is_computed_on_the_row_kernels_tiles() -> None:
         assert plan.lone == [], layout
 
 
-def test_a_grouped_conv_or_one_read_outside_is_not_taken() -> None:
-    model, _ = conv_norm(group=5, channels=5, out_channels=25)
+def test_a_conv_of_many_groups_or_one_read_outside_is_not_taken() -> None:
+    model, _ = conv_norm(group=32, channels=32, out_channels=64)
     _, plan = planned(model)
-    assert [g.nodes[0].name for g in plan.lone] == ["conv"]  # grouped: the library's conv
+    assert [g.nodes[0].name for g in plan.lone] == ["conv"]  # 32 groups: the library's conv
     model, _ = conv_norm(read_outside=True)
     _, plan = planned(model)
     assert [g.nodes[0].name for g in plan.lone] == ["conv"]
@@ -309,6 +309,8 @@ def test_a_grouped_conv_or_one_read_outside_is_not_taken() -> None:
         {"layout": "1d", "kernel": (1, 3), "stride": 2, "pad": 0, "size": (1, 29), "channels": 16},
         {"kernel": (1, 1), "stride": 1, "pad": 0, "channels": 40},  # 1x1: the NHWC buffer as A
         {"kernel": (7, 7), "stride": 4, "pad": 3, "size": (23, 19), "images": 3},  # SegFormer's first
+        # A grouped Conv1d (a speech encoder's positional conv): the block-diagonal weight
+        {"layout": "1d", "kernel": (1, 5), "stride": 1, "pad": 2, "size": (1, 21), "channels": 8, "group": 4},
     ],
 )
 def test_the_conv_form_computes_what_onnxruntime_does(form: dict[str, Any], precision: str) -> None:
