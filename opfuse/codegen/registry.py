@@ -30,8 +30,8 @@ from opfuse.codegen.tuning_space import (
     gemm_candidates,
     rowwise_candidates,
 )
-from opfuse.graph import Graph, Node
 from opfuse.frontend.rule_registry import DEPTHWISE_REDUCTION
+from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
