@@ -342,3 +342,30 @@ def test_the_conv_forms_split_form_computes_the_same() -> None:
         got = Executor(plan, TEST_DEVICE).run(feeds)
         for name, w in want.items():
             np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
+    """A Linear on the tokens flattened to 2-D ([B*S, K] @ W), its product reshaped back to
+    [B, S, N] before the residual add and the norm (torchvision's ViT writes its MLP so): the
+    reshape reads the product in order, so the row kernel computes the product on its tiles."""
+    rows, k, cols = (3, 7), 24, 40
+    nodes = [
+        n("MatMul", ["x", "w"], ["h"], name="fc"),
+        n("Reshape", ["h", "shape"], ["h3"], name="unflatten"),
+        n("Add", ["h3", "r"], ["s"], name="residual"),
+        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    inits = {
+        "w": weights(k, cols, seed=1),
+        "shape": np.array([*rows, cols], dtype=np.int64),
+        "gamma": 1.0 + weights(cols, seed=3),
+        "beta": weights(cols, seed=4),
+    }
+    shapes = {"x": [rows[0] * rows[1], k], "r": [*rows, cols]}
+    model = tiny_model(nodes, shapes, {"y": [*rows, cols]}, inits)
+    _, plan = planned(model)
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    assert row.rule == RULE and [x.name for x in row.prologue] == ["fc"] and plan.lone == []
+    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    assert _every_config(cm, model, shapes, "fp32") == 1
