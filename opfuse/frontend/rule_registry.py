@@ -219,7 +219,10 @@ REGISTRY: tuple[RuleInfo, ...] = (
         SUM_SIBLING_CONVS,
         GRAPH_PASS,
         "Two convolutions of one input added together are one convolution whose weight is their "
-        "sum (each kernel placed in the bounding window) and whose bias is the sum of theirs.",
+        "sum (each kernel placed in the bounding window, grouped ones of the same groups too) and "
+        "whose bias is the sum of theirs; a conv added to its own input, or to an inference "
+        "BatchNormalization of it (a re-parameterizable block's identity branch: RepVGG, MobileOne, "
+        "FastViT), is one convolution with that scale on its centre tap and the shift in its bias.",
     ),
     _r(
         SUM_SIBLING_GEMMS,

@@ -22,7 +22,8 @@ import numpy as np
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.ops import NHWC_CONV, has_shortcut
-from opfuse.passes.concat_convs import merged_conv, merged_window
+from opfuse.ir.support import window_pads
+from opfuse.passes.concat_convs import constant_weights_reason, merged_conv, merged_window
 from opfuse.passes.rules import NotFired, Rule, RuleLog, node_label
 
 RULE = names.MERGE_SIBLING_CONVS
@@ -105,31 +106,87 @@ SUM_RULE = names.SUM_SIBLING_CONVS
 def _sum_match(graph: Graph, node: Node) -> dict[str, Any] | None:
     """Add(Conv(x, W1, b1), Conv(x, W2, b2)), each conv read only by the Add: a projection
     shortcut added to a one-conv main path (ResNet-style downsampling without an activation
-    between)."""
-    if node.op_type != "Add" or len(node.inputs) != 2:
+    between), a re-parameterizable block's parallel kxk and 1x1 branches (RepVGG, MobileOne).
+    Or Add(Conv(x, W, b), x) or Add(Conv(x, W, b), BatchNormalization(x)): the block's identity
+    branch, a conv with one tap of its own (`identity`: the per-channel scale and shift; a
+    BatchNormalization read by others too stays for them)."""
+    if node.op_type != "Add" or len(node.inputs) != 2 or node.inputs[0] == node.inputs[1]:
         return None
     producers, consumers = graph.producers(), graph.consumers()
     outputs = {o.name for o in graph.outputs}
-    convs = [producers.get(x) for x in node.inputs]
-    if any(c is None or c.op_type != "Conv" for c in convs) or node.inputs[0] == node.inputs[1]:
+    found = [producers.get(x) for x in node.inputs]
+    convs = [c for c in found if c is not None and c.op_type == "Conv"]
+    if not convs:
         return None
-    pair = [c for c in convs if c is not None]
-    if pair[0].inputs[0] != pair[1].inputs[0]:
+    if any(c.outputs[0] in outputs or len(consumers.get(c.outputs[0], [])) != 1 for c in convs):
         return None
-    if any(c.outputs[0] in outputs or len(consumers.get(c.outputs[0], [])) != 1 for c in pair):
-        return None
-    if graph.spec(pair[0].outputs[0]).shape != graph.spec(node.outputs[0]).shape:
+    if graph.spec(convs[0].outputs[0]).shape != graph.spec(node.outputs[0]).shape:
         return None  # the Add broadcasts: not one conv's output
-    return {"convs": pair, "nodes": [*pair, node]}
+    if len(convs) == 2:
+        if convs[0].inputs[0] != convs[1].inputs[0]:
+            return None
+        return {"convs": convs, "nodes": [*convs, node]}
+    conv = convs[0]
+    other = node.inputs[1] if found[0] is conv else node.inputs[0]
+    x = conv.inputs[0]
+    if other == x:
+        return {"convs": [conv], "identity": None, "nodes": [conv, node]}
+    bn = producers.get(other)
+    if bn is None or bn.op_type != "BatchNormalization" or bn.inputs[0] != x or len(bn.outputs) != 1:
+        return None
+    # A BatchNormalization others read too stays for them (its output computed once either way).
+    shared = other in outputs or len(consumers.get(other, [])) != 1
+    return {"convs": [conv], "identity": bn, "nodes": [conv, node] if shared else [conv, bn, node]}
 
 
 def _sum_check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
-    layout = merged_window(graph, [(c, None) for c in m["convs"]])
+    convs: list[Node] = m["convs"]
+    if len({int(c.attrs.get("group", 1)) for c in convs}) != 1:
+        return "the convolutions differ in groups"
+    if "identity" in m:
+        return _identity_check(graph, node, m)
+    # Summed weights keep the group: each sum stays within its group's block.
+    layout = merged_window(graph, [(c, None) for c in convs], depthwise=True)
     if isinstance(layout, str):
         return layout
-    if len({graph.constants[c.inputs[1]].shape[0] for c in m["convs"]}) != 1:
-        return "the convolutions differ in output channels"
+    if len({graph.constants[c.inputs[1]].shape[:2] for c in convs}) != 1:
+        return "the convolutions differ in output or input channels"
     m["layout"] = layout
+    return None
+
+
+def _identity_check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    """The identity branch is the conv's own tap where the window reads the output pixel's input
+    pixel: stride 1, as many channels out as in, input and output of one shape."""
+    (conv,) = m["convs"]
+    why = constant_weights_reason(graph, [conv])
+    if why is not None:
+        return why
+    x = conv.inputs[0]
+    if graph.spec(x).shape != graph.spec(node.outputs[0]).shape:
+        return "the identity branch and the conv's output differ in shape"
+    w = graph.constants[conv.inputs[1]]
+    if w.ndim != 4 or any(int(v) != 1 for v in conv.attrs.get("strides", [1, 1])):
+        return "the conv is not a 2-D conv of stride 1"
+    kh, kw = w.shape[2:]
+    size = tuple(graph.spec(x).shape[2:])
+    (top, left), (bottom, right) = window_pads(conv, size, size, (kh, kw))
+    pads = [top, left, bottom, right]
+    dh, dw = (int(v) for v in conv.attrs.get("dilations", [1, 1]))
+    if top % dh or left % dw or top // dh >= kh or left // dw >= kw:
+        return "no tap of the window reads the output pixel's own input pixel"
+    scale = np.ones(w.shape[0], dtype=np.float64)
+    shift = np.zeros(w.shape[0], dtype=np.float64)
+    bn = m["identity"]
+    if bn is not None:
+        params = [graph.constants.get(v) for v in bn.inputs[1:5]]
+        if any(v is None for v in params) or bool(int(bn.attrs.get("training_mode", 0))):
+            return "the identity branch's BatchNormalization is not an inference one of constants"
+        gamma, beta, mean, var = (np.asarray(v, dtype=np.float64) for v in params)
+        scale = gamma / np.sqrt(var + float(bn.attrs.get("epsilon", 1e-5)))
+        shift = beta - mean * scale
+    m["layout"] = {"kernel": (kh, kw), "pads": pads, "offsets": [(0, 0)]}
+    m["tap"], m["scale"], m["shift"] = (top // dh, left // dw), scale, shift
     return None
 
 
@@ -145,6 +202,11 @@ def _sum_rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         w[:, :, oy : oy + x.shape[2], ox : ox + x.shape[3]] += x
         if len(c.inputs) > 2 and c.inputs[2]:
             b += graph.constants[c.inputs[2]]
+    if "tap" in m:  # the identity branch: output channel o reads its own input channel there
+        out = np.arange(w.shape[0])
+        ty, tx = m["tap"]
+        w[out, out % w.shape[1], ty, tx] += m["scale"]
+        b += m["shift"]
     operands, attrs = merged_conv(graph, first, layout, w, b, "sum")
     names = "+".join(n.name for n in m["nodes"] if n.name)
     new = Node(f"{first.id}+", "Conv", operands, [node.outputs[0]], attrs, names)

@@ -8,8 +8,10 @@ import onnx
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
+from opfuse.graph import Graph
 from opfuse.ir.ops import NHWC_CONV
 from opfuse.passes.pipeline import PASSES
+from opfuse.passes.rules import RuleLog
 from opfuse.passes.sibling_convs import sum_sibling_convs
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model, weights
 
@@ -126,3 +128,94 @@ def test_sibling_convolutions_feeding_attention_store_the_merged_output() -> Non
     assert [s.op_type or "kernel" for s in cm.plan.steps] == ["Transpose", NHWC_CONV, "kernel"]
     assert not [nf for nf in r["fusion"]["not_fused"] if "raised" in nf["reason"]]
     assert not r["verification"]["rolled_back"]
+
+
+def reparam_block(
+    channels: int = 6, group: int = 1, branches: int = 2, identity: str = "bn", shared_bn: bool = False
+) -> onnx.ModelProto:
+    """A re-parameterizable block as MobileOne and RepVGG write it for training, exported as is:
+    `out = scale(x) + identity(x)`, then `out += conv_kxk[i](x)` for each 3x3 branch, each conv
+    with its BatchNormalization. `identity`: "bn" (BatchNormalization of x), "x" (x itself) or
+    "" (none). `shared_bn`: the identity's BatchNormalization is also read by a Sub (FastViT's
+    RepMixer subtracts its norm, which an exporter may share with the identity branch)."""
+    cin = channels // group
+    rng = np.random.default_rng(7)
+
+    def bn_params(prefix: str) -> dict[str, np.ndarray]:
+        return {
+            f"{prefix}_g": (1.0 + 0.3 * rng.standard_normal(channels)).astype(np.float32),
+            f"{prefix}_b": (0.2 * rng.standard_normal(channels)).astype(np.float32),
+            f"{prefix}_m": (0.2 * rng.standard_normal(channels)).astype(np.float32),
+            f"{prefix}_v": rng.uniform(0.5, 1.5, channels).astype(np.float32),
+        }
+
+    def conv_bn(name: str, k: int, inits: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
+        inits[f"{name}_w"] = weights(channels, cin, k, k, seed=len(inits))
+        inits.update(bn_params(name))
+        p = k // 2
+        return [
+            n("Conv", ["x", f"{name}_w"], [f"{name}_c"], name=name, pads=[p] * 4, group=group),
+            n(
+                "BatchNormalization",
+                [f"{name}_c", *(f"{name}_{s}" for s in "gbmv")],
+                [name],
+                name=f"{name}_bn",
+            ),
+        ]
+
+    inits: dict[str, np.ndarray] = {}
+    nodes = conv_bn("scale", 1, inits)
+    out = "scale"
+    if identity:
+        if identity == "bn":
+            inits.update(bn_params("id"))
+            nodes.append(
+                n("BatchNormalization", ["x", "id_g", "id_b", "id_m", "id_v"], ["ident"], name="id_bn")
+            )
+        nodes.append(n("Add", ["scale", "ident" if identity == "bn" else "x"], ["sum0"], name="add_id"))
+        out = "sum0"
+    for i in range(branches):
+        nodes += conv_bn(f"kxk{i}", 3, inits)
+        nodes.append(n("Add", [out, f"kxk{i}"], [f"sum{i + 1}"], name=f"add{i}"))
+        out = f"sum{i + 1}"
+    outputs = {out: [2, channels, 7, 5]}
+    if shared_bn:
+        nodes.append(n("Sub", [out, "ident"], ["mixed"], name="sub_norm"))
+        outputs = {"mixed": [2, channels, 7, 5]}
+    return tiny_model(nodes, {"x": [2, channels, 7, 5]}, outputs, inits)
+
+
+def _after_fold_and_sum(model: onnx.ModelProto) -> tuple[Graph, RuleLog]:
+    graph = graph_of(model)
+    run_pass(graph, next(p for p in PASSES if p.name == names.FOLD_BATCHNORM))
+    return graph, run_pass(graph, sum_sibling_convs)
+
+
+def test_a_reparameterizable_block_is_one_convolution() -> None:
+    """Dense (RepVGG) and depthwise (MobileOne's kxk blocks), with the identity as a
+    BatchNormalization of x or as x itself: every branch folds into one 3x3 conv."""
+    for group, identity in ((1, "bn"), (6, "bn"), (1, "x"), (3, "x"), (6, "")):
+        model = reparam_block(group=group, identity=identity, branches=3)
+        graph, log = _after_fold_and_sum(model)
+        assert ops(graph) == ["Conv"], (group, identity)
+        assert log.not_fired == [] and log.fired == {names.SUM_SIBLING_CONVS: 3 + bool(identity)}
+        assert_computes_as_onnxruntime(model, graph)
+
+
+def test_an_identity_batchnorm_read_by_others_stays_for_them() -> None:
+    model = reparam_block(group=6, shared_bn=True)
+    graph, log = _after_fold_and_sum(model)
+    assert sorted(ops(graph)) == ["BatchNormalization", "Conv", "Sub"]
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_an_identity_batchnorm_of_runtime_statistics_is_not_folded() -> None:
+    model = reparam_block(identity="bn", branches=1)
+    mean = next(i for i in model.graph.initializer if i.name == "id_m")
+    model.graph.initializer.remove(mean)
+    model.graph.input.append(helper.make_tensor_value_info("id_m", onnx.TensorProto.FLOAT, [6]))
+    graph, log = _after_fold_and_sum(model)
+    assert [r.reason for r in log.not_fired] == [
+        "the identity branch's BatchNormalization is not an inference one of constants"
+    ]
+    assert "BatchNormalization" in ops(graph)
