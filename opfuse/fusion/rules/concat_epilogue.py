@@ -35,10 +35,9 @@ class ConcatEpilogue(FusionRule):
         graph_outputs = {o.name for o in graph.outputs}
         order = {n.id: i for i, n in enumerate(graph.nodes)}
         by_output = {g.outputs[0]: g for g in [*state.anchors, *state.lone] if len(g.outputs) == 1}
-        # Nodes other groups hold: views never fold them.
-        self.claimed = state.in_rows | {
-            n.id for g in state.anchors for n in [*g.prologue, *g.nodes, *g.absorbed]
-        }
+        # Nodes other groups hold, row groups' prologues too (a Concat that gemm_reduction's
+        # operand prologue reads in parts): never taken, and views never fold them.
+        self.claimed = state.held()
         for cat in graph.nodes:
             if cat.op_type != "Concat" or cat.id in self.claimed:
                 continue

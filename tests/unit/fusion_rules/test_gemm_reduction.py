@@ -369,3 +369,46 @@ def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
     cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
     assert _every_config(cm, model, shapes, "fp32") == 1
+
+
+def test_a_concat_in_the_operand_prologue_is_not_also_a_convs_epilogue() -> None:
+    """MambaOut's gated block: fc2(silu(g) * cat(i, dwconv(c))) + x, then a LayerNorm. The row
+    kernel computes fc2 on its tiles and its A through the Concat, reading the conv's output in
+    place; `concat_epilogue` must not also give the Concat to the conv (which would then write
+    only the Concat's output, never its own, and the row kernel's first run raised KeyError)."""
+    d, hidden = 16, 32
+    nodes = [
+        n("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        n("Split", ["h", "parts"], ["g", "i", "c"], name="split", axis=-1),
+        n("Transpose", ["c"], ["cn"], name="to_nchw", perm=[0, 3, 1, 2]),
+        n("Conv", ["cn", "wdw", "bdw"], ["cc"], name="dwconv", group=d, pads=[1, 1, 1, 1]),
+        n("Transpose", ["cc"], ["ct"], name="to_nhwc", perm=[0, 2, 3, 1]),
+        n("Concat", ["i", "ct"], ["cat"], name="cat", axis=-1),
+        n("Sigmoid", ["g"], ["sg"], name="sigmoid"),
+        n("Mul", ["g", "sg"], ["silu"], name="silu"),
+        n("Mul", ["silu", "cat"], ["a"], name="gate"),
+        n("MatMul", ["a", "w2"], ["p"], name="fc2"),
+        n("Add", ["p", "x"], ["s"], name="residual"),
+        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    inits = {
+        "w1": weights(d, hidden + 2 * d, seed=1),
+        "parts": np.array([hidden, d, d], dtype=np.int64),
+        "wdw": weights(d, 1, 3, 3, seed=2),
+        "bdw": weights(d, seed=3),
+        "w2": weights(hidden, d, seed=4),
+        "gamma": 1.0 + weights(d, seed=5),
+        "beta": weights(d, seed=6),
+    }
+    shapes = {"x": [2, 6, 5, d]}
+    model = tiny_model(nodes, shapes, {"y": [2, 6, 5, d]}, inits)
+    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    report = cm.report
+    assert not [x for x in report["fusion"]["not_fused"] if "raised" in x["reason"]]
+    assert report["verification"]["passed"] is True and not report["verification"]["rolled_back"]
+    (row,) = [g for g in report["fusion"]["groups"] if g["kind"] == "rowwise" and "fc2" in g["nodes"]]
+    assert row["rule"] == f"{RULE}+{names.OPERAND_PROLOGUE}" and "cat" in row["nodes"]
+    assert all("cat" not in g["nodes"] for g in report["fusion"]["groups"] if g is not row)
+    rng = np.random.default_rng(8)
+    feeds = {"x": rng.standard_normal(shapes["x"]).astype(np.float32)}
+    np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), _ort(model, feeds)["y"], rtol=1e-4, atol=1e-4)
