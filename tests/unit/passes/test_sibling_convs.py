@@ -206,6 +206,7 @@ def test_an_identity_batchnorm_read_by_others_stays_for_them() -> None:
     model = reparam_block(group=6, shared_bn=True)
     graph, log = _after_fold_and_sum(model)
     assert sorted(ops(graph)) == ["BatchNormalization", "Conv", "Sub"]
+    assert log.fired == {names.SUM_SIBLING_CONVS: 3}
     assert_computes_as_onnxruntime(model, graph)
 
 
