@@ -155,7 +155,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Identity, inference-time Dropout, and copies whose output is their input (a Pad of all-zero pads, "
         "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
         "consumers read the input directly. So does an Expand whose readers all broadcast its input to "
-        "the same shape (F.normalize's norm).",
+        "the same shape (F.normalize's norm), and arithmetic by a constant neutral element (x + 0, "
+        "x - 0, x * 1, x / 1) that broadcasts nothing.",
     ),
     _r(
         FOLD_PAD_INTO_CONV,

@@ -3,7 +3,9 @@
 Identity and inference-time Dropout, and copies whose output is their input: a Pad of all-zero
 pads (timm's and torchvision's window attention pads to a multiple of the window size, zero where
 the map divides), an Expand or Cast to the input's own shape and type, a Slice with unit steps
-that keeps the whole input. Each ran as a copy kernel; their consumers now read the input.
+that keeps the whole input. Each ran as a copy kernel; their consumers now read the input. So
+does arithmetic by a constant neutral element (x + 0, x * 1), which kept a conv's output from
+its sibling sums (`sum_sibling_convs`).
 
 An Expand read only by elementwise ops that broadcast to the same shape without it (F.normalize
 divides by its norm expanded to the input's shape) goes too: the consumers broadcast the input.
@@ -78,25 +80,48 @@ def broadcast_by_readers(graph: Graph, node: Node) -> bool:
     return True
 
 
-def _match_noop(graph: Graph, node: Node) -> dict[str, Any] | None:
-    if not copies_its_input(graph, node) and not broadcast_by_readers(graph, node):
+# x + 0, 0 + x, x - 0, x * 1, 1 * x, x / 1: the constant that leaves the other operand as it is.
+NEUTRAL = {"Add": (0.0, True), "Sub": (0.0, False), "Mul": (1.0, True), "Div": (1.0, False)}
+
+
+def neutral_operand(graph: Graph, node: Node) -> str | None:
+    """The operand an arithmetic op passes through unchanged (its other operand a constant of the
+    op's neutral value, no broadcast beyond the operand's shape, the same type), else None: a
+    MobileOne block without an identity branch, exported by TorchScript, adds a literal 0."""
+    if node.op_type not in NEUTRAL or len(node.inputs) != 2:
         return None
-    return {"nodes": [node]}
+    value, commutes = NEUTRAL[node.op_type]
+    y = graph.spec(node.outputs[0])
+    for i in (0, 1) if commutes else (0,):
+        x, c = node.inputs[i], node.inputs[1 - i]
+        const = graph.constants.get(c)
+        if const is None or x in graph.constants or not np.all(np.asarray(const) == value):
+            continue
+        spec = graph.spec(x)
+        if tuple(spec.shape) == tuple(y.shape) and spec.dtype == y.dtype:
+            return x
+    return None
+
+
+def _match_noop(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if copies_its_input(graph, node) or broadcast_by_readers(graph, node):
+        return {"nodes": [node], "src": node.inputs[0]}
+    src = neutral_operand(graph, node)
+    return {"nodes": [node], "src": src} if src is not None else None
 
 
 def _check_noop(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     if node.op_type == "Dropout" and len([o for o in node.outputs if o]) > 1:
         return "the Dropout mask output is used"
     graph_outputs = {o.name for o in graph.outputs}
-    if node.outputs[0] in graph_outputs and (
-        node.inputs[0] in graph_outputs or node.inputs[0] not in graph.producers()
-    ):
+    src = m.get("src", node.inputs[0])
+    if node.outputs[0] in graph_outputs and (src in graph_outputs or src not in graph.producers()):
         return "its output is a graph output fed directly by a graph input or another output"
     return None
 
 
 def _rewrite_noop(graph: Graph, node: Node, m: dict[str, Any]) -> None:
-    src, dst = node.inputs[0], node.outputs[0]
+    src, dst = m.get("src", node.inputs[0]), node.outputs[0]
     graph.nodes.remove(node)
     graph_outputs = {o.name for o in graph.outputs}
     if dst in graph_outputs:

@@ -165,3 +165,37 @@ def test_a_reshape_of_a_view_reads_the_views_input_and_an_identity_reshape_goes(
     assert cm.report["verification"]["passed"] is True
     (gemm,) = [g for g in cm.report["fusion"]["groups"] if "linear" in g["nodes"]]
     assert "residual" in gemm["nodes"]  # the Add is the GEMM's epilogue
+
+
+def test_arithmetic_by_a_neutral_constant_is_removed() -> None:
+    """x + 0 (either side), x - 0, x * 1 (either side), x / 1 go; 0 - x, 1 / x, x + 0 that
+    broadcasts x to a larger shape, and x + 0.5 stay."""
+    import numpy as np
+
+    consts = {
+        "zero": np.zeros((), dtype=np.float32),
+        "zeros": np.zeros((3, 1), dtype=np.float32),
+        "one": np.ones((1, 5), dtype=np.float32),
+        "half": np.full((), 0.5, dtype=np.float32),
+    }
+    model = tiny_model(
+        [
+            n("Add", ["x", "zero"], ["a"], name="plus0"),
+            n("Add", ["zeros", "a"], ["b0"], name="zero_plus"),
+            n("Sub", ["b0", "zero"], ["c"], name="minus0"),
+            n("Mul", ["one", "c"], ["d"], name="one_times"),
+            n("Div", ["d", "one"], ["e"], name="by1"),
+            n("Sub", ["zero", "e"], ["f"], name="zero_minus"),
+            n("Div", ["one", "f"], ["g"], name="one_over"),
+            n("Add", ["g", "half"], ["h"], name="plus_half"),
+            n("Add", ["h", "wide0"], ["y"], name="broadcast0"),
+        ],
+        {"x": [3, 5]},
+        {"y": [2, 3, 5]},
+        {**consts, "wide0": np.zeros((2, 1, 1), dtype=np.float32)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, eliminate_noops)
+    assert [x.name for x in graph.nodes] == ["zero_minus", "one_over", "plus_half", "broadcast0"]
+    assert log.fired == {names.ELIMINATE_NOOPS: 5}
+    assert_computes_as_onnxruntime(model, graph)
