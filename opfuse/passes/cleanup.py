@@ -85,9 +85,11 @@ NEUTRAL = {"Add": (0.0, True), "Sub": (0.0, False), "Mul": (1.0, True), "Div": (
 
 
 def neutral_operand(graph: Graph, node: Node) -> str | None:
-    """The operand an arithmetic op passes through unchanged (its other operand a constant of the
-    op's neutral value, no broadcast beyond the operand's shape, the same type), else None: a
-    MobileOne block without an identity branch, exported by TorchScript, adds a literal 0."""
+    """The operand an arithmetic op passes through unchanged (its other operand a one-element
+    constant of the op's neutral value, no broadcast beyond the operand's shape, the same type),
+    else None: a MobileOne block without an identity branch, exported by TorchScript, adds a
+    literal 0. Only a literal: a bias or scale vector that happens to hold zeros or ones is a
+    weight (a freshly initialized model's), which a trained model's would not be."""
     if node.op_type not in NEUTRAL or len(node.inputs) != 2:
         return None
     value, commutes = NEUTRAL[node.op_type]
@@ -95,7 +97,7 @@ def neutral_operand(graph: Graph, node: Node) -> str | None:
     for i in (0, 1) if commutes else (0,):
         x, c = node.inputs[i], node.inputs[1 - i]
         const = graph.constants.get(c)
-        if const is None or x in graph.constants or not np.all(np.asarray(const) == value):
+        if const is None or const.size != 1 or x in graph.constants or not np.all(np.asarray(const) == value):
             continue
         spec = graph.spec(x)
         if tuple(spec.shape) == tuple(y.shape) and spec.dtype == y.dtype:

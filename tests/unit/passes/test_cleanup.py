@@ -169,13 +169,14 @@ def test_a_reshape_of_a_view_reads_the_views_input_and_an_identity_reshape_goes(
 
 def test_arithmetic_by_a_neutral_constant_is_removed() -> None:
     """x + 0 (either side), x - 0, x * 1 (either side), x / 1 go; 0 - x, 1 / x, x + 0 that
-    broadcasts x to a larger shape, and x + 0.5 stay."""
+    broadcasts x to a larger shape, x + 0.5, and a bias vector of zeros (a weight) stay."""
     import numpy as np
 
     consts = {
         "zero": np.zeros((), dtype=np.float32),
-        "zeros": np.zeros((3, 1), dtype=np.float32),
-        "one": np.ones((1, 5), dtype=np.float32),
+        "zeros": np.zeros((1, 1), dtype=np.float32),
+        "one": np.ones((1, 1), dtype=np.float32),
+        "bias": np.zeros(5, dtype=np.float32),
         "half": np.full((), 0.5, dtype=np.float32),
     }
     model = tiny_model(
@@ -188,7 +189,8 @@ def test_arithmetic_by_a_neutral_constant_is_removed() -> None:
             n("Sub", ["zero", "e"], ["f"], name="zero_minus"),
             n("Div", ["one", "f"], ["g"], name="one_over"),
             n("Add", ["g", "half"], ["h"], name="plus_half"),
-            n("Add", ["h", "wide0"], ["y"], name="broadcast0"),
+            n("Add", ["h", "bias"], ["h1"], name="zero_bias"),
+            n("Add", ["h1", "wide0"], ["y"], name="broadcast0"),
         ],
         {"x": [3, 5]},
         {"y": [2, 3, 5]},
@@ -196,6 +198,6 @@ def test_arithmetic_by_a_neutral_constant_is_removed() -> None:
     )
     graph = graph_of(model)
     log = run_pass(graph, eliminate_noops)
-    assert [x.name for x in graph.nodes] == ["zero_minus", "one_over", "plus_half", "broadcast0"]
+    assert [x.name for x in graph.nodes] == ["zero_minus", "one_over", "plus_half", "zero_bias", "broadcast0"]
     assert log.fired == {names.ELIMINATE_NOOPS: 5}
     assert_computes_as_onnxruntime(model, graph)
