@@ -145,19 +145,18 @@ def test_it_computes_what_onnxruntime_does(form: dict[str, Any], precision: str)
     assert _every_config(cm, model, shapes, precision) == 1  # one launch for the whole layer end
 
 
-def test_the_split_form_computes_the_same() -> None:
-    """What tuning measures against the one kernel: the library's GEMM, then the row kernel."""
+def _split_form_computes_the_same(model: onnx.ModelProto, shapes: dict[str, list[int]], anchor: str) -> None:
+    """What tuning measures against the one kernel: the library's `anchor`, then the row kernel
+    (reading the anchor's output through the folded layout ops, where it did)."""
     from bench.kernels import plan_model
     from opfuse.lowering import build_plan
     from opfuse.runtime.executor import Executor
 
-    model = linear_norm(pre_norm=True)
-    shapes = {"x": [2, 5, 24], "r": [2, 5, 48]}
     p = plan_model(model, shapes, "fp32")
     (g,) = [g for g in p.fusion.groups if g.kind == "rowwise" and g.prologue]
     split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
     mine = [(s.kind, s.op_type) for s in split.steps if s.group == g.id]
-    assert mine == [("op", "MatMul"), ("kernel", "")]
+    assert mine == [("op", anchor), ("kernel", "")]
     rng = np.random.default_rng(5)
     feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
     want = _ort(model, feeds)
@@ -165,6 +164,10 @@ def test_the_split_form_computes_the_same() -> None:
         got = Executor(plan, TEST_DEVICE).run(feeds)
         for name, w in want.items():
             np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_the_split_form_computes_the_same() -> None:
+    _split_form_computes_the_same(linear_norm(pre_norm=True), {"x": [2, 5, 24], "r": [2, 5, 48]}, "MatMul")
 
 
 def parallel_residual(rows: tuple[int, ...] = (2, 5), d: int = 32, hidden: int = 64) -> onnx.ModelProto:
@@ -323,25 +326,7 @@ def test_the_conv_form_computes_what_onnxruntime_does(form: dict[str, Any], prec
 
 
 def test_the_conv_forms_split_form_computes_the_same() -> None:
-    """What tuning measures against the one kernel: the library's conv, then the row kernel
-    reading the conv's output through the folded layout ops."""
-    from bench.kernels import plan_model
-    from opfuse.lowering import build_plan
-    from opfuse.runtime.executor import Executor
-
-    model, shapes = conv_norm()
-    p = plan_model(model, shapes, "fp32")
-    (g,) = [g for g in p.fusion.groups if g.kind == "rowwise" and g.prologue]
-    split = build_plan(p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"})
-    mine = [(s.kind, s.op_type) for s in split.steps if s.group == g.id]
-    assert mine == [("op", "opfuse.ConvNHWC"), ("kernel", "")]
-    rng = np.random.default_rng(6)
-    feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
-    want = _ort(model, feeds)
-    for plan in (p.plan, split):
-        got = Executor(plan, TEST_DEVICE).run(feeds)
-        for name, w in want.items():
-            np.testing.assert_allclose(np.asarray(got[name]), w, rtol=1e-4, atol=1e-4, err_msg=name)
+    _split_form_computes_the_same(*conv_norm(), "opfuse.ConvNHWC")
 
 
 def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
