@@ -101,6 +101,15 @@ def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
     return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
 
 
+def _compiled(model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str) -> Any:
+    """The compiled model, untuned: on the GPU tuning times the one kernel against its split form
+    and may keep either, and these tests assert the one kernel (at each tuning candidate's config
+    themselves, `_every_config`)."""
+    return opfuse.compile(
+        model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0
+    )
+
+
 def _every_config(cm: Any, model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str) -> int:
     """The compiled plan with its row kernel at its own config and at each tuning candidate (fresh
     random inputs each time, outputs poisoned by the suite): every element of every output against
@@ -138,7 +147,7 @@ def test_it_computes_what_onnxruntime_does(form: dict[str, Any], precision: str)
     model = linear_norm(**form)
     rows = tuple(form.get("rows", (2, 5)))
     shapes = {"x": [*rows, form.get("k", 24)], "r": [*rows, form.get("cols", 48)]}
-    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE)
+    cm = _compiled(model, shapes, precision)
     assert cm.report["verification"]["passed"] is True
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
     assert g["rule"] == RULE and g["nodes"][0] == "fc"
@@ -201,7 +210,7 @@ def test_the_gemm_a_row_kernel_leaves_computes_its_operand() -> None:
     through the Split) instead of a Gelu kernel writing A; both match onnxruntime."""
     model = parallel_residual()
     shapes = {"x": [2, 5, 32], "h": [2, 5, 32]}
-    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    cm = _compiled(model, shapes, "fp32")
     groups = cm.report["fusion"]["groups"]
     (row,) = [g for g in groups if g["kind"] == "rowwise"]
     assert row["rule"].startswith(RULE)
@@ -318,7 +327,7 @@ def test_a_conv_of_many_groups_or_one_read_outside_is_not_taken() -> None:
 )
 def test_the_conv_form_computes_what_onnxruntime_does(form: dict[str, Any], precision: str) -> None:
     model, shapes = conv_norm(**form)
-    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE)
+    cm = _compiled(model, shapes, precision)
     assert cm.report["verification"]["passed"] is True
     (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
     assert g["rule"] == RULE and g["nodes"][0] == "conv"
@@ -351,7 +360,7 @@ def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
     _, plan = planned(model)
     (row,) = [g for g in plan.groups if g.kind == "rowwise"]
     assert row.rule == RULE and [x.name for x in row.prologue] == ["fc"] and plan.lone == []
-    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    cm = _compiled(model, shapes, "fp32")
     assert cm.report["verification"]["passed"] is True
     assert _every_config(cm, model, shapes, "fp32") == 1
 
@@ -387,7 +396,7 @@ def test_a_concat_in_the_operand_prologue_is_not_also_a_convs_epilogue() -> None
     }
     shapes = {"x": [2, 6, 5, d]}
     model = tiny_model(nodes, shapes, {"y": [2, 6, 5, d]}, inits)
-    cm = opfuse.compile(model, input_shapes=shapes, precision="fp32", device=TEST_DEVICE)
+    cm = _compiled(model, shapes, "fp32")
     report = cm.report
     assert not [x for x in report["fusion"]["not_fused"] if "raised" in x["reason"]]
     assert report["verification"]["passed"] is True and not report["verification"]["rolled_back"]
