@@ -125,10 +125,14 @@ class GemmReduction(RowPrologueRule):
         compute its A and that only it reads (a gated FFN's `gelu(x @ wi_0) * (x @ wi_1)` before
         `wo`, gMLP's gate before its projection): the row kernel computes A's tiles in its K loop."""
         super().claim(c)
-        rg, graph, state = c.group, self.graph, self.state
+        rg = c.group
         assert rg is not None
+        self._operand_prologue(c, rg)
         if c.data[1] in rg.views:  # the anchor's output read through a reshape: the tile is the view's
             rg.inputs = [x for x in rg.inputs if x != c.data[1]]
+
+    def _operand_prologue(self, c: Candidate, rg: Group) -> None:
+        graph, state = self.graph, self.state
         if not state.on(names.OPERAND_PROLOGUE) or c.nodes[0].op_type == NHWC_CONV:
             return  # a conv's A tiles are loaded through its window
         mm, held = c.nodes[0], state.held()

@@ -406,3 +406,31 @@ def test_a_concat_in_the_operand_prologue_is_not_also_a_convs_epilogue() -> None
     rng = np.random.default_rng(8)
     feeds = {"x": rng.standard_normal(shapes["x"]).astype(np.float32)}
     np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), _ort(model, feeds)["y"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_product_read_through_a_reshape_with_its_operand_computed() -> None:
+    """The same, A computed on the tiles too (a GELU before the Linear, `operand_prologue`): the
+    reshaped product is still no input of the row kernel (the group's boundary is taken again
+    once the prologue joins)."""
+    rows, k, cols = (2, 6), 16, 32
+    nodes = [
+        n("Gelu", ["x"], ["a"], name="gelu", domain=""),
+        n("MatMul", ["a", "w"], ["h"], name="fc"),
+        n("Reshape", ["h", "shape"], ["h3"], name="unflatten"),
+        n("Add", ["h3", "r"], ["s"], name="residual"),
+        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
+    ]
+    inits = {
+        "w": weights(k, cols, seed=1),
+        "shape": np.array([*rows, cols], dtype=np.int64),
+        "gamma": 1.0 + weights(cols, seed=3),
+        "beta": weights(cols, seed=4),
+    }
+    shapes = {"x": [rows[0] * rows[1], k], "r": [*rows, cols]}
+    model = tiny_model(nodes, shapes, {"y": [*rows, cols]}, inits, opset=20)
+    _, plan = planned(model)
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    assert [x.name for x in row.prologue] == ["gelu", "fc"] and "h3" not in row.inputs
+    cm = _compiled(model, shapes, "fp32")
+    assert not [x for x in cm.report["fusion"]["not_fused"] if "raised" in x["reason"]]
+    assert _every_config(cm, model, shapes, "fp32") == 1
