@@ -338,13 +338,14 @@ def test_the_conv_forms_split_form_computes_the_same() -> None:
     _split_form_computes_the_same(*conv_norm(), "opfuse.ConvNHWC")
 
 
-def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
+def reshaped_linear_norm(gelu: bool = False) -> tuple[onnx.ModelProto, dict[str, list[int]]]:
     """A Linear on the tokens flattened to 2-D ([B*S, K] @ W), its product reshaped back to
-    [B, S, N] before the residual add and the norm (torchvision's ViT writes its MLP so): the
-    reshape reads the product in order, so the row kernel computes the product on its tiles."""
+    [B, S, N] before the residual add and the norm (torchvision's ViT writes its MLP so); `gelu`:
+    a GELU computes the Linear's input."""
     rows, k, cols = (3, 7), 24, 40
     nodes = [
-        n("MatMul", ["x", "w"], ["h"], name="fc"),
+        *([n("Gelu", ["x"], ["a"], name="gelu")] if gelu else []),
+        n("MatMul", ["a" if gelu else "x", "w"], ["h"], name="fc"),
         n("Reshape", ["h", "shape"], ["h3"], name="unflatten"),
         n("Add", ["h3", "r"], ["s"], name="residual"),
         n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
@@ -356,7 +357,13 @@ def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
         "beta": weights(cols, seed=4),
     }
     shapes = {"x": [rows[0] * rows[1], k], "r": [*rows, cols]}
-    model = tiny_model(nodes, shapes, {"y": [*rows, cols]}, inits)
+    return tiny_model(nodes, shapes, {"y": [*rows, cols]}, inits, opset=20), shapes
+
+
+def test_a_product_read_through_a_reshape_is_computed_on_the_tiles() -> None:
+    """The reshape reads the product in order, so the row kernel computes the product on its
+    tiles."""
+    model, shapes = reshaped_linear_norm()
     _, plan = planned(model)
     (row,) = [g for g in plan.groups if g.kind == "rowwise"]
     assert row.rule == RULE and [x.name for x in row.prologue] == ["fc"] and plan.lone == []
@@ -409,25 +416,9 @@ def test_a_concat_in_the_operand_prologue_is_not_also_a_convs_epilogue() -> None
 
 
 def test_a_product_read_through_a_reshape_with_its_operand_computed() -> None:
-    """The same, A computed on the tiles too (a GELU before the Linear, `operand_prologue`): the
-    reshaped product is still no input of the row kernel (the group's boundary is taken again
-    once the prologue joins)."""
-    rows, k, cols = (2, 6), 16, 32
-    nodes = [
-        n("Gelu", ["x"], ["a"], name="gelu", domain=""),
-        n("MatMul", ["a", "w"], ["h"], name="fc"),
-        n("Reshape", ["h", "shape"], ["h3"], name="unflatten"),
-        n("Add", ["h3", "r"], ["s"], name="residual"),
-        n("LayerNormalization", ["s", "gamma", "beta"], ["y"], name="ln", axis=-1, epsilon=1e-5),
-    ]
-    inits = {
-        "w": weights(k, cols, seed=1),
-        "shape": np.array([*rows, cols], dtype=np.int64),
-        "gamma": 1.0 + weights(cols, seed=3),
-        "beta": weights(cols, seed=4),
-    }
-    shapes = {"x": [rows[0] * rows[1], k], "r": [*rows, cols]}
-    model = tiny_model(nodes, shapes, {"y": [*rows, cols]}, inits, opset=20)
+    """The same, A computed on the tiles too (`operand_prologue`): the reshaped product is still no
+    input of the row kernel (the group's boundary is taken again once the prologue joins)."""
+    model, shapes = reshaped_linear_norm(gelu=True)
     _, plan = planned(model)
     (row,) = [g for g in plan.groups if g.kind == "rowwise"]
     assert [x.name for x in row.prologue] == ["gelu", "fc"] and "h3" not in row.inputs
