@@ -202,9 +202,9 @@ def _gemm_tile(
     buf.line("rn = tl.arange(0, BLOCK_R)")
     buf.line("rk = tl.arange(0, BLOCK_K)")
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
-    window = conv and not _pixelwise(graph, mm)
+    d = conv_params(graph, mm) if conv else {}
+    window = conv and not _pixelwise(d)
     if window:
-        d = conv_params(graph, mm)
         buf.line(f"img = (rm // {d['OH'] * d['OW']})[:, None]")
         buf.line(f"oh = ((rm // {d['OW']}) % {d['OH']})[:, None]")
         buf.line(f"ow = (rm % {d['OW']})[:, None]")
@@ -230,7 +230,7 @@ def _gemm_tile(
 
     b_tile = TileRead.strided(b, sbk, sbn)
     if conv and int(mm.attrs.get("group", 1)) > 1:
-        b_tile, k = _block_diagonal(graph, mm, b)
+        b_tile, k = _block_diagonal(d, int(mm.attrs["group"]), b)
     k_loop(buf, k, n, b_tile, dot_precision(graph.spec(mm.inputs[0]).dtype, precision), a_tile)
     if conv and len(mm.inputs) > 2 and mm.inputs[2]:
         bias = ptr[mm.inputs[2]]
@@ -247,23 +247,22 @@ def _on_tiles_gemm(graph: Graph, node: Node) -> bool:
     return node.op_type in ("MatMul", "Gemm")
 
 
-def _block_diagonal(graph: Graph, conv: Node, w: str) -> tuple[TileRead, int]:
+def _block_diagonal(d: dict[str, int], groups: int, w: str) -> tuple[TileRead, int]:
     """A grouped conv's weight read as the dense one it stands for: K spans every input channel
     of every tap, and B's entry for input channel c and output channel n is the weight where both
     are of the same group, 0 elsewhere (the tile multiplies `groups` times the products it needs;
-    tuning weighs that against the library's grouped conv). Returns B's read and the dense K."""
-    d = conv_params(graph, conv)
-    groups = int(conv.attrs.get("group", 1))
+    tuning weighs that against the library's grouped conv). `d`: the conv's `conv_params`.
+    Returns B's read and the dense K."""
     cg, og = d["C"] // groups, d["CO"] // groups
     taps = d["KH"] * d["KW"]
-    c = "(kk[:, None] % {})".format(d["C"])
+    c = f"(kk[:, None] % {d['C']})"
     offset = f"rn[None, :] * {taps * cg} + (kk[:, None] // {d['C']}) * {cg} + {c} % {cg}"
     return TileRead(w, offset, mask=f"({c} // {cg} == rn[None, :] // {og})"), taps * d["C"]
 
 
-def _pixelwise(graph: Graph, conv: Node) -> bool:
-    """A 1x1 conv of stride 1, unpadded: a GEMM of the NHWC buffer as it lies ([pixels, C])."""
-    d = conv_params(graph, conv)
+def _pixelwise(d: dict[str, int]) -> bool:
+    """A 1x1 conv of stride 1, unpadded (`d`: its `conv_params`): a GEMM of the NHWC buffer as it
+    lies ([pixels, C])."""
     geometry = (d["KH"], d["KW"], d["SH"], d["SW"], d["PH"], d["PW"])
     return geometry == (1, 1, 1, 1, 0, 0) and (d["H"], d["W"]) == (d["OH"], d["OW"])
 
@@ -271,13 +270,12 @@ def _pixelwise(graph: Graph, conv: Node) -> bool:
 def _window_a_tile(buf: SourceBuffer, d: dict[str, int], x: str, m: int, k: int) -> None:
     """A conv's A tile (im2col, never written): for output pixel `rm` (its `img`, `oh`, `ow`) and
     K index `kk` = (kh * KW + kw) * C + c, the input at the tap's pixel, zero outside the image."""
-    c = d["C"]
-    buf.line(f"tap = kk // {c}")
-    buf.line(f"ih = oh * {d['SH']} - {d['PH']} + (tap // {d['KW']})[None, :] * {d['DH']}")
-    buf.line(f"iw = ow * {d['SW']} - {d['PW']} + (tap % {d['KW']})[None, :] * {d['DW']}")
-    buf.line(
-        f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & (ih >= 0) & (ih < {d['H']}) & (iw >= 0) & (iw < {d['W']})"
-    )
+    c, win = d["C"], Window.of(d)
+    buf.line(f"tap = (kk // {c})[None, :]")
+    ih, iw = win.tap(win.origin("oh", "ow"), "tap")
+    buf.line(f"ih = {ih}")
+    buf.line(f"iw = {iw}")
+    buf.line(f"a_ok = (rm[:, None] < {m}) & (kk[None, :] < {k}) & {win.inside('ih', 'iw')}")
     at = f"((img * {d['H']} + ih) * {d['W']} + iw) * {c} + (kk % {c})[None, :]"
     buf.line(f"a_tile = {guarded_load(x, at, 'a_ok', run=channel_run(c))}")
 

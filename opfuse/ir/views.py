@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from opfuse.ir.graph import Node
+from opfuse.ir.queries import contiguous_strides
 
 
 @dataclass
@@ -22,14 +25,10 @@ class StridedView:
     def reads_in_order(self, base_elements: int) -> bool:
         """Whether the view reads all of its base in the base's own order (a reshape of it, the
         layout ops composing to the identity): element i of the view is element i of the base."""
-        if self.offset or self.scale != 1.0 or self.kept:
+        if self.offset or self.scale != 1.0 or self.kept or int(np.prod(self.shape)) != base_elements:
             return False
-        size, want = 1, []
-        for extent in reversed(self.shape):
-            want.append(size)
-            size *= extent
-        same = all(e == 1 or s == w for e, s, w in zip(self.shape, self.strides, reversed(want), strict=True))
-        return same and size == base_elements
+        want = contiguous_strides(self.shape)
+        return all(e == 1 or s == w for e, s, w in zip(self.shape, self.strides, want, strict=True))
 
     def owned(self) -> list[Node]:
         """The layout nodes a kernel reading through this view replaces (they leave the plan)."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.queries import scalar_constant
 from opfuse.ir.support import pad_per_dim, spatial_pad_reason
 from opfuse.passes.rules import Rule
 
@@ -96,8 +97,7 @@ def neutral_operand(graph: Graph, node: Node) -> str | None:
     y = graph.spec(node.outputs[0])
     for i in (0, 1) if commutes else (0,):
         x, c = node.inputs[i], node.inputs[1 - i]
-        const = graph.constants.get(c)
-        if const is None or const.size != 1 or x in graph.constants or not np.all(np.asarray(const) == value):
+        if x in graph.constants or scalar_constant(graph, c) != value:
             continue
         spec = graph.spec(x)
         if tuple(spec.shape) == tuple(y.shape) and spec.dtype == y.dtype:
