@@ -52,6 +52,7 @@ SUM_SIBLING_CONVS = "sum_sibling_convs"
 SUM_SIBLING_GEMMS = "sum_sibling_gemms"
 REDUCE_STACK = "reduce_stack"
 MERGE_REDUCTIONS = "merge_reductions"
+MERGE_DFTS = "merge_dfts"
 MERGE_CONCAT_CONVS = "merge_concat_convs"
 BATCHNORM_TO_AFFINE = "batchnorm_to_affine"
 GEMM_TO_MATMUL = "gemm_to_matmul"
@@ -210,6 +211,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Mul(x, x) → Reshape → Pad → AveragePool over channels → Reshape → Mul → Add → Pow → Div "
         "(LocalResponseNorm written out) becomes one LRN node, where the padding is ONNX LRN's window "
         "(odd sizes only, as torch exports them).",
+    ),
+    _r(
+        MERGE_DFTS,
+        GRAPH_PASS,
+        "DFTs over different axes, each reading the last (`torch.fft.fftn`: a DFT per axis), are one "
+        "`opfuse.DFTN` node: one library transform over every axis, its intermediate in float32; and a "
+        "real signal padded with zero imaginary parts (Concat(x, 0) along the pairs) is read as the "
+        "real signal it is, the zeros never written.",
     ),
     _r(
         FOLD_BATCHNORM,

@@ -12,9 +12,10 @@ NHWC_CONV = "opfuse.ConvNHWC"
 MAX_POOL_NHWC = "opfuse.MaxPoolNHWC"
 AVERAGE_POOL_NHWC = "opfuse.AveragePoolNHWC"
 LRN_NHWC = "opfuse.LRNNHWC"
+DFTN = "opfuse.DFTN"  # a Fourier transform over several axes (passes/dft.py)
 # The ONNX pool -> its channels-last internal op.
 NHWC_POOLS = {"MaxPool": MAX_POOL_NHWC, "AveragePool": AVERAGE_POOL_NHWC}
-INTERNAL_OPS = (NHWC_CONV, *NHWC_POOLS.values(), LRN_NHWC)
+INTERNAL_OPS = (NHWC_CONV, *NHWC_POOLS.values(), LRN_NHWC, DFTN)
 CONV_OPS = ("Conv", NHWC_CONV)
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")

@@ -17,6 +17,7 @@ from opfuse.passes.channel_shuffle import fold_channel_shuffles
 from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
+from opfuse.passes.dft import merge_dfts
 from opfuse.passes.einsum import einsum_matmul
 from opfuse.passes.gather_slice import gather_to_slice
 from opfuse.passes.gemm_reshape import gemm_to_matmul
@@ -62,6 +63,7 @@ PASSES: tuple[Pass, ...] = (
     head_scale,
     group_norm,
     local_response_norm,
+    merge_dfts,
     fold_batchnorm,
     sum_sibling_convs,
     sum_sibling_gemms,

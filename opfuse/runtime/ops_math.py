@@ -153,3 +153,16 @@ def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
         if onesided:
             out = out.narrow(axis, 0, n // 2 + 1)
     return [torch.view_as_real(out).to(x.dtype)]
+
+
+@register("opfuse.DFTN")
+def dft_n(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
+    """A full transform over each of `axes` at once (passes/dft.py: a chain of DFTs, one per axis),
+    of a real ([..., 1]) or complex ([..., 2]) signal, in float32 as DFT runs: one library call."""
+    x = required(inputs, 0, "DFTN")
+    axes = [normalize_axis(int(a), x.dim(), "DFTN") for a in attrs["axes"]]
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs = x.to(wide).contiguous()
+    signal = torch.view_as_complex(xs) if x.shape[-1] == 2 else xs[..., 0]
+    transform = torch.fft.ifftn if int(attrs.get("inverse", 0)) else torch.fft.fftn
+    return [torch.view_as_real(transform(signal, dim=axes)).to(x.dtype)]
