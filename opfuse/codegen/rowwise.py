@@ -187,21 +187,31 @@ def _gemm_tile(
     a_loads: list[str],
     a_literals: dict[str, str],
     views: dict[str, Any],
+    strided: tuple[int, int] | None = None,
 ) -> None:
-    """The GEMM's output on the tile (rows `row`, all N columns `cols`), rounded to the model's type
-    as the stored product would be: A's rows [M, K] times B [K, N] (or [N, K], Gemm's transB),
-    BLOCK_K at a time, into a float32 accumulator. With `a_ops`, A's tiles are computed by those
-    pointwise ops from `a_loads` (read through `views` where folded) instead of loaded. A dense
-    NHWC conv (the implicit GEMM of ir.support.gemm_dims) loads A through its window and adds its
-    bias."""
+    """The GEMM's output on the tile, rounded to the model's type as the stored product would be:
+    A's rows [M, K] times B [K, N] (or [N, K], Gemm's transB), BLOCK_K at a time, into a float32
+    accumulator. The trailing layout's tile is BLOCK_M rows `row` by all N columns `cols` (a
+    reduction over the columns); the `strided` one's ((R, INNER)) is the R rows of item `outer`
+    (`rr`: an image's pixels, a sequence's tokens) by BLOCK_I columns `ii` (a reduction over those
+    rows). With `a_ops`, A's tiles are computed by those pointwise ops from `a_loads` (read
+    through `views` where folded) instead of loaded. A dense NHWC conv (the implicit GEMM of
+    ir.support.gemm_dims) loads A through its window and adds its bias."""
     m, n, k, trans_b = gemm_dims(graph, mm)
     b = ptr[mm.inputs[1]]
     sbk, sbn = (1, k) if trans_b else (n, 1)
     conv = mm.op_type == NHWC_CONV
-    buf.line("rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
-    buf.line("rn = tl.arange(0, BLOCK_R)")
-    buf.line("rk = tl.arange(0, BLOCK_K)")
-    buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
+    if strided is not None:  # rows of one item, a block of columns: the tile `rr` x `ii`
+        r, inner = strided
+        buf.line(f"rm = outer * {r} + tl.arange(0, BLOCK_R)")
+        buf.line(f"rn = (pid % (({inner} + BLOCK_I - 1) // BLOCK_I)) * BLOCK_I + tl.arange(0, BLOCK_I)")
+        buf.line("rk = tl.arange(0, BLOCK_K)")
+        buf.line("acc = tl.zeros((BLOCK_R, BLOCK_I), dtype=tl.float32)")
+    else:
+        buf.line("rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)")
+        buf.line("rn = tl.arange(0, BLOCK_R)")
+        buf.line("rk = tl.arange(0, BLOCK_K)")
+        buf.line("acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)")
     d = conv_params(graph, mm) if conv else {}
     window = conv and not _pixelwise(d)
     if window:
@@ -312,7 +322,12 @@ class _RowKernel:
 
     @property
     def block(self) -> int:
-        return next_pow2(self.space.r)
+        # A GEMM on a strided tile: its rows are the tile's R, and tl.dot takes at least 16.
+        return (
+            max(16, next_pow2(self.space.r))
+            if self.tiled and self.gemm is not None
+            else next_pow2(self.space.r)
+        )
 
     @property
     def mask(self) -> str:
@@ -361,8 +376,10 @@ def generate_rowwise(
     assert not gathers or len(gathers) == len(prologue or []), "Gathers and another prologue"
     window = first if gemm is None and not gathers else None
     assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
-    for on_rows in (gemm, gathers[0] if gathers else None):
-        assert on_rows is None or (not tiled and not space.groups and space.first == len(full) - 1), space
+    # Gathers make the rows of a trailing tile; a GEMM makes the tile of either layout (its
+    # columns the row, or its rows of one item the strided tile's R).
+    assert not gathers or (not tiled and not space.groups and space.first == len(full) - 1), space
+    assert gemm is None or (not space.groups and (tiled or space.first == len(full) - 1)), space
     made_by_a = {o for n in a_ops for o in n.outputs}
     a_reads = [x for x in inputs if any(x in n.inputs for n in a_ops)]
     a_literals, a_loads = split_literals(graph, a_reads)
@@ -407,7 +424,8 @@ def generate_rowwise(
             _depthwise_tile(buf, graph, window, ptr, tiled, concat)
             regs[window.outputs[0]] = "dwv"
         if gemm is not None:
-            _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views)
+            strided = (space.r, space.inner) if tiled else None
+            _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views, strided)
             regs[gemm.outputs[0]] = "gmv"
             # The row nodes may read the product through a reshape (gemm_reduction): the same tile.
             regs.update({x: "gmv" for x, v in views.items() if getattr(v, "base", None) == gemm.outputs[0]})
@@ -476,7 +494,20 @@ def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str
     buf.line(f"ROWS = {rows}")
     buf.line(f"R = {r}")
     config: dict[str, Any]
-    if rk.tiled:
+    if rk.tiled and rk.gemm is not None:
+        # A GEMM on the strided tile: tl.dot's 16 columns at least, R rows; its K loop BLOCK_K at
+        # a time.
+        k = gemm_dims(rk.graph, rk.gemm)[2]
+        upcast = rk.graph.spec(rk.gemm.inputs[0]).dtype == "bfloat16"  # as codegen/gemm.py
+        bk = min(64, max(16, next_pow2(k)))
+        bi = max(16, min(next_pow2(inner), TILE // block))
+        config = {"BLOCK_R": block, "BLOCK_I": bi, "BLOCK_K": bk, "UPCAST": False}
+        config["num_warps"] = 4 if block * bi <= 4096 else 8
+        interp = {"BLOCK_R": block, "BLOCK_I": max(16, min(next_pow2(inner), (1 << 16) // block))}
+        interp.update(BLOCK_K=min(256, max(16, next_pow2(k))), UPCAST=upcast)
+        buf.line(f"INNER = {inner}")
+        consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr"
+    elif rk.tiled:
         # Columns are contiguous: a block of them per program keeps loads coalesced on the GPU;
         # the interpreter takes wide blocks (fewer programs to step through).
         bi = min(next_pow2(inner), max(1, TILE // block))

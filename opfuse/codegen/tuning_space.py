@@ -150,7 +150,15 @@ def rowwise_candidates(k: KernelLike) -> list[dict[str, Any]]:
     """A row kernel that may hold several rows per program (BLOCK_M in its config) tries one, and
     tiles of ROW_TILES elements, with 4 and 8 warps each (2 more for one row); a strided one
     (BLOCK_I) also half and a quarter of its columns per program, never under MIN_TILED_COLUMNS;
-    one that computes a GEMM on its tiles (BLOCK_K) its row and K tiles with 4 and 8 warps."""
+    one that computes a GEMM on its tiles (BLOCK_K) its row (or column) and K tiles with 4 and 8
+    warps."""
+    if "BLOCK_I" in k.config and "BLOCK_K" in k.config:
+        # A GEMM on a strided tile (its rows an item's R): tl.dot's 16 columns at least.
+        bi = int(k.config["BLOCK_I"])
+        widths = [b for b in (bi, bi // 2, bi // 4) if b >= 16]
+        return [
+            {"BLOCK_I": b, "BLOCK_K": bk, "num_warps": w} for b in widths for bk in (32, 64) for w in (4, 8)
+        ]
     if "BLOCK_I" in k.config:
         # A strided row kernel: fewer adjacent columns per program, more programs (a squeeze-
         # excitation pool at batch 1, with its depthwise conv computed on the tiles, has few).

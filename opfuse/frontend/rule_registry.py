@@ -458,7 +458,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "A GEMM, or a dense NHWC conv as an implicit GEMM, computed on the tiles of the row kernel that "
         "reduces over its output's columns (a transformer's Linear with its bias, residual add and "
-        "LayerNorm; a patch-embedding conv and its LayerNorm), where a row fits one tile.",
+        "LayerNorm; a patch-embedding conv and its LayerNorm), where a row fits one tile, or over its "
+        "rows of one item (the conv before an ECA or squeeze-excitation mean over the pixels, "
+        "ConvNeXt V2's Linear before its global response norm); the product stored where others read it.",
         impl=f"{RULES_PACKAGE}.gemm_reduction",
     ),
     _r(

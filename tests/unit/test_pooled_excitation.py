@@ -30,8 +30,12 @@ def test_the_se_mlp_pools_its_input_and_the_conv_stores_the_activation(pool: str
         ("conv", names.CONV_EPILOGUE, ["conv", "act"]),  # handed back by the row kernel
         ("pointwise", names.POINTWISE, ["scale", "residual", "out"]),
     ]
-    # Without the rule, the row kernel computes the activation and the mean, the conv alone.
+    # Without the rule, the row kernel computes the conv on its tiles (gemm_reduction), the
+    # activation and the mean, storing the activation the Mul reads; with neither, the conv alone.
     _, off = planned(excitation_block(2, "two", pool), (names.POOLED_GEMM,))
+    rule = f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}"
+    assert ("rowwise", rule, ["conv", "act", "pool"]) in claimed(off)
+    _, off = planned(excitation_block(2, "two", pool), (names.POOLED_GEMM, names.GEMM_REDUCTION))
     assert ("rowwise", names.ROW_REDUCTION, ["act", "pool"]) in claimed(off)
     assert ("conv", names.CONV_EPILOGUE, ["conv"]) in claimed(off)
 

@@ -1,5 +1,5 @@
 """`gemm_reduction`: a GEMM computed on the tiles of the row kernel that reduces over its output's
-columns.
+columns, or over its rows of one item.
 
 A transformer's Linear before a LayerNorm (the output projection and the second MLP layer, with the
 bias and the residual add between) is a lone GEMM: the row kernel takes its bias and residual add,
@@ -27,6 +27,16 @@ norm run as one kernel. A grouped conv of a few groups (GEMM_CONV_GROUPS: data2v
 positional convs, each with its LayerNorm) multiplies its block-diagonal weight as a dense one. Not
 a conv that sums a shortcut; a conv's A tiles are not computed by pointwise ops (no
 `operand_prologue`).
+
+The row kernel may reduce over the product's rows of one item instead: the strided layout, whose
+tile is an image's R pixels (a sequence's tokens) by BLOCK_I columns of the product, each program
+computing that tile (tl.dot's 16 columns at least; R fits the strided tile already, at most
+TILE / MIN_TILED_COLUMNS rows). The conv before a mean over its pixels (ECA-ResNet's last conv of
+each block, whose gate the mean feeds), ConvNeXt V2's Linear before its global response norm's L2
+norm over the pixels, and a mean of a Linear's tokens run in the reduction's kernel. A mean a GEMM
+of the items by its columns reads (a classifier's head, squeeze-excitation's MLP) is left alone:
+`pooled_gemm` computes it on that GEMM's tiles, the launch this would save. In either layout a
+product that others read too is stored by the row kernel, which computes it anyway.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.rules.base import Candidate, PlanState, RowPrologueRule
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
+from opfuse.fusion.views import RESHAPES
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, has_shortcut, is_depthwise
 from opfuse.ir.rows import row_space
@@ -61,8 +72,8 @@ class GemmReduction(RowPrologueRule):
     def takes(self, anchor: Node) -> bool:
         """A MatMul or Gemm, or an NHWC conv of at most GEMM_CONV_GROUPS groups (not depthwise:
         depthwise_reduction's), no shortcut summed in."""
-        if anchor.op_type != NHWC_CONV:
-            return anchor.op_type in ("MatMul", "Gemm")
+        if anchor.op_type != NHWC_CONV:  # one B for every row (not a batched MatMul's B per item)
+            return anchor.op_type in ("MatMul", "Gemm") and not is_batched(self.graph, anchor)
         groups = int(anchor.attrs.get("group", 1))
         if groups > 1 and (groups > GEMM_CONV_GROUPS or is_depthwise(self.graph, anchor)):
             return False
@@ -80,14 +91,20 @@ class GemmReduction(RowPrologueRule):
         src, x = c.data
         space = row_space(graph, head)
         full = space.full
-        if space.groups or space.inner != 1 or space.first != len(full) - 1:
-            return "the row kernel does not reduce over the GEMM's output columns alone"
+        m, n, _k, _trans_b = gemm_dims(graph, mm)
+        columns = not space.groups and space.inner == 1 and space.first == len(full) - 1
+        rows = not space.groups and space.inner == n == full[-1] and space.outer * space.r == m
+        if not (columns or rows):
+            return "the row kernel does not reduce over the GEMM's output columns alone, nor over its rows of one item"
         if tuple(graph.spec(x).shape) != full:
             return "the GEMM's output is not the row kernel's full-shaped input"
         view = rg.views.get(x)
+        if rows and rg.views:
+            return "the row kernel reads rows through folded layout ops"
+        if rows and self._pooled_by_gemm(rg):
+            return "a GEMM reads the mean: pooled_gemm computes the mean on that GEMM's tiles instead"
         if view is None:
-            if self.read_outside(x, rg):
-                return "the GEMM's output is read outside the row kernel too"
+            pass  # a product read outside too is stored by the row kernel
         elif not (isinstance(view, StridedView) and view.base == mm.outputs[0]):
             return "the row kernel reads the GEMM's output through a view"
         elif self.read_outside(x, rg) or not self._only_viewed(view):
@@ -103,14 +120,34 @@ class GemmReduction(RowPrologueRule):
             (len(mm.inputs) > 2 and mm.inputs[2]) or float(mm.attrs.get("alpha", 1.0)) != 1.0
         ):
             return "a Gemm with alpha or C (its own epilogue)"
-        m, n, _k, _trans_b = gemm_dims(graph, mm)
-        if m != space.outer or n != space.r:
+        if columns and (m != space.outer or n != space.r):
             return "the GEMM's rows and columns are not the row kernel's"
-        if n > GEMM_ROW_MAX:
+        if columns and n > GEMM_ROW_MAX:
             return f"a row of {n} columns is longer than one tile of the row kernel holds ({GEMM_ROW_MAX})"
         between = {node.id for node in view.nodes} if view is not None else set()
         why, _ = merge_refusal(graph, {mm.id, *between, *(node.id for node in rg.nodes)}, self.order)
         return why
+
+    def _pooled_by_gemm(self, rg: Group) -> bool:
+        """The row kernel is a global mean that a GEMM reads (through reshapes), which pooled_gemm
+        computes on that GEMM's A tiles (a classifier's head, squeeze-excitation's MLP): the GEMM
+        before the mean stays where it is, so that rule may take the mean."""
+        head = rg.nodes[-1]
+        if not self.state.on(names.POOLED_GEMM) or head.op_type not in ("ReduceMean", "GlobalAveragePool"):
+            return False
+        space = row_space(self.graph, head)
+        frontier, seen = list(head.outputs), 0
+        while frontier and seen < 8:
+            readers = self.consumers.get(frontier.pop(), [])
+            seen += 1
+            for u in readers:
+                if u.op_type in RESHAPES or u.op_type == "Transpose":
+                    frontier.extend(u.outputs)
+                elif u.op_type in ("MatMul", "Gemm", NHWC_CONV) and not is_batched(self.graph, u):
+                    m, _n, k, _t = gemm_dims(self.graph, u)  # rows the items, K the pooled columns
+                    if (m, k) == (space.outer, space.inner):
+                        return True
+        return False
 
     def _only_viewed(self, view: StridedView) -> bool:
         """The anchor's output is read by the view's layout ops alone (a reshape the row kernel

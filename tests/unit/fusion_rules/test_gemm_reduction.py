@@ -65,12 +65,11 @@ def test_the_gemm_is_computed_on_the_row_kernels_tiles() -> None:
     assert plan.lone == []  # the lone GEMM is the row group's prologue now
 
 
-def test_a_product_read_outside_the_row_kernel_is_refused() -> None:
+def test_a_product_read_outside_the_row_kernel_is_stored_by_it() -> None:
     _, plan = planned(linear_norm(read_outside=True))
-    assert refusals(plan, names.GEMM_REDUCTION) == [
-        (["fc", "ln"], "the GEMM's output is read outside the row kernel too")
-    ]
-    assert all(names.GEMM_REDUCTION not in rule for _, rule, _ in claimed(plan))
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    assert row.rule == RULE and [x.name for x in row.prologue] == ["fc"]
+    assert "h" in row.outputs and plan.lone == []
 
 
 def test_a_row_longer_than_a_tile_is_refused() -> None:
@@ -81,12 +80,20 @@ def test_a_row_longer_than_a_tile_is_refused() -> None:
 
 
 def test_a_reduction_over_other_axes_is_refused() -> None:
-    """A Softmax over the rows' first axis does not reduce over the product's columns."""
-    nodes = [n("MatMul", ["x", "w"], ["h"], name="fc"), n("Softmax", ["h"], ["y"], name="sm", axis=0)]
-    model = tiny_model(nodes, {"x": [6, 8]}, {"y": [6, 16]}, {"w": weights(8, 16)})
+    """A LayerNorm over the last two axes of [2, 6, 16] reduces over the product's columns and
+    rows together: neither a row of it nor the rows of one item."""
+    nodes = [
+        n("MatMul", ["x", "w"], ["h"], name="fc"),
+        n("LayerNormalization", ["h", "gamma"], ["y"], name="ln", axis=1),
+    ]
+    inits = {"w": weights(8, 16), "gamma": 1.0 + weights(6, 16, seed=1)}
+    model = tiny_model(nodes, {"x": [2, 6, 8]}, {"y": [2, 6, 16]}, inits)
     _, plan = planned(model)
     assert refusals(plan, names.GEMM_REDUCTION) == [
-        (["fc", "sm"], "the row kernel does not reduce over the GEMM's output columns alone")
+        (
+            ["fc", "ln"],
+            "the row kernel does not reduce over the GEMM's output columns alone, nor over its rows of one item",
+        )
     ]
 
 
@@ -141,6 +148,7 @@ def _every_config(cm: Any, model: onnx.ModelProto, shapes: dict[str, list[int]],
         {"pre_norm": True},  # the residual stream stored beside its norm
         {"gemm": True, "rows": (7,)},  # Gemm with transB on 2-D rows
         {"rows": (3, 40), "k": 40, "cols": 64},  # more rows than one program's tile
+        {"read_outside": True},  # the product stored by the row kernel too
     ],
 )
 def test_it_computes_what_onnxruntime_does(form: dict[str, Any], precision: str) -> None:
@@ -425,3 +433,99 @@ def test_a_product_read_through_a_reshape_with_its_operand_computed() -> None:
     cm = _compiled(model, shapes, "fp32")
     assert not [x for x in cm.report["fusion"]["not_fused"] if "raised" in x["reason"]]
     assert _every_config(cm, model, shapes, "fp32") == 1
+
+
+# A reduction over the product's rows of one item (an image's pixels, a sequence's tokens): the
+# strided row kernel's tile is that item's R rows by BLOCK_I columns of the product, so the GEMM
+# (or conv) and the reduction are one launch, the product stored only where others read it.
+
+
+def pooled_product(form: str, items: int = 2) -> tuple[onnx.ModelProto, dict[str, list[int]]]:
+    """`form` "grn": g = Gelu(x @ w + b) on NHWC [N, 4, 5, 24] -> 40 and s = ReduceL2(g) over the
+    pixels (ConvNeXt V2's global response norm), both outputs; "eca": y = c * Sigmoid(mean(c))
+    with c = Conv3x3(x) + bias (efficient channel attention's pooling, the conv's output read by
+    the Mul too); "tokens": the mean over a sequence of x @ w, [N, 7, 16] -> 20."""
+    if form == "grn":
+        nodes = [
+            n("MatMul", ["x", "w"], ["h"], name="fc"),
+            n("Add", ["h", "b"], ["hb"], name="bias"),
+            n("Gelu", ["hb"], ["g"], name="gelu"),
+            n("ReduceL2", ["g", "axes"], ["s"], name="l2", keepdims=1),
+        ]
+        inits = {"w": weights(24, 40, seed=1), "b": weights(40, seed=2), "axes": np.array([1, 2])}
+        shapes = {"x": [items, 4, 5, 24]}
+        return tiny_model(
+            nodes, shapes, {"g": [items, 4, 5, 40], "s": [items, 1, 1, 40]}, inits, opset=20
+        ), shapes
+    if form == "eca":
+        nodes = [
+            n("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            n("ReduceMean", ["c", "axes"], ["m"], name="mean", keepdims=1),
+            n("Sigmoid", ["m"], ["a"], name="gate"),
+            n("Mul", ["c", "a"], ["y"], name="scale"),
+        ]
+        inits = {"w": weights(24, 6, 3, 3, seed=1), "b": weights(24, seed=2), "axes": np.array([2, 3])}
+        shapes = {"x": [items, 6, 7, 9]}
+        return tiny_model(nodes, shapes, {"y": [items, 24, 7, 9]}, inits, opset=18), shapes
+    nodes = [
+        n("MatMul", ["x", "w"], ["h"], name="fc"),
+        n("ReduceMean", ["h", "axes"], ["s"], name="mean", keepdims=0),
+    ]
+    shapes = {"x": [items, 7, 16]}
+    inits = {"w": weights(16, 20, seed=1), "axes": np.array([1])}
+    return tiny_model(nodes, shapes, {"s": [items, 20]}, inits, opset=18), shapes
+
+
+@pytest.mark.parametrize("form", ["grn", "eca", "tokens"])
+def test_a_gemm_before_a_reduction_over_its_rows_is_computed_on_the_strided_tiles(form: str) -> None:
+    model, _ = pooled_product(form)
+    _, plan = planned(model)
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    anchor = "conv" if form == "eca" else "fc"
+    assert row.rule == RULE and [x.name for x in row.prologue] == [anchor]
+    assert plan.lone == []
+
+
+def test_a_mean_a_gemm_reads_is_left_to_pooled_gemm() -> None:
+    """A classifier's head: the conv before the mean stays a conv, and the head's GEMM computes
+    the mean on its tiles (pooled_gemm); switched off, the conv joins the mean's row kernel."""
+    nodes = [
+        n("Conv", ["x", "w", "b"], ["c"], name="conv", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        n("ReduceMean", ["c", "axes"], ["m"], name="mean", keepdims=1),
+        n("Flatten", ["m"], ["f"], name="flat"),
+        n("Gemm", ["f", "wh"], ["y"], name="head", transB=1),
+    ]
+    inits = {
+        "w": weights(24, 6, 3, 3),
+        "b": weights(24, seed=1),
+        "axes": np.array([2, 3]),
+        "wh": weights(10, 24, seed=2),
+    }
+    model = tiny_model(nodes, {"x": [2, 6, 7, 9]}, {"y": [2, 10]}, inits, opset=18)
+    _, plan = planned(model)
+    assert refusals(plan, names.GEMM_REDUCTION) == [
+        (
+            ["conv", "mean"],
+            "a GEMM reads the mean: pooled_gemm computes the mean on that GEMM's tiles instead",
+        )
+    ]
+    assert any(names.POOLED_GEMM in rule for _, rule, _ in claimed(plan))
+    _, plan = planned(model, disabled=(names.POOLED_GEMM,))
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    assert row.rule == RULE and [x.name for x in row.prologue] == ["conv"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("form", ["grn", "eca", "tokens"])
+def test_the_strided_form_computes_what_onnxruntime_does(form: str, precision: str) -> None:
+    model, shapes = pooled_product(form, items=3)
+    cm = _compiled(model, shapes, precision)
+    assert cm.report["verification"]["passed"] is True
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert g["rule"] == RULE
+    assert _every_config(cm, model, shapes, precision) == 1  # the gate applied on the tile too (eca)
+
+
+def test_the_strided_split_form_computes_the_same() -> None:
+    model, shapes = pooled_product("grn")
+    _split_form_computes_the_same(model, shapes, "MatMul")
