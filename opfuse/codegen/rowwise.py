@@ -39,13 +39,13 @@ from opfuse.codegen.fragments import (
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
-from opfuse.codegen.window import Window
+from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, ROW_OPS, ROW_REDUCTIONS, is_depthwise
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, ROW_OPS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
 from opfuse.ir.rows import TILE, RowSpace, row_space
-from opfuse.ir.support import conv_params, gemm_dims
+from opfuse.ir.support import conv_params, gemm_dims, pool_params
 
 NEG_INF = 'float("-inf")'
 
@@ -130,29 +130,47 @@ def _group_input_expr(shape: tuple[int, ...], space: RowSpace) -> tuple[str | No
 
 
 def _depthwise_tile(
-    buf: SourceBuffer, graph: Graph, dw: Node, ptr: dict[str, str], tiled: bool, concat: Node | None = None
+    buf: SourceBuffer,
+    graph: Graph,
+    dw: Node,
+    ptr: dict[str, str],
+    tiled: bool,
+    concat: Node | None = None,
+    whole: bool = False,
 ) -> None:
-    """The depthwise conv's output on the tile, rounded to the model's type as the stored output
-    would be (fp32 multiply-adds over the window). Tiled (a pool over H, W): image `outer`, pixels
-    `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image, height,
-    width flattened), channels `cols`. `concat`: the conv's input is that channel Concat (RDNet's
-    dense features), each channel loaded from the part that holds it (the others masked off)."""
-    d = conv_params(graph, dw)
+    """The depthwise conv's (or pool's) output on the tile, rounded to the model's type as the
+    stored output would be (fp32 multiply-adds over the window; a pool's maximum or average as
+    `PoolTaps` computes it for the pool template). Tiled (a reduction over H, W): image `outer`,
+    pixels `rr`, channels `ii`. Trailing (a LayerNorm over the channels): pixels `row` (image,
+    height, width flattened), channels `cols`. `whole` (a norm over each image): image `row`, its
+    pixels and channels flattened along `cols`. `concat`: the conv's input is that channel Concat
+    (RDNet's dense features), each channel loaded from the part that holds it (the others masked
+    off)."""
+    pool = PoolTaps.of(graph, dw) if dw.op_type in NHWC_POOLS.values() else None
+    d = pool_params(graph, dw) if pool is not None else conv_params(graph, dw)
     win = Window.of(d)
     taps = win.taps
-    w = ptr[dw.inputs[1]]
     # (pointer, first channel, channels) of each input the taps load from
     sources = concat_parts(graph, concat)[1] if concat is not None else [(dw.inputs[0], 0, d["C"])]
     parts = [(ptr[v], first, width) for v, first, width in sources]
     x = parts[0][0]
     if tiled:
         img, pixel, chan, tile, chan_ok = "outer", "rr", "ii", "(BLOCK_R, BLOCK_I)", "imask"
+    elif whole:
+        img, pixel, chan, tile, chan_ok = "row", "pix", "chn", "(BLOCK_M, BLOCK_R)", "cmask"
+        buf.line(f"pix = cols // {d['C']}")
+        buf.line(f"chn = cols % {d['C']}")
     else:
         img, pixel, chan, tile, chan_ok = "img", "row", "cols", "(BLOCK_M, BLOCK_R)", f"(cols < {d['C']})"
         buf.line(f"img = row // {d['OH'] * d['OW']}")
     buf.line(f"oh = ({pixel} // {d['OW']}) % {d['OH']}" if not tiled else f"oh = {pixel} // {d['OW']}")
     buf.line(f"ow = {pixel} % {d['OW']}")
-    buf.line(f"dacc = tl.zeros({tile}, dtype=tl.float32)")
+    if pool is not None:
+        assert not tiled, "a pool on a strided row tile"
+        pool.emit_start(buf, "dacc", "BLOCK_R", "dcount", tile)
+    else:
+        buf.line(f"dacc = tl.zeros({tile}, dtype=tl.float32)")
+    fill = pool.fill if pool is not None else "0.0"
     buf.line(f"for t in tl.static_range(0, {taps}):")
     with buf.indent():
         win.emit_tap(buf, win.origin("oh", "ow"), "t", "mask" if tiled else "cmask", ("ih", "iw", "ok"))
@@ -160,7 +178,7 @@ def _depthwise_tile(
         loads = []
         for p, first, width in parts:
             if len(parts) == 1:
-                loads.append(f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other=0.0)")
+                loads.append(f"tl.load({p} + {pixel_at} * {width} + {chan}, mask=ok, other={fill})")
                 continue
             local, held = part_lanes(chan, first, width, d["C"])
             mask = f"ok & {held}" if held else "ok"
@@ -168,9 +186,15 @@ def _depthwise_tile(
                 f"tl.load({p} + {pixel_at} * {width} + {local}, mask={mask}, other=0.0).to(tl.float32)"
             )
         buf.line(f"xv = {' + '.join(loads)}")
-        buf.line(f"wv = tl.load({w} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
-        buf.line("dacc = dacc + xv.to(tl.float32) * wv.to(tl.float32)")
-    if len(dw.inputs) > 2 and dw.inputs[2]:
+        if pool is not None:
+            pool.emit_tap(buf, "dacc", "xv", "dcount", "ih", "iw")
+        else:
+            buf.line(f"wv = tl.load({ptr[dw.inputs[1]]} + {chan} * {taps} + t, mask={chan_ok}, other=0.0)")
+            buf.line("dacc = dacc + xv.to(tl.float32) * wv.to(tl.float32)")
+    if pool is not None:  # lanes off the tile (no tap counted, or every tap -inf) hold 0
+        pool.emit_mean(buf, "dacc", "dcount")
+        buf.line(f"dacc = tl.where({chan_ok}, dacc, 0.0)")
+    elif len(dw.inputs) > 2 and dw.inputs[2]:
         buf.line(
             f"dacc = dacc + tl.load({ptr[dw.inputs[2]]} + {chan}, mask={chan_ok}, other=0.0).to(tl.float32)"
         )
@@ -375,7 +399,7 @@ def generate_rowwise(
     gathers = [n for n in prologue or [] if n.op_type == "Gather"]
     assert not gathers or len(gathers) == len(prologue or []), "Gathers and another prologue"
     window = first if gemm is None and not gathers else None
-    assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4))), space
+    assert window is None or (len(full) == 4 and (space.first, space.end) in ((1, 3), (3, 4), (1, 4))), space
     # Gathers make the rows of a trailing tile; a GEMM makes the tile of either layout (its
     # columns the row, or its rows of one item the strided tile's R).
     assert not gathers or (not tiled and not space.groups and space.first == len(full) - 1), space
@@ -421,7 +445,8 @@ def generate_rowwise(
         _row_indices(buf, rk)
         ptr = {x: f"in{tensor_inputs.index(x)}" for x in prologue_args}
         if window is not None:
-            _depthwise_tile(buf, graph, window, ptr, tiled, concat)
+            whole = not tiled and space.first == 1  # a norm over each image (PoolFormer's)
+            _depthwise_tile(buf, graph, window, ptr, tiled, concat, whole)
             regs[window.outputs[0]] = "dwv"
         if gemm is not None:
             strided = (space.r, space.inner) if tiled else None
@@ -480,7 +505,7 @@ def _row_header(
         elif n.op_type == "Concat":
             what = "the depthwise conv's input read from its parts"
         else:
-            what = "depthwise conv"
+            what = "pool" if n.op_type in NHWC_POOLS.values() else "depthwise conv"
         buf.line(node_comment(n, f"prologue: {what} on the tiles"))
     for n in rk.nodes:
         buf.line(node_comment(n))

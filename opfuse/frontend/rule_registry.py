@@ -449,8 +449,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         DEPTHWISE_REDUCTION,
         FUSION,
-        "A depthwise conv computed on the tiles of the row kernel that reduces its output "
-        "(squeeze-excitation's squeeze, ConvNeXt's LayerNorm).",
+        "A depthwise conv, or a max or average pool, computed on the tiles of the row kernel that "
+        "reduces its output (squeeze-excitation's squeeze, ConvNeXt's LayerNorm, PoolFormer's "
+        "pool before its norm over each image).",
         impl=f"{RULES_PACKAGE}.depthwise_reduction",
     ),
     _r(

@@ -1,5 +1,5 @@
-"""`depthwise_reduction`: a depthwise conv computed on the tiles of the row kernel that reduces
-its output.
+"""`depthwise_reduction`: a depthwise conv (or a pool) computed on the tiles of the row kernel
+that reduces its output.
 
 A depthwise conv (NHWC) read only by a row kernel that reduces over the conv's pixels
 (squeeze-excitation's pooling, with the activation between) or over its channels (ConvNeXt's
@@ -9,6 +9,13 @@ fuse (a lone anchor, which runs as the library kernel without this rule); tuning
 against that split form. A conv whose input is a channel Concat that only it reads (RDNet's dense
 features, the Concat of every earlier block's output) reads each channel from the Concat input that
 holds it: the Concat, a copy of its own otherwise, joins the prologue (`concat_select` on).
+
+A row kernel over each image (a one-group GroupNorm, which the channels-last pass writes as a
+LayerNorm over H, W and C: one row per image) takes such a conv as well, and an NHWC max or
+average pool in its place, a window op with no weights (`PoolTaps`: the maximum, or the average
+divided as the pool's own kernel divides): PoolFormer's token mixer `pool(y) - y`, scaled and
+added to the residual stream, runs in the kernel of the norm after it. Not a pool on a strided
+tile (a mean over the pixels of a pool is rare enough to leave written).
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.rules.base import Candidate, RowPrologueRule
 from opfuse.fusion.views import VIEW_THROUGH
 from opfuse.graph import Node
-from opfuse.ir.ops import NHWC_CONV, is_depthwise
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, is_depthwise
 from opfuse.ir.rows import row_space
+from opfuse.ir.support import pool_reason
 
 MAX_PARTS = 16  # Concat inputs a tap is loaded from: a masked load each
 
@@ -29,9 +37,11 @@ DEPTHWISE_REDUCTION_RULE = names.DEPTHWISE_REDUCTION
 
 class DepthwiseReduction(RowPrologueRule):
     rule = DEPTHWISE_REDUCTION_RULE
-    kinds = ("conv",)
+    kinds = ("conv", "pool")
 
     def takes(self, anchor: Node) -> bool:
+        if anchor.op_type in NHWC_POOLS.values():
+            return pool_reason(self.graph, anchor) is None
         return anchor.op_type == NHWC_CONV and is_depthwise(self.graph, anchor)
 
     def check(self, c: Candidate) -> str | None:
@@ -40,13 +50,18 @@ class DepthwiseReduction(RowPrologueRule):
         dw, head = c.nodes
         x = c.data[1]
         space = row_space(graph, head)
-        if len(space.full) != 4 or space.groups or (space.first, space.end) not in ((1, 3), (3, 4)):
-            return "the row kernel reduces neither over the depthwise conv's pixels nor its channels"
+        pool = dw.op_type in NHWC_POOLS.values()
+        layouts = ((3, 4), (1, 4)) if pool else ((1, 3), (3, 4), (1, 4))
+        if len(space.full) != 4 or space.groups or (space.first, space.end) not in layouts:
+            if pool and (space.first, space.end) == (1, 3):
+                return "the row kernel reduces over the pool's pixels (a pool of a pool)"
+            return "the row kernel reduces over neither the window's pixels, its channels nor each image"
+        what = "pool" if pool else "depthwise conv"
         if tuple(graph.spec(x).shape) != space.full:
-            return "the depthwise conv's output is not the row kernel's full-shaped input"
+            return f"the {what}'s output is not the row kernel's full-shaped input"
         if self.read_outside(x, rg):
-            return "the depthwise conv's output is read outside the row kernel too"
-        if any(i not in graph.constants for i in dw.inputs[1:3] if i):
+            return f"the {what}'s output is read outside the row kernel too"
+        if not pool and any(i not in graph.constants for i in dw.inputs[1:3] if i):
             return "the depthwise conv's weight or bias is not a constant"
         return None
 

@@ -1,13 +1,22 @@
 """`depthwise_reduction` (opfuse/fusion/rules/depthwise_reduction.py) on a tiny graph: a depthwise
-conv, its activation, and the mean over its pixels (squeeze-excitation's squeeze)."""
+conv, its activation, and the mean over its pixels (squeeze-excitation's squeeze); a pool before a
+norm over each image (PoolFormer's token mixer)."""
 
 from __future__ import annotations
 
-import numpy as np
-from onnx import helper
+from pathlib import Path
 
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import helper
+from torch import nn
+
+import opfuse
 from opfuse.frontend import rule_registry as names
-from tests.builders import claimed, planned, refusals, tiny_model, weights
+from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
 
 n = helper.make_node
 
@@ -50,3 +59,83 @@ def test_a_depthwise_output_read_outside_the_row_kernel_is_refused() -> None:
         (["dw", "mean"], "the depthwise conv's output is read outside the row kernel too")
     ]
     assert all(names.DEPTHWISE_REDUCTION not in rule for _, rule, _ in claimed(plan))
+
+
+# A pool is a window op too: PoolFormer's token mixer, pool(y) - y between two norms over each
+# image (GroupNorm with one group), computed on the second norm's tiles.
+
+
+class PoolMixer(nn.Module):
+    """x = embed(x); x + s * (pool(norm1(x)) - norm1(x)), then norm2: PoolFormer's patch
+    embedding (whose conv puts the block in the channels-last region), its mixer and next norm,
+    both GroupNorm(1, C) (a norm over each image); `pool` "avg" (3x3, stride 1, not counting the
+    padding, as PoolFormer's), "max" or "dw" (a 3x3 depthwise conv)."""
+
+    def __init__(self, pool: str, c: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(3, c, 3, padding=1)
+        self.norm1, self.norm2 = nn.GroupNorm(1, c), nn.GroupNorm(1, c)
+        if pool == "avg":
+            self.pool: nn.Module = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        elif pool == "max":
+            self.pool = nn.MaxPool2d(3, 1, 1)
+        else:  # a depthwise conv in the pool's place
+            self.pool = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.scale = nn.Parameter(torch.rand(c, 1, 1) + 0.5)
+        for norm in (self.norm1, self.norm2):
+            nn.init.uniform_(norm.weight, 0.5, 1.5)
+            nn.init.uniform_(norm.bias, -0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        y = self.norm1(x)
+        return self.norm2(x + self.scale * (self.pool(y) - y))
+
+
+def _pool_mixer(pool: str, dynamo: bool, tmp_path: Path) -> tuple[onnx.ModelProto, dict[str, list[int]]]:
+    from tests.unit.test_default_export import export
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 7)
+    return export(PoolMixer(pool), (x,), tmp_path / "m.onnx", dynamo=dynamo), {"x": [2, 3, 6, 7]}
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+@pytest.mark.parametrize("pool", ["avg", "max", "dw"])
+def test_a_pool_is_computed_on_the_tiles_of_a_norm_over_each_image(
+    pool: str, dynamo: bool, tmp_path: Path
+) -> None:
+    model, _ = _pool_mixer(pool, dynamo, tmp_path)
+    _, plan = planned(model)
+    rule = f"{names.ROW_REDUCTION}+{names.DEPTHWISE_REDUCTION}"
+    (row,) = [g for g in plan.groups if g.rule == rule]
+    assert row.prologue[0].op_type.endswith("PoolNHWC" if pool != "dw" else "ConvNHWC")
+    assert [g.nodes[0].op_type for g in plan.lone] == ["opfuse.ConvNHWC"]  # the embedding alone
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("pool", ["avg", "max", "dw"])
+def test_the_pool_form_computes_what_onnxruntime_does(pool: str, precision: str, tmp_path: Path) -> None:
+    """Every element against onnxruntime, at the row kernel's config and each tuning candidate's:
+    three kernels, the conv, the first norm, then the pool, the mixer's arithmetic and the second
+    norm."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tuning.candidates import candidates
+
+    model, shapes = _pool_mixer(pool, True, tmp_path)
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    assert sum(1 for s in cm.plan.steps if s.launches) == 3
+    what = "depthwise conv" if pool == "dw" else "pool"
+    (k,) = [k for k in cm.plan.kernels.values() if f"prologue: {what} on the tiles" in k.source]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(4)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [{}, *candidates(k)]:
+        ex.configs[k.id] = {**k.config, **cand}
+        x = rng.standard_normal(shapes["x"]).astype(np.float32)
+        (want,) = session.run(None, {"x": x})
+        got = np.asarray(next(iter(ex.run({"x": x}).values())), dtype=np.float32)
+        assert got.shape == want.shape and np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10, err_msg=f"at {cand}")
