@@ -123,7 +123,17 @@ def test_the_pool_form_computes_what_onnxruntime_does(pool: str, precision: str,
     from opfuse.tuning.candidates import candidates
 
     model, shapes = _pool_mixer(pool, True, tmp_path)
-    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    # Untuned (the one kernel, not its split form); in fp32 on the GPU the embedding's dense conv
+    # would keep the block NCHW (fp32_dense_nchw), where no pool is NHWC: off, as on the CPU.
+    off = (names.FP32_DENSE_NCHW,)
+    cm = opfuse.compile(
+        model,
+        input_shapes=shapes,
+        precision=precision,
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=off,
+    )
     assert cm.report["verification"]["passed"] is True
     assert sum(1 for s in cm.plan.steps if s.launches) == 3
     what = "depthwise conv" if pool == "dw" else "pool"

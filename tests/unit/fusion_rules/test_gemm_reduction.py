@@ -111,9 +111,16 @@ def _ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
 def _compiled(model: onnx.ModelProto, shapes: dict[str, list[int]], precision: str) -> Any:
     """The compiled model, untuned: on the GPU tuning times the one kernel against its split form
     and may keep either, and these tests assert the one kernel (at each tuning candidate's config
-    themselves, `_every_config`)."""
+    themselves, `_every_config`). In fp32 on the GPU a region of dense convs stays NCHW
+    (`fp32_dense_nchw`), where no conv is an NHWC implicit GEMM: off, the conv forms run there
+    as on the CPU."""
     return opfuse.compile(
-        model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0
+        model,
+        input_shapes=shapes,
+        precision=precision,
+        device=TEST_DEVICE,
+        tune_budget_s=0,
+        fusion_disable=(names.FP32_DENSE_NCHW,),
     )
 
 
