@@ -103,8 +103,9 @@ class GemmReduction(RowPrologueRule):
             return "the row kernel reads rows through folded layout ops"
         if rows and self._pooled_by_gemm(rg):
             return "a GEMM reads the mean: pooled_gemm computes the mean on that GEMM's tiles instead"
+        # A product read outside the row kernel too is stored by it, unless read through a view.
         if view is None:
-            pass  # a product read outside too is stored by the row kernel
+            pass
         elif not (isinstance(view, StridedView) and view.base == mm.outputs[0]):
             return "the row kernel reads the GEMM's output through a view"
         elif self.read_outside(x, rg) or not self._only_viewed(view):
@@ -132,9 +133,10 @@ class GemmReduction(RowPrologueRule):
         """The row kernel is a global mean that a GEMM reads (through reshapes), which pooled_gemm
         computes on that GEMM's A tiles (a classifier's head, squeeze-excitation's MLP): the GEMM
         before the mean stays where it is, so that rule may take the mean."""
-        head = rg.nodes[-1]
-        if not self.state.on(names.POOLED_GEMM) or head.op_type not in ("ReduceMean", "GlobalAveragePool"):
+        means = [n for n in rg.nodes if n.op_type in ("ReduceMean", "GlobalAveragePool")]
+        if not self.state.on(names.POOLED_GEMM) or len(means) != 1:
             return False
+        head = means[0]
         space = row_space(self.graph, head)
         frontier, seen = list(head.outputs), 0
         while frontier and seen < 8:
