@@ -480,7 +480,7 @@ def pooled_product(form: str, items: int = 2) -> tuple[onnx.ModelProto, dict[str
         n("ReduceMean", ["h", "axes"], ["s"], name="mean", keepdims=0),
     ]
     if form == "gated":  # A computed on the tiles too: x * sigmoid(x) (operand_prologue)
-        nodes = [n("Sigmoid", ["x"], ["g"], name="gate"), n("Mul", ["x", "g"], ["a"], name="silu")] + nodes
+        nodes = [n("Sigmoid", ["x"], ["g"], name="gate"), n("Mul", ["x", "g"], ["a"], name="silu"), *nodes]
         nodes[2] = n("MatMul", ["a", "w"], ["h"], name="fc")
     shapes = {"x": [items, 7, 16]}
     inits = {"w": weights(16, 20, seed=1), "axes": np.array([1])}
