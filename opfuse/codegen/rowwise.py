@@ -41,10 +41,10 @@ from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, ROW_OPS, ROW_REDUCTIONS, is_depthwise
+from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
-from opfuse.ir.rows import TILE, RowSpace, row_space
+from opfuse.ir.rows import TILE, RowSpace, row_head, row_space
 from opfuse.ir.support import conv_params, gemm_dims, pool_params
 
 NEG_INF = 'float("-inf")'
@@ -385,7 +385,7 @@ def generate_rowwise(
     conv (NHWC; fusion/rules/depthwise_reduction.py) or a GEMM whose columns are the row
     (fusion/rules/gemm_reduction.py). `precision`: the job's, for a GEMM's dot."""
     views = views or {}
-    space = row_space(graph, next(n for n in nodes if n.op_type in ROW_OPS))
+    space = row_space(graph, row_head(graph, nodes))
     assert space.full == tuple(full) and split in (None, -1, space.first), (full, split, space)
     tiled = space.inner > 1 and not space.groups
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.

@@ -354,7 +354,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         FUSION,
         "Softmax/LogSoftmax/Reduce* over one contiguous run of axes, LayerNorm/InstanceNorm/GroupNorm, "
         "each with its prologue and epilogue; non-trailing axes read as (outer, R, inner) tiles, GroupNorm "
-        "rows as (n, g) channel groups; a row fits one program (≤ 16384 elements).",
+        "rows as (n, g) channel groups; a row fits one program (≤ 16384 elements). A row kernel over a "
+        "broadcast of another's rows that only it reads (MobileViT V2's query Softmax) is recomputed by it.",
         impl=f"{RULES_PACKAGE}.row_reduction",
     ),
     _r(

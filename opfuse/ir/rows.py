@@ -101,6 +101,14 @@ def row_space(graph: Graph, node: Node) -> RowSpace:
     return RowSpace(full, axes[0], axes[-1] + 1, groups)
 
 
+def row_head(graph: Graph, nodes: list[Node]) -> Node:
+    """The row op that sets a row group's space: the one over the most elements. A group's row ops
+    share its space, but for a row op over a broadcast of it (a Softmax of one row per item that
+    the group's rows all read: row_reduction's `_fold_broadcast_rows`), which each row recomputes."""
+    ops = [n for n in nodes if n.op_type in ROW_OPS]
+    return max(ops, key=lambda n: int(np.prod(graph.spec(n.inputs[0]).shape, dtype=np.int64)))
+
+
 def row_split(graph: Graph, node: Node) -> int:
     """The first reduced axis: dims before it index rows (or row blocks)."""
     return row_space(graph, node).first

@@ -26,7 +26,7 @@ from opfuse.errors import ModelError
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group, group_boundary
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.rows import row_head
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
 
@@ -181,7 +181,7 @@ class RowPrologueRule(FusionRule):
         for rg in self.state.rows:
             if not self._plain(rg):
                 continue
-            head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
+            head = row_head(self.graph, rg.nodes)
             for x in rg.inputs:
                 src = lone_by_output.get(x)
                 view = rg.views.get(x)

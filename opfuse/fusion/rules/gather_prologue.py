@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import group_boundary, merge_refusal
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
-from opfuse.ir.ops import ROW_OPS
-from opfuse.ir.rows import row_space
+from opfuse.ir.rows import row_head, row_space
 
 GATHER_PROLOGUE_RULE = names.GATHER_PROLOGUE
 INDEX_TYPES = ("int64", "int32")
@@ -39,7 +38,7 @@ class GatherPrologue(FusionRule):
         for rg in self.state.rows:
             if rg.kind != "rowwise" or rg.views or any(n.op_type != "Gather" for n in rg.prologue):
                 continue
-            head = next(n for n in rg.nodes if n.op_type in ROW_OPS)
+            head = row_head(self.graph, rg.nodes)
             for x in list(rg.inputs):
                 src = producers.get(x)
                 if src is None or src.op_type != "Gather" or src.id in self.held:

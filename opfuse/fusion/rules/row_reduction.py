@@ -10,6 +10,12 @@ group or exceed the group's caps. A normalization's full-shaped input may be a C
 it, so the Concat joins too (its inputs, of other shapes, are kernel inputs), and reads them as a
 pointwise kernel would (`resize_gather`, `layout_views`). A row kernel's full-shaped input behind
 layout ops that keep each row contiguous is read from the buffer behind them (`layout_views`).
+
+A row group whose rows are a broadcast of another group's (the same reduced axes and row length,
+size 1 on some row axes of the other), which only that group reads, joins it: every row of the
+bigger group recomputes the row of the smaller it reads, where a kernel of its own wrote them for
+all (MobileViT V2's Softmax of the query per patch, which each channel's weighted sum reads).
+`ir.rows.row_head` names the row op whose space is the group's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import ROW_OPS
 from opfuse.ir.queries import contiguous_strides
-from opfuse.ir.rows import RowSpace, row_input_reason, row_op_reason, row_space
+from opfuse.ir.rows import RowSpace, row_head, row_input_reason, row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
 from opfuse.passes.rules import NotFired, node_label
 
@@ -171,8 +177,10 @@ class RowReduction(FusionRule):
         return neighbours
 
     def finish(self) -> None:
-        """A row group's Concat is selected; its inputs behind layout ops are read as views."""
+        """A row group over a broadcast of another's space joins it; a row group's Concat is
+        selected; its inputs behind layout ops are read as views."""
         state, graph = self.state, self.graph
+        self.groups = _fold_broadcast_rows(graph, self.groups, self.order, self.consumers)
         claimed_by_rows = set(self.assigned)
         for g in self.groups:
             if any(n.op_type == "Concat" for n in g.nodes):
@@ -184,6 +192,56 @@ class RowReduction(FusionRule):
                 _fold_row_layout(graph, g, claimed_by_rows)
         state.in_rows |= {n.id for g in self.groups for n in [*g.nodes, *g.absorbed]}
         state.rows = state.rows + self.groups
+
+
+def _fold_broadcast_rows(
+    graph: Graph, groups: list[Group], order: dict[str, int], consumers: dict[str, list[Node]]
+) -> list[Group]:
+    """A row group whose rows are a broadcast of another's (the same reduced axes and row length,
+    size 1 on some of the other's row axes), read by that group alone, joins it: each of its rows
+    recomputes the smaller group's row it reads. MobileViT V2's separable attention takes one
+    Softmax of the query per patch, then every channel's row weighs its keys by it: the Softmax
+    of that row is computed again in each channel's row, where a kernel wrote it for them all."""
+    out = {o.name for o in graph.outputs}
+    by_node = {n.id: g for g in groups for n in g.nodes}
+    gone: set[str] = set()
+    for small in groups:
+        if small.views or small.prologue or small.absorbed or any(o in out for o in small.outputs):
+            continue
+        readers = [by_node.get(u.id) for o in small.outputs for u in consumers.get(o, [])]
+        big = readers[0] if readers else None
+        if (
+            big is None
+            or any(g is not big for g in readers)
+            or big is small
+            or big.id in gone
+            or big.views
+            or big.prologue
+        ):
+            continue
+        mine, theirs = (
+            row_space(graph, row_head(graph, small.nodes)),
+            row_space(graph, row_head(graph, big.nodes)),
+        )
+        if mine.groups or theirs.groups or mine.inner != 1 or theirs.inner != 1:
+            continue  # grouped or strided rows: their own addressing
+        if (mine.first, mine.end, mine.r) != (theirs.first, theirs.end, theirs.r) or len(mine.full) != len(
+            theirs.full
+        ):
+            continue
+        if (
+            any(a not in (b, 1) for a, b in zip(mine.full, theirs.full, strict=True))
+            or mine.full == theirs.full
+        ):
+            continue
+        members = {n.id for n in [*small.nodes, *big.nodes]}
+        if merge_refusal(graph, members, order)[0] is not None:
+            continue
+        big.nodes = [n for n in graph.nodes if n.id in members]
+        big.inputs, big.outputs = group_boundary(graph, big.nodes)
+        by_node.update({n.id: big for n in small.nodes})
+        gone.add(small.id)
+    return [g for g in groups if g.id not in gone]
 
 
 def _select_row_concat(
@@ -222,7 +280,7 @@ def _gather_row_resizes(
     from the Resize's input by the kernel's loads (`resize_gather`), as a pointwise kernel would."""
     full = tuple(group.full)
     values = [x for x in group.inputs if x not in graph.constants and tuple(graph.spec(x).shape) == full]
-    if not values or row_space(graph, next(n for n in group.nodes if n.op_type in ROW_OPS)).groups:
+    if not values or row_space(graph, row_head(graph, group.nodes)).groups:
         return  # a grouped row (GroupNorm's) addresses its elements its own way
     ids = {n.id for n in group.nodes}
     gathers, gathered = plan_resize_gathers(graph, ids, values, full, claimed, not_fused, fold)
@@ -236,7 +294,7 @@ def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
     """A row kernel's full-shaped input reached through layout ops that keep each row contiguous
     (a seq-first attention output transposed back to batch-first before its residual LayerNorm)
     is read from the buffer behind them: rows at their strides, each row as it lies."""
-    space = row_space(graph, next(n for n in group.nodes if n.op_type in ROW_OPS))
+    space = row_space(graph, row_head(graph, group.nodes))
     if space.inner > 1 or space.groups:
         return  # rows strided or grouped: their own addressing
     full = tuple(group.full)

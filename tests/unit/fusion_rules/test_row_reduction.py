@@ -1,11 +1,16 @@
-"""`row_reduction` (opfuse/fusion/rules/row_reduction.py) on a tiny graph: bias, Softmax, scale."""
+"""`row_reduction` (opfuse/fusion/rules/row_reduction.py) on a tiny graph: bias, Softmax, scale;
+a Softmax of a broadcast row joining the rows that read it."""
 
 from __future__ import annotations
 
+import numpy as np
+import onnxruntime as ort
+import pytest
 from onnx import helper
 
+import opfuse
 from opfuse.frontend import rule_registry as names
-from tests.builders import claimed, planned, refusals, tiny_model, weights
+from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
 
 
 def softmax_row(length: int) -> object:
@@ -34,3 +39,67 @@ def test_a_row_too_long_for_one_program_is_refused() -> None:
         (["softmax"], "a row of 20000 elements does not fit one program (limit 16384)")
     ]
     assert all(kind != "rowwise" for kind, _, _ in claimed(plan))
+
+
+# A row group over a broadcast of another's rows joins it: MobileViT V2's separable attention,
+# a Softmax of the query per patch [B, 1, P, N] that every channel's row [B, C, P, N] reads.
+
+
+def separable_attention(also_out: bool = False, q_axis: int = 3) -> object:
+    """ctx = sum_n(k * softmax(q, axis n)); y = relu(v) * ctx: q [2, 1, 3, 10], k and v [2, 6, 3,
+    10]. `also_out`: the scores are an output too; `q_axis`: the Softmax's axis (2: not the
+    rows' axis of the sum)."""
+    nodes = [
+        helper.make_node("Softmax", ["q"], ["s"], name="softmax", axis=q_axis),
+        helper.make_node("Mul", ["k", "s"], ["ks"], name="weigh"),
+        helper.make_node("ReduceSum", ["ks", "axes"], ["ctx"], name="sum", keepdims=1),
+        helper.make_node("Relu", ["v"], ["rv"], name="relu"),
+        helper.make_node("Mul", ["rv", "ctx"], ["y"], name="apply"),
+    ]
+    outputs = {"y": [2, 6, 3, 10]}
+    if also_out:
+        outputs["s"] = [2, 1, 3, 10]
+    inputs = {"q": [2, 1, 3, 10], "k": [2, 6, 3, 10], "v": [2, 6, 3, 10]}
+    return tiny_model(nodes, inputs, outputs, {"axes": np.array([3])}, opset=18)
+
+
+def test_a_softmax_of_a_broadcast_row_joins_the_rows_that_read_it() -> None:
+    _, plan = planned(separable_attention())
+    assert claimed(plan) == [("rowwise", names.ROW_REDUCTION, ["softmax", "weigh", "sum", "relu", "apply"])]
+
+
+@pytest.mark.parametrize(
+    "model",
+    [separable_attention(also_out=True), separable_attention(q_axis=2)],
+    ids=["read_outside", "other_axis"],
+)
+def test_a_broadcast_row_group_read_elsewhere_or_over_other_axes_stays(model: object) -> None:
+    _, plan = planned(model)
+    groups = [nodes for _, _, nodes in claimed(plan)]
+    assert ["softmax"] in groups and not any("softmax" in g and len(g) > 1 for g in groups)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_joined_softmax_computes_what_onnxruntime_does(precision: str) -> None:
+    """Every element of every output against onnxruntime, at the row kernel's config and each
+    tuning candidate's: one kernel."""
+    from opfuse.runtime.executor import Executor
+    from opfuse.tuning.candidates import candidates
+
+    model = separable_attention()
+    shapes = {"q": [2, 1, 3, 10], "k": [2, 6, 3, 10], "v": [2, 6, 3, 10]}
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    (k,) = cm.plan.kernels.values()
+    assert sum(1 for s in cm.plan.steps if s.launches) == 1
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(6)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [{}, *candidates(k)]:
+        ex.configs[k.id] = {**k.config, **cand}
+        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+        (want,) = session.run(None, feeds)
+        got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
+        assert got.shape == want.shape and np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10, err_msg=f"at {cand}")
