@@ -31,7 +31,7 @@ from opfuse.fusion.layout_fold import fold_layout
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import ROW_OPS
+from opfuse.ir.ops import POINTWISE_OPS, ROW_OPS
 from opfuse.ir.queries import contiguous_strides
 from opfuse.ir.rows import RowSpace, row_head, row_input_reason, row_op_reason, row_space
 from opfuse.ir.support import pointwise_reason
@@ -208,7 +208,10 @@ def _fold_broadcast_rows(
     for small in groups:
         if small.views or small.prologue or small.absorbed or any(o in out for o in small.outputs):
             continue
-        readers = [by_node.get(u.id) for o in small.outputs for u in consumers.get(o, [])]
+        users = [u for o in small.outputs for u in consumers.get(o, [])]
+        if any(u.op_type not in POINTWISE_OPS and u.op_type not in ROW_OPS for u in users):
+            continue  # read other than by broadcasting (a Concat's part: its own rows)
+        readers = [by_node.get(u.id) for u in users]
         big = readers[0] if readers else None
         if (
             big is None

@@ -103,3 +103,36 @@ def test_the_joined_softmax_computes_what_onnxruntime_does(precision: str) -> No
         got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
         assert got.shape == want.shape and np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10, err_msg=f"at {cand}")
+
+
+def test_a_row_kernel_whose_output_is_a_concat_part_is_no_broadcast() -> None:
+    """PVT's last stage at a small input: one patch, LayerNorm [1, 1, C], then the class token
+    concatenated before it ([1, 2, C]) and the next norm. The one-patch rows look like a broadcast
+    of the two-token rows, but the Concat places them: the norm stays a kernel of its own, and the
+    plan compiles and matches onnxruntime."""
+    c = 16
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "g1", "b1"], ["n1"], name="ln1", axis=-1),
+        helper.make_node("Concat", ["cls", "n1"], ["t"], name="cat", axis=1),
+        helper.make_node("Add", ["t", "pos"], ["s"], name="pos_add"),
+        helper.make_node("LayerNormalization", ["s", "g2", "b2"], ["y"], name="ln2", axis=-1),
+    ]
+    inits = {
+        "g1": 1.0 + weights(c, seed=1),
+        "b1": weights(c, seed=2),
+        "g2": 1.0 + weights(c, seed=3),
+        "b2": weights(c, seed=4),
+        "pos": weights(1, 2, c, seed=5),
+    }
+    model = tiny_model(nodes, {"x": [1, 1, c], "cls": [1, 1, c]}, {"y": [1, 2, c]}, inits, opset=18)
+    _, plan = planned(model)
+    assert ["ln1"] in [nodes for _, _, nodes in claimed(plan)]
+    cm = opfuse.compile(model, device=TEST_DEVICE, tune_budget_s=0)
+    rng = np.random.default_rng(8)
+    feeds = {
+        "x": rng.standard_normal([1, 1, c]).astype(np.float32),
+        "cls": rng.standard_normal([1, 1, c]).astype(np.float32),
+    }
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = session.run(None, feeds)
+    np.testing.assert_allclose(np.asarray(cm.run(feeds)["y"]), want, rtol=1e-4, atol=1e-4)
