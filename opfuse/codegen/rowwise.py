@@ -44,7 +44,7 @@ from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
-from opfuse.ir.rows import TILE, RowSpace, row_head, row_space
+from opfuse.ir.rows import TILE, RowSpace, is_item_space, row_head, row_space
 from opfuse.ir.support import conv_params, gemm_dims, pool_params
 
 NEG_INF = 'float("-inf")'
@@ -343,6 +343,16 @@ class _RowKernel:
     gemm: Node | None  # or a GEMM computed on the tile, its columns the row (multi layout)
     gathers: list[Node]  # or Gathers of tables' rows, each row one row of the tile (multi layout)
     prologue_args: list[str]  # the prologue's operands: input, weight (and bias)
+    # The item layout: a norm over each item (its pixels and channels), held as the strided
+    # layout's R x BLOCK_I tile with every channel in one block, reduced over both axes; `space`
+    # is then the tile's (outer, R pixels, inner channels) and `count` the elements per item.
+    item: bool = False
+    count: int = 0
+
+    @property
+    def n(self) -> int:
+        """Elements each reduction is over: a row's, or an item's in the item layout."""
+        return self.count if self.item else self.space.r
 
     @property
     def block(self) -> int:
@@ -355,7 +365,7 @@ class _RowKernel:
 
     @property
     def mask(self) -> str:
-        return "rmask" if self.tiled else "cmask"
+        return "mask" if self.item else "rmask" if self.tiled else "cmask"
 
     @property
     def slot(self) -> dict[str, int]:
@@ -363,6 +373,10 @@ class _RowKernel:
 
     def reduce(self, op: str, expr: str, pad: str) -> str:
         keep = ", keep_dims=True" if self.tiled or self.multi else ""
+        if self.item:  # the item's channels, then its pixels
+            return (
+                f"{op}({op}(tl.where(mask, {expr}, {pad}), axis=1, keep_dims=True), axis=0, keep_dims=True)"
+            )
         return f"{op}(tl.where({self.mask}, {expr}, {pad}), axis={1 if self.multi else 0}{keep})"
 
 
@@ -391,6 +405,12 @@ def generate_rowwise(
     # A channel Concat the depthwise conv reads (depthwise_reduction): its inputs loaded in turn.
     # (A GEMM's prologue may hold a Concat along K: computed_a_tile reads that one in parts.)
     gemm = next((n for n in prologue or [] if _on_tiles_gemm(graph, n)), None)
+    # A GEMM before a norm over each item (gemm_reduction's item form): the item as pixels by
+    # channels, the strided layout's tile with every channel in one block.
+    item = gemm is not None and is_item_space(space) and space.first != len(full) - 1
+    count = space.r
+    if item:
+        space, tiled = RowSpace(space.full, space.first, len(full) - 1), True
     concat = None if gemm else next((n for n in prologue or [] if n.op_type == "Concat"), None)
     prologue = [n for n in prologue or [] if n is not concat]
     first = prologue[0] if prologue else None
@@ -431,7 +451,7 @@ def generate_rowwise(
     )
     rk = _RowKernel(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
-        gemm, gathers, prologue_args,
+        gemm, gathers, prologue_args, item, count,
     )  # fmt: skip
     args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
     buf = SourceBuffer()
@@ -526,9 +546,14 @@ def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str
         upcast = rk.graph.spec(rk.gemm.inputs[0]).dtype == "bfloat16"  # as codegen/gemm.py
         bk = min(64, max(16, next_pow2(k)))
         bi = max(16, min(next_pow2(inner), TILE // block))
+        if rk.item:  # every channel of the item in one block (tuning keeps it: ITEM_TILE)
+            bi = max(16, next_pow2(inner))
+            buf.line("ITEM_TILE = True")
         config = {"BLOCK_R": block, "BLOCK_I": bi, "BLOCK_K": bk, "UPCAST": False}
         config["num_warps"] = 4 if block * bi <= 4096 else 8
         interp = {"BLOCK_R": block, "BLOCK_I": max(16, min(next_pow2(inner), (1 << 16) // block))}
+        if rk.item:
+            interp["BLOCK_I"] = bi
         interp.update(BLOCK_K=min(256, max(16, next_pow2(k))), UPCAST=upcast)
         buf.line(f"INNER = {inner}")
         consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr"
@@ -648,7 +673,7 @@ def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
 def _row_node(buf: SourceBuffer, rk: _RowKernel, n: Node, v: str, a: list[str]) -> None:
     """Node `n` as register `v`, from its inputs' registers `a`: a pointwise op, the Concat's
     selection, a reduction or a normalization over the row."""
-    graph, r, reduce = rk.graph, rk.space.r, rk.reduce
+    graph, r, reduce = rk.graph, rk.n, rk.reduce
     if n.op_type in EMITTERS:
         scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
         buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.op_type}")
@@ -704,6 +729,7 @@ def _row_stores(buf: SourceBuffer, rk: _RowKernel, outputs: list[str], regs: dic
         if rk.tiled and whole:
             buf.line(f"tl.store(out{i} + outer * {r * inner} + rr * {inner} + ii, {value}, mask=mask)")
         elif rk.tiled:
+            assert not rk.item, "an item-reduced output of the item layout (gemm_reduction refuses it)"
             buf.line(f"tl.store(out{i} + outer * {inner} + ii, {value}, mask=imask)")
         elif whole and r != 1:
             buf.line(f"tl.store(out{i} + row * {r} + cols, {value}, mask=cmask)")

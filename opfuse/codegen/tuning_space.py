@@ -153,9 +153,11 @@ def rowwise_candidates(k: KernelLike) -> list[dict[str, Any]]:
     one that computes a GEMM on its tiles (BLOCK_K) its row (or column) and K tiles with 4 and 8
     warps."""
     if "BLOCK_I" in k.config and "BLOCK_K" in k.config:
-        # A GEMM on a strided tile (its rows an item's R): tl.dot's 16 columns at least.
+        # A GEMM on a strided tile (its rows an item's R): tl.dot's 16 columns at least; a norm
+        # over each item (ITEM_TILE) holds every channel in its one block.
         bi = int(k.config["BLOCK_I"])
-        widths = [b for b in (bi, bi // 2, bi // 4) if b >= 16]
+        item = re.search(r"^ITEM_TILE = True$", k.source, re.MULTILINE) is not None
+        widths = [bi] if item else [b for b in (bi, bi // 2, bi // 4) if b >= 16]
         return [
             {"BLOCK_I": b, "BLOCK_K": bk, "num_warps": w} for b in widths for bk in (32, 64) for w in (4, 8)
         ]

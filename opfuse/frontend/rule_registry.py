@@ -462,7 +462,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "reduces over its output's columns (a transformer's Linear with its bias, residual add and "
         "LayerNorm; a patch-embedding conv and its LayerNorm), where a row fits one tile, or over its "
         "rows of one item (the conv before an ECA or squeeze-excitation mean over the pixels, "
-        "ConvNeXt V2's Linear before its global response norm); the product stored where others read it.",
+        "ConvNeXt V2's Linear before its global response norm), or over each item (a conv before a "
+        "one-group GroupNorm: PoolFormer, MobileViT V2); the product stored where others read it.",
         impl=f"{RULES_PACKAGE}.gemm_reduction",
     ),
     _r(

@@ -101,6 +101,12 @@ def row_space(graph: Graph, node: Node) -> RowSpace:
     return RowSpace(full, axes[0], axes[-1] + 1, groups)
 
 
+def is_item_space(space: RowSpace) -> bool:
+    """A reduction over every axis after the first of a rank-3-or-more tensor (a norm over each
+    image or item: GroupNorm with one group, a LayerNorm over H, W and C)."""
+    return not space.groups and space.inner == 1 and space.first == 1 and len(space.full) >= 3
+
+
 def row_head(graph: Graph, nodes: list[Node]) -> Node:
     """The row op that sets a row group's space: the one over the most elements. A group's row ops
     share its space, but for a row op over a broadcast of it (a Softmax of one row per item that

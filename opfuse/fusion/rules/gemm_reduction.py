@@ -37,6 +37,15 @@ norm over the pixels, and a mean of a Linear's tokens run in the reduction's ker
 of the items by its columns reads (a classifier's head, squeeze-excitation's MLP) is left alone:
 `pooled_gemm` computes it on that GEMM's tiles, the launch this would save. In either layout a
 product that others read too is stored by the row kernel, which computes it anyway.
+
+A norm over each item (GroupNorm with one group, which the channels-last pass writes as a
+LayerNorm over H, W and C; a LayerNorm over a sequence's tokens and channels) reduces over the
+product's rows of one item and all its columns: the row kernel holds the item as its rows by all
+its columns (the strided layout's tile, every column in one block, `ITEM_TILE` in the generated
+module, which tuning keeps), reduced over both axes, one program per item, within GEMM_ITEM_TILE
+accumulator elements (a row kernel's own MAX_ROW). PoolFormer's fc2 with its layer scale and
+residual before the next block's norm, MobileViT V2's out-projection and second FFN conv before
+theirs. Only where the row kernel stores full-shaped values and reads no views.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_view
 from opfuse.fusion.views import RESHAPES
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, has_shortcut, is_depthwise
-from opfuse.ir.rows import row_space
+from opfuse.ir.queries import next_pow2
+from opfuse.ir.rows import is_item_space, row_space
 from opfuse.ir.support import gemm_dims, is_batched
 from opfuse.ir.views import StridedView
 
@@ -61,6 +71,9 @@ GEMM_ROW_MAX = 1024
 # A grouped conv on the tiles multiplies a block-diagonal weight as a dense one: `groups` times
 # the products it needs, so only a few groups (a speech encoder's positional conv).
 GEMM_CONV_GROUPS = 16
+# A norm over each item computes the item's whole product in one program: its [rows, columns]
+# float32 accumulator within the strided tile's budget (a row kernel's MAX_ROW elements).
+GEMM_ITEM_TILE = 16384
 
 
 class GemmReduction(RowPrologueRule):
@@ -94,14 +107,20 @@ class GemmReduction(RowPrologueRule):
         m, n, _k, _trans_b = gemm_dims(graph, mm)
         columns = not space.groups and space.inner == 1 and space.first == len(full) - 1
         rows = not space.groups and space.inner == n == full[-1] and space.outer * space.r == m
-        if not (columns or rows):
+        # A norm over each item (its rows and columns): the item's rows by all its columns.
+        item = not columns and is_item_space(space) and full[-1] == n and space.outer * space.r == m * n
+        if not (columns or rows or item):
             return "the row kernel does not reduce over the GEMM's output columns alone, nor over its rows of one item"
+        if item and (rg.views or any(graph.spec(o).numel != space.outer * space.r for o in rg.outputs)):
+            return "the row kernel over each item reads views or stores a reduced value"
+        if item and max(16, next_pow2(space.r // n)) * max(16, next_pow2(n)) > GEMM_ITEM_TILE:
+            return f"an item of {space.r // n} x {n} is more than one tile of the row kernel holds ({GEMM_ITEM_TILE})"
         if tuple(graph.spec(x).shape) != full:
             return "the GEMM's output is not the row kernel's full-shaped input"
         view = rg.views.get(x)
         if rows and rg.views:
             return "the row kernel reads rows through folded layout ops"
-        if rows and self._pooled_by_gemm(rg):
+        if (rows or item) and self._pooled_by_gemm(rg):
             return "a GEMM reads the mean: pooled_gemm computes the mean on that GEMM's tiles instead"
         # A product read outside the row kernel too is stored by it, unless read through a view.
         if view is None:

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import helper
 
 import opfuse
@@ -80,14 +81,14 @@ def test_a_row_longer_than_a_tile_is_refused() -> None:
 
 
 def test_a_reduction_over_other_axes_is_refused() -> None:
-    """A LayerNorm over the last two axes of [2, 6, 16] reduces over the product's columns and
-    rows together: neither a row of it nor the rows of one item."""
+    """A LayerNorm over the last two axes of [2, 3, 4, 16] reduces over the product's columns and
+    some of its rows: neither a row of it, the rows of one item, nor a whole item."""
     nodes = [
         n("MatMul", ["x", "w"], ["h"], name="fc"),
-        n("LayerNormalization", ["h", "gamma"], ["y"], name="ln", axis=1),
+        n("LayerNormalization", ["h", "gamma"], ["y"], name="ln", axis=2),
     ]
-    inits = {"w": weights(8, 16), "gamma": 1.0 + weights(6, 16, seed=1)}
-    model = tiny_model(nodes, {"x": [2, 6, 8]}, {"y": [2, 6, 16]}, inits)
+    inits = {"w": weights(8, 16), "gamma": 1.0 + weights(4, 16, seed=1)}
+    model = tiny_model(nodes, {"x": [2, 3, 4, 8]}, {"y": [2, 3, 4, 16]}, inits)
     _, plan = planned(model)
     assert refusals(plan, names.GEMM_REDUCTION) == [
         (
@@ -540,3 +541,61 @@ def test_the_strided_form_computes_what_onnxruntime_does(form: str, precision: s
 def test_the_strided_split_form_computes_the_same() -> None:
     model, shapes = pooled_product("grn")
     _split_form_computes_the_same(model, shapes, "MatMul")
+
+
+# A norm over each item (GroupNorm with one group; a LayerNorm over a sequence's tokens and
+# channels): the item's rows by all its columns, one program per item, reduced over both axes.
+
+
+class ConvItemNorm(torch.nn.Module):
+    """y = GroupNorm(1, C)(conv(x) + r): PoolFormer's and MobileViT V2's norm over each image after
+    a conv (the channels-last region writes it as a LayerNorm over H, W and C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(6, 24, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(1, 24)
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+        torch.nn.init.uniform_(self.norm.bias, -0.5, 0.5)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x) + r)
+
+
+def item_norm(form: str, tmp_path: Any) -> tuple[onnx.ModelProto, dict[str, list[int]]]:
+    """`form` "conv": ConvItemNorm over [3, 6, 5, 7], exported with the default exporter;
+    "tokens": LayerNorm over the last two axes of x @ w + b ([3, 9, 12] -> 20)."""
+    if form == "conv":
+        from tests.unit.test_default_export import export
+
+        torch.manual_seed(0)
+        x, r = torch.randn(3, 6, 5, 7), torch.randn(3, 24, 5, 7)
+        return export(ConvItemNorm(), (x, r), tmp_path / "m.onnx"), {"x": [3, 6, 5, 7], "r": [3, 24, 5, 7]}
+    nodes = [
+        n("MatMul", ["x", "w"], ["h"], name="fc"),
+        n("Add", ["h", "b"], ["hb"], name="bias"),
+        n("LayerNormalization", ["hb", "gamma", "beta"], ["y"], name="ln", axis=1),
+    ]
+    inits = {
+        "w": weights(12, 20, seed=1),
+        "b": weights(20, seed=2),
+        "gamma": 1.0 + weights(9, 20, seed=3),
+        "beta": weights(9, 20, seed=4),
+    }
+    return tiny_model(nodes, {"x": [3, 9, 12]}, {"y": [3, 9, 20]}, inits), {"x": [3, 9, 12]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("form", ["conv", "tokens"])
+def test_a_gemm_before_a_norm_over_each_item_is_computed_on_its_tile(
+    form: str, precision: str, tmp_path: Any
+) -> None:
+    model, shapes = item_norm(form, tmp_path)
+    _, plan = planned(model)
+    (row,) = [g for g in plan.groups if g.kind == "rowwise"]
+    assert row.rule == RULE and row.prologue[0].op_type in ("MatMul", "opfuse.ConvNHWC")
+    cm = _compiled(model, shapes, precision)
+    assert cm.report["verification"]["passed"] is True
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "ITEM_TILE = True" in k.source
+    assert _every_config(cm, model, shapes, precision) == 1
