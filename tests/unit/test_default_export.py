@@ -433,8 +433,8 @@ def test_one_group_norms_run_channels_last_with_the_pool(dynamo: bool, tmp_path:
     """A GroupNorm of one group normalizes each image over all its elements, so in the
     channels-last region it is LayerNormalization over (H, W, C), with the per-channel scale
     read at `cols % C`: the pool runs channels-last, nothing is transposed back to NCHW between
-    the stem and the output, and each norm is one row kernel with the pointwise ops before it
-    (the pool's Sub, the scale, the residual). Both exporters: the TorchScript one writes
+    the stem and the output, and each norm is one row kernel with what comes before it (the
+    pool, its Sub, the scale, the residual; or the conv before it). Both exporters: the TorchScript one writes
     Reshape -> InstanceNormalization -> Reshape -> Mul [-> Add], which group_norm makes one
     GroupNormalization first, the bias-less one too (its Add after it is the residual's)."""
     torch.manual_seed(4)
@@ -445,15 +445,16 @@ def test_one_group_norms_run_channels_last_with_the_pool(dynamo: bool, tmp_path:
     assert "AveragePool" not in [s.op_type for s in steps]
     back = [s for s in cm.plan.steps if s.op_type == "Transpose" and s.attrs.get("perm") == [0, 3, 1, 2]]
     assert len(back) <= 1, [s.op_type for s in cm.plan.steps]  # only the output's, if not folded
-    norms = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "row_reduction"]
+    norms = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
     assert len(norms) == 4, cm.report["fusion"]["groups"]
-    # The stem's norm alone; each other one with the pointwise ops before it: the pool's Sub, the
-    # scale and the residual Add, or the MLP's scale and residual Add where the row kernel takes
-    # them from the second conv's epilogue (that conv then runs as the library's).
-    sizes = sorted(len(g["nodes"]) for g in norms)
-    assert sizes[0] == 1 and min(sizes[1:]) >= 3, norms
-    # The stem, four norms, two pools, four 1x1 convs (31 launches unfused).
-    assert cm.report["kernels"]["after"] == 11
+    # Each norm computes on its tiles what comes before it: the stem's conv (gemm_reduction's
+    # item form), the pool with its Sub, the scale and the residual Add (depthwise_reduction), or
+    # the first MLP's second conv with its scale and residual Add (the item form again).
+    rules = sorted(g["rule"] for g in norms)
+    assert rules == ["row_reduction+depthwise_reduction"] * 2 + ["row_reduction+gemm_reduction"] * 2, norms
+    assert sorted(len(g["nodes"]) for g in norms) == [2, 4, 5, 5], norms
+    # Four norms and the MLPs' three other convs (31 launches unfused).
+    assert cm.report["kernels"]["after"] == 7
     assert cm.report["verification"]["passed"] is not False
     assert all("LayerNormalization" in k.source for k in cm.plan.kernels.values() if k.kind == "rowwise")
 
