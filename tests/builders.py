@@ -339,3 +339,34 @@ def excitation_block(
     ]
     shape = [images, c, size, size]
     return tiny_model(nodes, {"x": shape}, {"y": shape}, inits)
+
+
+def assert_every_config(
+    cm: typing.Any,
+    model: onnx.ModelProto,
+    kernel: typing.Any,
+    shapes: dict[str, list[int]],
+    precision: str,
+    seed: int,
+) -> None:
+    """The compiled plan with `kernel` at its own config and at each of its tuning candidates'
+    (fresh random inputs each time): every element of every output against onnxruntime on
+    `model`, finite, within the precision's tolerance."""
+    import onnxruntime as ort
+
+    from opfuse.runtime.executor import Executor
+    from opfuse.tuning.candidates import candidates
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    rng = np.random.default_rng(seed)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for cand in [{}, *candidates(kernel)]:
+        ex.configs[kernel.id] = {**kernel.config, **cand}
+        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+        got = ex.run(feeds)
+        for name, want in zip(names, session.run(None, feeds), strict=True):
+            have = np.asarray(got[name], dtype=np.float32)
+            assert have.shape == want.shape and np.all(np.isfinite(have)), name
+            np.testing.assert_allclose(have, want, rtol=tol, atol=tol * 10, err_msg=f"{name} at {cand}")

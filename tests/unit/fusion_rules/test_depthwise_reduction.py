@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import helper
@@ -16,7 +15,7 @@ from torch import nn
 
 import opfuse
 from opfuse.frontend import rule_registry as names
-from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
+from tests.builders import TEST_DEVICE, assert_every_config, claimed, planned, refusals, tiny_model, weights
 
 n = helper.make_node
 
@@ -119,9 +118,6 @@ def test_the_pool_form_computes_what_onnxruntime_does(pool: str, precision: str,
     """Every element against onnxruntime, at the row kernel's config and each tuning candidate's:
     two kernels: the conv with the first norm (gemm_reduction's item form), then the pool, the
     mixer's arithmetic and the second norm."""
-    from opfuse.runtime.executor import Executor
-    from opfuse.tuning.candidates import candidates
-
     model, shapes = _pool_mixer(pool, True, tmp_path)
     # Untuned (the one kernel, not its split form); in fp32 on the GPU the embedding's dense conv
     # would keep the block NCHW (fp32_dense_nchw), where no pool is NHWC: off, as on the CPU.
@@ -138,14 +134,4 @@ def test_the_pool_form_computes_what_onnxruntime_does(pool: str, precision: str,
     assert sum(1 for s in cm.plan.steps if s.launches) == 2
     what = "depthwise conv" if pool == "dw" else "pool"
     (k,) = [k for k in cm.plan.kernels.values() if f"prologue: {what} on the tiles" in k.source]
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(4)
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
-    for cand in [{}, *candidates(k)]:
-        ex.configs[k.id] = {**k.config, **cand}
-        x = rng.standard_normal(shapes["x"]).astype(np.float32)
-        (want,) = session.run(None, {"x": x})
-        got = np.asarray(next(iter(ex.run({"x": x}).values())), dtype=np.float32)
-        assert got.shape == want.shape and np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10, err_msg=f"at {cand}")
+    assert_every_config(cm, model, k, shapes, precision, seed=4)

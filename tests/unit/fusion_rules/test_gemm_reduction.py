@@ -14,7 +14,7 @@ from onnx import helper
 
 import opfuse
 from opfuse.frontend import rule_registry as names
-from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
+from tests.builders import TEST_DEVICE, assert_every_config, claimed, planned, refusals, tiny_model, weights
 
 n = helper.make_node
 RULE = f"{names.ROW_REDUCTION}+{names.GEMM_REDUCTION}"
@@ -129,22 +129,9 @@ def _every_config(cm: Any, model: onnx.ModelProto, shapes: dict[str, list[int]],
     """The compiled plan with its row kernel at its own config and at each tuning candidate (fresh
     random inputs each time, outputs poisoned by the suite): every element of every output against
     onnxruntime. Returns the row kernel's launches per run."""
-    from opfuse.runtime.executor import Executor
-    from opfuse.tuning.candidates import candidates
-
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
     assert "tl.dot(" in k.source and "BLOCK_K" in k.config
-    rng = np.random.default_rng(11)
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
-    for cand in [{}, *candidates(k)]:
-        ex.configs[k.id] = {**k.config, **cand}
-        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
-        got = ex.run(feeds)
-        for name, want in _ort(model, feeds).items():
-            have = np.asarray(got[name], dtype=np.float32)
-            assert have.shape == want.shape and np.all(np.isfinite(have)), name
-            np.testing.assert_allclose(have, want, rtol=tol, atol=tol * 10, err_msg=f"{name} at {cand}")
+    assert_every_config(cm, model, k, shapes, precision, seed=11)
     return sum(1 for s in cm.plan.steps if s.kind == "kernel")
 
 

@@ -10,7 +10,7 @@ from onnx import helper
 
 import opfuse
 from opfuse.frontend import rule_registry as names
-from tests.builders import TEST_DEVICE, claimed, planned, refusals, tiny_model, weights
+from tests.builders import TEST_DEVICE, assert_every_config, claimed, planned, refusals, tiny_model, weights
 
 
 def softmax_row(length: int) -> object:
@@ -83,26 +83,13 @@ def test_a_broadcast_row_group_read_elsewhere_or_over_other_axes_stays(model: ob
 def test_the_joined_softmax_computes_what_onnxruntime_does(precision: str) -> None:
     """Every element of every output against onnxruntime, at the row kernel's config and each
     tuning candidate's: one kernel."""
-    from opfuse.runtime.executor import Executor
-    from opfuse.tuning.candidates import candidates
-
     model = separable_attention()
     shapes = {"q": [2, 1, 3, 10], "k": [2, 6, 3, 10], "v": [2, 6, 3, 10]}
     cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
     assert cm.report["verification"]["passed"] is True
     (k,) = cm.plan.kernels.values()
     assert sum(1 for s in cm.plan.steps if s.launches) == 1
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(6)
-    tol = 1e-4 if precision == "fp32" else 2e-2
-    ex = Executor(cm.plan, TEST_DEVICE)
-    for cand in [{}, *candidates(k)]:
-        ex.configs[k.id] = {**k.config, **cand}
-        feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
-        (want,) = session.run(None, feeds)
-        got = np.asarray(ex.run(feeds)["y"], dtype=np.float32)
-        assert got.shape == want.shape and np.all(np.isfinite(got))
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 10, err_msg=f"at {cand}")
+    assert_every_config(cm, model, k, shapes, precision, seed=6)
 
 
 def test_a_row_kernel_whose_output_is_a_concat_part_is_no_broadcast() -> None:
