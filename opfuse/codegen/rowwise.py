@@ -407,7 +407,7 @@ def generate_rowwise(
     gemm = next((n for n in prologue or [] if _on_tiles_gemm(graph, n)), None)
     # A GEMM before a norm over each item (gemm_reduction's item form): the item as pixels by
     # channels, the strided layout's tile with every channel in one block.
-    item = gemm is not None and is_item_space(space) and space.first != len(full) - 1
+    item = gemm is not None and is_item_space(space)
     count = space.r
     if item:
         space, tiled = RowSpace(space.full, space.first, len(full) - 1), True
@@ -465,8 +465,8 @@ def generate_rowwise(
         _row_indices(buf, rk)
         ptr = {x: f"in{tensor_inputs.index(x)}" for x in prologue_args}
         if window is not None:
-            whole = not tiled and space.first == 1  # a norm over each image (PoolFormer's)
-            _depthwise_tile(buf, graph, window, ptr, tiled, concat, whole)
+            # A norm over each image (PoolFormer's): the image's pixels and channels one row.
+            _depthwise_tile(buf, graph, window, ptr, tiled, concat, is_item_space(space))
             regs[window.outputs[0]] = "dwv"
         if gemm is not None:
             strided = (space.r, space.inner) if tiled else None
@@ -545,16 +545,20 @@ def _row_configs(buf: SourceBuffer, rk: _RowKernel, args: list[str]) -> dict[str
         k = gemm_dims(rk.graph, rk.gemm)[2]
         upcast = rk.graph.spec(rk.gemm.inputs[0]).dtype == "bfloat16"  # as codegen/gemm.py
         bk = min(64, max(16, next_pow2(k)))
-        bi = max(16, min(next_pow2(inner), TILE // block))
         if rk.item:  # every channel of the item in one block (tuning keeps it: ITEM_TILE)
-            bi = max(16, next_pow2(inner))
+            bi = interp_bi = max(16, next_pow2(inner))
             buf.line("ITEM_TILE = True")
+        else:
+            bi = max(16, min(next_pow2(inner), TILE // block))
+            interp_bi = max(16, min(next_pow2(inner), (1 << 16) // block))
         config = {"BLOCK_R": block, "BLOCK_I": bi, "BLOCK_K": bk, "UPCAST": False}
         config["num_warps"] = 4 if block * bi <= 4096 else 8
-        interp = {"BLOCK_R": block, "BLOCK_I": max(16, min(next_pow2(inner), (1 << 16) // block))}
-        if rk.item:
-            interp["BLOCK_I"] = bi
-        interp.update(BLOCK_K=min(256, max(16, next_pow2(k))), UPCAST=upcast)
+        interp = {
+            "BLOCK_R": block,
+            "BLOCK_I": interp_bi,
+            "BLOCK_K": min(256, max(16, next_pow2(k))),
+            "UPCAST": upcast,
+        }
         buf.line(f"INNER = {inner}")
         consts = "BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr"
     elif rk.tiled:

@@ -116,6 +116,13 @@ for _name in _WINDOWS:
     _window(_name)
 
 
+def _signal(x: torch.Tensor) -> torch.Tensor:
+    """A DFT's [..., 1] real or [..., 2] complex signal as a float32 (float64) tensor: the pairs
+    read in place as complex values (view_as_complex), a real signal as its one part."""
+    xs = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32).contiguous()
+    return torch.view_as_complex(xs) if x.shape[-1] == 2 else xs[..., 0]
+
+
 @register("DFT", host_inputs=(1, 2))
 def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     """DFT-17 (`axis` an attribute, default 1) and DFT-20 (`axis` the third input; the frontend
@@ -135,9 +142,7 @@ def dft(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
             f"the transform run along another axis; got shape {list(x.shape)} and axis {axis}"
         )
     inverse, onesided = bool(int(attrs.get("inverse", 0))), bool(int(attrs.get("onesided", 0)))
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xs = x.to(wide).contiguous()
-    signal = torch.view_as_complex(xs) if x.shape[-1] == 2 else xs[..., 0]
+    signal = _signal(x)
     if length is not None:
         n = int(length.reshape(-1)[0])
     else:
@@ -161,8 +166,5 @@ def dft_n(inputs: Inputs, attrs: Attrs) -> list[torch.Tensor]:
     of a real ([..., 1]) or complex ([..., 2]) signal, in float32 as DFT runs: one library call."""
     x = required(inputs, 0, "DFTN")
     axes = [normalize_axis(int(a), x.dim(), "DFTN") for a in attrs["axes"]]
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xs = x.to(wide).contiguous()
-    signal = torch.view_as_complex(xs) if x.shape[-1] == 2 else xs[..., 0]
     transform = torch.fft.ifftn if int(attrs.get("inverse", 0)) else torch.fft.fftn
-    return [torch.view_as_real(transform(signal, dim=axes)).to(x.dtype)]
+    return [torch.view_as_real(transform(_signal(x), dim=axes)).to(x.dtype)]

@@ -123,11 +123,9 @@ class GemmReduction(RowPrologueRule):
         if (rows or item) and self._pooled_by_gemm(rg):
             return "a GEMM reads the mean: pooled_gemm computes the mean on that GEMM's tiles instead"
         # A product read outside the row kernel too is stored by it, unless read through a view.
-        if view is None:
-            pass
-        elif not (isinstance(view, StridedView) and view.base == mm.outputs[0]):
+        if view is not None and not (isinstance(view, StridedView) and view.base == mm.outputs[0]):
             return "the row kernel reads the GEMM's output through a view"
-        elif self.read_outside(x, rg) or not self._only_viewed(view):
+        if view is not None and (self.read_outside(x, rg) or not self._only_viewed(view)):
             return "the GEMM's output is read outside the row kernel too"
         made = {o for n in rg.nodes for o in n.outputs}
         if any(i in made for i in mm.inputs if i):
