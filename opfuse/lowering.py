@@ -39,6 +39,29 @@ def _topological(steps: list[Step], rank: list[int], available: set[str]) -> lis
     return out
 
 
+class UnwrittenValue(RuntimeError):
+    """A kernel of the plan reads a value no step writes: the group that computes it keeps it
+    inside its kernel (a Split its conv stores as parts, a layout op folded away) while this
+    group was planned to read it from memory. A planner bug, found before anything runs: the
+    reading group (`group`) runs unfused."""
+
+    def __init__(self, group: str, kernel: str, value: str) -> None:
+        super().__init__(f"kernel {kernel} of group {group} reads {value}, which no step of the plan writes")
+        self.group, self.value = group, value
+
+
+def _check_written(steps: list[Step], available: set[str]) -> None:
+    """Every input of every step is a model input, a constant or an earlier step's output."""
+    written = set(available)
+    for s in steps:
+        for x in s.inputs:
+            if x and x not in written:
+                if s.kind == "kernel":
+                    raise UnwrittenValue(s.group, s.kernel, x)
+                raise RuntimeError(f"step {s.label or s.node} reads {x}, which no step of the plan writes")
+        written.update(o for o in s.outputs if o)
+
+
 def _op_step(n: Node, group: str = "") -> Step:
     """A node run by its per-op torch kernel."""
     return Step(
@@ -151,6 +174,7 @@ def build_plan(
         add_kernel(part, g, [*g.prologue, *g.nodes])  # labelled as the report names the group
     available = {s.name for s in graph.inputs} | set(graph.constants)
     ordered = _drop_unread_views(_topological(steps, rank, available), {o.name for o in declared_outputs})
+    _check_written(ordered, available)
     return Plan(
         precision=precision,
         inputs=declared_inputs,

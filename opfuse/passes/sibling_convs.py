@@ -3,8 +3,9 @@ its 1x1 downsample shortcut) become one convolution whose output channels are th
 then a Split back into each conv's output: one implicit GEMM over the input instead of two, and one
 launch. The conv kernel writes each part of the Split as a buffer of its own, with the
 activation that follows that part (fusion.rules.anchor_epilogue: `_split_epilogue`), so nothing
-reads the merged tensor; where attention reads the parts as strided views of it (Q, K and V of
-1x1 convs), the kernel stores the merged tensor instead and the Split stays a view.
+reads the merged tensor; where a group planned before it reads the parts as strided views of it
+(attention's Q, K and V of 1x1 convs; an epilogue gathering an upsampled part, HRNet's fuse
+layer), the kernel stores the merged tensor instead and the Split stays a view.
 
 The merged weight is the convolutions' kernels placed in one window (their bounding box, zeros
 elsewhere), as for `merge_concat_convs`: the NHWC template skips the zero taps of a tile's output

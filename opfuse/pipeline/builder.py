@@ -7,10 +7,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opfuse.errors import ModelError
+from opfuse.errors import BUG_NOTE, ModelError
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, TensorSpec
-from opfuse.lowering import build_plan
+from opfuse.lowering import UnwrittenValue, build_plan
 from opfuse.pipeline.context import describe
 from opfuse.runtime.plan import Plan
 from opfuse.verify.rollback import bisect_bad
@@ -24,8 +24,9 @@ class PlanBuilder:
     """Everything that decides the fused plan, in one place: the graph, the groups to fuse, each
     anchor's variant ("template" or "vendor"), tuned launch configs by kernel signature, and the
     groups that must run unfused (`unsafe`: group id -> why). `plan()` makes the plan; a group
-    whose codegen raises joins `unsafe` (found by halving the groups) and the plan is made
-    without it. Stages change a builder only through `exclude`, or make a new one (`adopt`)."""
+    whose codegen raises joins `unsafe` (found by halving the groups), as does one whose kernel
+    would read a value no step writes (`lowering.UnwrittenValue`), and the plan is made without
+    it. Stages change a builder only through `exclude`, or make a new one (`adopt`)."""
 
     graph: Graph
     groups: list[Group]
@@ -40,25 +41,35 @@ class PlanBuilder:
         """The fused plan with the variants and configs, of the groups in `enabled` (all when
         None) less the unsafe ones."""
         ids = [g.id for g in self.groups if (enabled is None or g.id in enabled) and g.id not in self.unsafe]
-        try:
-            p = self._build(ids)
-        except ModelError:
-            raise
-        except Exception as exc:
-            faults = faulty_groups(ids, self._build)
-            if not faults:  # no group fails alone: together, then
-                faults = {
-                    gid: f"generating the kernels of the groups together raised {describe(exc)}"
-                    for gid in ids
-                }
-            self.unsafe.update({gid: f"codegen: {why}" for gid, why in faults.items()})
-            p = self._build([i for i in ids if i not in self.unsafe])
+        while True:
+            try:
+                p = self._build(ids)
+                break
+            except ModelError:
+                raise
+            except UnwrittenValue as exc:  # the reading group is known: no search
+                self.unsafe[exc.group] = f"planning: {exc}; {BUG_NOTE}"
+                ids = [i for i in ids if i != exc.group]
+            except Exception as exc:
+                p = self._without_faults(ids, exc)
+                break
         if self.configs:
             from opfuse.tuning.cache import kernel_signature
 
             for k in p.kernels.values():
                 k.config = dict(self.configs.get(kernel_signature(k), k.config))
         return p
+
+    def _without_faults(self, ids: list[str], exc: Exception) -> Plan:
+        """The plan of `ids` less the groups whose code cannot be generated (`exc` raised by the
+        plan of them all), found by halving."""
+        faults = faulty_groups(ids, self._build)
+        if not faults:  # no group fails alone: together, then
+            faults = {
+                gid: f"generating the kernels of the groups together raised {describe(exc)}" for gid in ids
+            }
+        self.unsafe.update({gid: f"codegen: {why}" for gid, why in faults.items()})
+        return self._build([i for i in ids if i not in self.unsafe])
 
     def _build(self, ids: list[str]) -> Plan:
         fusion = FusionPlan(self.groups, [])

@@ -129,12 +129,14 @@ class AnchorEpilogue(FusionRule):
                     x for x in not_fused[mark:] if x.rule != CONV_RULE or not mine & set(x.nodes)
                 ]
         members, pending = self._epilogue(anchor, fixed_tensors=4 if shortcut else 2)
-        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1:
-            # A row group planned before (attention reading Q, K and V through the Split as views
-            # of the conv's output) reads the whole output: the kernel must store it, not its parts.
-            read = {x for g in state.rows for x in g.inputs}
-            if anchor.outputs[0] not in read:
-                members |= _split_epilogue(graph, anchor, taken, consumers)
+        # The Split of merged sibling convs joins, each part stored, unless a group planned before
+        # reads the whole output (attention reading Q, K and V through the Split as views of it;
+        # an epilogue gathering a part's Resize from it): the kernel must store it, not its parts.
+        lone_nhwc = (
+            kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1
+        )
+        if lone_nhwc and anchor.outputs[0] not in state.read():
+            members |= _split_epilogue(graph, anchor, taken, consumers)
         by_id = {x.id: x for x in graph.nodes}
         members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
         for cid, why in pending.items():

@@ -88,6 +88,11 @@ class PlanState:
     def fused(self) -> list[Group]:
         return [*self.rows, *self.anchors]
 
+    def read(self) -> set[str]:
+        """The values the row and anchor groups planned so far read: their inputs, and the buffers
+        behind the views and gathers they load instead of an input (`Group.views`)."""
+        return {x for g in self.fused() for x in [*g.inputs, *(v.base for v in g.views.values())] if x}
+
     def held(self) -> set[str]:
         """The nodes the row and anchor groups hold (their prologues and folded views too)."""
         return self.in_rows | {n.id for g in self.fused() for n in [*g.prologue, *g.nodes, *g.absorbed]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
@@ -126,7 +127,7 @@ def test_sibling_convolutions_feeding_attention_store_the_merged_output() -> Non
     # One conv for Q, K and V (the library's: nothing to fuse), then the attention kernel, which
     # reads the three parts of its output with strides: the Split and head views launch nothing.
     assert [s.op_type or "kernel" for s in cm.plan.steps] == ["Transpose", NHWC_CONV, "kernel"]
-    assert not [nf for nf in r["fusion"]["not_fused"] if "raised" in nf["reason"]]
+    assert not [nf for nf in r["fusion"]["not_fused"] if "run unfused" in nf["reason"]]
     assert not r["verification"]["rolled_back"]
 
 
@@ -220,3 +221,76 @@ def test_an_identity_batchnorm_of_runtime_statistics_is_not_folded() -> None:
         "the identity branch's BatchNormalization is not an inference one of constants"
     ]
     assert "BatchNormalization" in ops(graph)
+
+
+def test_sibling_convolutions_whose_part_is_gathered_by_an_earlier_epilogue_store_the_merged_output() -> None:
+    """HRNet's fuse layer: a conv's epilogue adds a nearest-upsampled part of two sibling convs
+    planned after it. The epilogue gathers the Resize's input through the Split, from the merged
+    conv's output, so that conv stores its output whole, not its parts (the epilogue's first run
+    raised KeyError on the merged tensor nobody wrote, and its group ran unfused)."""
+    from tests.unit.test_fusion import check_against_ort
+
+    cm = check_against_ort(hrnet_fuse(), {"x": [1, 4, 8, 8], "z": [1, 4, 4, 4]})
+    r = cm.report
+    assert r["fusion"]["passes"]["fired"].get(names.MERGE_SIBLING_CONVS) == 1
+    assert not [nf for nf in r["fusion"]["not_fused"] if "run unfused" in nf["reason"]]
+    assert not r["verification"]["rolled_back"]
+    # conv_a's kernel adds the gathered part; the merged conv's kernel; the Relu of its other part.
+    assert [g["nodes"] for g in r["fusion"]["groups"] if "resize_gather" in g["rule"]] == [
+        ["conv_a", "relu_a", "fuse_add"]
+    ]
+    assert r["kernels"]["after"] == 3
+
+
+def test_a_kernel_planned_to_read_a_value_no_step_writes_runs_unfused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same model with the planner's guard taken away (the planner bug the test above pins):
+    the plan is checked before anything runs, the group whose kernel reads the merged tensor
+    nobody writes runs unfused with that reason, and the model still computes what onnxruntime
+    does."""
+    from opfuse.fusion.rules.base import PlanState
+    from tests.unit.test_fusion import check_against_ort
+
+    monkeypatch.setattr(PlanState, "read", lambda self: set())
+    cm = check_against_ort(hrnet_fuse(), {"x": [1, 4, 8, 8], "z": [1, 4, 4, 4]})
+    unfused = [nf for nf in cm.report["fusion"]["not_fused"] if "run unfused" in nf["reason"]]
+    assert [nf["nodes"] for nf in unfused] == [["conv_a", "relu_a", "fuse_add"]]
+    assert "which no step of the plan writes" in unfused[0]["reason"]
+    assert "bug in opfuse" in unfused[0]["reason"]
+
+
+def hrnet_fuse() -> onnx.ModelProto:
+    """conv_a, its Relu, and the Add of a nearest-upsampled output of conv_b, a sibling of conv_c
+    (both 1x1 of z): HRNet's fuse layer."""
+    nodes = [
+        n("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+        n("Relu", ["a"], ["ar"], name="relu_a"),
+        n("Conv", ["z", "wb", "bb"], ["b"], name="conv_b"),
+        n("Conv", ["z", "wc", "bc"], ["c"], name="conv_c"),
+        n(
+            "Resize",
+            ["b", "", "scales"],
+            ["u"],
+            name="upsample",
+            mode="nearest",
+            coordinate_transformation_mode="asymmetric",
+            nearest_mode="floor",
+        ),
+        n("Add", ["ar", "u"], ["y1"], name="fuse_add"),
+        n("Relu", ["c"], ["y2"], name="relu_c"),
+    ]
+    return tiny_model(
+        nodes,
+        {"x": [1, 4, 8, 8], "z": [1, 4, 4, 4]},
+        {"y1": [1, 6, 8, 8], "y2": [1, 5, 4, 4]},
+        {
+            "wa": weights(6, 4, 3, 3),
+            "ba": weights(6, seed=1),
+            "wb": weights(6, 4, 1, 1, seed=2),
+            "bb": weights(6, seed=3),
+            "wc": weights(5, 4, 1, 1, seed=4),
+            "bc": weights(5, seed=5),
+            "scales": np.array([1.0, 1.0, 2.0, 2.0]),
+        },
+    )
