@@ -280,6 +280,10 @@ def _prepare(
             if s.get("op_type") != "Reshape"
         ],
         variants={gid: v.get("choice") for gid, v in ((r.get("tuning") or {}).get("variants") or {}).items()},
+        # The planned groups that run unfused after all (a fault of opfuse's, a kernel the GPU
+        # could not compile, a group verification rolled back), each with why: what makes the
+        # GPU's launches exceed the CPU leg's plan.
+        unfused=unfused_groups(r),
         # Where a cold compile's time goes: the stages, and within tuning the parallel compile of
         # every kernel (and its workers), the config search, the template/vendor timings.
         timings_s=r.get("timings_s"),
@@ -291,6 +295,15 @@ def _prepare(
     cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
     b.rec.update(captured=cm.cuda_graph_error is None, cuda_graph_error=cm.cuda_graph_error)
     b.cm = cm if timed else None
+
+
+def unfused_groups(report: dict[str, Any]) -> list[list[str]]:
+    """[rule, first node, reason] of each planned group the compile ran unfused or rolled back."""
+    return [
+        [str(nf.get("rule")), str((nf.get("nodes") or [""])[0]), str(nf.get("reason"))[:200]]
+        for nf in (report.get("fusion") or {}).get("not_fused") or []
+        if "run unfused" in str(nf.get("reason")) or str(nf.get("reason")).startswith("rolled back")
+    ]
 
 
 def _verification(report: dict[str, Any]) -> dict[str, Any]:

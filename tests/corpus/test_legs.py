@@ -383,3 +383,19 @@ def test_a_record_names_its_commit_and_marks_a_source_that_differs_from_it(
     assert cpu.commit() == head + "+changes"
     shutil.rmtree(root / ".git")
     assert cpu.commit() == "unknown"
+
+
+def test_a_gpu_record_names_the_planned_groups_that_ran_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unfused_groups` of a real compile's report where one group runs unfused (the planner's
+    guard of tests/unit/passes/test_sibling_convs.py taken away): its rule, first node and why;
+    nothing for the same model compiled as planned."""
+    import opfuse
+    from opfuse.fusion.rules.base import PlanState
+    from tests.unit.passes.test_sibling_convs import hrnet_fuse
+
+    shapes = {"x": [1, 4, 8, 8], "z": [1, 4, 4, 4]}
+    assert gpu.unfused_groups(opfuse.compile(hrnet_fuse(), input_shapes=shapes, verify=False).report) == []
+    monkeypatch.setattr(PlanState, "read", lambda self: set())
+    got = gpu.unfused_groups(opfuse.compile(hrnet_fuse(), input_shapes=shapes, verify=False).report)
+    assert [g[:2] for g in got] == [["conv_epilogue+resize_gather", "conv_a"]]
+    assert "no step of the plan writes" in got[0][2]
