@@ -43,6 +43,7 @@ FOLD_PAD_INTO_CONV = "fold_pad_into_conv"
 EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
 GATHER_TO_SLICE = "gather_to_slice"
+COL2IM_TO_VIEWS = "col2im_to_views"
 ROTATE_HALF = "rotate_half"
 HEAD_SCALE = "head_scale"
 GROUP_NORM = "group_norm"
@@ -182,8 +183,16 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         GATHER_TO_SLICE,
         GRAPH_PASS,
-        "Gather (or GatherND) by constant consecutive indices becomes a Slice (and Reshape): a view, "
-        "not a kernel.",
+        "Gather (or GatherND) by constant consecutive indices becomes a Slice (and Reshape), and Gather "
+        "by indices of an evenly stepped grid whose steps nest (an unfold's patches) a Slice, Reshape "
+        "and Transpose: views, not a kernel.",
+    ),
+    _r(
+        COL2IM_TO_VIEWS,
+        GRAPH_PASS,
+        "Col2Im of blocks that tile the image (strides equal to the block shape, no padding or "
+        "dilation: MobileViT V2's fold) sums nothing: it becomes Reshape, Transpose, Reshape, views "
+        "a kernel reads through.",
     ),
     _r(
         ROTATE_HALF,

@@ -8,10 +8,18 @@ serves as a view and the planners can fold into the addressing of the kernels th
 GatherND by index tuples that differ only in their last coordinate, consecutive there (Falcon's
 fused QKV picks its key and value heads with `[..., -2, :]` and `[..., -1, :]`, exported as
 GatherND of one tuple), is the same: a Slice over the tuples' axes, then a Reshape.
+
+Indices of several dims that step evenly along each (an affine grid, `start + sum(step_i * j_i)`)
+whose steps nest (sorted, each the next one's step times its count: an unfold's patches, `[[0, 2,
+4, 6], [1, 3, 5, 7]]` for 2x2 patches of 8 pixels) pick a strided window of the axis in another
+order: a Slice, a Reshape of the axis into the grid's dims by decreasing step, and a Transpose
+back into the indices' order, all views a kernel can read through.
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,6 +66,47 @@ def _nd_window(graph: Graph, node: Node) -> tuple[list[int], list[int]] | str:
     return first, [len(tuples)]
 
 
+# Indices of an affine grid (several dims) may pick a whole axis: an image's rows or columns.
+MAX_GRID_INDICES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Indices `start + sum(steps[i] * j_i)` over the index dims `dims`, whose non-unit dims
+    nest by decreasing step: the window `start, start + step, ...` of `count` positions, read
+    as dims `order` (index dims by decreasing step) and transposed back."""
+
+    start: int
+    step: int  # the innermost (smallest) step
+    count: int
+    order: tuple[int, ...]  # index dims of more than one element, by decreasing step
+    dims: tuple[int, ...]  # the index array's shape
+
+
+def affine_grid(idx: np.ndarray) -> Grid | str:
+    """The nested affine grid `idx` (non-negative) is, or why it is not one."""
+    if idx.ndim < 1 or idx.size < 2:
+        return "fewer than two indices"
+    start = int(idx.reshape(-1)[0])
+    steps = [
+        int(idx[(0,) * d + (1,) + (0,) * (idx.ndim - d - 1)]) - start if n > 1 else 0
+        for d, n in enumerate(idx.shape)
+    ]
+    grid = start + sum(
+        (np.arange(n, dtype=np.int64) * st).reshape([n if k == d else 1 for k in range(idx.ndim)])
+        for d, (n, st) in enumerate(zip(idx.shape, steps, strict=True))
+    )
+    if not np.array_equal(np.broadcast_to(grid, idx.shape), idx):
+        return "the indices are not an even step along each of their dims"
+    order = sorted((d for d, n in enumerate(idx.shape) if n > 1), key=lambda d: -steps[d])
+    if any(steps[d] < 1 for d in order):
+        return "the indices do not increase along each of their dims"
+    for outer, inner in itertools.pairwise(order):
+        if steps[outer] != steps[inner] * idx.shape[inner]:
+            return "the steps of the indices' dims do not nest (the picked positions overlap or leave gaps)"
+    return Grid(start, steps[order[-1]], int(idx.size), tuple(order), tuple(idx.shape))
+
+
 def _picked(graph: Graph, node: Node) -> tuple[int, list[int], int]:
     data = graph.spec(node.inputs[0]).shape
     axis = int(node.attrs.get("axis", 0)) % max(1, len(data))
@@ -75,13 +124,23 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     if not graph.spec(node.inputs[0]).shape:
         return "the data is a scalar"
     axis, picked, size = _picked(graph, node)
-    if not picked or len(picked) > MAX_INDICES:
-        return f"{len(picked)} indices (a slice is made of 1 to {MAX_INDICES})"
-    if picked != list(range(picked[0], picked[0] + len(picked))):
-        return "the indices are not consecutive"
-    if picked[0] < 0 or picked[-1] >= size:
+    if not picked or len(picked) > MAX_GRID_INDICES:
+        return f"{len(picked)} indices (a slice is made of 1 to {MAX_GRID_INDICES})"
+    if min(picked) < 0 or max(picked) >= size:
         return f"an index is out of range for axis {axis} of size {size}"
-    return None
+    if len(picked) <= MAX_INDICES and picked == list(range(picked[0], picked[0] + len(picked))):
+        return None
+    grid = _grid(graph, node)
+    return grid if isinstance(grid, str) else None
+
+
+def _grid(graph: Graph, node: Node) -> Grid | str:
+    _, picked, _ = _picked(graph, node)
+    idx = np.asarray(picked, dtype=np.int64).reshape(np.asarray(graph.constants[node.inputs[1]]).shape)
+    if idx.ndim == 1:  # one dim: consecutive (above) or a strided run
+        grid = affine_grid(idx)
+        return "the indices are not consecutive" if isinstance(grid, str) else grid
+    return affine_grid(idx)
 
 
 def _constant(graph: Graph, name: str, values: list[int]) -> str:
@@ -120,6 +179,9 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         _rewrite_nd(graph, node)
         return
     axis, picked, _ = _picked(graph, node)
+    if picked != list(range(picked[0], picked[0] + len(picked))) or len(picked) > MAX_INDICES:
+        _rewrite_grid(graph, node, axis)
+        return
     data = graph.spec(node.inputs[0])
     out = node.outputs[0]
     sliced_shape = tuple(len(picked) if d == axis else s for d, s in enumerate(data.shape))
@@ -140,6 +202,57 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     if slice_out != out:
         shape = _constant(graph, f"{node.id}_shape", list(graph.spec(out).shape))
         nodes.append(Node(f"{node.id}r", "Reshape", [slice_out, shape], [out], {}, node.name))
+    i = graph.nodes.index(node)
+    graph.nodes[i : i + 1] = nodes
+
+
+def _rewrite_grid(graph: Graph, node: Node, axis: int) -> None:
+    """Slice (the grid's window, by its innermost step), Reshape (the axis into the grid's dims
+    by decreasing step), Transpose (into the indices' order), Reshape (the output's shape)."""
+    grid = _grid(graph, node)
+    assert not isinstance(grid, str)
+    data = graph.spec(node.inputs[0])
+    out = graph.spec(node.outputs[0])
+    lead, rest = tuple(data.shape[:axis]), tuple(data.shape[axis + 1 :])
+    nodes: list[Node] = []
+
+    def value(suffix: str, shape: tuple[int, ...]) -> str:
+        name = f"{node.id}_{suffix}"
+        graph.values[name] = TensorSpec(name, data.dtype, shape)
+        return name
+
+    cur = node.inputs[0]
+    end = grid.start + grid.step * (grid.count - 1) + 1
+    if (grid.start, end, grid.step) != (0, data.shape[axis], 1):
+        sliced = value("slice", (*lead, grid.count, *rest))
+        args = [
+            cur,
+            *(
+                _constant(graph, f"{node.id}_{k}", [v])
+                for k, v in (("starts", grid.start), ("ends", end), ("axes", axis), ("steps", grid.step))
+            ),
+        ]
+        nodes.append(Node(f"{node.id}s", "Slice", args, [sliced], {}, node.name))
+        cur = sliced
+    split = tuple(grid.dims[d] for d in grid.order)
+    if len(split) > 1:
+        shaped = value("split", (*lead, *split, *rest))
+        shape = _constant(graph, f"{node.id}_split_shape", list((*lead, *split, *rest)))
+        nodes.append(Node(f"{node.id}r", "Reshape", [cur, shape], [shaped], {}, node.name))
+        cur = shaped
+        kept = sorted(grid.order)  # the index dims of more than one element, in the indices' order
+        inner = [axis + grid.order.index(d) for d in kept]
+        perm = [*range(axis), *inner, *range(axis + len(split), len(lead) + len(split) + len(rest))]
+        if perm != sorted(perm):
+            moved = value("perm", tuple((*lead, *split, *rest)[p] for p in perm))
+            nodes.append(Node(f"{node.id}t", "Transpose", [cur], [moved], {"perm": perm}, node.name))
+            cur = moved
+    if nodes and graph.spec(cur).shape == out.shape:  # the last node writes the Gather's output
+        del graph.values[cur]
+        nodes[-1].outputs = [node.outputs[0]]
+    else:
+        shape = _constant(graph, f"{node.id}_shape", list(out.shape))
+        nodes.append(Node(f"{node.id}o", "Reshape", [cur, shape], [node.outputs[0]], {}, node.name))
     i = graph.nodes.index(node)
     graph.nodes[i : i + 1] = nodes
 

@@ -15,6 +15,7 @@ from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
 from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
+from opfuse.passes.col2im import col2im_to_views
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.dft import merge_dfts
@@ -59,6 +60,7 @@ PASSES: tuple[Pass, ...] = (
     einsum_matmul,
     attention_op,
     gather_to_slice,
+    col2im_to_views,
     rotate_half,
     head_scale,
     group_norm,

@@ -80,3 +80,50 @@ def test_other_gather_nd_stays(indices: np.ndarray, out: list[int], why: str) ->
     graph = graph_of(gather_nd(indices, out))
     log = run_pass(graph, gather_to_slice)
     assert ops(graph) == ["GatherND"] and why in log.not_fired[0].reason
+
+
+def unfold(indices: np.ndarray, x: list[int], out: list[int], axis: int) -> onnx.ModelProto:
+    return tiny_model(
+        [n("Gather", ["x", "i"], ["y"], name="unfold", axis=axis)], {"x": x}, {"y": out}, {"i": indices}
+    )
+
+
+@pytest.mark.parametrize(
+    ("indices", "x", "out", "axis", "kinds"),
+    [
+        # 2x2 patches of 8 rows (MobileViT V2's unfold): [patch row][patch]
+        (np.array([[0, 2, 4, 6], [1, 3, 5, 7]]), [2, 3, 8, 5], [2, 3, 2, 4, 5], 2, ["Reshape", "Transpose"]),
+        # the same grid transposed: consecutive (one Slice, then the indices' shape)
+        (np.array([[0, 1], [2, 3], [4, 5], [6, 7]]), [2, 3, 8, 5], [2, 3, 4, 2, 5], 2, ["Slice", "Reshape"]),
+        # every other column, from the second: a strided Slice
+        (np.array([1, 3, 5]), [2, 6, 3], [2, 3, 3], 1, ["Slice"]),
+        # two windows of four from the second position, read across
+        (np.array([[1, 5], [2, 6], [3, 7], [4, 8]]), [1, 9], [1, 4, 2], 1, ["Slice", "Reshape", "Transpose"]),
+        # more than MAX_INDICES consecutive indices
+        (np.arange(3, 103), [2, 110], [2, 100], 1, ["Slice"]),
+    ],
+)
+def test_indices_of_a_nested_even_grid_are_views(
+    indices: np.ndarray, x: list[int], out: list[int], axis: int, kinds: list[str]
+) -> None:
+    model = unfold(indices, x, out, axis)
+    graph = graph_of(model)
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == kinds and log.fired == {names.GATHER_TO_SLICE: 1}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+@pytest.mark.parametrize(
+    ("indices", "why"),
+    [
+        (np.array([[0, 1], [1, 2]]), "the steps of the indices' dims do not nest"),  # overlapping windows
+        (np.array([[0, 1], [4, 5]]), "the steps of the indices' dims do not nest"),  # gaps between rows
+        (np.array([[0, 2], [1, 4]]), "the indices are not an even step along each of their dims"),
+        (np.array([[3, 2], [1, 0]]), "the indices do not increase along each of their dims"),
+    ],
+)
+def test_other_grids_stay_a_gather(indices: np.ndarray, why: str) -> None:
+    graph = graph_of(unfold(indices, [2, 8], [2, 2, 2], 1))
+    log = run_pass(graph, gather_to_slice)
+    assert ops(graph) == ["Gather"]
+    assert [r.reason[: len(why)] for r in log.not_fired] == [why]
