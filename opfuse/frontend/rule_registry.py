@@ -60,6 +60,7 @@ GEMM_TO_MATMUL = "gemm_to_matmul"
 POINTWISE_BEFORE_VIEWS = "pointwise_before_views"
 RESHAPE_BEFORE_POINTWISE = "reshape_before_pointwise"
 COLLAPSE_RESHAPES = "collapse_reshapes"
+UNIT_DIM_VIEWS = "unit_dim_views"
 FOLD_CHANNEL_SHUFFLE = "fold_channel_shuffle"
 MERGE_PROJECTIONS = "merge_projections"
 CHANNELS_LAST = "channels_last"
@@ -295,6 +296,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A Reshape a row op reads moves above the pointwise ops that compute its input (and a product "
         "by a 2-D matrix, where the last axis stays): the residual Add, the bias and the GEMM before "
         "a normalization that reads them reshaped (Swin's tokens and windows) join its row kernel.",
+    ),
+    _r(
+        UNIT_DIM_VIEWS,
+        GRAPH_PASS,
+        "A Transpose that moves only size-1 dims is a Reshape, and a Reshape that only adds or drops "
+        "size-1 dims after a Softmax goes before it (ResNeSt's radix Softmax between two such views): "
+        "the views collapse into one and the Softmax's rows take the shape of the weighted sum that "
+        "reads them, which computes them in its row kernel.",
     ),
     _r(
         COLLAPSE_RESHAPES,

@@ -243,3 +243,69 @@ def _rewrite_reshape(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 # epilogue and the residual Add kept the Add out of the epilogue. Runs after
 # pointwise_before_views, which leaves such pairs behind.
 collapse_reshapes = Rule(names.COLLAPSE_RESHAPES, _match_reshape, _check_reshape, _rewrite_reshape)
+
+
+def _non_unit(shape: tuple[int, ...]) -> list[int]:
+    return [d for d, n in enumerate(shape) if n != 1]
+
+
+def _match_unit_view(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type == "Transpose" and _static(graph, node.inputs[0]):
+        shape = tuple(graph.spec(node.inputs[0]).shape)
+        perm = [int(p) for p in node.attrs.get("perm", list(range(len(shape)))[::-1])]
+        moved = [p for p in perm if shape[p] != 1]
+        if moved == sorted(moved) and perm != sorted(perm):
+            return {"nodes": [node], "transpose": True}
+        return None
+    if node.op_type != "Reshape" or not _static(graph, node.inputs[0]) or not _static(graph, node.outputs[0]):
+        return None
+    row = graph.producers().get(node.inputs[0])
+    if row is None or row.op_type not in ("Softmax", "LogSoftmax") or not _static(graph, row.inputs[0]):
+        return None
+    x, y = tuple(graph.spec(node.inputs[0]).shape), tuple(graph.spec(node.outputs[0]).shape)
+    if [x[d] for d in _non_unit(x)] != [y[d] for d in _non_unit(y)]:
+        return None  # not only size-1 dims added or dropped
+    axis = int(row.attrs.get("axis", -1)) % len(x)
+    if x[axis] == 1:
+        return None
+    return {"nodes": [row, node], "row": row, "axis": _non_unit(y)[_non_unit(x).index(axis)]}
+
+
+def _check_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    if m.get("transpose"):
+        return None
+    row: Node = m["row"]
+    if len(graph.consumers().get(row.outputs[0], [])) != 1 or row.outputs[0] in {
+        o.name for o in graph.outputs
+    }:
+        return "the Softmax is read besides the Reshape"
+    return None
+
+
+def _rewrite_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    out = tuple(int(d) for d in graph.spec(node.outputs[0]).shape)
+    target = f"{node.id}_unit_shape"
+    graph.constants[target] = np.array(out, dtype=np.int64)
+    graph.values[target] = TensorSpec(target, "int64", (len(out),))
+    if m.get("transpose"):
+        node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
+        return
+    # Softmax(x) -> Reshape  becomes  Reshape(x) -> Softmax on the same axis of the new shape.
+    row: Node = m["row"]
+    x, y = row.inputs[0], node.outputs[0]
+    between = f"{node.id}_unit_view"
+    graph.values[between] = TensorSpec(between, graph.spec(x).dtype, out)
+    del graph.values[row.outputs[0]]
+    node.inputs, node.outputs, node.attrs = [x, target], [between], {}
+    row.inputs, row.outputs = [between], [y]
+    row.attrs = {**row.attrs, "axis": m["axis"]}
+    graph.nodes.remove(node)
+    graph.nodes.insert(graph.nodes.index(row), node)
+
+
+# A Transpose that moves only size-1 dims (the others keep their order) is a Reshape, and a
+# Reshape that only adds or drops size-1 dims after a Softmax goes before it (the Softmax over the
+# same axis of the new shape). ResNeSt's split attention writes its radix Softmax between two
+# such views; as Reshapes they collapse into one, and the Softmax's rows have the shape of the
+# weighted sum that reads them (`row_reduction` computes both in one kernel).
+unit_dim_views = Rule(names.UNIT_DIM_VIEWS, _match_unit_view, _check_unit_view, _rewrite_unit_view)

@@ -14,7 +14,7 @@ from opfuse.graph import Graph
 from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
-from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
+from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv, unit_dim_views
 from opfuse.passes.col2im import col2im_to_views
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
@@ -76,6 +76,7 @@ PASSES: tuple[Pass, ...] = (
     gemm_to_matmul,
     GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views),
     GraphRule(names.RESHAPE_BEFORE_POINTWISE, reshape_before_pointwise),
+    unit_dim_views,
     collapse_reshapes,
     GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
     GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),

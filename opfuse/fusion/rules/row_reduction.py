@@ -201,7 +201,10 @@ def _fold_broadcast_rows(
     size 1 on some of the other's row axes), read by that group alone, joins it: each of its rows
     recomputes the smaller group's row it reads. MobileViT V2's separable attention takes one
     Softmax of the query per patch, then every channel's row weighs its keys by it: the Softmax
-    of that row is computed again in each channel's row, where a kernel wrote it for them all."""
+    of that row is computed again in each channel's row, where a kernel wrote it for them all.
+    Strided rows too (the reduced axes not last): ResNeSt's split attention takes a Softmax over
+    the radix of each channel's weights [B, radix, C, 1, 1], then sums the radix of
+    [B, radix, C, H, W] weighed by them."""
     out = {o.name for o in graph.outputs}
     by_node = {n.id: g for g in groups for n in g.nodes}
     gone: set[str] = set()
@@ -226,8 +229,8 @@ def _fold_broadcast_rows(
             row_space(graph, row_head(graph, small.nodes)),
             row_space(graph, row_head(graph, big.nodes)),
         )
-        if mine.groups or theirs.groups or mine.inner != 1 or theirs.inner != 1:
-            continue  # grouped or strided rows: their own addressing
+        if mine.groups or theirs.groups:
+            continue  # grouped rows: their own addressing
         if (mine.first, mine.end, mine.r) != (theirs.first, theirs.end, theirs.r) or len(mine.full) != len(
             theirs.full
         ):

@@ -1,5 +1,5 @@
 """`row_reduction` (opfuse/fusion/rules/row_reduction.py) on a tiny graph: bias, Softmax, scale;
-a Softmax of a broadcast row joining the rows that read it."""
+a Softmax of a broadcast row joining the rows that read it (contiguous and strided rows)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,48 @@ def test_the_joined_softmax_computes_what_onnxruntime_does(precision: str) -> No
     (k,) = cm.plan.kernels.values()
     assert sum(1 for s in cm.plan.steps if s.launches) == 1
     assert_every_config(cm, model, k, shapes, precision, seed=6)
+
+
+def split_attention(views: bool) -> object:
+    """ResNeSt's split attention: x [B, radix, C, H, W] weighed by a Softmax over the radix of a
+    per-channel [B, radix, C, 1, 1] and summed over the radix: strided rows (radix apart) on both
+    sides. `views`: the Softmax between the exporter's views ([B, 1, radix, C] transposed to
+    [B, radix, 1, C], then viewed as [B, radix, C, 1, 1])."""
+    n = helper.make_node
+    if views:
+        nodes = [
+            n("Transpose", ["a"], ["at"], name="perm", perm=[0, 2, 1, 3]),
+            n("Softmax", ["at"], ["s"], name="softmax", axis=1),
+            n("Reshape", ["s", "shape"], ["sr"], name="view"),
+        ]
+        inputs = {"a": [2, 1, 2, 5], "x": [2, 2, 5, 3, 3]}
+        inits = {"shape": np.array([2, 2, 5, 1, 1]), "axes": np.array([1])}
+    else:
+        nodes = [n("Softmax", ["a"], ["sr"], name="softmax", axis=1)]
+        inputs = {"a": [2, 2, 5, 1, 1], "x": [2, 2, 5, 3, 3]}
+        inits = {"axes": np.array([1])}
+    nodes += [
+        n("Mul", ["x", "sr"], ["m"], name="weigh"),
+        n("ReduceSum", ["m", "axes"], ["y"], name="sum", keepdims=0),
+    ]
+    return tiny_model(nodes, inputs, {"y": [2, 5, 3, 3]}, inits, opset=18)
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_a_softmax_of_broadcast_strided_rows_joins_the_sum_that_reads_it(views: bool) -> None:
+    _, plan = planned(split_attention(views))
+    assert claimed(plan) == [("rowwise", names.ROW_REDUCTION, ["softmax", "weigh", "sum"])]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_joined_radix_softmax_computes_what_onnxruntime_does(precision: str) -> None:
+    model = split_attention(views=True)
+    shapes = {"a": [2, 1, 2, 5], "x": [2, 2, 5, 3, 3]}
+    cm = opfuse.compile(model, input_shapes=shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    (k,) = cm.plan.kernels.values()
+    assert sum(1 for s in cm.plan.steps if s.launches) == 1
+    assert_every_config(cm, model, k, shapes, precision, seed=7)
 
 
 def test_a_row_kernel_whose_output_is_a_concat_part_is_no_broadcast() -> None:

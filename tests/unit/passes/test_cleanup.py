@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
-from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv
+from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv, unit_dim_views
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model, weights
 
 n = helper.make_node
@@ -200,4 +201,52 @@ def test_arithmetic_by_a_neutral_constant_is_removed() -> None:
     log = run_pass(graph, eliminate_noops)
     assert [x.name for x in graph.nodes] == ["zero_minus", "one_over", "plus_half", "zero_bias", "broadcast0"]
     assert log.fired == {names.ELIMINATE_NOOPS: 5}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def radix_softmax(read_twice: bool = False, perm: tuple[int, ...] = (0, 2, 1, 3)) -> object:
+    """ResNeSt's split attention weights: [B, card, radix, C] moved to [B, radix, card, C]
+    (card = 1), Softmax over radix, viewed as [B, radix, C, 1, 1] for the weighted sum."""
+    n = helper.make_node
+    nodes = [
+        n("Transpose", ["a"], ["at"], name="perm", perm=list(perm)),
+        n("Softmax", ["at"], ["s"], name="softmax", axis=1),
+        n("Reshape", ["s", "shape"], ["y"], name="view"),
+    ]
+    outputs = {"y": [2, 3, 4, 1, 1]}
+    if read_twice:
+        nodes.append(n("Neg", ["s"], ["z"], name="neg"))
+        outputs["z"] = [[2, 1, 3, 4][p] for p in perm]
+    return tiny_model(nodes, {"a": [2, 1, 3, 4]}, outputs, {"shape": np.array([2, 3, 4, 1, 1])}, opset=18)
+
+
+def test_views_of_size_1_dims_are_reshapes_before_the_softmax() -> None:
+    model = radix_softmax()
+    graph = graph_of(model)
+    log = run_pass(graph, unit_dim_views)
+    assert ops(graph) == ["Reshape", "Reshape", "Softmax"] and log.fired == {names.UNIT_DIM_VIEWS: 2}
+    assert graph.nodes[-1].attrs["axis"] == 1 and graph.spec(graph.nodes[-1].inputs[0]).shape == (
+        2,
+        3,
+        4,
+        1,
+        1,
+    )
+    assert_computes_as_onnxruntime(model, graph)
+    run_pass(graph, collapse_reshapes)
+    assert ops(graph) == ["Reshape", "Softmax"]
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_softmax_read_besides_the_view_and_a_transpose_of_other_dims_stay() -> None:
+    model = radix_softmax(read_twice=True, perm=(0, 3, 1, 2))  # moves C before radix: a real transpose
+    graph = graph_of(model)
+    log = run_pass(graph, unit_dim_views)
+    assert ops(graph) == ["Transpose", "Softmax", "Reshape", "Neg"] and log.fired == {}
+    assert [r.reason for r in log.not_fired] == []  # the view changes more than size-1 dims
+    model = radix_softmax(read_twice=True)
+    graph = graph_of(model)
+    log = run_pass(graph, unit_dim_views)
+    assert ops(graph) == ["Reshape", "Softmax", "Reshape", "Neg"]
+    assert [r.reason for r in log.not_fired] == ["the Softmax is read besides the Reshape"]
     assert_computes_as_onnxruntime(model, graph)
