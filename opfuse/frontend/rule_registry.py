@@ -300,8 +300,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         UNIT_DIM_VIEWS,
         GRAPH_PASS,
-        "A Transpose that moves only size-1 dims is a Reshape, and a Reshape that only adds or drops "
-        "size-1 dims after a Softmax goes before it (ResNeSt's radix Softmax between two such views): "
+        "A Transpose that moves only size-1 dims before a Softmax is a Reshape, and a Reshape that only "
+        "adds or drops size-1 dims after a Softmax goes before it (ResNeSt's radix Softmax between two such views): "
         "the views collapse into one and the Softmax's rows take the shape of the weighted sum that "
         "reads them, which computes them in its row kernel.",
     ),

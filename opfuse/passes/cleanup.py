@@ -254,7 +254,11 @@ def _match_unit_view(graph: Graph, node: Node) -> dict[str, Any] | None:
         shape = tuple(graph.spec(node.inputs[0]).shape)
         perm = [int(p) for p in node.attrs.get("perm", list(range(len(shape)))[::-1])]
         moved = [p for p in perm if shape[p] != 1]
-        if moved == sorted(moved) and perm != sorted(perm):
+        readers = graph.consumers().get(node.outputs[0], [])
+        # Only where a Softmax reads it: elsewhere a pattern may look for the Transpose itself
+        # (attention's transposed keys over a single token).
+        softmax = len(readers) == 1 and readers[0].op_type in ("Softmax", "LogSoftmax")
+        if softmax and moved == sorted(moved) and perm != sorted(perm):
             return {"nodes": [node], "transpose": True}
         return None
     if node.op_type != "Reshape" or not _static(graph, node.inputs[0]) or not _static(graph, node.outputs[0]):
@@ -303,8 +307,8 @@ def _rewrite_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     graph.nodes.insert(graph.nodes.index(row), node)
 
 
-# A Transpose that moves only size-1 dims (the others keep their order) is a Reshape, and a
-# Reshape that only adds or drops size-1 dims after a Softmax goes before it (the Softmax over the
+# A Transpose that moves only size-1 dims (the others keep their order) before a Softmax is a
+# Reshape, and a Reshape that only adds or drops size-1 dims after a Softmax goes before it (the Softmax over the
 # same axis of the new shape). ResNeSt's split attention writes its radix Softmax between two
 # such views; as Reshapes they collapse into one, and the Softmax's rows have the shape of the
 # weighted sum that reads them (`row_reduction` computes both in one kernel).

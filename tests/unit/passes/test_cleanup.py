@@ -250,3 +250,20 @@ def test_a_softmax_read_besides_the_view_and_a_transpose_of_other_dims_stay() ->
     assert ops(graph) == ["Reshape", "Softmax", "Reshape", "Neg"]
     assert [r.reason for r in log.not_fired] == ["the Softmax is read besides the Reshape"]
     assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_transpose_of_size_1_dims_not_read_by_a_softmax_stays() -> None:
+    """EfficientViT's attention over a single token transposes [1, 16, 1] queries to [1, 1, 16]:
+    the attention rule looks for that Transpose, so it stays one."""
+    n = helper.make_node
+    model = tiny_model(
+        [
+            n("Transpose", ["q"], ["qt"], name="perm", perm=[0, 2, 1]),
+            n("MatMul", ["qt", "k"], ["s"], name="scores"),
+        ],
+        {"q": [1, 16, 1], "k": [1, 16, 1]},
+        {"s": [1, 1, 1]},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, unit_dim_views)
+    assert ops(graph) == ["Transpose", "MatMul"] and log.fired == {}
