@@ -298,20 +298,20 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "a normalization that reads them reshaped (Swin's tokens and windows) join its row kernel.",
     ),
     _r(
-        UNIT_DIM_VIEWS,
-        GRAPH_PASS,
-        "A Transpose that moves only size-1 dims before a Softmax is a Reshape, and a Reshape that only "
-        "adds or drops size-1 dims after a Softmax goes before it (ResNeSt's radix Softmax between two such views): "
-        "the views collapse into one and the Softmax's rows take the shape of the weighted sum that "
-        "reads them, which computes them in its row kernel.",
-    ),
-    _r(
         COLLAPSE_RESHAPES,
         GRAPH_PASS,
         "A Reshape of a Reshape (Flatten, Squeeze, Unsqueeze) reads the first one's input (one view, not "
         "two), and a Reshape to its "
         "input's own shape goes: such pairs, which exporters write around a Linear on flattened tokens "
         "(LeViT), kept the residual Add out of the GEMM's epilogue.",
+    ),
+    _r(
+        UNIT_DIM_VIEWS,
+        GRAPH_PASS,
+        "A Transpose that moves only size-1 dims before a Softmax is a Reshape, and a Reshape that only "
+        "adds or drops size-1 dims after a Softmax of a view goes before it (ResNeSt's radix Softmax "
+        "between such views): the views collapse into one and the Softmax's rows take the shape of "
+        "the weighted sum that reads them, which computes them in its row kernel.",
     ),
     _r(
         FOLD_CHANNEL_SHUFFLE,

@@ -249,22 +249,34 @@ def _non_unit(shape: tuple[int, ...]) -> list[int]:
     return [d for d, n in enumerate(shape) if n != 1]
 
 
+def _unit_transpose(graph: Graph, node: Node) -> bool:
+    """A Transpose that moves only size-1 dims: the others keep their order."""
+    if node.op_type != "Transpose" or not _static(graph, node.inputs[0]):
+        return False
+    shape = tuple(graph.spec(node.inputs[0]).shape)
+    perm = [int(p) for p in node.attrs.get("perm", list(range(len(shape)))[::-1])]
+    moved = [p for p in perm if shape[p] != 1]
+    return moved == sorted(moved) and perm != sorted(perm)
+
+
 def _match_unit_view(graph: Graph, node: Node) -> dict[str, Any] | None:
-    if node.op_type == "Transpose" and _static(graph, node.inputs[0]):
-        shape = tuple(graph.spec(node.inputs[0]).shape)
-        perm = [int(p) for p in node.attrs.get("perm", list(range(len(shape)))[::-1])]
-        moved = [p for p in perm if shape[p] != 1]
+    if node.op_type == "Transpose":
         readers = graph.consumers().get(node.outputs[0], [])
         # Only where a Softmax reads it: elsewhere a pattern may look for the Transpose itself
         # (attention's transposed keys over a single token).
         softmax = len(readers) == 1 and readers[0].op_type in ("Softmax", "LogSoftmax")
-        if softmax and moved == sorted(moved) and perm != sorted(perm):
-            return {"nodes": [node], "transpose": True}
-        return None
+        return {"nodes": [node], "transpose": True} if softmax and _unit_transpose(graph, node) else None
     if node.op_type != "Reshape" or not _static(graph, node.inputs[0]) or not _static(graph, node.outputs[0]):
         return None
-    row = graph.producers().get(node.inputs[0])
+    producers = graph.producers()
+    row = producers.get(node.inputs[0])
     if row is None or row.op_type not in ("Softmax", "LogSoftmax") or not _static(graph, row.inputs[0]):
+        return None
+    # Only where a view computes the Softmax's input, which the moved Reshape then joins: ops of
+    # the input's own shape (a mask added to the scores) would be left in another shape than the
+    # Softmax and out of its row kernel.
+    before = producers.get(row.inputs[0])
+    if before is None or not (before.op_type in RESHAPING_VIEWS or _unit_transpose(graph, before)):
         return None
     x, y = tuple(graph.spec(node.inputs[0]).shape), tuple(graph.spec(node.outputs[0]).shape)
     if [x[d] for d in _non_unit(x)] != [y[d] for d in _non_unit(y)]:
@@ -308,7 +320,7 @@ def _rewrite_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> None:
 
 
 # A Transpose that moves only size-1 dims (the others keep their order) before a Softmax is a
-# Reshape, and a Reshape that only adds or drops size-1 dims after a Softmax goes before it (the Softmax over the
+# Reshape, and a Reshape that only adds or drops size-1 dims after a Softmax of a view goes before it (the Softmax over the
 # same axis of the new shape). ResNeSt's split attention writes its radix Softmax between two
 # such views; as Reshapes they collapse into one, and the Softmax's rows have the shape of the
 # weighted sum that reads them (`row_reduction` computes both in one kernel).

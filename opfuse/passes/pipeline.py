@@ -76,8 +76,9 @@ PASSES: tuple[Pass, ...] = (
     gemm_to_matmul,
     GraphRule(names.POINTWISE_BEFORE_VIEWS, pointwise_before_views),
     GraphRule(names.RESHAPE_BEFORE_POINTWISE, reshape_before_pointwise),
-    unit_dim_views,
     collapse_reshapes,
+    unit_dim_views,
+    collapse_reshapes,  # again: the Reshapes unit_dim_views moved next to others
     GraphRule(names.FOLD_CHANNEL_SHUFFLE, lambda g, ctx: fold_channel_shuffles(g, ctx.log)),
     GraphRule(names.MERGE_PROJECTIONS, lambda g, ctx: merge_projections(g, ctx.log)),
     GraphRule(names.CHANNELS_LAST, _channels_last, options=(names.FP32_DENSE_NCHW,)),

@@ -267,3 +267,23 @@ def test_a_transpose_of_size_1_dims_not_read_by_a_softmax_stays() -> None:
     graph = graph_of(model)
     log = run_pass(graph, unit_dim_views)
     assert ops(graph) == ["Transpose", "MatMul"] and log.fired == {}
+
+
+def test_a_view_after_a_softmax_of_computed_scores_stays_after_it() -> None:
+    """BLOOM's attention adds its mask to [1, H, T, T] scores, takes the Softmax and views it as
+    [H, T, T]: moved before the Softmax, the view would leave the Add in another shape than the
+    Softmax, out of its row kernel."""
+    n = helper.make_node
+    model = tiny_model(
+        [
+            n("Add", ["s", "mask"], ["m"], name="mask"),
+            n("Softmax", ["m"], ["p"], name="softmax", axis=-1),
+            n("Reshape", ["p", "shape"], ["y"], name="view"),
+        ],
+        {"s": [1, 2, 4, 4], "mask": [1, 1, 4, 4]},
+        {"y": [2, 4, 4]},
+        {"shape": np.array([2, 4, 4])},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, unit_dim_views)
+    assert ops(graph) == ["Add", "Softmax", "Reshape"] and log.fired == {}
