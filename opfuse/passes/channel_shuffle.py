@@ -4,7 +4,7 @@ permutations that the neighbouring ops absorb, so no copy is ever made of a shuf
 A shuffle is a channel gather `Y[:, k] = X[:, perm[k]]` by constant indices. The pass rewrites each
 one as a `Gather` along axis 1 and moves those gathers down the graph until they disappear:
 
-- a Slice of the channels, or another channel gather, composes into the indices;
+- a Slice or a Split of the channels, or another channel gather, composes into the indices;
 - a convolution (group 1, constant weight) reading the gathered channels reads `X` instead, with
   its weight's input channels placed at the indices (zeros elsewhere); at most 2x the weight, so at
   most 2x its multiply-adds (ShuffleNet's 1x1 conv reads half of the shuffled channels);
@@ -153,6 +153,17 @@ class _Folder:
             if window is None:
                 return None
             return [self.gather(x, idx[window[0] : window[1]], u.outputs[0], u.id)]
+        if u.op_type == "Split" and u.inputs[0] == y and int(u.attrs.get("axis", 0)) % 4 == 1:
+            # ShuffleNet's chunk of the shuffled channels, as the dynamo exporter writes it: each
+            # part is a gather of its window of the indices.
+            sizes = [graph.spec(o).shape[1] for o in u.outputs]
+            if sum(sizes) != len(idx) or any(not o for o in u.outputs):
+                return None
+            ends = np.cumsum(sizes).tolist()
+            return [
+                self.gather(x, idx[end - size : end], o, f"{u.id}_{k}")
+                for k, (o, size, end) in enumerate(zip(u.outputs, sizes, ends, strict=True))
+            ]
         if u.op_type == "Conv" and u.inputs[0] == y and u.inputs[1] in graph.constants:
             w = graph.constants[u.inputs[1]]
             group = int(u.attrs.get("group", 1))

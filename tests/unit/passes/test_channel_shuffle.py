@@ -61,3 +61,34 @@ def test_a_transpose_that_is_not_a_shuffle_is_left_alone() -> None:
     graph = graph_of(shuffle([0, 1, 2, 4, 3]))
     log = run_pass(graph, PASS)
     assert ops(graph) == ["Relu", "Reshape", "Transpose", "Reshape", "Conv"] and log.fired == {}
+
+
+def test_a_split_of_a_shuffle_is_one_gather_a_part_and_each_folds_into_its_conv() -> None:
+    """ShuffleNet V2's chunk of the shuffled channels, as the dynamo exporter writes it (a Split,
+    where TorchScript wrote Slices): each part gathers its window of the indices, and the 1x1
+    conv reading it takes the gather into its weight."""
+    nodes = [
+        n("Relu", ["x"], ["r"], name="relu"),
+        n("Reshape", ["r", "split"], ["g"], name="split"),
+        n("Transpose", ["g"], ["t"], name="swap", perm=[0, 2, 1, 3, 4]),
+        n("Reshape", ["t", "merge"], ["s"], name="merge"),
+        n("Split", ["s", "sizes"], ["p0", "p1"], name="chunk", axis=1),
+        n("Conv", ["p0", "w0"], ["y0"], name="conv0"),
+        n("Conv", ["p1", "w1"], ["y1"], name="conv1"),
+    ]
+    model = tiny_model(
+        nodes,
+        {"x": [1, 6, 2, 2]},
+        {"y0": [1, 4, 2, 2], "y1": [1, 5, 2, 2]},
+        {
+            "split": np.array([1, 2, 3, 2, 2]),
+            "merge": np.array([1, 6, 2, 2]),
+            "sizes": np.array([3, 3]),
+            "w0": weights(4, 3, 1, 1),
+            "w1": weights(5, 3, 1, 1, seed=1),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, PASS)
+    assert ops(graph) == ["Relu", "Conv", "Conv"] and log.fired == {names.FOLD_CHANNEL_SHUFFLE: 1}
+    assert_computes_as_onnxruntime(model, graph)
