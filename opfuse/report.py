@@ -269,6 +269,7 @@ def _not_fused(loaded: Loaded, fused: Fused, builder: PlanBuilder, rolled: set[s
                 "rule": grp.rule,
                 "nodes": [node_label(n) for n in [*grp.prologue, *grp.nodes]],
                 "reason": f"{builder.unsafe[gid]}; its nodes run unfused",
+                "fault": True,  # planned, then left unfused by a fault of opfuse's own
             }
         )
     for gid in sorted(rolled):
@@ -280,6 +281,7 @@ def _not_fused(loaded: Loaded, fused: Fused, builder: PlanBuilder, rolled: set[s
                 "rule": grp.rule,
                 "nodes": next(n.get("nodes") for n in [grp.to_json()]),
                 "reason": "rolled back: the fused kernel failed verification",
+                "rolled_back": True,
             }
         )
     return not_fused

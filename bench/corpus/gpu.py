@@ -302,7 +302,7 @@ def unfused_groups(report: dict[str, Any]) -> list[list[str]]:
     return [
         [str(nf.get("rule")), str((nf.get("nodes") or [""])[0]), str(nf.get("reason"))[:200]]
         for nf in (report.get("fusion") or {}).get("not_fused") or []
-        if "run unfused" in str(nf.get("reason")) or str(nf.get("reason")).startswith("rolled back")
+        if nf.get("fault") or nf.get("rolled_back")
     ]
 
 

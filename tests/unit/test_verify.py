@@ -80,6 +80,9 @@ def test_fp32_compile_rolls_back_a_wrong_kernel_whose_reference_vanishes(
     v = cm.report["verification"]
     assert v["passed"] is True and v["rolled_back"], v
     assert cm.report["kernels"]["after"] == cm.report["kernels"]["before"]
+    # The report names the group rolled back among the nodes run outside a group.
+    rolled = [nf for nf in cm.report["fusion"]["not_fused"] if nf.get("rolled_back")]
+    assert [nf["reason"] for nf in rolled] == ["rolled back: the fused kernel failed verification"]
 
 
 def _noisy_steps(
