@@ -128,10 +128,15 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
         return f"{len(picked)} indices (a slice is made of 1 to {MAX_GRID_INDICES})"
     if min(picked) < 0 or max(picked) >= size:
         return f"an index is out of range for axis {axis} of size {size}"
-    if len(picked) <= MAX_INDICES and picked == list(range(picked[0], picked[0] + len(picked))):
+    if _consecutive(picked):
         return None
     grid = _grid(graph, node)
     return grid if isinstance(grid, str) else None
+
+
+def _consecutive(picked: list[int]) -> bool:
+    """One run of consecutive indices: a Slice (then a Reshape to the indices' shape)."""
+    return picked == list(range(picked[0], picked[0] + len(picked)))
 
 
 def _grid(graph: Graph, node: Node) -> Grid | str:
@@ -179,7 +184,7 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
         _rewrite_nd(graph, node)
         return
     axis, picked, _ = _picked(graph, node)
-    if picked != list(range(picked[0], picked[0] + len(picked))) or len(picked) > MAX_INDICES:
+    if not _consecutive(picked):
         _rewrite_grid(graph, node, axis)
         return
     data = graph.spec(node.inputs[0])
