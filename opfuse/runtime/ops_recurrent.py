@@ -11,8 +11,9 @@ runs each entry's own steps backwards, as onnxruntime does.
 Where an LSTM, GRU or RNN is what torch's own layers compute (the default activations, or Relu
 for an RNN; no clip, no peepholes or coupled gates, no sequence_lens; for GRU
 `linear_before_reset=1`, which is how torch.onnx.export writes torch.nn.GRU), it runs as
-torch.lstm / torch.gru / torch.rnn_tanh / torch.rnn_relu instead: one cuDNN call per direction
-on the GPU rather than a handful of kernels per time step.
+torch.lstm / torch.gru / torch.rnn_tanh / torch.rnn_relu instead: one cuDNN call for the node
+(both directions of a bidirectional one) on the GPU rather than a handful of kernels per time step,
+its weights put in torch's gate order and cuDNN's layout once, not every run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.backends.cudnn.rnn as cudnn_rnn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from opfuse.errors import ModelError
 from opfuse.runtime.ops_registry import OP_TABLE, optional, register, required
@@ -166,10 +169,13 @@ class _Recurrence:
         return new if self.valid is None else torch.where(self.valid[step], new, old)
 
     def outputs(self, ys: list[torch.Tensor], finals: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Y [seq, directions, batch, hidden] and each final state [directions, batch, hidden], in
+        """Y [seq, directions, batch, hidden] and each final state [directions, batch, hidden] from
+        each direction's, in the model's layout."""
+        return self.layout_outputs(torch.stack(ys, 1), [torch.stack(f, 0) for f in finals])
+
+    def layout_outputs(self, y: torch.Tensor, states: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Y [seq, directions, batch, hidden] and the final states [directions, batch, hidden] in
         the model's layout."""
-        y = torch.stack(ys, 1)
-        states = [torch.stack(f, 0) for f in finals]
         if self.layout:
             y = y.permute(2, 0, 1, 3)
             states = [s.transpose(0, 1) for s in states]
@@ -233,33 +239,71 @@ def _torch_gates(t: torch.Tensor, op_type: str) -> torch.Tensor:
     return torch.cat([blocks[i] for i in _TORCH_GATES[op_type]], 0)
 
 
-def _library(op_type: str, rec: _Recurrence, inputs: Inputs, act: str = "") -> list[torch.Tensor]:
-    """The node as torch's LSTM, GRU or Elman RNN (`act`: tanh or relu): its weights in torch's
-    gate order, one call per direction (a reverse direction on the reversed sequence)."""
+# A node's weights in torch's gate order, made once per weight tensor: a plan's weights are the
+# executor's constants, the same tensors every run, so a run reorders nothing. Keyed weakly by W
+# (an entry goes with its weights); it holds R and B, and is used only for the same R and B, the
+# same op and no write to any of them since (their versions).
+_PREPARED = WeakIdKeyDictionary()
+_CUDNN_MODES = {"LSTM": "LSTM", "GRU": "GRU", "tanh": "RNN_TANH", "relu": "RNN_RELU"}
+
+
+def _torch_params(op_type: str, rec: _Recurrence, act: str) -> list[torch.Tensor]:
+    """Every direction's w_ih, w_hh, b_ih, b_hh in torch's gate order (the ONNX node's W, R, B).
+    On the GPU they are views into one buffer laid out as cuDNN wants it, as torch's
+    `flatten_parameters` leaves a layer's weights: cuDNN then copies nothing per call."""
+    versions = [t._version for t in (rec.w, rec.r, rec.b) if t is not None]
+    hit = _PREPARED.get(rec.w)
+    if hit is not None and hit[0] is rec.r and hit[1] is rec.b and hit[2] == (op_type, act, versions):
+        return hit[3]
     gates = len(_TORCH_GATES[op_type])
-    h0 = rec.initial(inputs, 5)
-    c0 = rec.initial(inputs, 6) if op_type == "LSTM" else None
-    ys, final_h, final_c = [], [], []
-    for d, reverse in enumerate(rec.reverse):
-        w = _torch_gates(rec.w[d], op_type)
-        r = _torch_gates(rec.r[d], op_type)
+    params: list[torch.Tensor] = []
+    for d in range(len(rec.reverse)):
+        params += [_torch_gates(rec.w[d], op_type).contiguous(), _torch_gates(rec.r[d], op_type).contiguous()]
         if rec.b is not None:
-            wb = _torch_gates(rec.b[d, : gates * rec.hidden], op_type)
-            rb = _torch_gates(rec.b[d, gates * rec.hidden :], op_type)
+            params += [
+                _torch_gates(rec.b[d, : gates * rec.hidden], op_type).contiguous(),
+                _torch_gates(rec.b[d, gates * rec.hidden :], op_type).contiguous(),
+            ]
         else:
-            wb = rb = rec.x.new_zeros(gates * rec.hidden)
-        x = rec.x.flip(0) if reverse else rec.x
-        if op_type == "LSTM":
-            assert c0 is not None
-            state: Any = (h0[d : d + 1].contiguous(), c0[d : d + 1].contiguous())
-            y, h, c = torch.lstm(x, state, [w, r, wb, rb], True, 1, 0.0, False, False, False)
-            final_c.append(c[0])
-        else:
-            fn = torch.gru if op_type == "GRU" else (torch.rnn_relu if act == "relu" else torch.rnn_tanh)
-            y, h = fn(x, h0[d : d + 1].contiguous(), [w, r, wb, rb], True, 1, 0.0, False, False, False)
-        ys.append(y.flip(0) if reverse else y)
-        final_h.append(h[0])
-    return rec.outputs(ys, [final_h, final_c] if op_type == "LSTM" else [final_h])
+            params += [rec.x.new_zeros(gates * rec.hidden), rec.x.new_zeros(gates * rec.hidden)]
+    capturing = rec.x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing:  # made inside a CUDA graph: its contents exist only in replays, so never kept
+        return params
+    if (
+        rec.x.is_cuda
+        and torch._use_cudnn_rnn_flatten_weight()
+        and all(p.dtype == rec.x.dtype and torch.backends.cudnn.is_acceptable(p) for p in params)
+    ):
+        mode = cudnn_rnn.get_cudnn_mode(_CUDNN_MODES[op_type if op_type != "RNN" else act])
+        with torch.no_grad():
+            torch._cudnn_rnn_flatten_weight(
+                params, 4, rec.x.shape[-1], mode, rec.hidden, 0, 1, False, len(rec.reverse) == 2
+            )
+    _PREPARED[rec.w] = (rec.r, rec.b, (op_type, act, versions), params)
+    return params
+
+
+def _library(op_type: str, rec: _Recurrence, inputs: Inputs, act: str = "") -> list[torch.Tensor]:
+    """The node as torch's LSTM, GRU or Elman RNN (`act`: tanh or relu): one call for both
+    directions of a bidirectional node (cuDNN runs them side by side), a reverse-only node on the
+    reversed sequence."""
+    params = _torch_params(op_type, rec, act)
+    h0 = rec.initial(inputs, 5).contiguous()
+    both = len(rec.reverse) == 2
+    reverse = rec.reverse == [True]
+    x = rec.x.flip(0) if reverse else rec.x
+    if op_type == "LSTM":
+        state: Any = (h0, rec.initial(inputs, 6).contiguous())
+        y, *finals = torch.lstm(x, state, params, True, 1, 0.0, False, both, False)
+    else:
+        fn = torch.gru if op_type == "GRU" else (torch.rnn_relu if act == "relu" else torch.rnn_tanh)
+        y, h = fn(x, h0, params, True, 1, 0.0, False, both, False)
+        finals = [h]
+    if reverse:
+        y = y.flip(0)
+    seq, batch = y.shape[0], y.shape[1]
+    y = y.view(seq, batch, len(rec.reverse), rec.hidden).transpose(1, 2)  # [seq, directions, batch, hidden]
+    return rec.layout_outputs(y, finals)
 
 
 State = tuple[torch.Tensor, ...]

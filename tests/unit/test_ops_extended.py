@@ -17,6 +17,7 @@ from onnx.reference import ReferenceEvaluator
 from opfuse.errors import ModelError
 from opfuse.runtime import ops_recurrent
 from opfuse.runtime.ops import run_op
+from tests.builders import TEST_DEVICE
 from tests.unit.test_ops import (
     Case,
     _assert_same,
@@ -576,40 +577,107 @@ def test_bad_attributes_are_model_errors() -> None:
         run_op("Resize", [torch.ones(1, 1, 2, 2), None, torch.ones(4)], {"mode": "area"})
 
 
-@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3), ("RNN", 1), ("RNN-relu", 1)])
-@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
-def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
-    op: str, gates: int, direction: str
-) -> None:
-    """An LSTM, a GRU with linear_before_reset=1, or a Tanh or Relu RNN runs as torch's own layer
-    (cuDNN on the GPU); the same node with a clip no value reaches runs step by step: every output
-    agrees."""
+def _recurrent_node(
+    op: str, gates: int, direction: str, layout: int = 0
+) -> tuple[list[torch.Tensor | None], dict[str, object]]:
+    """A random LSTM, GRU (linear_before_reset=1) or RNN ("RNN-relu": Relu) node's inputs, on the
+    test device, and attributes: seq 5, batch 3, input 4, hidden 6, initial states given."""
     op, relu = op.removesuffix("-relu"), op.endswith("-relu")
     dirs = 2 if direction == "bidirectional" else 1
     seq, batch, inp, hid = 5, 3, 4, 6
-    tensors = [
+    x, h0, c0 = (
         normal(seq, batch, inp),
+        normal(dirs, batch, hid, scale=0.5),
+        normal(dirs, batch, hid, scale=0.5),
+    )
+    if layout:
+        x, h0, c0 = x.transpose(1, 0, 2), h0.transpose(1, 0, 2), c0.transpose(1, 0, 2)
+    tensors = [
+        x,
         normal(dirs, gates * hid, inp, scale=0.5),
         normal(dirs, gates * hid, hid, scale=0.5),
         normal(dirs, 2 * gates * hid, scale=0.2),
         None,
-        normal(dirs, batch, hid, scale=0.5),
+        h0,
     ]
     if op == "LSTM":
-        tensors.append(normal(dirs, batch, hid, scale=0.5))
-    attrs: dict[str, object] = {"hidden_size": hid, "direction": direction}
+        tensors.append(c0)
+    attrs: dict[str, object] = {"hidden_size": hid, "direction": direction, "layout": layout}
     if op == "GRU":
         attrs["linear_before_reset"] = 1
     if relu:
         attrs["activations"] = ["Relu"] * dirs
-    inputs = [torch.from_numpy(t) if t is not None else None for t in tensors]
+    inputs = [
+        torch.from_numpy(np.ascontiguousarray(t)).to(TEST_DEVICE) if t is not None else None for t in tensors
+    ]
+    return inputs, attrs
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+@pytest.mark.parametrize("op, gates", [("LSTM", 4), ("GRU", 3), ("RNN", 1), ("RNN-relu", 1)])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_recurrent_layers_in_torchs_form_match_the_step_by_step_ones(
+    op: str, gates: int, direction: str, layout: int
+) -> None:
+    """An LSTM, a GRU with linear_before_reset=1, or a Tanh or Relu RNN runs as torch's own layer
+    (one cuDNN call on the GPU, both directions in it); the same node with a clip no value reaches
+    runs step by step: every output agrees, in either layout."""
+    inputs, attrs = _recurrent_node(op, gates, direction, layout)
+    op = op.removesuffix("-relu")
     assert ops_recurrent._library_form(op, inputs, attrs)
     assert not ops_recurrent._library_form(op, inputs, {**attrs, "clip": 1e30})
-    outs = len(tensors) - 4
+    outs = len(inputs) - 4
     library = run_op(op, inputs, attrs, num_outputs=outs)
     steps = run_op(op, inputs, {**attrs, "clip": 1e30}, num_outputs=outs)
+    tol = 1e-5 if TEST_DEVICE == "cpu" else 3e-3  # cuDNN's recurrences may use TF32
     for a, b in zip(library, steps, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_the_library_forms_weights_are_put_in_torchs_order_once_and_again_after_a_write() -> None:
+    """A plan's weights are the same tensors every run: the reordered (on the GPU, cuDNN-packed)
+    weights are made at the first run and reused; a write to W, R or B makes them again."""
+    inputs, attrs = _recurrent_node("LSTM", 4, "bidirectional")
+    w, r = inputs[1], inputs[2]
+    assert w is not None and r is not None
+    first = run_op("LSTM", inputs, attrs, num_outputs=3)
+    prepared = ops_recurrent._PREPARED[w][3]
+    second = run_op("LSTM", inputs, attrs, num_outputs=3)
+    assert ops_recurrent._PREPARED[w][3] is prepared
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    r.mul_(0.5)
+    fresh = [t.clone() if t is not None else None for t in inputs]
+    after = run_op("LSTM", inputs, attrs, num_outputs=3)
+    assert ops_recurrent._PREPARED[w][3] is not prepared
+    for a, b in zip(after, run_op("LSTM", fresh, attrs, num_outputs=3), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.allclose(after[0], first[0])
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA graphs need the GPU (OPFUSE_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_library_form_node_captured_in_a_cuda_graph_replays_the_eager_result(warm: bool) -> None:
+    """Captured after a run (its weights packed, kept) or as its first run (made in the graph and
+    not kept: their contents exist only in replays): a replay on new inputs is the eager result."""
+    inputs, attrs = _recurrent_node("LSTM", 4, "bidirectional")
+    x = inputs[0]
+    assert x is not None
+    if warm:
+        run_op("LSTM", inputs, attrs, num_outputs=3)
+    else:
+        run_op(
+            "LSTM", [inputs[0], inputs[1].clone(), *inputs[2:]], attrs, num_outputs=3
+        )  # cuDNN's own set-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_op("LSTM", inputs, attrs, num_outputs=3)
+    assert (inputs[1] in ops_recurrent._PREPARED) == warm
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, run_op("LSTM", inputs, {**attrs, "clip": 1e30}, num_outputs=3), strict=True):
+        torch.testing.assert_close(a, b, rtol=3e-3, atol=3e-3)
 
 
 def test_sequence_lengths_outside_the_sequence_are_clamped_into_it() -> None:
