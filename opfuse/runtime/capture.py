@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from opfuse.runtime.executor import HOST_COPY_MAX_ELEMENTS
 from opfuse.runtime.ops_index import HOST_INDEX_CHECKS
+from opfuse.runtime.ops_recurrent import prepared_weights
 from opfuse.runtime.ops_registry import OP_TABLE
 from opfuse.runtime.plan import Plan
 from opfuse.runtime.tensors import TABLES_ON_CPU, device_tables
@@ -157,8 +158,8 @@ def audit(executor: Any, feeds: Mapping[str, Any]) -> list[str]:
     """Run `executor`'s plan once on the CPU as if on a GPU; what would stop a capture there.
 
     `executor` must be built with `host_copies=True` (as on a GPU). A first run, not audited,
-    fills the device tables (tensors.device_table) as a GPU's warm-up before capture does; then
-    the audited run. Generated kernels run outside the audit (their launches are device work);
+    fills the device tables (tensors.device_table) and the recurrent ops' prepared weights
+    (ops_recurrent.prepared_weights) as a GPU's warm-up before capture does; then the audited run. Generated kernels run outside the audit (their launches are device work);
     their outputs count as device tensors."""
     tables = TABLES_ON_CPU.set(True)
     checks = HOST_INDEX_CHECKS.set(False)  # indices are clamped on a GPU, not checked on the host
@@ -175,7 +176,13 @@ def _audited_run(executor: Any, feeds: Mapping[str, Any]) -> list[str]:
     env = executor.prepare_inputs(feeds)
     mode = _Audit()
     host = {id(t) for args in executor.host_args for t in args.values()}
-    for t in [*env.values(), *executor.constants.values(), *executor.arena_views.values(), *device_tables()]:
+    for t in [
+        *env.values(),
+        *executor.constants.values(),
+        *executor.arena_views.values(),
+        *device_tables(),
+        *prepared_weights(),
+    ]:
         if id(t) not in host:
             mode.mark(t)
 

@@ -283,6 +283,12 @@ def _torch_params(op_type: str, rec: _Recurrence, act: str) -> list[torch.Tensor
     return params
 
 
+def prepared_weights() -> list[torch.Tensor]:
+    """Every weight `_torch_params` keeps (runtime/capture.py counts them as device tensors, as a
+    GPU's warm-up run makes them there before a capture)."""
+    return [p for entry in list(_PREPARED.values()) for p in entry[3]]
+
+
 def _library(op_type: str, rec: _Recurrence, inputs: Inputs, act: str = "") -> list[torch.Tensor]:
     """The node as torch's LSTM, GRU or Elman RNN (`act`: tanh or relu): one call for both
     directions of a bidirectional node (cuDNN runs them side by side), a reverse-only node on the

@@ -98,6 +98,42 @@ def test_an_upsampling_resize_needs_no_host_mid_run(cubic: bool) -> None:
     np.testing.assert_allclose(cm.run({"x": x})["y"], want[0], rtol=1e-4, atol=1e-5)
 
 
+def _bidirectional_lstm() -> onnx.ModelProto:
+    """A bidirectional LSTM in torch's form (one library call for both directions, its weights
+    reordered once and kept: ops_recurrent.prepared_weights), then a Tanh."""
+    rng = np.random.default_rng(4)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal(s) * 0.4).astype(np.float32), n)
+        for n, s in (("w", (2, 20, 3)), ("r", (2, 20, 5)), ("b", (2, 40)))
+    ]
+    nodes = [
+        helper.make_node(
+            "LSTM", ["x", "w", "r", "b"], ["y"], name="lstm", hidden_size=5, direction="bidirectional"
+        ),
+        helper.make_node("Tanh", ["y"], ["out"], name="tanh"),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 2, 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [6, 2, 2, 5])],
+        inits,
+    )
+
+
+def test_a_recurrent_layers_kept_weights_are_device_tensors_to_the_capture() -> None:
+    """The weights in torch's order are made at the first run (a GPU's warm-up before capture)
+    and reused: the audited run finds no host tensor in the LSTM's device work."""
+    model = _bidirectional_lstm()
+    cm = opfuse.compile(model, input_shapes={"x": [6, 2, 3]}, device=TEST_DEVICE)
+    assert cm.report["cuda_graph"]["capturable"] is True
+    x = np.random.default_rng(5).standard_normal((6, 2, 3)).astype(np.float32)
+    assert _audit(cm, {"x": x}) == []
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    np.testing.assert_allclose(cm.run({"x": x})["out"], want[0], rtol=1e-4, atol=1e-5)
+
+
 def test_roberta_position_ids_read_their_constant_axis_from_a_host_copy() -> None:
     model = _positions()
     cm = opfuse.compile(model, input_shapes={"ids": [2, 6]}, device=TEST_DEVICE)
