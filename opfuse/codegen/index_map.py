@@ -1,10 +1,11 @@
 """Loads through an IndexMap (ir/index_map.py): an element's coordinates walked back through
-Transposes, Expands, Reshapes, Slices and constant Pads to the buffer behind them; a Pad's border
-lanes are masked and take its value."""
+Transposes, Expands, Reshapes, Slices, constant Pads and Gathers to the buffer behind them; a Pad's
+border lanes are masked and take its value, a Gather's coordinate is loaded from its index table."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from opfuse.codegen.source import float_literal
 from opfuse.ir.index_map import IndexMap
@@ -35,10 +36,17 @@ def _join(coords: list[str], shape: tuple[int, ...]) -> str:
 
 
 def index_map_load(
-    prefix: str, ptr: str, im: IndexMap, lines: list[str], at: str = "offs", mask: str = "mask"
+    prefix: str,
+    ptr: str,
+    im: IndexMap,
+    lines: list[str],
+    at: str = "offs",
+    mask: str = "mask",
+    tables: Mapping[str, str] | None = None,
 ) -> str:
     """Append to `lines` the loads of `im` at the kernel's flat offsets `at` (row-major in
-    `im.shape`) on the lanes of `mask`; return the loaded value's expression (float32)."""
+    `im.shape`) on the lanes of `mask`; return the loaded value's expression (float32). `tables`:
+    the pointer of each index table its Gathers read, by the table's name."""
     lines.append(f"{prefix}_f0 = {at}")
     coords = _split(f"{prefix}_f0", im.shape)
     inside: list[str] = []
@@ -79,6 +87,16 @@ def index_map_load(
                 lines.append(f"{prefix}_in{i} = {' & '.join(here)}")
                 inside.append(f"{prefix}_in{i}")
                 borders.append((f"{prefix}_in{i}", step.value))
+        elif step.op == "gather":
+            # Clamped into the axis: the table is the model's constant, but tuning runs the
+            # kernel on random inputs, and a coordinate past the axis would read outside the buffer.
+            k = len(step.index_shape)
+            pos = _join(coords[step.axis : step.axis + k], step.index_shape)
+            name = f"{prefix}_g{i}"
+            held = " & ".join([mask, *inside])  # not in a Pad's border nearer the kernel
+            lines.append(f"{name} = tl.load({(tables or {})[step.table]} + {pos}, mask={held}, other=0)")
+            lines.append(f"{name} = tl.minimum(tl.maximum({name}, 0), {step.in_shape[step.axis] - 1})")
+            coords = [*coords[: step.axis], name, *coords[step.axis + k :]]
         else:  # pragma: no cover - the planner makes only the steps above
             raise AssertionError(step.op)
     idx = _join(coords, im.base_shape)

@@ -59,7 +59,18 @@ def generate_pointwise(
     selected_only = selected - {x for n in group_nodes if n.op_type != "Concat" for x in n.inputs if x}
     literals, tensor_inputs = split_literals(graph, inputs, tensors=windowed | selected)
     slot = {name: i for i, name in enumerate(tensor_inputs)}
-    args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
+    # The index tables of Gathers the loads compute (pad_gather): inputs after the tensors.
+    tables = list(
+        dict.fromkeys(
+            t for x in tensor_inputs if isinstance(views.get(x), IndexMap) for t in views[x].tables()
+        )
+    )
+    table_args = {t: f"tab{j}" for j, t in enumerate(tables)}
+    args = (
+        [f"in{i}" for i in range(len(tensor_inputs))]
+        + list(table_args.values())
+        + [f"out{i}" for i in range(len(outputs))]
+    )
     buf = SourceBuffer()
     module_title(buf, f"pointwise kernel {kernel_id} for group {group_id}.")
     buf.line(f"# {len(group_nodes)} ONNX nodes, {numel} elements, shape {list(shape)}:")
@@ -95,7 +106,9 @@ def generate_pointwise(
             isinstance(v, ResizeGather | IndexMap) and v.extent() >= 2**31 - 1 for v in views.values()
         )
         index_type = "tl.int64" if wide else "tl.int32"
-        reads = _pointwise_loads(buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs)
+        reads = _pointwise_loads(
+            buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs, table_args
+        )
         for name, lit in literals.items():
             regs[name] = lit
         for j, n in enumerate(group_nodes):
@@ -108,7 +121,7 @@ def generate_pointwise(
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
         buf.line(f'{fn}[(triton.cdiv(N, c["BLOCK"]),)]({", ".join(args)}, N, **c)')
-    passed = [views[x].base if x in views else x for x in tensor_inputs]
+    passed = [views[x].base if x in views else x for x in tensor_inputs] + tables
     return KernelSource(
         kernel_id, "pointwise", buf.getvalue(), passed, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )
@@ -126,6 +139,7 @@ def _pointwise_loads(
     shape: tuple[int, ...],
     index_type: str,
     regs: dict[str, str],
+    tables: dict[str, str] | None = None,
 ) -> dict[str, _Read]:
     """Each tensor input loaded once at the output's offsets (broadcast, through a folded view,
     or gathered from a Resize's input), but those only a Concat's selection reads; returns how
@@ -150,7 +164,7 @@ def _pointwise_loads(
                 if tuple(view.shape) == tuple(shape)
                 else f"({broadcast_index(view.shape, shape) or 0})"
             )
-            value = index_map_load(f"m{i}", f"in{i}", view, lines, at)
+            value = index_map_load(f"m{i}", f"in{i}", view, lines, at, tables=tables)
             for text in lines:
                 buf.line(text)
             buf.line(f"x{i} = {value}")

@@ -42,6 +42,7 @@ ELIMINATE_NOOPS = "eliminate_noops"
 FOLD_PAD_INTO_CONV = "fold_pad_into_conv"
 EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
+GATHERND_AS_GATHER = "gathernd_as_gather"
 GATHER_TO_SLICE = "gather_to_slice"
 COL2IM_TO_VIEWS = "col2im_to_views"
 ROTATE_HALF = "rotate_half"
@@ -182,9 +183,16 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "spelling the attention rule fuses into one flash-attention kernel.",
     ),
     _r(
+        GATHERND_AS_GATHER,
+        GRAPH_PASS,
+        "GatherND by constant index tuples (batch_dims 0) becomes a Gather on axis 0 of the data with the "
+        "tuples' axes flattened (a Reshape, a view), by the tuples' flat positions: the one spelling "
+        "gather_to_slice and pad_gather read (the dynamo exporter's adaptive pooling and advanced indexing).",
+    ),
+    _r(
         GATHER_TO_SLICE,
         GRAPH_PASS,
-        "Gather (or GatherND) by constant consecutive indices becomes a Slice (and Reshape), and Gather "
+        "Gather by constant consecutive indices becomes a Slice (and Reshape), and Gather "
         "by indices of an evenly stepped grid whose steps nest (an unfold's patches) a Slice, Reshape "
         "and Transpose: views, not a kernel.",
     ),
@@ -398,7 +406,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "A constant Pad, with the Reshapes, Transposes, Expands and Slices around it, read only by one "
         "pointwise kernel or GEMM epilogue is computed by that kernel's loads (relative-position "
         "logits' shifts, CoaT's class-token row): each element loaded from the buffer behind the "
-        "chain, the border lanes the Pad's value.",
+        "chain, the border lanes the Pad's value. So is a Gather by constant indices no view "
+        "describes, read by one pointwise kernel (adaptive pooling's overlapping windows): each "
+        "coordinate on its axis loaded from the index table.",
         requires=(POINTWISE,),
     ),
     _r(

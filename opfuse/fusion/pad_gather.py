@@ -1,5 +1,6 @@
 """`pad_gather`: a constant Pad, with the layout ops around it, read only by one pointwise kernel
-(or one GEMM's epilogue: fusion/rules/anchor_epilogue.py) is computed by that kernel's loads.
+(or one GEMM's epilogue: fusion/rules/anchor_epilogue.py) is computed by that kernel's loads; so
+is a Gather by constant indices no view describes, read by one pointwise kernel.
 
 A Pad writes a copy of its input with a border: a kernel of its own, and another for each Reshape
 of the padded value that is no strided view. Relative-position logits shift their rows that way
@@ -9,6 +10,12 @@ token. Where the value reaches one pointwise kernel only through Reshapes, Trans
 Slices and constant Pads, that kernel loads each element from the buffer behind the chain at the
 coordinates the chain maps it to (ir/index_map.py), and the border lanes take the Pad's value: the
 chain's ops leave the plan. A chain without a Pad is left to `layout_views` (strides).
+
+A Gather by constant indices that gather_to_slice could not make a view of (they overlap, repeat
+or are clamped: the dynamo exporter's adaptive average pooling gathers each window's pixels, then
+masks, sums and divides them) ran as a kernel writing every gathered element. In the chain it is
+a step like the others: the kernel loads each element's coordinate on the Gather's axis from the
+index table (a kernel input, clamped into the axis: tuning runs the kernel on random inputs).
 """
 
 from __future__ import annotations
@@ -35,8 +42,19 @@ def _slice_step(graph: Graph, node: Node) -> IndexStep | None:
     )
 
 
-def _step(graph: Graph, node: Node) -> IndexStep | None:
-    """`node` as a step of an index map, or None where it is none."""
+def _gather_step(graph: Graph, node: Node, x: tuple[int, ...], y: tuple[int, ...]) -> IndexStep | None:
+    """A Gather by a constant table of non-negative integers on a static axis as a step, or None."""
+    if len(node.inputs) < 2 or node.inputs[1] not in graph.constants or not x:
+        return None
+    table = graph.constants[node.inputs[1]]
+    axis = int(node.attrs.get("axis", 0)) % len(x)
+    if table.dtype.kind not in "iu" or (table.size and (table.min() < 0 or table.max() >= x[axis])):
+        return None  # negative indices: a Gather of its own (check_indices has the range)
+    return IndexStep("gather", x, y, axis=axis, table=node.inputs[1], index_shape=tuple(table.shape))
+
+
+def _step(graph: Graph, node: Node, gathers: bool = False) -> IndexStep | None:
+    """`node` as a step of an index map, or None where it is none (a Gather only with `gathers`)."""
     if not node.inputs or not node.outputs:
         return None
     x = tuple(graph.spec(node.inputs[0]).shape)
@@ -68,6 +86,8 @@ def _step(graph: Graph, node: Node) -> IndexStep | None:
                 return None
             value = float(c)
         return IndexStep("pad", x, y, begins=tuple(b for b, _ in per_dim), value=value)
+    if node.op_type == "Gather" and gathers:
+        return _gather_step(graph, node, x, y)
     return None
 
 
@@ -78,10 +98,12 @@ def plan_pad_gathers(
     claimed: set[str],
     producers: dict[str, Node] | None = None,
     consumers: dict[str, list[Node]] | None = None,
+    gathers: bool = False,
 ) -> tuple[dict[str, IndexMap], list[Node]]:
     """The inputs among `values` that reach the kernel (whose nodes are `readers`) through a chain
-    of layout ops holding a constant Pad, each read by nothing else, as index maps; and the
-    chains' nodes, which leave the plan. `claimed`: nodes other groups hold."""
+    of layout ops holding a constant Pad (or, with `gathers`, a Gather by constant indices), each
+    read by nothing else, as index maps; and the chains' nodes, which leave the plan. `claimed`:
+    nodes other groups hold."""
     producers = graph.producers() if producers is None else producers
     consumers = graph.consumers() if consumers is None else consumers
     outputs = {o.name for o in graph.outputs}
@@ -99,13 +121,13 @@ def plan_pad_gathers(
             only_ours = all(u.id in readers for u in users) if cur == x else len(users) == 1
             if p is None or p.id in claimed or cur in outputs or not only_ours:
                 break
-            step = _step(graph, p)
+            step = _step(graph, p, gathers)
             if step is None:
                 break
             chain.append(p)
             steps.append(step)
             cur = p.inputs[0]
-        if not any(s.op == "pad" for s in steps):
+        if not any(s.op in ("pad", "gather") for s in steps):
             continue  # strides cover it (layout_views)
         base = chain[-1].inputs[0]
         if base in graph.constants:

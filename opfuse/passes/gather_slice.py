@@ -1,13 +1,15 @@
-"""Gather (or GatherND) by constant consecutive indices is a Slice: a view, not a kernel.
+"""Gather by constant consecutive indices is a Slice: a view, not a kernel.
 
 Models that pack projections pick their parts out with Gather (PyTorch's MultiheadAttention
 exports q, k and v as `proj[0]`, `proj[1]`, `proj[2]`): a gather kernel each, copying the whole
 activation. With the indices known and consecutive, the same values are a Slice along the axis
 (then Squeeze for a scalar index, Reshape for a multi-dimensional one), which the runtime
 serves as a view and the planners can fold into the addressing of the kernels that read it.
-GatherND by index tuples that differ only in their last coordinate, consecutive there (Falcon's
-fused QKV picks its key and value heads with `[..., -2, :]` and `[..., -1, :]`, exported as
-GatherND of one tuple), is the same: a Slice over the tuples' axes, then a Reshape.
+
+GatherND by constant index tuples (`gathernd_as_gather`, first) is a Gather of the data with the
+tuples' axes flattened into one (a Reshape, a view) by the tuples' flat positions: one spelling
+for what follows. Falcon's fused QKV picks its key and value heads with `[..., -2, :]` and
+`[..., -1, :]`, exported as GatherND of one tuple: a Gather of one position, so a Slice.
 
 Indices of several dims that step evenly along each (an affine grid, `start + sum(step_i * j_i)`)
 whose steps nest (sorted, each the next one's step times its count: an unfold's patches, `[[0, 2,
@@ -28,42 +30,13 @@ from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.passes.rules import Rule
 
-MAX_INDICES = 64
-
 
 def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
-    if node.op_type not in ("Gather", "GatherND") or len(node.inputs) < 2:
+    if node.op_type != "Gather" or len(node.inputs) < 2:
         return None
     if node.inputs[1] not in graph.constants:
         return None
     return {"nodes": [node]}
-
-
-def _nd_window(graph: Graph, node: Node) -> tuple[list[int], list[int]] | str:
-    """GatherND by constant index tuples that share all but their last coordinate, whose last
-    coordinates are consecutive: (the first tuple, the count), the window of a Slice over the
-    tuples' axes; else why not."""
-    if int(node.attrs.get("batch_dims", 0)):
-        return "batch_dims is not 0"
-    data = graph.spec(node.inputs[0]).shape
-    idx = np.asarray(graph.constants[node.inputs[1]])
-    if idx.dtype.kind not in "iu":
-        return "indices are not integers"
-    if idx.ndim < 1 or not 1 <= idx.shape[-1] <= len(data):
-        return "index tuples longer than the data's rank"
-    tuples = idx.reshape(-1, idx.shape[-1]).astype(np.int64)
-    sizes = np.asarray(data[: idx.shape[-1]], dtype=np.int64)
-    tuples = np.where(tuples < 0, tuples + sizes, tuples)
-    if not len(tuples) or len(tuples) > MAX_INDICES:
-        return f"{len(tuples)} index tuples (a slice is made of 1 to {MAX_INDICES})"
-    if np.any(tuples < 0) or np.any(tuples >= sizes):
-        return "an index is out of range"
-    first = [int(v) for v in tuples[0]]
-    if np.any(tuples[:, :-1] != tuples[0, :-1]) or list(tuples[:, -1]) != list(
-        range(first[-1], first[-1] + len(tuples))
-    ):
-        return "the index tuples are not consecutive along one axis"
-    return first, [len(tuples)]
 
 
 # Indices of an affine grid (several dims) may pick a whole axis: an image's rows or columns.
@@ -116,9 +89,6 @@ def _picked(graph: Graph, node: Node) -> tuple[int, list[int], int]:
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
-    if node.op_type == "GatherND":
-        window = _nd_window(graph, node)
-        return window if isinstance(window, str) else None
     if np.asarray(graph.constants[node.inputs[1]]).dtype.kind not in "iu":
         return "indices are not integers"
     if not graph.spec(node.inputs[0]).shape:
@@ -154,35 +124,7 @@ def _constant(graph: Graph, name: str, values: list[int]) -> str:
     return name
 
 
-def _rewrite_nd(graph: Graph, node: Node) -> None:
-    """GatherND: a Slice of one element along each tuple axis but the last, the run along the
-    last, then a Reshape to the output's shape."""
-    window = _nd_window(graph, node)
-    assert not isinstance(window, str)
-    first, (count,) = window
-    data = graph.spec(node.inputs[0])
-    k = len(first)
-    ends = [v + 1 for v in first[:-1]] + [first[-1] + count]
-    sliced = f"{node.id}_slice"
-    graph.values[sliced] = TensorSpec(sliced, data.dtype, (*([1] * (k - 1)), count, *data.shape[k:]))
-    args = [
-        node.inputs[0],
-        _constant(graph, f"{node.id}_starts", first),
-        _constant(graph, f"{node.id}_ends", ends),
-        _constant(graph, f"{node.id}_axes", list(range(k))),
-    ]
-    shape = _constant(graph, f"{node.id}_shape", list(graph.spec(node.outputs[0]).shape))
-    i = graph.nodes.index(node)
-    graph.nodes[i : i + 1] = [
-        Node(f"{node.id}s", "Slice", args, [sliced], {}, node.name),
-        Node(f"{node.id}r", "Reshape", [sliced, shape], [node.outputs[0]], {}, node.name),
-    ]
-
-
 def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
-    if node.op_type == "GatherND":
-        _rewrite_nd(graph, node)
-        return
     axis, picked, _ = _picked(graph, node)
     if not _consecutive(picked):
         _rewrite_grid(graph, node, axis)
@@ -261,6 +203,68 @@ def _rewrite_grid(graph: Graph, node: Node, axis: int) -> None:
     i = graph.nodes.index(node)
     graph.nodes[i : i + 1] = nodes
 
+
+def _nd_match(graph: Graph, node: Node) -> dict[str, Any] | None:
+    if node.op_type != "GatherND" or len(node.inputs) < 2 or node.inputs[1] not in graph.constants:
+        return None
+    return {"nodes": [node]}
+
+
+def _nd_tuples(graph: Graph, node: Node) -> np.ndarray | str:
+    """The GatherND's index tuples ([..., k], non-negative), or why it is not rewritten."""
+    if int(node.attrs.get("batch_dims", 0)):
+        return "batch_dims is not 0"
+    data = graph.spec(node.inputs[0]).shape
+    idx = np.asarray(graph.constants[node.inputs[1]])
+    if idx.dtype.kind not in "iu":
+        return "indices are not integers"
+    if idx.ndim < 1 or not 1 <= idx.shape[-1] <= len(data):
+        return "index tuples longer than the data's rank"
+    if any(d < 0 for d in data):
+        return "the data's shape is not static"
+    sizes = np.asarray(data[: idx.shape[-1]], dtype=np.int64)
+    tuples = idx.astype(np.int64)
+    tuples = np.where(tuples < 0, tuples + sizes, tuples)
+    if np.any(tuples < 0) or np.any(tuples >= sizes):  # check_indices refused the model already
+        return "an index is out of range"
+    return tuples
+
+
+def _nd_check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    tuples = _nd_tuples(graph, node)
+    return tuples if isinstance(tuples, str) else None
+
+
+def _nd_rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    """Reshape (the tuples' k axes into one, where k > 1), then Gather on axis 0 by each tuple's
+    flat position in those axes."""
+    tuples = _nd_tuples(graph, node)
+    assert not isinstance(tuples, str)
+    data = graph.spec(node.inputs[0])
+    k = tuples.shape[-1]
+    lead, rest = tuple(data.shape[:k]), tuple(data.shape[k:])
+    flat = np.ravel_multi_index(tuple(np.moveaxis(tuples, -1, 0)), lead).astype(np.int64)
+    index = f"{node.id}_index"
+    graph.constants[index] = np.asarray(flat, dtype=np.int64).reshape(tuples.shape[:-1])
+    graph.values[index] = TensorSpec(index, "int64", tuple(tuples.shape[:-1]))
+    nodes: list[Node] = []
+    src = node.inputs[0]
+    if k > 1:
+        src = f"{node.id}_flat"
+        graph.values[src] = TensorSpec(src, data.dtype, (int(np.prod(lead)), *rest))
+        shape = _constant(graph, f"{node.id}_flat_shape", [int(np.prod(lead)), *rest])
+        nodes.append(Node(f"{node.id}f", "Reshape", [node.inputs[0], shape], [src], {}, node.name))
+    nodes.append(Node(f"{node.id}g", "Gather", [src, index], [node.outputs[0]], {"axis": 0}, node.name))
+    i = graph.nodes.index(node)
+    graph.nodes[i : i + 1] = nodes
+
+
+gathernd_as_gather = Rule(
+    names.GATHERND_AS_GATHER,
+    _nd_match,
+    _nd_check,
+    _nd_rewrite,
+)
 
 gather_to_slice = Rule(
     names.GATHER_TO_SLICE,

@@ -20,7 +20,7 @@ from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
 from opfuse.passes.dft import merge_dfts
 from opfuse.passes.einsum import einsum_matmul
-from opfuse.passes.gather_slice import gather_to_slice
+from opfuse.passes.gather_slice import gather_to_slice, gathernd_as_gather
 from opfuse.passes.gemm_reshape import gemm_to_matmul
 from opfuse.passes.group_norm import group_norm
 from opfuse.passes.head_scale import head_scale
@@ -59,6 +59,7 @@ PASSES: tuple[Pass, ...] = (
     fold_pad_into_conv,
     einsum_matmul,
     attention_op,
+    gathernd_as_gather,
     gather_to_slice,
     col2im_to_views,
     rotate_half,

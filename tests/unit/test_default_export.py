@@ -719,3 +719,34 @@ def test_1d_convolutions_in_fp16_verify_and_match(tmp_path: Path) -> None:
     (want,) = session.run(None, feeds)
     got = np.asarray(cm.run(feeds)[model.graph.output[0].name])
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))
+
+
+class AdaptivePoolHead(nn.Module):
+    """VGG's and AlexNet's head on a small image: conv features pooled to a fixed grid larger than
+    (or not dividing) the feature map, then a classifier."""
+
+    def __init__(self, grid: tuple[int, int]) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(grid)
+        self.fc = nn.Linear(8 * grid[0] * grid[1], 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(F.relu(self.conv(x))), 1))
+
+
+@pytest.mark.parametrize(("size", "grid"), [((2, 2), (7, 7)), ((5, 7), (3, 4)), ((6, 5), (4, 3))])
+def test_adaptive_pooling_gathers_its_windows_in_the_masking_kernel(
+    size: tuple[int, int], grid: tuple[int, int], tmp_path: Path
+) -> None:
+    """The dynamo exporter writes an adaptive average pool whose windows differ in length as
+    GatherND of each window's pixels, masks, a sum of the window's picks and a Div: the GatherND
+    becomes a Gather (gathernd_as_gather) the masking kernel computes by its loads (pad_gather),
+    so no Gather runs. Every output element matches onnxruntime."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, *size)
+    model = export(AdaptivePoolHead(grid), (x,), tmp_path / "pool.onnx")
+    assert "GatherND" in {n.op_type for n in model.graph.node}
+    cm = check(model, (x,), tmp_path)
+    assert not [s for s in cm.plan.steps if s.kind == "op" and s.op_type in ("Gather", "GatherND")]
+    assert any("pad_gather" in r for r in rules(cm)), cm.report["fusion"]

@@ -6,7 +6,8 @@ keep its live values in registers. Applied inside the groups it forms: `channel_
 a member like a pointwise op, except that the producer of the input it reads at neighbouring
 channels never joins its group), `concat_select` (a Concat is a member that joins no producer's
 group: its inputs are loaded), `resize_gather` (a Resize only the group reads is computed by its
-loads), `pad_gather` (so is a constant Pad, through the layout ops around it) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
+loads), `pad_gather` (so is a constant Pad or a Gather by constant indices, through the layout ops
+around it) and `layout_views`. One pointwise op alone is one kernel either way: it stays a per-op
 kernel. Nodes the row and anchor groups hold are not candidates. Integers and booleans join too
 (mask and position-id arithmetic: `ir.ops.MASK_OPS`, exact integer Add/Sub/Mul, Cast, Where),
 but an integer value some reader takes as a shape, axes or sizes stays an op.
@@ -193,6 +194,7 @@ class Pointwise(FusionRule):
                     claimed,
                     producers,
                     consumers,
+                    gathers=True,
                 )
                 claimed.update(n.id for n in padded)
                 gathers = {**gathers, **pads}

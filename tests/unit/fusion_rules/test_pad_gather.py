@@ -1,6 +1,6 @@
-"""`pad_gather` (opfuse/fusion/pad_gather.py, codegen/index_map.py): a constant Pad, with the
-layout ops around it, read only by one pointwise kernel is computed by that kernel's loads; every
-output element against onnxruntime."""
+"""`pad_gather` (opfuse/fusion/pad_gather.py, codegen/index_map.py): a constant Pad, or a Gather
+by constant indices, with the layout ops around it, read only by one pointwise kernel is computed
+by that kernel's loads; every output element against onnxruntime."""
 
 from __future__ import annotations
 
@@ -70,8 +70,41 @@ def nested_pads() -> onnx.ModelProto:
     )
 
 
+def overlapping_windows() -> onnx.ModelProto:
+    """Windows of three columns at stride two, clamped at the edge (the dynamo exporter's adaptive
+    pooling: flatten the pixels, gather each window's, move the window axis in), scaled by y."""
+    cols = np.minimum(np.arange(4)[:, None] * 2 + np.arange(3)[None, :], 6)  # [window, tap]
+    return tiny_model(
+        [
+            n("Transpose", ["x"], ["t"], perm=[2, 0, 1]),
+            n("Gather", ["t", "cols"], ["g"], axis=0),
+            n("Transpose", ["g"], ["w"], perm=[2, 3, 0, 1]),
+            n("Mul", ["w", "y"], ["out"]),
+        ],
+        {"x": [2, 5, 7], "y": [5, 4, 3]},
+        {"out": [2, 5, 4, 3]},
+        {"cols": cols},
+    )
+
+
+def nd_picks() -> onnx.ModelProto:
+    """GatherND of (row, column) tuples in no order, some repeated (gathernd_as_gather: a
+    Reshape and a Gather), then a Pad of the picks and a Sigmoid: both in the loads."""
+    picks = np.array([[[2, 1], [0, 0]], [[4, 3], [2, 1]], [[1, 2], [3, 0]]])
+    return tiny_model(
+        [
+            n("GatherND", ["x", "picks"], ["g"]),
+            n("Pad", ["g", "pads", "fill"], ["p"]),
+            n("Sigmoid", ["p"], ["out"]),
+        ],
+        {"x": [5, 4, 6]},
+        {"out": [3, 3, 6]},
+        {"picks": picks, "pads": np.array([0, 1, 0, 0, 0, 0]), "fill": np.array(0.5)},
+    )
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize("build", [shifted_rows, nested_pads])
+@pytest.mark.parametrize("build", [shifted_rows, nested_pads, overlapping_windows, nd_picks])
 def test_the_kernel_loads_through_the_pads(build, precision: str) -> None:  # type: ignore[no-untyped-def]
     model = build()
     shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -85,6 +118,22 @@ def test_the_kernel_loads_through_the_pads(build, precision: str) -> None:  # ty
     (ref,) = ort_run(model, feeds)
     tol = 1e-5 if precision == "fp32" else 1e-2
     np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
+
+
+def test_the_gathers_index_table_is_clamped_into_the_axis() -> None:
+    """Tuning runs a kernel on random inputs, its index tables too: a table entry past the axis
+    reads its last element, one below it the first, never outside the buffer."""
+    from opfuse.codegen.index_map import index_map_load
+    from opfuse.ir.index_map import IndexMap, IndexStep
+
+    step = IndexStep("gather", (7, 2), (3, 2), axis=0, table="cols", index_shape=(3,))
+    lines: list[str] = []
+    value = index_map_load("m", "in0", IndexMap("x", (7, 2), (3, 2), (step,)), lines, tables={"cols": "tab0"})
+    assert lines[1:] == [
+        "m_g0 = tl.load(tab0 + (m_f0 // 2), mask=mask, other=0)",
+        "m_g0 = tl.minimum(tl.maximum(m_g0, 0), 6)",
+    ]
+    assert value == "tl.load(in0 + m_g0 * 2 + (m_f0 % 2), mask=mask, other=0.0).to(tl.float32)"
 
 
 def test_a_pad_read_elsewhere_too_stays() -> None:

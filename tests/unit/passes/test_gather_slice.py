@@ -9,7 +9,7 @@ import pytest
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
-from opfuse.passes.gather_slice import gather_to_slice
+from opfuse.passes.gather_slice import gather_to_slice, gathernd_as_gather
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model
 
 n = helper.make_node
@@ -51,35 +51,58 @@ def gather_nd(indices: np.ndarray, out: list[int]) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize(
-    ("indices", "out"),
+    ("indices", "out", "kinds"),
     [
-        (np.array([[-2]]), [1, 4, 5, 2]),  # Falcon's fused QKV: the key heads, x[-2]
-        (np.array([[1, 2]]), [1, 5, 2]),  # one tuple of two coordinates
-        (np.array([[[0, 1], [0, 2], [0, 3]]]), [1, 3, 5, 2]),  # consecutive along the second axis
-        (np.array([2, -1]), [5, 2]),  # one tuple, no leading dims
+        (np.array([[-2]]), [1, 4, 5, 2], ["Slice"]),  # Falcon's fused QKV: the key heads, x[-2]
+        (np.array([[1, 2]]), [1, 5, 2], ["Reshape", "Slice"]),  # one tuple of two coordinates
+        # consecutive along the second axis
+        (np.array([[[0, 1], [0, 2], [0, 3]]]), [1, 3, 5, 2], ["Reshape", "Slice", "Reshape"]),
+        (np.array([2, -1]), [5, 2], ["Reshape", "Slice", "Reshape"]),  # one tuple, no leading dims
     ],
 )
-def test_gather_nd_of_consecutive_tuples_is_a_slice_then_a_reshape(
-    indices: np.ndarray, out: list[int]
+def test_gather_nd_of_consecutive_tuples_is_a_gather_then_a_slice(
+    indices: np.ndarray, out: list[int], kinds: list[str]
 ) -> None:
+    """GatherND becomes a Gather of the tuples' axes flattened, which consecutive tuples make a
+    Slice: views only."""
     model = gather_nd(indices, out)
     graph = graph_of(model)
+    log = run_pass(graph, gathernd_as_gather)
+    assert log.fired == {names.GATHERND_AS_GATHER: 1} and "GatherND" not in ops(graph)
+    assert_computes_as_onnxruntime(model, graph)
     log = run_pass(graph, gather_to_slice)
-    assert ops(graph) == ["Slice", "Reshape"] and log.fired == {names.GATHER_TO_SLICE: 1}
+    assert ops(graph) == kinds and log.fired == {names.GATHER_TO_SLICE: 1}
     assert_computes_as_onnxruntime(model, graph)
 
 
 @pytest.mark.parametrize(
-    ("indices", "out", "why"),
+    ("indices", "out"),
     [
-        (np.array([[0, 1], [1, 2]]), [2, 5, 2], "not consecutive along one axis"),
-        (np.array([[0], [2]]), [2, 4, 5, 2], "not consecutive"),
+        (np.array([[0, 1], [1, 2], [2, 0]]), [3, 5, 2]),  # tuples in no order
+        (np.array([[[0], [2]], [[1], [1]]]), [2, 2, 4, 5, 2]),  # one coordinate, repeated
+        (np.array([[[2, 3, 4], [0, 0, 1]]]), [1, 2, 2]),  # three coordinates
     ],
 )
-def test_other_gather_nd_stays(indices: np.ndarray, out: list[int], why: str) -> None:
-    graph = graph_of(gather_nd(indices, out))
-    log = run_pass(graph, gather_to_slice)
-    assert ops(graph) == ["GatherND"] and why in log.not_fired[0].reason
+def test_any_gather_nd_by_constant_tuples_is_a_gather_of_the_flattened_axes(
+    indices: np.ndarray, out: list[int]
+) -> None:
+    model = gather_nd(indices, out)
+    graph = graph_of(model)
+    run_pass(graph, gathernd_as_gather)
+    assert ops(graph) == (["Gather"] if indices.shape[-1] == 1 else ["Reshape", "Gather"])
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_gather_nd_with_batch_dims_stays() -> None:
+    model = tiny_model(
+        [n("GatherND", ["x", "i"], ["y"], name="pick", batch_dims=1)],
+        {"x": [3, 4, 5, 2]},
+        {"y": [3, 2, 2]},
+        {"i": np.array([[[0, 1], [1, 2]]] * 3)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, gathernd_as_gather)
+    assert ops(graph) == ["GatherND"] and log.not_fired[0].reason == "batch_dims is not 0"
 
 
 def unfold(indices: np.ndarray, x: list[int], out: list[int], axis: int) -> onnx.ModelProto:
