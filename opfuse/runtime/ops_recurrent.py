@@ -275,7 +275,7 @@ def _torch_params(op_type: str, rec: _Recurrence, act: str) -> list[torch.Tensor
         and all(p.dtype == rec.x.dtype and torch.backends.cudnn.is_acceptable(p) for p in params)
     ):
         mode = cudnn_rnn.get_cudnn_mode(_CUDNN_MODES[op_type if op_type != "RNN" else act])
-        with torch.no_grad():
+        with torch.no_grad(), torch.cuda.device_of(params[0]):
             torch._cudnn_rnn_flatten_weight(
                 params, 4, rec.x.shape[-1], mode, rec.hidden, 0, 1, False, len(rec.reverse) == 2
             )
