@@ -18,7 +18,7 @@ each output. Values are either full (the row space's shape) or reduced (one per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,11 +36,13 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
+from opfuse.codegen.index_map import index_map_load
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.queries import next_pow2, scalar_constant
 from opfuse.ir.resize import ResizeGather
@@ -348,6 +350,7 @@ class _RowKernel:
     # is then the tile's (outer, R pixels, inner channels) and `count` the elements per item.
     item: bool = False
     count: int = 0
+    tables: dict[str, str] = field(default_factory=dict)  # index tables of IndexMap views: their args
 
     @property
     def n(self) -> int:
@@ -453,7 +456,18 @@ def generate_rowwise(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
         gemm, gathers, prologue_args, item, count,
     )  # fmt: skip
-    args = [f"in{i}" for i in range(len(tensor_inputs))] + [f"out{i}" for i in range(len(outputs))]
+    # The index tables of Gathers the loads compute (pad_gather): inputs after the tensors.
+    tables = list(
+        dict.fromkeys(
+            t for x in tensor_inputs if isinstance(views.get(x), IndexMap) for t in views[x].tables()
+        )
+    )
+    rk.tables = {t: f"tab{j}" for j, t in enumerate(tables)}
+    args = (
+        [f"in{i}" for i in range(len(tensor_inputs))]
+        + list(rk.tables.values())
+        + [f"out{i}" for i in range(len(outputs))]
+    )
     buf = SourceBuffer()
     _row_header(buf, rk, kernel_id, group_id, [*([concat] if concat else []), *prologue])
     if gathers:  # checked on the CPU before each launch (runtime/executor.py)
@@ -473,7 +487,13 @@ def generate_rowwise(
             _gemm_tile(buf, graph, gemm, ptr, precision, a_ops, a_loads, a_literals, views, strided)
             regs[gemm.outputs[0]] = "gmv"
             # The row nodes may read the product through a reshape (gemm_reduction): the same tile.
-            regs.update({x: "gmv" for x, v in views.items() if getattr(v, "base", None) == gemm.outputs[0]})
+            regs.update(
+                {
+                    x: "gmv"
+                    for x, v in views.items()
+                    if not isinstance(v, IndexMap) and getattr(v, "base", None) == gemm.outputs[0]
+                }
+            )
         for j, g in enumerate(gathers):
             regs[g.outputs[0]] = _gather_tile(buf, graph, g, ptr, j)
         _row_loads(buf, rk, regs)
@@ -494,7 +514,7 @@ def generate_rowwise(
         else:
             grid = "(ROWS,)"
         buf.line(f"fused_rowwise[{grid}]({', '.join(args)}, **c)")
-    passed = [views[x].base if x in views else x for x in tensor_inputs]
+    passed = [views[x].base if x in views else x for x in tensor_inputs] + tables
     return KernelSource(kernel_id, "rowwise", buf.getvalue(), passed, list(outputs), config)
 
 
@@ -651,6 +671,19 @@ def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
             lines: list[str] = []
             value = resize_load(
                 f"g{i}", f"in{i}", rk.views[name], lines, "tl.int64", f"({at})", gather_mask or "cmask"
+            )
+            for text in lines:
+                buf.line(text)
+            buf.line(f"x{i} = {value}")
+            continue
+        if isinstance(rk.views.get(name), IndexMap):  # through a Pad or a Gather (pad_gather)
+            if rk.tiled:
+                at, map_mask = _tiled_input_expr(space.load_shape(shape), space)
+            else:
+                at, map_mask = f"(row * {_prod(full[space.first :])} + cols)", "cmask"
+            lines = []
+            value = index_map_load(
+                f"m{i}", f"in{i}", rk.views[name], lines, f"({at})", map_mask or "cmask", rk.tables
             )
             for text in lines:
                 buf.line(text)

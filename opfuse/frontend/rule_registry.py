@@ -408,7 +408,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "logits' shifts, CoaT's class-token row): each element loaded from the buffer behind the "
         "chain, the border lanes the Pad's value. So is a Gather by constant indices no view "
         "describes, read by one pointwise kernel (adaptive pooling's overlapping windows): each "
-        "coordinate on its axis loaded from the index table.",
+        "coordinate on its axis loaded from the index table. A row kernel's full-shaped input loads "
+        "through such a chain too (TinyViT's windows of a padded map into their LayerNorm).",
         requires=(POINTWISE,),
     ),
     _r(

@@ -16,6 +16,7 @@ or are clamped: the dynamo exporter's adaptive average pooling gathers each wind
 masks, sums and divides them) ran as a kernel writing every gathered element. In the chain it is
 a step like the others: the kernel loads each element's coordinate on the Gather's axis from the
 index table (a kernel input, clamped into the axis: tuning runs the kernel on random inputs).
+A row kernel's full-shaped input is read through such chains too (fusion/rules/row_reduction.py).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.concat import concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.layout_fold import fold_layout
+from opfuse.fusion.pad_gather import plan_pad_gathers
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.graph import Graph, Node
@@ -41,6 +42,7 @@ ROW_RULE = names.ROW_REDUCTION
 CONCAT_SELECT_RULE = names.CONCAT_SELECT
 RESIZE_RULE = names.RESIZE_GATHER
 LAYOUT_RULE = names.LAYOUT_VIEWS
+PAD_RULE = names.PAD_GATHER
 
 
 def _whole_rows(space: RowSpace) -> bool:
@@ -185,8 +187,11 @@ class RowReduction(FusionRule):
         for g in self.groups:
             if any(n.op_type == "Concat" for n in g.nodes):
                 _select_row_concat(graph, g, claimed_by_rows, state.not_fused, state.disabled)
-            elif state.on(RESIZE_RULE):
-                _gather_row_resizes(graph, g, claimed_by_rows, state.not_fused, state.on(LAYOUT_RULE))
+            else:
+                if state.on(RESIZE_RULE):
+                    _gather_row_resizes(graph, g, claimed_by_rows, state.not_fused, state.on(LAYOUT_RULE))
+                if state.on(PAD_RULE):
+                    _gather_row_pads(graph, g, claimed_by_rows)
         if state.on(LAYOUT_RULE):
             for g in self.groups:
                 _fold_row_layout(graph, g, claimed_by_rows)
@@ -294,6 +299,27 @@ def _gather_row_resizes(
         group.views.update(gathers)
         group.absorbed += gathered
         group.rule = f"{group.rule}+{RESIZE_RULE}"
+
+
+def _gather_row_pads(graph: Graph, group: Group, claimed: set[str]) -> None:
+    """A full-shaped input of the row kernel behind a constant Pad or a Gather by constant
+    indices and the layout ops around them, each read by nothing else (TinyViT pads its feature
+    map to whole windows, then cuts it into windows for the attention's LayerNorm), is loaded
+    through that chain by the kernel (`pad_gather`), as a pointwise kernel would."""
+    full = tuple(group.full)
+    values = [
+        x
+        for x in group.inputs
+        if x not in graph.constants and x not in group.views and tuple(graph.spec(x).shape) == full
+    ]
+    if not values or group.prologue or row_space(graph, row_head(graph, group.nodes)).groups:
+        return  # a grouped row (GroupNorm's) addresses its elements its own way
+    maps, chain = plan_pad_gathers(graph, {n.id for n in group.nodes}, values, claimed, gathers=True)
+    if maps:
+        claimed.update(n.id for n in chain)
+        group.views.update(maps)
+        group.absorbed += chain
+        group.rule = f"{group.rule}+{PAD_RULE}"
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:

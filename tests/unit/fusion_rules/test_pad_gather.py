@@ -217,3 +217,57 @@ def test_a_gemm_epilogue_loads_through_the_pad(batched: bool, precision: str) ->
     (ref,) = ort_run(model, feeds)
     tol = 1e-4 if precision == "fp32" else 2e-2
     np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
+
+
+def padded_windows() -> onnx.ModelProto:
+    """TinyViT's window attention input: a channels-last map padded to whole 7x7 windows, cut
+    into windows, then the attention's LayerNorm over the channels."""
+    return tiny_model(
+        [
+            n("Pad", ["x", "pads"], ["p"]),
+            n("Reshape", ["p", "grid"], ["g"]),
+            n("Transpose", ["g"], ["t"], perm=[0, 1, 3, 2, 4, 5]),
+            n("Reshape", ["t", "windows"], ["w"]),
+            n("LayerNormalization", ["w", "scale", "bias"], ["out"], axis=-1),
+        ],
+        {"x": [1, 8, 8, 16]},
+        {"out": [4, 49, 16]},
+        {
+            "pads": np.array([0, 0, 0, 0, 0, 6, 6, 0]),
+            "grid": np.array([1, 2, 7, 2, 7, 16]),
+            "windows": np.array([4, 49, 16]),
+            "scale": np.random.default_rng(1).uniform(0.5, 1.5, 16).astype(np.float32),
+            "bias": np.random.default_rng(2).standard_normal(16).astype(np.float32),
+        },
+    )
+
+
+def gathered_rows() -> onnx.ModelProto:
+    """Rows picked by constant indices, repeated and out of order, then a Softmax over each."""
+    return tiny_model(
+        [
+            n("Gather", ["x", "rows"], ["g"], axis=1),
+            n("Softmax", ["g"], ["out"], axis=-1),
+        ],
+        {"x": [2, 5, 12]},
+        {"out": [2, 3, 2, 12]},
+        {"rows": np.array([[4, 0], [0, 3], [2, 2]])},
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("build", [padded_windows, gathered_rows])
+def test_a_row_kernel_loads_through_the_pad_or_gather(build, precision: str) -> None:  # type: ignore[no-untyped-def]
+    """The row kernel (a LayerNorm, a Softmax) loads its input through the chain: one launch."""
+    model = build()
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    cm = opfuse.compile(model, shapes, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    launched = [s for s in cm.plan.steps if s.launches]
+    assert len(launched) == 1 and launched[0].kind == "kernel", [s.op_type for s in launched]
+    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == ["row_reduction+pad_gather"]
+    rng = np.random.default_rng(4)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
