@@ -42,10 +42,46 @@ def _constant(graph: Graph, node: Node, i: int) -> np.ndarray | None:
     return graph.constants.get(name) if name else None
 
 
+# Reductions that give back the one element they reduce (not LogSumExp: log(exp(x)) overflows
+# where x does not), and the global pools, which reduce every spatial axis.
+UNIT_REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd")
+GLOBAL_POOLS = ("GlobalAveragePool", "GlobalMaxPool")
+
+
+def reduces_size_1_axes(graph: Graph, node: Node) -> bool:
+    """Whether `node` is a reduction every reduced axis of which has one element (the dynamo
+    exporter's mean over a window of one pixel, a global pool of a 1x1 map): its output holds its
+    input's elements, in their order; where it drops the axes (keepdims=0), it is a Reshape."""
+    if (
+        node.op_type not in (*UNIT_REDUCTIONS, *GLOBAL_POOLS)
+        or not node.inputs
+        or not _static(graph, node.inputs[0])
+    ):
+        return False
+    shape = tuple(graph.spec(node.inputs[0]).shape)
+    if node.op_type in GLOBAL_POOLS:
+        return len(shape) > 2 and all(d == 1 for d in shape[2:])
+    given = _constant(graph, node, 1) if len(node.inputs) > 1 and node.inputs[1] else node.attrs.get("axes")
+    if given is None and len(node.inputs) > 1 and node.inputs[1]:
+        return False  # axes computed at run time
+    axes = [
+        int(a) % len(shape)
+        for a in np.asarray(given if given is not None else [], dtype=np.int64).reshape(-1)
+    ]
+    if not axes:
+        if int(node.attrs.get("noop_with_empty_axes", 0)):
+            return True
+        axes = list(range(len(shape)))
+    return all(shape[a] == 1 for a in axes) and _static(graph, node.outputs[0])
+
+
 def copies_its_input(graph: Graph, node: Node) -> bool:
     """Whether `node`'s output is its first input, element for element."""
     if node.op_type in NOOP_OPS:
         return True
+    if reduces_size_1_axes(graph, node):
+        x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
+        return tuple(x.shape) == tuple(y.shape) and x.dtype == y.dtype
     if node.op_type not in ("Pad", "Expand", "Cast", "Slice"):
         return False
     x, y = graph.spec(node.inputs[0]), graph.spec(node.outputs[0])
@@ -108,11 +144,15 @@ def neutral_operand(graph: Graph, node: Node) -> str | None:
 def _match_noop(graph: Graph, node: Node) -> dict[str, Any] | None:
     if copies_its_input(graph, node) or broadcast_by_readers(graph, node):
         return {"nodes": [node], "src": node.inputs[0]}
+    if reduces_size_1_axes(graph, node):  # keepdims=0: the axes dropped, a view
+        return {"nodes": [node], "reshape": True}
     src = neutral_operand(graph, node)
     return {"nodes": [node], "src": src} if src is not None else None
 
 
 def _check_noop(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
+    if m.get("reshape"):
+        return None
     if node.op_type == "Dropout" and len([o for o in node.outputs if o]) > 1:
         return "the Dropout mask output is used"
     graph_outputs = {o.name for o in graph.outputs}
@@ -123,6 +163,13 @@ def _check_noop(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
 
 
 def _rewrite_noop(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    if m.get("reshape"):
+        out = tuple(int(d) for d in graph.spec(node.outputs[0]).shape)
+        target = f"{node.id}_unit_shape"
+        graph.constants[target] = np.array(out, dtype=np.int64)
+        graph.values[target] = TensorSpec(target, "int64", (len(out),))
+        node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
+        return
     src, dst = m.get("src", node.inputs[0]), node.outputs[0]
     graph.nodes.remove(node)
     graph_outputs = {o.name for o in graph.outputs}

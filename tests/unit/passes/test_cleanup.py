@@ -287,3 +287,36 @@ def test_a_view_after_a_softmax_of_computed_scores_stays_after_it() -> None:
     graph = graph_of(model)
     log = run_pass(graph, unit_dim_views)
     assert ops(graph) == ["Add", "Softmax", "Reshape"] and log.fired == {}
+
+
+def test_reductions_over_axes_of_one_element_are_their_input() -> None:
+    """A mean over size-1 axes that drops them (AlexNet's adaptive pool of a 1x1 map, as the
+    dynamo exporter writes it) becomes a Reshape; a max keeping them, and a global pool of a 1x1
+    map, go. A sum over an axis of three, and a LogSumExp (log(exp(x)) can overflow where x does
+    not), stay."""
+    import numpy as np
+
+    model = tiny_model(
+        [
+            n("Relu", ["x"], ["r"], name="relu"),
+            n("ReduceMean", ["r", "unit"], ["m"], name="mean", keepdims=0),
+            n("ReduceMax", ["r", "ends"], ["k"], name="max", keepdims=1),
+            n("Sigmoid", ["y"], ["t"], name="sigmoid"),
+            n("GlobalAveragePool", ["t"], ["g"], name="pool"),
+            n("ReduceSum", ["r", "three"], ["s"], name="sum", keepdims=0),
+            n("ReduceLogSumExp", ["r", "second"], ["l"], name="lse", keepdims=1),
+        ],
+        {"x": [2, 1, 3, 1, 1], "y": [2, 4, 1, 1]},
+        {"m": [2, 3], "k": [2, 1, 3, 1, 1], "g": [2, 4, 1, 1], "s": [2, 1, 1, 1], "l": [2, 1, 3, 1, 1]},
+        {
+            "unit": np.array([1, 3, 4], dtype=np.int64),
+            "ends": np.array([1, -1], dtype=np.int64),
+            "three": np.array([2], dtype=np.int64),
+            "second": np.array([1], dtype=np.int64),
+        },
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, eliminate_noops)
+    assert ops(graph) == ["Relu", "Reshape", "Sigmoid", "ReduceSum", "ReduceLogSumExp"]
+    assert log.fired == {names.ELIMINATE_NOOPS: 3}
+    assert_computes_as_onnxruntime(model, graph)
