@@ -160,9 +160,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "an Expand or Cast to the input's shape and type, a Slice keeping it all) compute nothing: their "
         "consumers read the input directly. So does an Expand whose readers all broadcast its input to "
         "the same shape (F.normalize's norm), and arithmetic by a constant neutral element (x + 0, "
-        "x - 0, x * 1, x / 1) that broadcasts nothing. A mean, sum, max, min or product over axes of "
-        "one element, or a global pool of a 1x1 map, is its input (a Reshape where it drops the axes: "
-        "the dynamo exporter's adaptive pooling of a 1x1 map).",
+        "x - 0, x * 1, x / 1) that broadcasts nothing. A global pool of a 1x1 map is its input, and a "
+        "mean, sum, max, min or product that drops axes of one element a Reshape (the dynamo "
+        "exporter's adaptive pooling of a 1x1 map); one that keeps them stays (the row planner's).",
     ),
     _r(
         FOLD_PAD_INTO_CONV,

@@ -49,9 +49,11 @@ GLOBAL_POOLS = ("GlobalAveragePool", "GlobalMaxPool")
 
 
 def reduces_size_1_axes(graph: Graph, node: Node) -> bool:
-    """Whether `node` is a reduction every reduced axis of which has one element (the dynamo
-    exporter's mean over a window of one pixel, a global pool of a 1x1 map): its output holds its
-    input's elements, in their order; where it drops the axes (keepdims=0), it is a Reshape."""
+    """Whether `node` is a global pool of a 1x1 map (its input, element for element), or a
+    reduction that drops axes of one element each (the dynamo exporter's mean over a window of
+    one pixel: a Reshape). A reduction that keeps its size-1 axes stays: the row planner puts the
+    ops of a broadcast row with it (MobileViT V2's context sum over one patch joins its Softmax's
+    kernel through it; without it they were two kernels: mobilevitv2_050 77 -> 80)."""
     if (
         node.op_type not in (*UNIT_REDUCTIONS, *GLOBAL_POOLS)
         or not node.inputs
@@ -61,6 +63,8 @@ def reduces_size_1_axes(graph: Graph, node: Node) -> bool:
     shape = tuple(graph.spec(node.inputs[0]).shape)
     if node.op_type in GLOBAL_POOLS:
         return len(shape) > 2 and all(d == 1 for d in shape[2:])
+    if int(node.attrs.get("keepdims", 1)):
+        return False
     given = _constant(graph, node, 1) if len(node.inputs) > 1 and node.inputs[1] else node.attrs.get("axes")
     if given is None and len(node.inputs) > 1 and node.inputs[1]:
         return False  # axes computed at run time
