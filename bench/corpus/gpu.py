@@ -101,6 +101,16 @@ def pending(
     return out
 
 
+def new_rows(
+    names: list[str], expected: dict[tuple[str, str], dict[str, str]], compile_only: bool
+) -> list[str]:
+    """`--new-only`: the rows `expected` has no GPU figures of this run's kind for. A compile-only
+    run takes the rows never compiled on a GPU; a timing run also those compiled there but never
+    timed (no `ms_b1`: a compile-only run, or one stopped before its timing)."""
+    key = "gpu_commit" if compile_only else "ms_b1"
+    return [n for n in names if not (expected.get((n, EXPORTER)) or {}).get(key)]
+
+
 def _ratio(a: Any, b: Any) -> float | None:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 and a == a and b == b:
         return a / b
@@ -710,8 +720,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench/corpus/gpu.py measures on a CUDA GPU; on the CPU run bench/corpus/run.py")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if args.new_only:
-        done_rows = read_rows(args.expected)
-        names = [n for n in names if not (done_rows.get((n, EXPORTER)) or {}).get("gpu_commit")]
+        names = new_rows(names, read_rows(args.expected), args.compile_only)
     names = shard(names, args.shard)
     start = time.monotonic()
     stop = args.stop_after or math.inf

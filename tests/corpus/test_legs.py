@@ -401,3 +401,16 @@ def test_a_gpu_record_names_the_planned_groups_that_ran_unfused(monkeypatch: pyt
     got = gpu.unfused_groups(opfuse.compile(hrnet_fuse(), input_shapes=shapes, verify=False).report)
     assert [g[:2] for g in got] == [["conv_epilogue+resize_gather", "conv_a"]]
     assert "no step of the plan writes" in got[0][2]
+
+
+def test_new_only_times_the_rows_compiled_on_a_gpu_but_never_timed() -> None:
+    """`--new-only`: a timing run takes the rows with no GPU figures and those a compile-only run
+    left untimed (a commit, no ms); a compile-only run only the rows never on a GPU."""
+    expected = {
+        ("a", gpu.EXPORTER): {"gpu_commit": "abc", "ms_b1": "0.1"},  # timed
+        ("b", gpu.EXPORTER): {"gpu_commit": "abc", "ms_b1": ""},  # compiled only
+        ("c", gpu.EXPORTER): {"gpu_commit": "", "ms_b1": ""},  # never on a GPU
+    }
+    names = ["a", "b", "c", "d"]  # d: not in the file
+    assert gpu.new_rows(names, expected, compile_only=False) == ["b", "c", "d"]
+    assert gpu.new_rows(names, expected, compile_only=True) == ["c", "d"]
