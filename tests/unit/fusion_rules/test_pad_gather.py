@@ -265,3 +265,18 @@ def gathered_rows() -> onnx.ModelProto:
 def test_a_row_kernel_loads_through_the_pad_or_gather(build, precision: str) -> None:  # type: ignore[no-untyped-def]
     """The row kernel (a LayerNorm, a Softmax) loads its input through the chain: one launch."""
     _one_kernel(build(), precision, "row_reduction+pad_gather")
+
+
+def test_a_saved_bundle_loads_the_gathers_index_table_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The bundle's kernel spec names the index table; the loaded plan renders the kernel again
+    and passes the table from the bundle's constants: the same result as onnxruntime's."""
+    model = overlapping_windows()
+    shapes = {"x": [2, 5, 7], "y": [5, 4, 3]}
+    cm = opfuse.compile(model, shapes, device=TEST_DEVICE)
+    cm.save(tmp_path / "bundle.zip")
+    loaded = opfuse.load(tmp_path / "bundle.zip", device=TEST_DEVICE)
+    assert [s.kind for s in loaded.plan.steps if s.launches] == ["kernel"]
+    rng = np.random.default_rng(5)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    np.testing.assert_allclose(loaded.run(feeds)["out"], ref, rtol=1e-5, atol=1e-5)
