@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 from opfuse.codegen.source import float_literal
 from opfuse.ir.index_map import IndexMap
@@ -33,6 +34,13 @@ def _join(coords: list[str], shape: tuple[int, ...]) -> str:
             terms.append(f"{c} * {inner}" if inner != 1 else c)
         inner *= size
     return " + ".join(reversed(terms)) or "0"
+
+
+def table_args(tensor_inputs: list[str], views: Mapping[str, Any]) -> dict[str, str]:
+    """The index tables the Gathers of the kernel's IndexMap views read, each with its argument
+    name (`tab0`, ...): kernel inputs after the tensors, in the order the views name them."""
+    tables = (t for x in tensor_inputs if isinstance(views.get(x), IndexMap) for t in views[x].tables())
+    return {t: f"tab{j}" for j, t in enumerate(dict.fromkeys(tables))}
 
 
 def index_map_load(

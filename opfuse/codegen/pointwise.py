@@ -27,7 +27,7 @@ from opfuse.codegen.fragments import (
     node_comment,
     split_literals,
 )
-from opfuse.codegen.index_map import index_map_load
+from opfuse.codegen.index_map import index_map_load, table_args
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, float_literal
@@ -59,16 +59,10 @@ def generate_pointwise(
     selected_only = selected - {x for n in group_nodes if n.op_type != "Concat" for x in n.inputs if x}
     literals, tensor_inputs = split_literals(graph, inputs, tensors=windowed | selected)
     slot = {name: i for i, name in enumerate(tensor_inputs)}
-    # The index tables of Gathers the loads compute (pad_gather): inputs after the tensors.
-    tables = list(
-        dict.fromkeys(
-            t for x in tensor_inputs if isinstance(views.get(x), IndexMap) for t in views[x].tables()
-        )
-    )
-    table_args = {t: f"tab{j}" for j, t in enumerate(tables)}
+    tables = table_args(tensor_inputs, views)  # Gathers the loads compute (pad_gather)
     args = (
         [f"in{i}" for i in range(len(tensor_inputs))]
-        + list(table_args.values())
+        + list(tables.values())
         + [f"out{i}" for i in range(len(outputs))]
     )
     buf = SourceBuffer()
@@ -107,7 +101,7 @@ def generate_pointwise(
         )
         index_type = "tl.int64" if wide else "tl.int32"
         reads = _pointwise_loads(
-            buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs, table_args
+            buf, graph, tensor_inputs, selected_only, views, shape, index_type, regs, tables
         )
         for name, lit in literals.items():
             regs[name] = lit
@@ -121,7 +115,7 @@ def generate_pointwise(
     with buf.indent():
         buf.line("c = CONFIG if config is None else config")
         buf.line(f'{fn}[(triton.cdiv(N, c["BLOCK"]),)]({", ".join(args)}, N, **c)')
-    passed = [views[x].base if x in views else x for x in tensor_inputs] + tables
+    passed = [views[x].base if x in views else x for x in tensor_inputs] + list(tables)
     return KernelSource(
         kernel_id, "pointwise", buf.getvalue(), passed, list(outputs), {"BLOCK": 1024, "num_warps": 4}
     )

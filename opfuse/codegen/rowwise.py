@@ -36,7 +36,7 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
-from opfuse.codegen.index_map import index_map_load
+from opfuse.codegen.index_map import index_map_load, table_args
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.select import emit_concat
 from opfuse.codegen.source import SourceBuffer, channel_run, float_literal, guarded_load, power_run
@@ -456,13 +456,7 @@ def generate_rowwise(
         graph, nodes, space, tiled, not tiled and not space.groups, views, literals, tensor_inputs, window,
         gemm, gathers, prologue_args, item, count,
     )  # fmt: skip
-    # The index tables of Gathers the loads compute (pad_gather): inputs after the tensors.
-    tables = list(
-        dict.fromkeys(
-            t for x in tensor_inputs if isinstance(views.get(x), IndexMap) for t in views[x].tables()
-        )
-    )
-    rk.tables = {t: f"tab{j}" for j, t in enumerate(tables)}
+    rk.tables = table_args(tensor_inputs, views)  # Gathers the loads compute (pad_gather)
     args = (
         [f"in{i}" for i in range(len(tensor_inputs))]
         + list(rk.tables.values())
@@ -514,7 +508,7 @@ def generate_rowwise(
         else:
             grid = "(ROWS,)"
         buf.line(f"fused_rowwise[{grid}]({', '.join(args)}, **c)")
-    passed = [views[x].base if x in views else x for x in tensor_inputs] + tables
+    passed = [views[x].base if x in views else x for x in tensor_inputs] + list(rk.tables)
     return KernelSource(kernel_id, "rowwise", buf.getvalue(), passed, list(outputs), config)
 
 
@@ -663,28 +657,21 @@ def _row_loads(buf: SourceBuffer, rk: _RowKernel, regs: dict[str, str]) -> None:
             continue
         if name in group_params:  # opset 21: one value per channel
             shape = (full[1],) + (1,) * (len(full) - 2)
-        if isinstance(rk.views.get(name), ResizeGather):  # gathered from the Resize's input
-            if rk.tiled:
+        view = rk.views.get(name)
+        if isinstance(view, ResizeGather | IndexMap):  # gathered from a Resize's input, or
+            if rk.tiled:  # loaded through a Pad or a Gather (pad_gather)
                 at, gather_mask = _tiled_input_expr(space.load_shape(shape), space)
             else:
                 at, gather_mask = f"(row * {_prod(full[space.first :])} + cols)", "cmask"
             lines: list[str] = []
-            value = resize_load(
-                f"g{i}", f"in{i}", rk.views[name], lines, "tl.int64", f"({at})", gather_mask or "cmask"
-            )
-            for text in lines:
-                buf.line(text)
-            buf.line(f"x{i} = {value}")
-            continue
-        if isinstance(rk.views.get(name), IndexMap):  # through a Pad or a Gather (pad_gather)
-            if rk.tiled:
-                at, map_mask = _tiled_input_expr(space.load_shape(shape), space)
+            if isinstance(view, ResizeGather):
+                value = resize_load(
+                    f"g{i}", f"in{i}", view, lines, "tl.int64", f"({at})", gather_mask or "cmask"
+                )
             else:
-                at, map_mask = f"(row * {_prod(full[space.first :])} + cols)", "cmask"
-            lines = []
-            value = index_map_load(
-                f"m{i}", f"in{i}", rk.views[name], lines, f"({at})", map_mask or "cmask", rk.tables
-            )
+                value = index_map_load(
+                    f"m{i}", f"in{i}", view, lines, f"({at})", gather_mask or "cmask", rk.tables
+                )
             for text in lines:
                 buf.line(text)
             buf.line(f"x{i} = {value}")

@@ -168,11 +168,7 @@ def _check_noop(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
 
 def _rewrite_noop(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     if m.get("reshape"):
-        out = tuple(int(d) for d in graph.spec(node.outputs[0]).shape)
-        target = f"{node.id}_unit_shape"
-        graph.constants[target] = np.array(out, dtype=np.int64)
-        graph.values[target] = TensorSpec(target, "int64", (len(out),))
-        node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
+        _as_reshape(graph, node)
         return
     src, dst = m.get("src", node.inputs[0]), node.outputs[0]
     graph.nodes.remove(node)
@@ -349,21 +345,26 @@ def _check_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     return None
 
 
-def _rewrite_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> None:
-    out = tuple(int(d) for d in graph.spec(node.outputs[0]).shape)
+def _as_reshape(graph: Graph, node: Node) -> None:
+    """`node` becomes a Reshape of its first input to its output's (static) shape."""
+    out = [int(d) for d in graph.spec(node.outputs[0]).shape]
     target = f"{node.id}_unit_shape"
     graph.constants[target] = np.array(out, dtype=np.int64)
     graph.values[target] = TensorSpec(target, "int64", (len(out),))
+    node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
+
+
+def _rewrite_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    _as_reshape(graph, node)
     if m.get("transpose"):
-        node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
         return
     # Softmax(x) -> Reshape  becomes  Reshape(x) -> Softmax on the same axis of the new shape.
     row: Node = m["row"]
     x, y = row.inputs[0], node.outputs[0]
     between = f"{node.id}_unit_view"
-    graph.values[between] = TensorSpec(between, graph.spec(x).dtype, out)
+    graph.values[between] = TensorSpec(between, graph.spec(x).dtype, graph.spec(y).shape)
     del graph.values[row.outputs[0]]
-    node.inputs, node.outputs, node.attrs = [x, target], [between], {}
+    node.inputs, node.outputs = [x, node.inputs[1]], [between]
     row.inputs, row.outputs = [between], [y]
     row.attrs = {**row.attrs, "axis": m["axis"]}
     graph.nodes.remove(node)

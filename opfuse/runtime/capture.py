@@ -159,8 +159,9 @@ def audit(executor: Any, feeds: Mapping[str, Any]) -> list[str]:
 
     `executor` must be built with `host_copies=True` (as on a GPU). A first run, not audited,
     fills the device tables (tensors.device_table) and the recurrent ops' prepared weights
-    (ops_recurrent.prepared_weights) as a GPU's warm-up before capture does; then the audited run. Generated kernels run outside the audit (their launches are device work);
-    their outputs count as device tensors."""
+    (ops_recurrent.prepared_weights) as a GPU's warm-up before capture does; then the audited
+    run. Generated kernels run outside the audit (their launches are device work); their outputs
+    count as device tensors."""
     tables = TABLES_ON_CPU.set(True)
     checks = HOST_INDEX_CHECKS.set(False)  # indices are clamped on a GPU, not checked on the host
     try:

@@ -256,13 +256,15 @@ def _torch_params(op_type: str, rec: _Recurrence, act: str) -> list[torch.Tensor
     if hit is not None and hit[0] is rec.r and hit[1] is rec.b and hit[2] == (op_type, act, versions):
         return hit[3]
     gates = len(_TORCH_GATES[op_type])
+    # New tensors, never the constants' views (torch.cat copies): the cuDNN packing below points
+    # them into its buffer.
     params: list[torch.Tensor] = []
     for d in range(len(rec.reverse)):
-        params += [_torch_gates(rec.w[d], op_type).contiguous(), _torch_gates(rec.r[d], op_type).contiguous()]
+        params += [_torch_gates(rec.w[d], op_type), _torch_gates(rec.r[d], op_type)]
         if rec.b is not None:
             params += [
-                _torch_gates(rec.b[d, : gates * rec.hidden], op_type).contiguous(),
-                _torch_gates(rec.b[d, gates * rec.hidden :], op_type).contiguous(),
+                _torch_gates(rec.b[d, : gates * rec.hidden], op_type),
+                _torch_gates(rec.b[d, gates * rec.hidden :], op_type),
             ]
         else:
             params += [rec.x.new_zeros(gates * rec.hidden), rec.x.new_zeros(gates * rec.hidden)]
