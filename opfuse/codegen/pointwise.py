@@ -106,7 +106,7 @@ def generate_pointwise(
         for name, lit in literals.items():
             regs[name] = lit
         for j, n in enumerate(group_nodes):
-            _pointwise_node(buf, graph, n, f"v{j}", regs, reads, shape, slot, views, index_type)
+            _pointwise_node(buf, graph, n, f"v{j}", regs, reads, shape, slot, views, index_type, tables)
         for i, name in enumerate(outputs):
             buf.line(f"tl.store(out{i} + offs, {regs[name]}.to(out{i}.dtype.element_ty), mask=mask)")
     buf.line()
@@ -191,6 +191,7 @@ def _pointwise_node(
     slot: dict[str, int],
     views: dict[str, Any],
     index_type: str,
+    tables: dict[str, str],
 ) -> None:
     """Node `n` as register `v`: a window op (LRN), a Concat's selection, or its emitter."""
     if n.op_type in WINDOW_OPS:
@@ -199,7 +200,7 @@ def _pointwise_node(
         expr = _emit_window(buf, n, v, regs[x], address, shape)
         buf.line(f"{v} = {expr}  # {n.op_type}")
     elif n.op_type == "Concat":
-        emit_concat(buf, graph, n, v, slot, views, index_type)
+        emit_concat(buf, graph, n, v, slot, views, index_type, tables=tables)
     else:
         args_expr = [regs[x] if x else "" for x in n.inputs]
         to_float = n.op_type == "Cast" and ONNX_CASTS[int(n.attrs["to"])] in FLOAT_TYPES

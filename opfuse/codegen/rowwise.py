@@ -702,7 +702,9 @@ def _row_node(buf: SourceBuffer, rk: _RowKernel, n: Node, v: str, a: list[str]) 
         scalars = [scalar_constant(graph, x) if x else None for x in n.inputs]
         buf.line(f"{v} = {EMITTERS[n.op_type](a, n, scalars)}  # {n.op_type}")
     elif n.op_type == "Concat":  # the full-shaped tile: rows lie contiguous, R apart
-        emit_concat(buf, graph, n, v, rk.slot, rk.views, "tl.int64", f"(row * {r} + cols)", "cmask")
+        emit_concat(
+            buf, graph, n, v, rk.slot, rk.views, "tl.int64", f"(row * {r} + cols)", "cmask", rk.tables
+        )
     elif n.op_type in ("ReduceSum", "ReduceMean", "GlobalAveragePool"):
         buf.line(f"{v} = {reduce('tl.sum', a[0], '0.0')}  # {n.op_type}")
         if n.op_type != "ReduceSum":

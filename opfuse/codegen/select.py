@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 from opfuse.codegen.fragments import broadcast_index, concat_parts
+from opfuse.codegen.index_map import index_map_load
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.source import SourceBuffer
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.resize import ResizeGather
 
 
@@ -25,13 +27,15 @@ def emit_concat(
     index_type: str,
     offs: str = "offs",
     mask: str = "mask",
+    tables: dict[str, str] | None = None,
 ) -> None:
     """Concat: the output offset's position within its slab (the elements of one outer index,
     `length * inner` of them) picks the input whose range holds it; each input is loaded at its own
     offset (outer index * its slab + position - its start * inner), masked to the lanes it holds
-    (through its layout view or resize gather as any input is), and `prefix` is the selection.
-    `offs` and `mask`: the flat offsets into the Concat's output the kernel computes, and the
-    lanes that load (a row kernel's rows: `row * R + cols` and its column mask)."""
+    (through its layout view, resize gather or index map as any input is), and `prefix` is the
+    selection. `offs` and `mask`: the flat offsets into the Concat's output the kernel computes,
+    and the lanes that load (a row kernel's rows: `row * R + cols` and its column mask); `tables`:
+    the index tables' arguments of the index maps' Gathers."""
     shape = tuple(graph.spec(node.outputs[0]).shape)
     axis, parts = concat_parts(graph, node)
     inner = int(np.prod(shape[axis + 1 :], dtype=np.int64))
@@ -55,10 +59,16 @@ def emit_concat(
         held += [f"({pos} < {hi})"] if hi < slab else []
         buf.line(f"{prefix}_m{k} = {' & '.join([mask, *held])}")
         view = views.get(name)
-        if isinstance(view, ResizeGather):
+        if isinstance(view, ResizeGather | IndexMap):
             lines: list[str] = []
-            value = resize_load(
-                f"{prefix}_r{k}", f"in{i}", view, lines, index_type, f"{prefix}_q{k}", f"{prefix}_m{k}"
+            value = (
+                resize_load(
+                    f"{prefix}_r{k}", f"in{i}", view, lines, index_type, f"{prefix}_q{k}", f"{prefix}_m{k}"
+                )
+                if isinstance(view, ResizeGather)
+                else index_map_load(
+                    f"{prefix}_r{k}", f"in{i}", view, lines, f"{prefix}_q{k}", f"{prefix}_m{k}", tables
+                )
             )
             for text in lines:
                 buf.line(text)

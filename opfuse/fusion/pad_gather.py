@@ -103,13 +103,38 @@ def plan_pad_gathers(
 ) -> tuple[dict[str, IndexMap], list[Node]]:
     """The inputs among `values` that reach the kernel (whose nodes are `readers`) through a chain
     of layout ops holding a constant Pad (or, with `gathers`, a Gather by constant indices), each
-    read by nothing else, as index maps; and the chains' nodes, which leave the plan. `claimed`:
+    read by nothing else than the kernel and its chains, as index maps; and the chains' nodes,
+    which leave the plan. Chains may share nodes (LongT5 pads its keys' blocks once and slices the
+    padded value three times into one Concat): each load recomputes the shared steps. `claimed`:
     nodes other groups hold."""
     producers = graph.producers() if producers is None else producers
     consumers = graph.consumers() if consumers is None else consumers
+    # Every chain as long as its steps go, then shortened until each chain node's readers are the
+    # kernel's nodes or nodes of the chains kept: the shared set only shrinks, so this ends.
+    shared: set[str] | None = None
+    while True:
+        maps, absorbed = _chains(graph, readers, values, claimed, producers, consumers, gathers, shared)
+        kept = {n.id for n in absorbed}
+        if shared is not None and kept == shared:
+            return maps, absorbed
+        shared = kept
+
+
+def _chains(
+    graph: Graph,
+    readers: set[str],
+    values: list[str],
+    claimed: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    gathers: bool,
+    shared: set[str] | None,
+) -> tuple[dict[str, IndexMap], list[Node]]:
+    """plan_pad_gathers' chains, where a chain node's value may be read by the nodes of `shared`
+    besides the kernel's (by any node where `shared` is None: the first, longest walk)."""
     outputs = {o.name for o in graph.outputs}
     maps: dict[str, IndexMap] = {}
-    absorbed: list[Node] = []
+    absorbed: dict[str, Node] = {}
     for x in values:
         if graph.spec(x).dtype not in FLOAT_TYPES:
             continue
@@ -119,7 +144,10 @@ def plan_pad_gathers(
         while True:
             p = producers.get(cur)
             users = consumers.get(cur, [])
-            only_ours = all(u.id in readers for u in users) if cur == x else len(users) == 1
+            if shared is None:
+                only_ours = cur != x or all(u.id in readers for u in users)
+            else:
+                only_ours = all(u.id in readers or u.id in shared for u in users)
             if p is None or p.id in claimed or cur in outputs or not only_ours:
                 break
             step = _step(graph, p, gathers)
@@ -134,5 +162,5 @@ def plan_pad_gathers(
         if base in graph.constants:
             continue  # a constant chain is folded, not gathered
         maps[x] = IndexMap(base, tuple(graph.spec(base).shape), tuple(graph.spec(x).shape), tuple(steps))
-        absorbed += chain
-    return maps, absorbed
+        absorbed.update((n.id, n) for n in chain)
+    return maps, list(absorbed.values())

@@ -185,12 +185,12 @@ class Pointwise(FusionRule):
                     consumers=consumers,
                 )
             if state.on(PAD_RULE):
-                # Loaded at the kernel's own offsets only: not by a Concat's selection either (at
-                # offsets of its own).
+                # An index map is loaded at its value's own offsets: the kernel's, or those a
+                # Concat's selection computes for each of its inputs.
                 pads, padded = plan_pad_gathers(
                     graph,
                     set(ids),
-                    [x for x in ins if x not in windowed and x not in concat_reads and x not in gathers],
+                    [x for x in ins if x not in windowed and x not in gathers],
                     claimed,
                     producers,
                     consumers,

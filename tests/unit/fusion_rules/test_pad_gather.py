@@ -167,31 +167,78 @@ def test_the_rule_can_be_switched_off() -> None:
     assert "Pad" in [s.op_type for s in cm.plan.steps if s.launches]
 
 
-def test_a_pad_a_concat_reads_stays_a_copy() -> None:
-    """A Concat's selection loads its inputs at offsets of its own: a Pad it reads is not
-    gathered, also where another op of the kernel (the Add, broadcasting it) reads it too."""
+def test_a_concat_loads_a_pad_at_its_selections_offsets() -> None:
+    """A Concat's selection loads each input at that input's own offsets: a Pad it reads is
+    computed by those loads, also where another op of the kernel (the Add, broadcasting it) reads
+    it at the kernel's offsets."""
     model = tiny_model(
         [
-            n("Pad", ["x", "pads"], ["p"]),
+            n("Pad", ["x", "pads", "fill"], ["p"]),
             n("Concat", ["p", "y"], ["c"], axis=0),
             n("Add", ["c", "p"], ["out"]),
         ],
         {"x": [1, 4], "y": [5, 6]},
         {"out": [6, 6]},
-        {"pads": np.array([0, 1, 0, 1])},
+        {"pads": np.array([0, 1, 0, 1]), "fill": np.array(0.75)},
     )
-    cm = opfuse.compile(model, {"x": [1, 4], "y": [5, 6]}, device=TEST_DEVICE)
+    _one_kernel(model, "fp32", "pointwise+concat_select+pad_gather")
+
+
+def padded_blocks() -> onnx.ModelProto:
+    """LongT5's local attention: pad the sequence to whole blocks, cut it into blocks, pad one
+    block on each side, and concatenate each block with its neighbours (three Slices of the one
+    padded value into one Concat); then scale by y."""
+    return tiny_model(
+        [
+            n("Pad", ["x", "pads1"], ["p1"]),
+            n("Reshape", ["p1", "blocks"], ["b"]),
+            n("Pad", ["b", "pads2", "fill"], ["p2"]),
+            n("Slice", ["p2", "s0", "e0", "axis"], ["l"]),
+            n("Slice", ["p2", "s1", "e1", "axis"], ["m"]),
+            n("Slice", ["p2", "s2", "e2", "axis"], ["r"]),
+            n("Concat", ["l", "m", "r"], ["c"], axis=2),
+            n("Mul", ["c", "y"], ["out"]),
+        ],
+        {"x": [2, 7, 3], "y": [2, 3, 9, 3]},
+        {"out": [2, 3, 9, 3]},
+        {
+            "pads1": np.array([0, 0, 0, 0, 2, 0]),
+            "blocks": np.array([2, 3, 3, 3]),
+            "pads2": np.array([0, 1, 0, 0, 0, 1, 0, 0]),
+            "fill": np.array(-1.25),
+            "s0": np.array([0]),
+            "e0": np.array([3]),
+            "s1": np.array([1]),
+            "e1": np.array([4]),
+            "s2": np.array([2]),
+            "e2": np.array([5]),
+            "axis": np.array([1]),
+        },
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_chains_that_share_a_pad_load_it_each(precision: str) -> None:
+    _one_kernel(padded_blocks(), precision, "pointwise+concat_select+pad_gather")
+
+
+def test_a_shared_pad_read_outside_the_kernel_stays() -> None:
+    """Where a node the chains share is read by another kernel as well, the shared part is
+    written once (by its own kernel) and the chains stop before it."""
+    model = padded_blocks()
+    model.graph.node.append(n("Neg", ["b"], ["other"]))
+    model.graph.output.append(helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, [2, 3, 3, 3]))
+    shapes = {"x": [2, 7, 3], "y": [2, 3, 9, 3]}
+    cm = opfuse.compile(model, shapes, device=TEST_DEVICE)
     assert cm.report["verification"]["passed"] is True
-    # The Concat and the Add are one kernel (its code generated, not run unfused); the Pad its own.
-    assert [g["rule"] for g in cm.report["fusion"]["groups"]] == ["pointwise+concat_select"]
-    assert [s.op_type or s.kind for s in cm.plan.steps if s.launches] == ["Pad", "kernel"]
-    rng = np.random.default_rng(4)
-    feeds = {
-        "x": rng.standard_normal((1, 4)).astype(np.float32),
-        "y": rng.standard_normal((5, 6)).astype(np.float32),
-    }
-    (ref,) = ort_run(model, feeds)
-    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=1e-5, atol=1e-5)
+    ops = [s.op_type or s.kind for s in cm.plan.steps if s.launches]
+    assert ops.count("Pad") == 1 and "kernel" in ops, ops  # the first Pad; the second gathered
+    rng = np.random.default_rng(6)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    ref = ort_run(model, feeds)
+    got = cm.run(feeds)
+    for name, want in zip(["out", "other"], ref, strict=True):
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
