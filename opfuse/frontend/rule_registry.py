@@ -43,6 +43,7 @@ FOLD_PAD_INTO_CONV = "fold_pad_into_conv"
 EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
 GATHERND_AS_GATHER = "gathernd_as_gather"
+SCATTERND_AS_WHERE = "scatternd_as_where"
 GATHER_TO_SLICE = "gather_to_slice"
 COL2IM_TO_VIEWS = "col2im_to_views"
 ROTATE_HALF = "rotate_half"
@@ -190,6 +191,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "GatherND by constant index tuples (batch_dims 0) becomes a Gather on axis 0 of the data with the "
         "tuples' axes flattened (a Reshape, a view), by the tuples' flat positions: the one spelling "
         "gather_to_slice and pad_gather read (the dynamo exporter's adaptive pooling and advanced indexing).",
+    ),
+    _r(
+        SCATTERND_AS_WHERE,
+        GRAPH_PASS,
+        "ScatterND by constant index tuples (a slice assignment) becomes Where(mask, Gather of the updates "
+        "by a table of each element's update, data): pointwise, the Gather computed by the loads of the "
+        "kernel that reads it (pad_gather); not for a reduction or tuples that hit one element twice.",
     ),
     _r(
         GATHER_TO_SLICE,

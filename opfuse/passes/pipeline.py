@@ -33,6 +33,7 @@ from opfuse.passes.projections import merge_projections
 from opfuse.passes.rotary import rotate_half
 from opfuse.passes.row_views import reshape_before_pointwise
 from opfuse.passes.rules import GraphRule, NotFired, Pass, PassContext
+from opfuse.passes.scatter import scatternd_as_where
 from opfuse.passes.shortcut_conv import shortcut_conv
 from opfuse.passes.sibling_convs import merge_sibling_convs, sum_sibling_convs
 from opfuse.passes.stack_reduce import reduce_stack
@@ -60,6 +61,7 @@ PASSES: tuple[Pass, ...] = (
     einsum_matmul,
     attention_op,
     gathernd_as_gather,
+    scatternd_as_where,
     gather_to_slice,
     col2im_to_views,
     rotate_half,
