@@ -21,7 +21,7 @@ A row kernel's full-shaped input is read through such chains too (fusion/rules/r
 
 from __future__ import annotations
 
-from opfuse.fusion.views import RESHAPES, slice_steps
+from opfuse.fusion.views import RESHAPES, input_view, slice_steps
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap, IndexStep
 from opfuse.ir.ops import FLOAT_TYPES
@@ -150,17 +150,29 @@ def _chains(
                 only_ours = all(u.id in readers or u.id in shared for u in users)
             if p is None or p.id in claimed or cur in outputs or not only_ours:
                 break
+            if shared is not None and p.id not in shared:
+                break  # dropped before: the kept set only shrinks
             step = _step(graph, p, gathers)
             if step is None:
                 break
             chain.append(p)
             steps.append(step)
             cur = p.inputs[0]
-        if not any(s.op in ("pad", "gather") for s in steps):
-            continue  # strides cover it (layout_views)
+        if not chain:
+            continue
         base = chain[-1].inputs[0]
+        if not any(s.op in ("pad", "gather") for s in steps) and _strides_reach(graph, x, base, readers):
+            continue  # strides cover it (layout_views)
         if base in graph.constants:
             continue  # a constant chain is folded, not gathered
         maps[x] = IndexMap(base, tuple(graph.spec(base).shape), tuple(graph.spec(x).shape), tuple(steps))
         absorbed.update((n.id, n) for n in chain)
     return maps, list(absorbed.values())
+
+
+def _strides_reach(graph: Graph, x: str, base: str, readers: set[str]) -> bool:
+    """Whether `x` is a strided view of `base` (layout_views reads it so); where a Reshape of a
+    permuted or sliced value merges dims no one stride spans (a window partition reversed, then
+    cropped), the view stops at a copy the runtime makes, and the index map reads `base` itself."""
+    view = input_view(graph, x, allow_scale=False, readers=frozenset(readers))
+    return view.base == base

@@ -327,3 +327,50 @@ def test_a_saved_bundle_loads_the_gathers_index_table_again(tmp_path) -> None:  
     feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
     (ref,) = ort_run(model, feeds)
     np.testing.assert_allclose(loaded.run(feeds)["out"], ref, rtol=1e-5, atol=1e-5)
+
+
+def reversed_windows() -> onnx.ModelProto:
+    """Swin's and DaViT's window reverse: windows [4, 2, 3, 5] (2x2 windows of 2x3 pixels) put
+    back into a 4x6 map (Reshape, Transpose, Reshape: dims no one stride spans), cropped to 3x5
+    (the padding's removal), flattened to tokens and added to the residual y: no Pad, and no
+    strided view reaches the windows (the runtime would copy), so the Add loads the windows
+    through the chain."""
+    return tiny_model(
+        [
+            n("Sigmoid", ["w"], ["s"]),
+            n("Reshape", ["s", "grid"], ["g"]),
+            n("Transpose", ["g"], ["t"], perm=[0, 1, 3, 2, 4, 5]),
+            n("Reshape", ["t", "map"], ["m"]),
+            n("Slice", ["m", "starts", "ends", "axes"], ["c"]),
+            n("Reshape", ["c", "tokens"], ["k"]),
+            n("Add", ["k", "y"], ["out"]),
+        ],
+        {"w": [4, 2, 3, 5], "y": [1, 15, 5]},
+        {"out": [1, 15, 5]},
+        {
+            "grid": np.array([1, 2, 2, 2, 3, 5]),
+            "map": np.array([1, 4, 6, 5]),
+            "starts": np.array([0, 0]),
+            "ends": np.array([3, 5]),
+            "axes": np.array([1, 2]),
+            "tokens": np.array([1, 15, 5]),
+        },
+    )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_chain_no_stride_spans_is_loaded_through(precision: str) -> None:
+    model = reversed_windows()
+    shapes = {"w": [4, 2, 3, 5], "y": [1, 15, 5]}
+    cm = opfuse.compile(model, shapes, precision=precision, device=TEST_DEVICE)
+    assert cm.report["verification"]["passed"] is True
+    assert [s.op_type or s.kind for s in cm.plan.steps if s.launches] == ["Sigmoid", "kernel"]
+    (group,) = cm.report["fusion"]["groups"]
+    assert group["rule"] == "pointwise+pad_gather"
+    kernel = next(k for k in cm.plan.kernels.values())
+    assert kernel.inputs == ["s", "y"]  # the Sigmoid's output itself, no copy of it
+    rng = np.random.default_rng(8)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
