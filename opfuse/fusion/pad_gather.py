@@ -9,7 +9,10 @@ height and width logits), and CoaT pads its convolutional position term with a r
 token. Where the value reaches one pointwise kernel only through Reshapes, Transposes, Expands,
 Slices and constant Pads, that kernel loads each element from the buffer behind the chain at the
 coordinates the chain maps it to (ir/index_map.py), and the border lanes take the Pad's value: the
-chain's ops leave the plan. A chain without a Pad is left to `layout_views` (strides).
+chain's ops leave the plan. A chain without a Pad is left to `layout_views` (strides) where
+strides reach its start; where they do not (Swin's and DaViT's window reverse: a Reshape of a
+permuted value merges dims no one stride spans, and the runtime would copy it), it is an index
+map too.
 
 A Gather by constant indices that gather_to_slice could not make a view of (they overlap, repeat
 or are clamped: the dynamo exporter's adaptive average pooling gathers each window's pixels, then
