@@ -202,11 +202,14 @@ def tiny_model(
     opset: int = 18,
 ) -> onnx.ModelProto:
     """A model of `nodes`: float32 inputs and outputs of the given shapes, and constants `inits`
-    (float arrays as float32, integer arrays as int64)."""
-    initializers = [
-        numpy_helper.from_array(v.astype(np.int64 if np.issubdtype(v.dtype, np.integer) else np.float32), k)
-        for k, v in (inits or {}).items()
-    ]
+    (float arrays as float32, integer arrays as int64, booleans as they are)."""
+
+    def typed(v: np.ndarray) -> np.ndarray:
+        if v.dtype == np.bool_:
+            return v
+        return v.astype(np.int64 if np.issubdtype(v.dtype, np.integer) else np.float32)
+
+    initializers = [numpy_helper.from_array(typed(v), k) for k, v in (inits or {}).items()]
     graph = helper.make_graph(
         nodes,
         "tiny",

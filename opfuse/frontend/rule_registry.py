@@ -39,6 +39,7 @@ ONNX_FOLD_CONSTANTS = "onnx_fold_constants"
 CHECK_INDICES = "check_constant_indices"
 FOLD_CONSTANTS = "fold_constants"
 ELIMINATE_NOOPS = "eliminate_noops"
+WHERE_FILL_LAST = "where_fill_last"
 FOLD_PAD_INTO_CONV = "fold_pad_into_conv"
 EINSUM_MATMUL = "einsum_matmul"
 ATTENTION_OP = "attention_op"
@@ -164,6 +165,13 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "x - 0, x * 1, x / 1) that broadcasts nothing. A global pool of a 1x1 map is its input, and a "
         "mean, sum, max, min or product that drops axes of one element a Reshape (the dynamo "
         "exporter's adaptive pooling of a 1x1 map); one that keeps them stays (the row planner's).",
+    ),
+    _r(
+        WHERE_FILL_LAST,
+        GRAPH_PASS,
+        "Where(constant condition, scalar fill, x), a masked fill written fill-first (DeBERTa's "
+        "masked_fill of the scores), becomes Where(negated condition, x, fill): the spelling the "
+        "attention kernel's mask reads.",
     ),
     _r(
         FOLD_PAD_INTO_CONV,

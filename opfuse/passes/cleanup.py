@@ -190,6 +190,28 @@ eliminate_noops = Rule(
 )
 
 
+def _match_where(graph: Graph, node: Node) -> dict[str, Any] | None:
+    """Where(constant condition, scalar constant, tensor): a masked fill written fill-first."""
+    if node.op_type != "Where" or len(node.inputs) != 3:
+        return None
+    cond, fill, x = node.inputs
+    if cond not in graph.constants or x in graph.constants or scalar_constant(graph, fill) is None:
+        return None
+    return {"nodes": [node]}
+
+
+def _rewrite_where(graph: Graph, node: Node, m: dict[str, Any]) -> None:
+    cond, fill, x = node.inputs
+    flipped = np.logical_not(np.asarray(graph.constants[cond], dtype=bool))
+    node.inputs = [graph.add_constant(f"{node.id}_kept", flipped, "bool"), x, fill]
+
+
+# DeBERTa masks its scores with masked_fill(mask, min): Where(mask, min, scores). The attention
+# kernel (and every rule that reads a mask) takes Where(keep, scores, fill): with the condition a
+# constant, the other spelling is the same op with the condition negated.
+where_fill_last = Rule(names.WHERE_FILL_LAST, _match_where, lambda g, n, m: None, _rewrite_where)
+
+
 def _match_pad_conv(graph: Graph, node: Node) -> dict[str, Any] | None:
     if node.op_type != "Conv" or not node.inputs[0]:
         return None

@@ -14,7 +14,13 @@ from opfuse.graph import Graph
 from opfuse.passes.attention_op import attention_op
 from opfuse.passes.batchnorm import batchnorm_to_affine, fold_batchnorm
 from opfuse.passes.channel_shuffle import fold_channel_shuffles
-from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv, unit_dim_views
+from opfuse.passes.cleanup import (
+    collapse_reshapes,
+    eliminate_noops,
+    fold_pad_into_conv,
+    unit_dim_views,
+    where_fill_last,
+)
 from opfuse.passes.col2im import col2im_to_views
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
@@ -57,6 +63,7 @@ PASSES: tuple[Pass, ...] = (
     GraphRule(names.CHECK_INDICES, lambda g, ctx: check_constant_indices(g)),  # before a fold could hide one
     GraphRule(names.FOLD_CONSTANTS, _fold),
     eliminate_noops,
+    where_fill_last,
     fold_pad_into_conv,
     einsum_matmul,
     attention_op,

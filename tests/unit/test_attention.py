@@ -58,6 +58,11 @@ def _attention_model(mask: str = "", scale_where: str = "qk", nan_guard: bool = 
         inits["neg"] = np.array(-np.inf)
         nodes.append(n("Where", ["keep", last, "neg"], ["s1"]))
         last = "s1"
+    elif mask == "filled":  # DeBERTa's masked_fill(mask, min): the fill first
+        bools["masked"] = ~np.tril(np.ones((S, S), dtype=bool))
+        inits["low"] = np.array(np.finfo(np.float32).min)
+        nodes.append(n("Where", ["masked", "low", last], ["s1"]))
+        last = "s1"
     nodes.append(n("Softmax", [last], ["p"], axis=-1))
     if nan_guard:
         inits["zero"] = np.array(0.0)
@@ -116,6 +121,19 @@ def test_masked_and_causal_attention(mask: str, scale_where: str, guard: bool) -
     assert cm.report["kernels"]["after"] == 2
     (k,) = cm.plan.kernels.values()
     assert ("tl.where(keep != 0" in k.source) == (mask == "causal")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_scores_filled_where_masked_are_one_kernel(precision: str) -> None:
+    """Where(mask, min, scores), the fill first: `where_fill_last` negates the constant mask, and
+    the attention kernel computes it (projections, then one kernel), every element as
+    onnxruntime's."""
+    m = _attention_model("filled", "div")
+    cm = check_against_ort(m, _shapes("filled"), precision)
+    assert cm.report["fusion"]["passes"]["fired"].get("where_fill_last") == 1
+    assert cm.report["kernels"]["after"] == 2
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "attention" and "tl.where(" in k.source
 
 
 def test_softmax_over_another_axis_is_not_attention() -> None:

@@ -6,7 +6,13 @@ import numpy as np
 from onnx import helper
 
 from opfuse.frontend import rule_registry as names
-from opfuse.passes.cleanup import collapse_reshapes, eliminate_noops, fold_pad_into_conv, unit_dim_views
+from opfuse.passes.cleanup import (
+    collapse_reshapes,
+    eliminate_noops,
+    fold_pad_into_conv,
+    unit_dim_views,
+    where_fill_last,
+)
 from tests.builders import assert_computes_as_onnxruntime, graph_of, ops, run_pass, tiny_model, weights
 
 n = helper.make_node
@@ -319,4 +325,31 @@ def test_reductions_over_axes_of_one_element_are_their_input() -> None:
     log = run_pass(graph, eliminate_noops)
     assert ops(graph) == ["Relu", "Reshape", "ReduceMax", "Sigmoid", "ReduceSum", "ReduceLogSumExp"]
     assert log.fired == {names.ELIMINATE_NOOPS: 2}
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_fill_first_where_on_a_constant_condition_swaps_its_branches() -> None:
+    """Where(mask, fill, x) is Where(not mask, x, fill) where mask is a constant; a condition
+    computed at run time, or a tensor in both branches, stays as written."""
+    n = helper.make_node
+    mask = np.random.default_rng(2).random((3, 5)) > 0.5
+    model = tiny_model(
+        [
+            n("Tanh", ["x"], ["t"]),
+            n("Where", ["mask", "low", "t"], ["a"], name="fill"),
+            n("Greater", ["x", "zero"], ["pos"]),
+            n("Where", ["pos", "low", "a"], ["b"], name="computed"),
+            n("Where", ["mask", "t", "b"], ["y"], name="tensors"),
+        ],
+        {"x": [2, 3, 5]},
+        {"y": [2, 3, 5]},
+        {"mask": mask, "low": np.array(-3.5, dtype=np.float32), "zero": np.array(0.0, dtype=np.float32)},
+    )
+    graph = graph_of(model)
+    log = run_pass(graph, where_fill_last)
+    assert log.fired == {names.WHERE_FILL_LAST: 1}
+    (fill,) = [x for x in graph.nodes if x.name == "fill"]
+    assert fill.inputs[1:] == ["t", "low"]
+    np.testing.assert_array_equal(graph.constants[fill.inputs[0]], ~mask)
+    assert [x.inputs[1] for x in graph.nodes if x.name in ("computed", "tensors")] == ["low", "t"]
     assert_computes_as_onnxruntime(model, graph)
