@@ -228,12 +228,19 @@ def _grouped_tile(buf: SourceBuffer, m: int, n: int, batched: bool = False) -> N
     buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
 
 
-def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int]:
+def _a_step(gm: _Gemm) -> str:
+    """`kk`'s step through A: K contiguous, or (A read transposed through its view) its stride."""
+    sk = 1 if gm.a_view is None else int(gm.a_view.strides[-1])
+    return "" if sk == 1 else f" * {sk}"
+
+
+def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int, int]:
     """Where A's row `rm` starts: rm * K, or (A through folded layout ops) `a_row`; and the run of
-    contiguous elements its K tiles may claim (`in_bounds`)."""
+    contiguous elements its tiles may claim (`in_bounds`) with its axis: along K (1), or along M
+    (0) where the view steps K by a stride and M by one (A transposed)."""
     a_view = gm.a_view
     if a_view is None:
-        return f"rm[:, None] * {gm.k}", power_run(gm.k)
+        return f"rm[:, None] * {gm.k}", power_run(gm.k), 1
     # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
     lead, strides = a_view.shape[:-1], a_view.strides[:-1]
     terms = [str(a_view.offset)] if a_view.offset else []
@@ -246,12 +253,21 @@ def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int]:
             coord = f"({coord} % {size})"
         terms.append(f"{coord} * {stride}")
     buf.line(f"a_row = {' + '.join(terms) or '0 * rm'}  # A through {len(a_view.nodes)} folded layout op(s)")
-    run = power_run(a_view.offset, *(s for n, s in zip(lead, strides, strict=True) if n != 1))
-    return "a_row[:, None]", run
+    sk = int(a_view.strides[-1])
+    if sk == 1:
+        run = power_run(a_view.offset, *(s for n, s in zip(lead, strides, strict=True) if n != 1))
+        return "a_row[:, None]", run, 1
+    # K strided: rows consecutive in memory along A's innermost row dim where its stride is 1,
+    # in runs that start at multiples of the run wherever every other step is one too.
+    steps = [(n, s) for n, s in zip(lead, strides, strict=True) if n != 1]
+    if not steps or steps[-1][1] != 1:
+        return "a_row[:, None]", 1, 0
+    run = power_run(a_view.offset, sk, steps[-1][0], *(s for _, s in steps[:-1]))
+    return "a_row[:, None]", run, 0
 
 
 def _gemm_k_loop(
-    buf: SourceBuffer, gm: _Gemm, a_rows: tuple[str, int], prec: str, views: dict[str, Any]
+    buf: SourceBuffer, gm: _Gemm, a_rows: tuple[str, int, int], prec: str, views: dict[str, Any]
 ) -> None:
     m, n, k = gm.m, gm.n, gm.k
     sbk, sbn = (1, k) if gm.trans_b else (n, 1)
@@ -267,7 +283,8 @@ def _gemm_k_loop(
             _computed_a_tile(buf, gm, a_shape, coords, views)
         else:
             a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
-            buf.line(f"a_tile = {guarded_load('a', f'{a_rows[0]} + kk[None, :]', a_ok, run=a_rows[1])}")
+            offset = f"{a_rows[0]} + kk[None, :]{_a_step(gm)}"
+            buf.line(f"a_tile = {guarded_load('a', offset, a_ok, run=a_rows[1], axis=a_rows[2])}")
 
     k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile)
 
@@ -316,7 +333,9 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
 
     def on_acc(regs: dict[str, str]) -> None:
         if gm.a_view is not None and a_name in gm.epilogue_reads:
-            buf.line("xa = tl.load(a + a_row[:, None] + cols, mask=mask, other=0.0).to(tl.float32)")
+            buf.line(
+                f"xa = tl.load(a + a_row[:, None] + cols{_a_step(gm)}, mask=mask, other=0.0).to(tl.float32)"
+            )
             regs[a_name] = "xa"
         if anchor.op_type == NHWC_CONV and gm.c_name:
             buf.line(f"acc = acc + {regs[gm.c_name]}")

@@ -175,6 +175,34 @@ def test_gemm_reads_a_transposed_operand_through_strides(precision: str) -> None
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_gemm_reads_a_operand_transposed_with_k_strided(precision: str, residual: bool) -> None:
+    """gMLP's spatial projection: tokens transposed to the last axis ([B, S, C] -> [B, C, S]),
+    then a Linear over them. A's K runs along the buffer's rows (stride C), its rows along the
+    channels (stride 1): the GEMM reads x with those strides, no copy of the transposed value;
+    with `residual` the epilogue reads A again at the output's index (N = K)."""
+    b, s, c = 2, 12, 16
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["xt", "w"], ["p"]),
+        helper.make_node("Add", ["p", "bias"], ["q"]),
+        helper.make_node("Add" if residual else "Tanh", ["q", "xt"] if residual else ["q"], ["y"]),
+    ]
+    inits = {"w": RNG.standard_normal((s, s)) * 0.3, "bias": RNG.standard_normal(s)}
+    m = make_model(nodes, {"x": [b, s, c]}, {"y": [b, c, s]}, inits)
+    cm = opfuse_compile(m, {"x": [b, s, c]}, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    (k,) = cm.plan.kernels.values()
+    assert k.kind == "gemm" and k.inputs[0] == "x" and "folded layout op" in k.source
+    assert f"kk[None, :] * {c}" in k.source
+    assert [s.op_type or s.kind for s in cm.plan.steps if s.launches] == ["kernel"]
+    feeds = {"x": RNG.standard_normal((b, s, c)).astype(np.float32)}
+    (ref,) = ort_run(m, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    np.testing.assert_allclose(cm.run(feeds)["y"], ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_linear_layer_after_a_head_merge_becomes_matmul(precision: str) -> None:
     """Attention's output projection as exported from nn.MultiheadAttention: heads merged by
     Reshape [B, S, H, D] -> [B*S, H*D], Gemm, Reshape -> [B, S, E]. The input takes the output's

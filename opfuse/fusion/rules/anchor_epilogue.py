@@ -330,15 +330,16 @@ def _a_operand_view(
     graph: Graph, anchor: Node, epilogue: list[Node], taken: set[str]
 ) -> dict[str, StridedView]:
     """A GEMM's A operand reached through Transpose/Reshape (heads split off a projection,
-    then rotated), or one output of a Split (q of a merged QKV projection): read with strides
-    from the buffer behind them instead of copied first. The Split stays in the plan for its
-    other readers (it is a view)."""
+    then rotated; gMLP's tokens transposed for its spatial projection, K then strided), or one
+    output of a Split (q of a merged QKV projection): read with strides from the buffer behind
+    them instead of copied first. The Split stays in the plan for its other readers (it is a
+    view)."""
     a = anchor.inputs[0]
     if a in graph.constants:
         return {}
     readers = frozenset([anchor.id, *(n.id for n in epilogue)])
     view = input_view(graph, a, allow_scale=False, readers=readers)
-    if not view.nodes or view.base in graph.constants or view.strides[-1] != 1:
+    if not view.nodes or view.base in graph.constants or view.strides[-1] < 1:
         return {}
     if any(n.op_type not in VIEW_THROUGH for n in view.nodes):
         return {}
