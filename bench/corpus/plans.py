@@ -44,6 +44,9 @@ class Check:
     # What the plan runs outside any group: launches by op type, and the rules' refusals.
     alone: Counter[str] = field(default_factory=Counter)
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Copies the runtime makes that no launch counts (bench.kernels.view_copies): a kernel input
+    # that is a non-contiguous view, a Reshape of a non-contiguous value. None: not counted.
+    copies: int | None = None
 
     def line(self, width: int) -> str:
         planned = "-" if self.planned is None else str(self.planned)
@@ -67,7 +70,7 @@ def plan_launches(
     plan runs outside any group and the fusion rules' refusals."""
     import onnx
 
-    from bench.kernels import plan_model
+    from bench.kernels import plan_model, view_copies
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
@@ -76,6 +79,7 @@ def plan_launches(
     if check is not None:
         check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
+        check.copies = view_copies(p.plan)
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
@@ -134,7 +138,8 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
         refused.update(c.refused)
         for op, n in c.alone.items():
             where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
-    if not alone and not refused:
+    copies = Counter({f"{c.model}[{c.exporter[0]}]": c.copies for c in checks if c.copies})
+    if not alone and not refused and not copies:
         return
     say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
     for op, n in alone.most_common(top):
@@ -143,6 +148,13 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
     say("the fusion rules' most frequent refusals (times, rule: reason):")
     for (rule, reason), n in refused.most_common(top):
         say(f"  {n:6}  {rule}: {reason}")
+    if copies:
+        # Real kernels on the GPU (inside the CUDA graph), outside the launch count.
+        most = ", ".join(f"{r} {k}" for r, k in copies.most_common(6))
+        say(
+            f"copies the runtime makes that no launch counts (views a kernel cannot read, Reshapes "
+            f"of non-contiguous values): {sum(copies.values())} over {len(copies)} rows; the most: {most}"
+        )
 
 
 def check_plans(

@@ -110,9 +110,9 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
 
     from bench.corpus.plans import Check, _reason, explain
 
-    a = Check("m1", "dynamo", "ok", alone=Counter({"MatMul": 3, "Add": 1}))
+    a = Check("m1", "dynamo", "ok", alone=Counter({"MatMul": 3, "Add": 1}), copies=4)
     a.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_3 (Add)"))] += 2
-    b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}))
+    b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}), copies=0)
     b.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_17 (Add)"))] += 1
     lines: list[str] = []
     explain([a, b], lines.append)
@@ -120,3 +120,5 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
     assert lines[1].split() == ["MatMul", "5", "2", "m1[d]", "3,", "m2[d]", "2"]
     assert lines[2].split() == ["Add", "1", "1", "m1[d]", "1"]
     assert lines[4].split(maxsplit=1) == ["3", "gemm_epilogue: merging would create a cycle through X (Add)"]
+    # The runtime's uncounted copies: the total over the rows that make any, those rows, the most.
+    assert lines[5].endswith("4 over 1 rows; the most: m1[d] 4"), lines[5]
