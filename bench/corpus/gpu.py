@@ -101,6 +101,18 @@ def pending(
     return out
 
 
+def selected(patterns: list[str], family: str | None) -> list[str]:
+    """The rows to run, in the order to run them: the rows named, as named, where every pattern is
+    a row's name (the worst rows first, say: a call that stops after one wave runs those); else
+    the matches with the CI rows first and the families in turns (run.interleave)."""
+    from bench.corpus.models import select
+
+    rows = select(patterns, family=family)
+    if patterns and not family and not any(ch in p for p in patterns for ch in "*?["):
+        return list(dict.fromkeys(patterns))
+    return [r.name for r in interleave(rows)]
+
+
 def new_rows(
     names: list[str], expected: dict[tuple[str, str], dict[str, str]], compile_only: bool
 ) -> list[str]:
@@ -704,14 +716,12 @@ def main(argv: list[str] | None = None) -> None:
             tuple(x for x in args.disable.split(",") if x),
         )
         return
-    from bench.corpus.models import select
-
     try:
-        patterns = args.rows.split(",")
+        patterns = [p for p in args.rows.split(",") if p]
         if args.rows.startswith("@"):  # a file of names or globs, one a line
             with open(args.rows[1:]) as f:
                 patterns = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-        names = [r.name for r in interleave(select(patterns, family=args.family))]
+        names = selected(patterns, args.family)
     except KeyError as exc:
         raise SystemExit(str(exc.args[0])) from None
     import torch

@@ -414,3 +414,17 @@ def test_new_only_times_the_rows_compiled_on_a_gpu_but_never_timed() -> None:
     names = ["a", "b", "c", "d"]  # d: not in the file
     assert gpu.new_rows(names, expected, compile_only=False) == ["b", "c", "d"]
     assert gpu.new_rows(names, expected, compile_only=True) == ["c", "d"]
+
+
+def test_gpu_leg_runs_the_rows_named_in_their_order() -> None:
+    """Rows named one by one run as named (a call that times one wave times the first ones); a
+    glob or a family takes the CI rows first and the families in turns."""
+    named = ["timm/sequencer2d_s", "torchvision/resnext50_32x4d", "transformers/bert", "timm/sequencer2d_s"]
+    assert gpu.selected(named, None) == named[:3]
+    mixed = gpu.selected(["timm/sequencer2d_s", "transformers/b*"], None)
+    assert mixed[0] == "transformers/bert" and "timm/sequencer2d_s" in mixed  # bert: a CI row
+    assert gpu.selected([], "torchvision") == [
+        r.name for r in cpu.interleave(models.select(family="torchvision"))
+    ]
+    with pytest.raises(KeyError):
+        gpu.selected(["timm/no_such_model"], None)
