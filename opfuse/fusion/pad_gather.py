@@ -112,13 +112,14 @@ def plan_pad_gathers(
     nodes other groups hold."""
     producers = graph.producers() if producers is None else producers
     consumers = graph.consumers() if consumers is None else consumers
-    # Every chain as long as its steps go, then shortened until each chain node's readers are the
-    # kernel's nodes or nodes of the chains kept: the shared set only shrinks, so this ends.
+    # Every chain as long as its steps go; where an op of them is read by a node that is neither
+    # the kernel's nor the chains', walk again within the ops kept: they only shrink, so this ends.
     shared: set[str] | None = None
     while True:
         maps, absorbed = _chains(graph, readers, values, claimed, producers, consumers, gathers, shared)
         kept = {n.id for n in absorbed}
-        if shared is not None and kept == shared:
+        users = (u.id for n in absorbed for o in n.outputs for u in consumers.get(o, []))
+        if all(u in readers or u in kept for u in users):
             return maps, absorbed
         shared = kept
 

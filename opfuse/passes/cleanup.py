@@ -370,9 +370,7 @@ def _check_unit_view(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
 def _as_reshape(graph: Graph, node: Node) -> None:
     """`node` becomes a Reshape of its first input to its output's (static) shape."""
     out = [int(d) for d in graph.spec(node.outputs[0]).shape]
-    target = f"{node.id}_unit_shape"
-    graph.constants[target] = np.array(out, dtype=np.int64)
-    graph.values[target] = TensorSpec(target, "int64", (len(out),))
+    target = graph.add_constant(f"{node.id}_unit_shape", np.array(out, dtype=np.int64), "int64")
     node.op_type, node.inputs, node.attrs = "Reshape", [node.inputs[0], target], {}
 
 

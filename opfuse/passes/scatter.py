@@ -69,14 +69,16 @@ def _positions(graph: Graph, node: Node) -> np.ndarray | str:
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     flat = _positions(graph, node)
-    return flat if isinstance(flat, str) else None
+    if isinstance(flat, str):
+        return flat
+    m["flat"] = flat  # for the rewrite
+    return None
 
 
 def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     """Reshape the updates (their index axes into one), Gather on axis 0 by the table, and Where
     the mask holds (no Where where the updates cover the data)."""
-    flat = _positions(graph, node)
-    assert not isinstance(flat, str)
+    flat: np.ndarray = m["flat"]
     data = graph.spec(node.inputs[0])
     k = np.asarray(graph.constants[node.inputs[1]]).shape[-1]
     lead, rest = tuple(data.shape[:k]), tuple(data.shape[k:])
@@ -89,11 +91,7 @@ def _rewrite(graph: Graph, node: Node, m: dict[str, Any]) -> None:
     src = node.inputs[2]
     if tuple(graph.spec(src).shape) != (flat.size, *rest):
         src = f"{node.id}_updates"
-        graph.values[src] = TensorSpec(src, data.dtype, (flat.size, *rest))
-        shape = graph.add_constant(
-            f"{node.id}_updates_shape", np.array([flat.size, *rest], np.int64), "int64"
-        )
-        nodes.append(Node(f"{node.id}u", "Reshape", [node.inputs[2], shape], [src], {}, node.name))
+        nodes.append(graph.reshape_node(f"{node.id}u", node.inputs[2], (flat.size, *rest), src, node.name))
     out = node.outputs[0]
     gathered = out if hit.all() else f"{node.id}_gathered"
     graph.values[gathered] = TensorSpec(gathered, data.dtype, tuple(data.shape))
