@@ -11,7 +11,7 @@ operands read with strides, so a Transpose or head-splitting Reshape before eith
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
-from opfuse.codegen.index_map import index_map_load
+from opfuse.codegen.index_map import index_map_load, index_map_offset
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
@@ -71,6 +71,9 @@ class _Gemm:
     pool_literals: dict[str, str]
     pool_loads: list[str]
     epilogue_reads: set[str]
+    # A through an index map (a window partition with its Pad): each Pad's inside mask over the
+    # rows `rm` and its value (codegen/index_map.py), outermost first; set by _a_rows.
+    a_borders: list[tuple[str, float]] = field(default_factory=list)
 
 
 def _read_gemm(
@@ -230,7 +233,7 @@ def _grouped_tile(buf: SourceBuffer, m: int, n: int, batched: bool = False) -> N
 
 def _a_step(gm: _Gemm) -> str:
     """`kk`'s step through A: K contiguous, or (A read transposed through its view) its stride."""
-    sk = 1 if gm.a_view is None else int(gm.a_view.strides[-1])
+    sk = 1 if gm.a_view is None or isinstance(gm.a_view, IndexMap) else int(gm.a_view.strides[-1])
     return "" if sk == 1 else f" * {sk}"
 
 
@@ -241,6 +244,8 @@ def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int, int]:
     a_view = gm.a_view
     if a_view is None:
         return f"rm[:, None] * {gm.k}", power_run(gm.k), 1
+    if isinstance(a_view, IndexMap):
+        return _a_rows_mapped(buf, gm, a_view)
     # Row m of A lives at a_row[m] in the buffer behind the folded layout ops.
     lead, strides = a_view.shape[:-1], a_view.strides[:-1]
     terms = [str(a_view.offset)] if a_view.offset else []
@@ -266,6 +271,24 @@ def _a_rows(buf: SourceBuffer, gm: _Gemm) -> tuple[str, int, int]:
     return "a_row[:, None]", run, 0
 
 
+def _a_rows_mapped(buf: SourceBuffer, gm: _Gemm, a_view: IndexMap) -> tuple[str, int, int]:
+    """A through an index map that leaves K alone (fusion/pad_gather.py; IndexMap.rows): row `rm`
+    walked back through the layout ops and Pads to its row of the buffer behind them, `a_row` its
+    start; `a_in` the rows inside every Pad (the others are its border: its value, no load)."""
+    rows = a_view.rows()
+    if rows is None:  # the planner asks for rows() first
+        raise ValueError("the GEMM template reads A through an index map only where K is left alone")
+    lines: list[str] = []
+    idx, held, gm.a_borders = index_map_offset("am", rows, lines, "rm", f"(rm < {gm.m})")
+    for text in lines:
+        buf.line(text)
+    buf.line(
+        f"a_row = {f'({idx}) * {gm.k}' if idx != '0' else '0 * rm'}  # A through {len(rows.steps)} layout op(s)"
+    )
+    buf.line(f"a_in = {held}")
+    return "a_row[:, None]", power_run(gm.k), 1
+
+
 def _gemm_k_loop(
     buf: SourceBuffer, gm: _Gemm, a_rows: tuple[str, int, int], prec: str, views: dict[str, Any]
 ) -> None:
@@ -284,7 +307,11 @@ def _gemm_k_loop(
         else:
             a_ok = f"(rm[:, None] < {m}) & (kk[None, :] < {k})"
             offset = f"{a_rows[0]} + kk[None, :]{_a_step(gm)}"
-            buf.line(f"a_tile = {guarded_load('a', offset, a_ok, run=a_rows[1], axis=a_rows[2])}")
+            held = f"{a_ok} & a_in[:, None]" if isinstance(gm.a_view, IndexMap) else a_ok
+            buf.line(f"a_tile = {guarded_load('a', offset, held, run=a_rows[1], axis=a_rows[2])}")
+            for ok, fill in reversed(gm.a_borders):  # innermost first: an outer border overrides
+                if fill != 0.0:
+                    buf.line(f"a_tile = tl.where({a_ok} & ~({ok})[:, None], {float_literal(fill)}, a_tile)")
 
     k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile)
 
@@ -333,6 +360,8 @@ def _gemm_epilogue(buf: SourceBuffer, gm: _Gemm, regs: dict[str, str], views: di
 
     def on_acc(regs: dict[str, str]) -> None:
         if gm.a_view is not None and a_name in gm.epilogue_reads:
+            if isinstance(gm.a_view, IndexMap):  # the planner refuses it
+                raise ValueError("an epilogue reads A, which the GEMM loads through an index map")
             buf.line(
                 f"xa = tl.load(a + a_row[:, None] + cols{_a_step(gm)}, mask=mask, other=0.0).to(tl.float32)"
             )

@@ -55,6 +55,32 @@ def index_map_load(
     """Append to `lines` the loads of `im` at the kernel's flat offsets `at` (row-major in
     `im.shape`) on the lanes of `mask`; return the loaded value's expression (float32). `tables`:
     the pointer of each index table its Gathers read, by the table's name."""
+    idx, held, borders = index_map_offset(prefix, im, lines, at, mask, tables)
+    value = f"tl.load({ptr} + {idx}, mask={held}, other=0.0).to(tl.float32)"
+    return with_borders(value, borders)
+
+
+def with_borders(value: str, borders: list[tuple[str, float]]) -> str:
+    """`value` where each Pad's border takes the Pad's value (`borders` as index_map_offset gives
+    them, outermost first)."""
+    for ok, fill in reversed(borders):  # innermost first: an outer border overrides
+        if fill != 0.0:
+            value = f"tl.where({ok}, {value}, {float_literal(fill)})"
+    return value
+
+
+def index_map_offset(
+    prefix: str,
+    im: IndexMap,
+    lines: list[str],
+    at: str,
+    mask: str,
+    tables: Mapping[str, str] | None = None,
+) -> tuple[str, str, list[tuple[str, float]]]:
+    """Append to `lines` the walk of the kernel's flat offsets `at` (row-major in `im.shape`) back
+    to `im.base`; return the offset in the base, the lanes to load (`mask` and inside every Pad),
+    and each Pad's inside mask with its value, outermost first (0 where a lane is in its border,
+    loaded as masked off). The Gathers' table loads hold to `mask`."""
     lines.append(f"{prefix}_f0 = {at}")
     coords = _split(f"{prefix}_f0", im.shape)
     inside: list[str] = []
@@ -107,10 +133,4 @@ def index_map_load(
             coords = [*coords[: step.axis], name, *coords[step.axis + k :]]
         else:  # pragma: no cover - the planner makes only the steps above
             raise AssertionError(step.op)
-    idx = _join(coords, im.base_shape)
-    held = " & ".join([mask, *inside])
-    value = f"tl.load({ptr} + {idx}, mask={held}, other=0.0).to(tl.float32)"
-    for ok, fill in reversed(borders):  # innermost first: an outer border overrides
-        if fill != 0.0:
-            value = f"tl.where({ok}, {value}, {float_literal(fill)})"
-    return value
+    return _join(coords, im.base_shape), " & ".join([mask, *inside]), borders

@@ -13,7 +13,7 @@ to its value, each Gather loading the coordinate from its index table (a kernel 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The ops a step can be (their ONNX spellings map onto these).
 STEP_OPS = ("reshape", "transpose", "slice", "pad", "expand", "gather")
@@ -55,3 +55,42 @@ class IndexMap:
     def tables(self) -> list[str]:
         """The index tables its Gathers read, nearest to the kernel first."""
         return [s.table for s in self.steps if s.op == "gather"]
+
+    def rows(self) -> IndexMap | None:
+        """The same map over rows: every step's last axis dropped, where no step touches the last
+        axis (its size the same throughout, neither moved, sliced, padded nor gathered), so that
+        an element's place in `base` is its row's place times the last size, plus its column.
+        A window partition (a Pad, Reshapes and a Transpose of the tokens, the channels left
+        alone) is one: a GEMM loads each A row's K elements from one place (codegen/gemm.py).
+        None where a step touches the last axis, or a shape would be left without an axis."""
+        last = self.shape[-1] if self.shape else -1
+        if len(self.base_shape) < 2 or len(self.shape) < 2 or self.base_shape[-1] != last:
+            return None
+        steps: list[IndexStep] = []
+        for s in self.steps:
+            if (
+                len(s.in_shape) < 2
+                or len(s.out_shape) < 2
+                or s.in_shape[-1] != last
+                or s.out_shape[-1] != last
+            ):
+                return None
+            fields: dict[str, object] = {"in_shape": s.in_shape[:-1], "out_shape": s.out_shape[:-1]}
+            if s.op == "transpose":
+                if s.perm[-1] != len(s.perm) - 1:
+                    return None
+                fields["perm"] = s.perm[:-1]
+            elif s.op == "slice":
+                if s.starts[-1] != 0 or s.steps[-1] != 1:
+                    return None
+                fields.update(starts=s.starts[:-1], steps=s.steps[:-1])
+            elif s.op == "pad":
+                if s.begins[-1] != 0:
+                    return None
+                fields["begins"] = s.begins[:-1]
+            elif s.op == "gather" and (
+                s.axis >= len(s.in_shape) - 1 or s.axis + len(s.index_shape) >= len(s.out_shape)
+            ):
+                return None
+            steps.append(replace(s, **fields))  # type: ignore[arg-type]
+        return IndexMap(self.base, self.base_shape[:-1], self.shape[:-1], tuple(steps))

@@ -29,6 +29,7 @@ from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_view
 from opfuse.fusion.rules.pad_prologue import input_pad
 from opfuse.fusion.views import RESHAPES, VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
+from opfuse.ir.index_map import IndexMap
 from opfuse.ir.ops import CONV_OPS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.support import (
     conv_anchor_reason,
@@ -145,6 +146,7 @@ class AnchorEpilogue(FusionRule):
         # The anchor first; a pulled-in side input may stand before it in the graph.
         nodes = [anchor, *(x for x in graph.nodes if x.id in members and x.id != anchor.id)]
         views: dict[str, Any] = {}
+        a_chain: list[Node] = []  # the layout ops an index map of A computes (_a_operand_map)
         if (kind == "gemm" and prologue) or computed:
             epilogue_reads = {x for n in nodes[1:] for x in n.inputs if x}
             if epilogue_reads & {x for n in prologue for x in n.inputs}:
@@ -163,7 +165,13 @@ class AnchorEpilogue(FusionRule):
                 skip = {anchor.inputs[0]} if prologue else set()
                 views.update(_batched_operand_views(graph, anchor, nodes[1:], taken | members, skip))
             elif not prologue:
-                views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
+                if state.on(PAD_GATHER_RULE) and not left_to_a_row_kernel(graph, anchor, consumers, state):
+                    views, a_chain = _a_operand_map(
+                        graph, anchor, nodes[1:], taken | members, producers, consumers
+                    )
+                    rule = f"{rule}+{PAD_GATHER_RULE}" if views else rule
+                if not views:
+                    views = _a_operand_view(graph, anchor, nodes[1:], taken | members)
                 if views and _plain_reshape(views) and left_to_a_row_kernel(graph, anchor, consumers, state):
                     # A reshaped (leading axes regrouped) is the same buffer: the row kernel that
                     # reads the output computes the GEMM on its tiles and loads A as it lies.
@@ -186,7 +194,7 @@ class AnchorEpilogue(FusionRule):
                     )
                 )
             return
-        absorbed = [n for v in views.values() for n in v.owned()]
+        absorbed = [n for v in views.values() if isinstance(v, StridedView) for n in v.owned()] + a_chain
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
         if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and state.on(RESIZE_RULE):
@@ -321,9 +329,38 @@ def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
     )
 
 
-def _plain_reshape(views: dict[str, StridedView]) -> bool:
+def _plain_reshape(views: dict[str, Any]) -> bool:
     """A view of reshapes alone of a whole buffer (its elements in their order: the same memory)."""
-    return all(not v.offset and all(n.op_type in RESHAPES for n in v.nodes) for v in views.values())
+    return all(
+        isinstance(v, StridedView) and not v.offset and all(n.op_type in RESHAPES for n in v.nodes)
+        for v in views.values()
+    )
+
+
+def _a_operand_map(
+    graph: Graph,
+    anchor: Node,
+    epilogue: list[Node],
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+) -> tuple[dict[str, IndexMap], list[Node]]:
+    """A GEMM's A operand behind layout ops with a constant Pad, or a chain strides do not reach
+    (pad_gather's chains): a window partition (Swin's, DaViT's: the tokens padded to whole
+    windows, split into windows, the windows made the rows of the projection). The Pad was a
+    kernel of its own and the Reshape of the permuted windows a copy the runtime made; the GEMM
+    now loads each row of A from its row of the buffer behind them (codegen/gemm.py), a Pad's
+    border rows its value. Only where the chain leaves K (A's last axis) alone (IndexMap.rows)
+    and the epilogue reads neither A nor that buffer; the chain's ops leave the plan."""
+    a = anchor.inputs[0]
+    read = {x for n in epilogue for x in n.inputs if x}
+    if a in graph.constants or a in read:
+        return {}, []
+    maps, chain = plan_pad_gathers(graph, {anchor.id}, [a], taken, producers, consumers)
+    im = maps.get(a)
+    if im is None or im.rows() is None or im.base in read:
+        return {}, []
+    return maps, chain
 
 
 def _a_operand_view(

@@ -4,12 +4,15 @@ by that kernel's loads; every output element against onnxruntime."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import onnx
 import pytest
 from onnx import helper
 
 import opfuse
+from bench.kernels import view_copies
 from tests.builders import TEST_DEVICE, tiny_model
 from tests.unit.test_fusion import ort_run
 
@@ -374,3 +377,116 @@ def test_a_chain_no_stride_spans_is_loaded_through(precision: str) -> None:
     (ref,) = ort_run(model, feeds)
     tol = 1e-5 if precision == "fp32" else 1e-2
     np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
+
+
+def partitioned_windows(fill: float, pad: bool = True) -> onnx.ModelProto:
+    """Swin's and DaViT's window partition before the attention's projection: a channels-last
+    map (the Sigmoid's output, 1x5x5x8) padded to whole 3x3 windows (or a 6x6 map, not padded),
+    cut into its four windows (Reshape, Transpose, Reshape: the windows' pixels are no strided
+    view of the map), each window's nine tokens the rows of A; then Linear (MatMul, bias)."""
+    side = 5 if pad else 6
+    nodes = [n("Sigmoid", ["x"], ["s"])]
+    if pad:
+        nodes.append(n("Pad", ["s", "pads", "fill"], ["p"]))
+    nodes += [
+        n("Reshape", ["p" if pad else "s", "grid"], ["g"]),
+        n("Transpose", ["g"], ["t"], perm=[0, 1, 3, 2, 4, 5]),
+        n("Reshape", ["t", "rows"], ["a"]),
+        n("MatMul", ["a", "w"], ["m"]),
+        n("Add", ["m", "bias"], ["out"]),
+    ]
+    rng = np.random.default_rng(4)
+    return tiny_model(
+        nodes,
+        {"x": [1, side, side, 8]},
+        {"out": [4, 9, 16]},
+        {
+            "pads": np.array([0, 0, 0, 0, 0, 1, 1, 0]),
+            "fill": np.array(fill, dtype=np.float32),
+            "grid": np.array([1, 2, 3, 2, 3, 8]),
+            "rows": np.array([4, 9, 8]),
+            "w": rng.standard_normal((8, 16)).astype(np.float32),
+            "bias": rng.standard_normal(16).astype(np.float32),
+        },
+    )
+
+
+def _gemm_reads_the_windows(model: onnx.ModelProto, precision: str) -> Any:
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    cm = opfuse.compile(model, shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0)
+    assert cm.report["verification"]["passed"] is True
+    rng = np.random.default_rng(6)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    (ref,) = ort_run(model, feeds)
+    tol = 1e-5 if precision == "fp32" else 1e-2
+    np.testing.assert_allclose(cm.run(feeds)["out"], ref, rtol=tol, atol=tol)
+    return cm
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("fill", [0.0, 0.5])
+def test_a_gemm_loads_its_a_rows_through_a_window_partition(fill: float, precision: str) -> None:
+    """The GEMM loads each row of A from its token of the Sigmoid's output, a padded token's row
+    the Pad's value: the Pad runs no kernel and the runtime copies nothing."""
+    cm = _gemm_reads_the_windows(partitioned_windows(fill), precision)
+    assert [s.op_type or s.kind for s in cm.plan.steps if s.launches] == ["Sigmoid", "kernel"]
+    (group,) = cm.report["fusion"]["groups"]
+    assert group["rule"].endswith("+pad_gather"), group
+    (kernel,) = cm.plan.kernels.values()
+    assert kernel.inputs[0] == "s"  # the Sigmoid's output itself
+    assert view_copies(cm.plan) == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_gemm_loads_a_window_partition_without_a_pad(precision: str) -> None:
+    """Whole windows, no Pad: the Reshape of the permuted windows was a copy the runtime made."""
+    cm = _gemm_reads_the_windows(partitioned_windows(0.0, pad=False), precision)
+    (kernel,) = cm.plan.kernels.values()
+    assert kernel.inputs[0] == "s"
+    assert view_copies(cm.plan) == 0
+
+
+def test_a_chain_that_moves_k_is_not_an_index_map_of_a() -> None:
+    """Channels moved off A's last axis (a Transpose of K): the GEMM's rows are no rows of the
+    buffer behind, so the Pad keeps its kernel and the GEMM reads its output."""
+    model = tiny_model(
+        [
+            n("Pad", ["x", "pads"], ["p"]),
+            n("Transpose", ["p"], ["a"], perm=[1, 0]),
+            n("MatMul", ["a", "w"], ["out"]),
+        ],
+        {"x": [6, 5]},
+        {"out": [6, 4]},
+        {
+            "pads": np.array([0, 1, 0, 0]),
+            "w": np.random.default_rng(2).standard_normal((6, 4)).astype(np.float32),
+        },
+    )
+    cm = _gemm_reads_the_windows(model, "fp32")
+    assert "Pad" in [s.op_type for s in cm.plan.steps if s.launches]
+
+
+def test_an_index_maps_rows_drop_the_last_axis_only_where_no_step_touches_it() -> None:
+    from opfuse.ir.index_map import IndexMap, IndexStep
+
+    pad = IndexStep("pad", (1, 5, 5, 8), (1, 6, 6, 8), begins=(0, 1, 0, 0), value=0.5)
+    flat = IndexStep("reshape", (1, 6, 6, 8), (36, 8))
+    rows = IndexMap("s", (1, 5, 5, 8), (36, 8), (flat, pad)).rows()
+    assert rows == IndexMap(
+        "s",
+        (1, 5, 5),
+        (36,),
+        (
+            IndexStep("reshape", (1, 6, 6), (36,)),
+            IndexStep("pad", (1, 5, 5), (1, 6, 6), begins=(0, 1, 0), value=0.5),
+        ),
+    )
+    touched = [
+        IndexStep("pad", (2, 7), (2, 8), begins=(0, 1)),  # the last axis padded
+        IndexStep("transpose", (8, 2), (2, 8), perm=(1, 0)),  # moved
+        IndexStep("slice", (2, 16), (2, 8), starts=(0, 0), steps=(1, 2)),  # sliced
+        IndexStep("reshape", (4, 4), (2, 8)),  # regrouped
+        IndexStep("gather", (2, 5), (2, 8), axis=1, table="t", index_shape=(8,)),  # gathered
+    ]
+    for step in touched:
+        assert IndexMap("s", step.in_shape, (2, 8), (step,)).rows() is None, step.op
