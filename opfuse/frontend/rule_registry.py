@@ -427,9 +427,11 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "chain, the border lanes the Pad's value. So is a Gather by constant indices no view "
         "describes, read by one pointwise kernel (adaptive pooling's overlapping windows): each "
         "coordinate on its axis loaded from the index table. A row kernel's full-shaped input loads "
-        "through such a chain too (TinyViT's windows of a padded map into their LayerNorm), a Concat's "
-        "inputs each at its own offsets, chains may share ops, and a chain of layout ops alone is one "
-        "where strides do not reach its start (a window reverse the runtime would copy).",
+        "through such a chain too (TinyViT's windows of a padded map into their LayerNorm), and so "
+        "does a GEMM's A operand where the chain leaves K alone (Swin's and DaViT's window partition: "
+        "each row of A from its token's row); a Concat's inputs each at its own offsets, chains may "
+        "share ops, and a chain of layout ops alone is one where strides do not reach its start (a "
+        "window reverse or partition the runtime would copy).",
         requires=(POINTWISE,),
     ),
     _r(
