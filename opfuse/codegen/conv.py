@@ -571,6 +571,12 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
             return "cols", "mask"
         if tuple(shape) == tuple(out_shape):
             return "dst", "mask"
+        if name in cv.parts:  # a side input of a Split's part: at the part's own elements
+            first, width = cv.parts[name]
+            return (
+                f"rm[:, None] * {width} + cols - {first}",
+                f"mask & (cols >= {first}) & (cols < {first + width})",
+            )
         return broadcast_offset(shape, coords), "mask"
 
     def bias(regs: dict[str, str]) -> None:

@@ -133,16 +133,22 @@ class NhwcConv:
 
 
 def _split_parts(graph: Graph, split: Node, epilogue: list[Node]) -> dict[str, tuple[int, int]]:
-    """A Split of the output channels (sibling convolutions merged): each part, or the last op of
-    the activation chain after it, is stored from its own columns of the tile."""
+    """A Split of the output channels: each part, or the last op of the chain after it, is stored
+    from its own columns of the tile; a tensor of the part's shape that the chain reads besides
+    (a residual) is loaded at the part's own elements, its columns less the part's first."""
     parts: dict[str, tuple[int, int]] = {}
     at = 0
     for o, size in zip(split.outputs, graph.constants[split.inputs[1]].tolist(), strict=True):
         parts[o], at = (at, int(size)), at + int(size)
     for node in epilogue:
         part = next((parts[x] for x in node.inputs if x in parts), None)
-        if part is not None:
-            parts[node.outputs[0]] = part
+        if part is None:
+            continue
+        shape = graph.spec(node.outputs[0]).shape
+        for x in node.inputs:
+            if x and x not in parts and x not in graph.constants and graph.spec(x).shape == shape:
+                parts[x] = part  # a side input of the part's shape
+        parts[node.outputs[0]] = part
     return parts
 
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import opfuse
-from tests.builders import TEST_DEVICE
+from tests.builders import TEST_DEVICE, tiny_model
 from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, ort_run
 
 RNG = np.random.default_rng(5)
@@ -1787,3 +1787,67 @@ def test_a_3d_conv_kernel_is_right_at_every_tuning_candidate() -> None:
     want = torch.relu(torch.nn.functional.conv3d(padded, wt, bt, stride=strides, dilation=dilations))
     dev = torch.device(TEST_DEVICE)
     launch_at_every_config(k, [x.to(dev), wt.to(dev), bt.to(dev)], [want], "fp32")
+
+
+def dual_path(side_is_view: bool = False) -> Any:
+    """DPN's block end: a conv's output channels cut into the residual part (12) and the dense
+    part (8), here two convs of x that merge_sibling_convs makes one conv and a Split; the residual
+    part added to the running residual r (a 1x1 conv of y and its Relu), the
+    dense part through a Sigmoid; 1x1 convs after each (channels-last throughout), the residual
+    sum read twice. With `side_is_view`, r is a Slice of the Relu's channels: a strided view
+    the kernel would be handed as a copy, so the Add stays apart."""
+    nodes = [
+        helper.make_node("Conv", ["x", "wa", "ba"], ["p0"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "wb", "bb"], ["p1"], name="conv_b", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["y", "wr"], ["yc"], name="conv_r"),
+        helper.make_node("Relu", ["yc"], ["r" if not side_is_view else "rc"], name="relu_r"),
+        helper.make_node("Add", ["p0", "r"], ["a0"], name="resid"),
+        helper.make_node("Sigmoid", ["p1"], ["a1"], name="dense"),
+        helper.make_node("Conv", ["a0", "w0"], ["out0"], name="next0"),
+        helper.make_node("Conv", ["a1", "w1"], ["out1"], name="next1"),
+        helper.make_node("Tanh", ["a0"], ["t0"], name="tanh"),
+        helper.make_node("Conv", ["t0", "w2"], ["out2"], name="next2"),
+    ]
+    if side_is_view:
+        nodes.insert(4, helper.make_node("Slice", ["rc", "s", "e", "ax"], ["r"], name="slice_r"))
+
+    def w(*shape: int) -> np.ndarray:
+        return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
+
+    inits = {
+        "wa": w(12, 8, 3, 3), "ba": w(12), "wb": w(8, 8, 3, 3), "bb": w(8),
+        "wr": w(16 if side_is_view else 12, 4, 1, 1), "w0": w(4, 12, 1, 1), "w1": w(4, 8, 1, 1),
+        "w2": w(4, 12, 1, 1), "s": np.array([2]), "e": np.array([14]), "ax": np.array([1]),
+    }  # fmt: skip
+    outputs = {"out0": [2, 4, 6, 6], "out1": [2, 4, 6, 6], "out2": [2, 4, 6, 6]}
+    return tiny_model(nodes, {"x": [2, 8, 6, 6], "y": [2, 4, 6, 6]}, outputs, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_split_parts_chain_adds_a_residual_in_the_conv_kernel(precision: str) -> None:
+    """The Add of the residual part and r is the conv's epilogue: r is loaded at the part's own
+    elements (its columns less the part's first), and every element matches onnxruntime."""
+    model = dual_path()
+    shapes = {"x": [2, 8, 6, 6], "y": [2, 4, 6, 6]}
+    cm = opfuse.compile(
+        model, shapes, precision=precision, device=TEST_DEVICE, tune_budget_s=0, fusion_disable=NHWC_ALWAYS
+    )
+    assert cm.report["verification"]["passed"] is True
+    groups = {g["nodes"][0]: g["nodes"] for g in cm.report["fusion"]["groups"]}
+    assert {"resid", "dense"} <= set(groups["conv+conv_b"]), groups
+    assert "Add" not in [s.op_type for s in cm.plan.steps if s.launches]
+    feeds = {k: RNG.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    outs, refs = cm.run(feeds), ort_run(model, feeds)
+    tol = 1e-4 if precision == "fp32" else 2e-2
+    for name, ref in zip(("out0", "out1", "out2"), refs, strict=True):
+        np.testing.assert_allclose(outs[name], ref, rtol=tol, atol=tol)
+
+
+def test_a_residual_that_is_a_strided_view_stays_out_of_the_split_parts_chain() -> None:
+    model = dual_path(side_is_view=True)
+    cm = check_against_ort(
+        model, {"x": [2, 8, 6, 6], "y": [2, 4, 6, 6]}, fusion_disable=NHWC_ALWAYS, tune_budget_s=0
+    )
+    groups = {g["nodes"][0]: g["nodes"] for g in cm.report["fusion"]["groups"]}
+    assert "dense" in groups["conv+conv_b"] and "resid" not in groups["conv+conv_b"], groups
+    assert "Add" in [s.op_type for s in cm.plan.steps if s.launches]

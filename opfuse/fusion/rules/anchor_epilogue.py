@@ -285,13 +285,19 @@ class AnchorEpilogue(FusionRule):
 RULE = AnchorEpilogue
 
 
+MAX_SPLIT_SIDE_INPUTS = 2  # tensors of a part's shape the parts' chains load (a residual each)
+
+
 def _split_epilogue(
     graph: Graph, anchor: Node, taken: set[str], consumers: dict[str, list[Node]]
 ) -> set[str]:
-    """Sibling convolutions merged into one (passes/sibling_convs.py): the Split of the conv's
-    output channels that only it feeds, and after each part the chain of one-input pointwise ops
-    (an activation; scalar constants aside) that only it feeds. The kernel stores each part, or
-    the last op of its chain, as a buffer of its own (codegen.conv: the columns of that part)."""
+    """A Split of the conv's output channels that only it feeds (sibling convolutions merged by
+    passes/sibling_convs.py, or the model's own: DPN cuts each block's output into its residual
+    and its dense part), and after each part the chain of pointwise ops of the part's shape that
+    only it feeds: an activation (scalar constants aside), or an op that also reads one tensor of
+    the part's shape made before the conv (DPN's residual sum, `resid + part`), loaded at the
+    part's own elements. The kernel stores each part, or the last op of its chain, as a buffer of
+    its own (codegen.conv: the columns of that part)."""
     out = anchor.outputs[0]
     users = consumers.get(out, [])
     if len(users) != 1 or users[0].op_type != "Split" or users[0].id in taken:
@@ -301,7 +307,10 @@ def _split_epilogue(
     graph_outputs = {o.name for o in graph.outputs}
     if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in graph_outputs:
         return set()
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    producers = graph.producers()
     members = {split.id}
+    sides: set[str] = set()
     for part in split.outputs:
         value = part
         while True:
@@ -312,13 +321,49 @@ def _split_epilogue(
             tensors = [
                 x for x in node.inputs if x and not (x in graph.constants and graph.constants[x].size == 1)
             ]
-            if tensors != [value] or graph.spec(node.outputs[0]).shape != graph.spec(value).shape:
+            shape = graph.spec(value).shape
+            if tensors.count(value) != 1 or graph.spec(node.outputs[0]).shape != shape:
+                break
+            side = [x for x in tensors if x != value]
+            if side and not (
+                len(side) == 1
+                and graph.spec(side[0]).shape == shape
+                and graph.spec(side[0]).dtype == graph.spec(value).dtype
+                and not _depends_on(side[0], anchor, producers, order)
+                and _whole_buffer(producers, side[0])
+                and len(sides | {side[0]}) <= MAX_SPLIT_SIDE_INPUTS
+            ):
                 break
             if value in graph_outputs:
                 break
             members.add(node.id)
+            sides.update(side)
             value = node.outputs[0]
     return members
+
+
+def _whole_buffer(producers: dict[str, Node], value: str) -> bool:
+    """Whether `value` is a buffer of its own, or Reshapes of one: not a strided view (a Slice's
+    channels, a Transpose), which the runtime would copy into a buffer before the kernel."""
+    node = producers.get(value)
+    while node is not None and node.op_type in RESHAPES:
+        node = producers.get(node.inputs[0])
+    return node is None or node.op_type not in VIEW_THROUGH
+
+
+def _depends_on(value: str, node: Node, producers: dict[str, Node], order: dict[str, int]) -> bool:
+    """Whether `value` is computed from `node`'s outputs: walked back through its producers, down
+    to those before `node` in graph order (topological: none of them reads what `node` makes)."""
+    stack, seen = [value], set()
+    while stack:
+        p = producers.get(stack.pop())
+        if p is None or p.id in seen or order[p.id] < order[node.id]:
+            continue
+        if p.id == node.id:
+            return True
+        seen.add(p.id)
+        stack.extend(x for x in p.inputs if x)
+    return False
 
 
 def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
