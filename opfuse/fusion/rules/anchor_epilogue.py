@@ -310,7 +310,7 @@ def _split_epilogue(
     order = {n.id: i for i, n in enumerate(graph.nodes)}
     producers = graph.producers()
     members = {split.id}
-    sides: set[str] = set()
+    sides: dict[str, str] = {}  # each side input, and the part whose elements it is loaded at
     for part in split.outputs:
         value = part
         while True:
@@ -331,13 +331,14 @@ def _split_epilogue(
                 and graph.spec(side[0]).dtype == graph.spec(value).dtype
                 and not _depends_on(side[0], anchor, producers, order)
                 and _whole_buffer(producers, side[0])
-                and len(sides | {side[0]}) <= MAX_SPLIT_SIDE_INPUTS
+                and sides.get(side[0], part) == part  # at one part's elements only
+                and len(sides.keys() | {side[0]}) <= MAX_SPLIT_SIDE_INPUTS
             ):
                 break
             if value in graph_outputs:
                 break
             members.add(node.id)
-            sides.update(side)
+            sides.update((x, part) for x in side)
             value = node.outputs[0]
     return members
 
