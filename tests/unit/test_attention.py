@@ -119,7 +119,7 @@ def test_masked_and_causal_attention(mask: str, scale_where: str, guard: bool) -
     m = _attention_model(mask, scale_where, guard)
     cm = check_against_ort(m, _shapes(mask))
     assert cm.report["kernels"]["after"] == 2
-    (k,) = cm.plan.kernels.values()
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "attention"]
     assert ("tl.where(keep != 0" in k.source) == (mask == "causal")
 
 
@@ -132,8 +132,9 @@ def test_scores_filled_where_masked_are_one_kernel(precision: str) -> None:
     cm = check_against_ort(m, _shapes("filled"), precision)
     assert cm.report["fusion"]["passes"]["fired"].get("where_fill_last") == 1
     assert cm.report["kernels"]["after"] == 2
-    (k,) = cm.plan.kernels.values()
-    assert k.kind == "attention" and "tl.where(" in k.source
+    # The projections' GEMM is the library's or (tuned on a GPU) its template: a kernel then too.
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "attention"]
+    assert "tl.where(" in k.source
 
 
 def test_softmax_over_another_axis_is_not_attention() -> None:
