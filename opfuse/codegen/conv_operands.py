@@ -146,8 +146,8 @@ def _split_parts(graph: Graph, split: Node, epilogue: list[Node]) -> dict[str, t
             continue
         shape = graph.spec(node.outputs[0]).shape
         for x in node.inputs:
-            if x and x not in parts and x not in graph.constants and graph.spec(x).shape == shape:
-                parts[x] = part  # a side input of the part's shape
+            if x and x not in parts and graph.spec(x).shape == shape:
+                parts[x] = part  # a side input of the part's shape (a constant too)
         parts[node.outputs[0]] = part
     return parts
 

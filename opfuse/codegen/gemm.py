@@ -38,7 +38,7 @@ from opfuse.codegen.fragments import (
     row_input_index,
     split_literals,
 )
-from opfuse.codegen.index_map import index_map_load, index_map_offset
+from opfuse.codegen.index_map import index_map_load, index_map_offset, with_borders
 from opfuse.codegen.source import SourceBuffer, float_literal, guarded_load, power_run
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
@@ -309,9 +309,10 @@ def _gemm_k_loop(
             offset = f"{a_rows[0]} + kk[None, :]{_a_step(gm)}"
             held = f"{a_ok} & a_in[:, None]" if isinstance(gm.a_view, IndexMap) else a_ok
             buf.line(f"a_tile = {guarded_load('a', offset, held, run=a_rows[1], axis=a_rows[2])}")
-            for ok, fill in reversed(gm.a_borders):  # innermost first: an outer border overrides
-                if fill != 0.0:
-                    buf.line(f"a_tile = tl.where({a_ok} & ~({ok})[:, None], {float_literal(fill)}, a_tile)")
+            # A Pad's border rows take its value (lanes outside the tile stay 0 for the dot).
+            filled = with_borders("a_tile", [(f"({ok})[:, None]", fill) for ok, fill in gm.a_borders])
+            if filled != "a_tile":
+                buf.line(f"a_tile = tl.where({a_ok}, {filled}, 0.0)")
 
     k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile)
 

@@ -1851,3 +1851,40 @@ def test_a_residual_that_is_a_strided_view_stays_out_of_the_split_parts_chain() 
     groups = {g["nodes"][0]: g["nodes"] for g in cm.report["fusion"]["groups"]}
     assert "dense" in groups["conv+conv_b"] and "resid" not in groups["conv+conv_b"], groups
     assert "Add" in [s.op_type for s in cm.plan.steps if s.launches]
+
+
+def test_a_constant_residual_on_the_second_part_is_loaded_at_that_parts_elements() -> None:
+    """The side input of the second part (columns 12..19 of the merged conv) is a constant of the
+    part's shape: loaded at the part's own elements like a computed one, not at the tile's
+    columns (which verification then caught, and rolled the group back)."""
+
+    def w(*shape: int) -> np.ndarray:
+        return (RNG.standard_normal(shape) * 0.3).astype(np.float32)
+
+    nodes = [
+        helper.make_node("Conv", ["x", "wa", "ba"], ["p0"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["x", "wb", "bb"], ["p1"], name="conv_b", pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["p0"], ["a0"], name="dense"),
+        helper.make_node("Add", ["p1", "r"], ["a1"], name="resid"),
+        helper.make_node("Conv", ["a0", "w0"], ["out0"], name="next0"),
+        helper.make_node("Conv", ["a1", "w1"], ["out1"], name="next1"),
+        helper.make_node("Tanh", ["a1"], ["t1"], name="tanh"),
+        helper.make_node("Conv", ["t1", "w2"], ["out2"], name="next2"),
+    ]
+    inits = {
+        "wa": w(12, 8, 3, 3), "ba": w(12), "wb": w(8, 8, 3, 3), "bb": w(8), "r": w(2, 8, 6, 6),
+        "w0": w(4, 12, 1, 1), "w1": w(4, 8, 1, 1), "w2": w(4, 8, 1, 1),
+    }  # fmt: skip
+    outputs = {"out0": [2, 4, 6, 6], "out1": [2, 4, 6, 6], "out2": [2, 4, 6, 6]}
+    model = tiny_model(nodes, {"x": [2, 8, 6, 6]}, outputs, inits)
+    cm = opfuse.compile(
+        model, {"x": [2, 8, 6, 6]}, device=TEST_DEVICE, tune_budget_s=0, fusion_disable=NHWC_ALWAYS
+    )
+    assert cm.report["verification"]["passed"] is True
+    assert cm.report["verification"]["rolled_back"] == []
+    groups = {g["nodes"][0]: g["nodes"] for g in cm.report["fusion"]["groups"]}
+    assert {"resid", "dense"} <= set(groups["conv+conv_b"]), groups
+    feeds = {"x": RNG.standard_normal((2, 8, 6, 6)).astype(np.float32)}
+    outs, refs = cm.run(feeds), ort_run(model, feeds)
+    for name, ref in zip(outputs, refs, strict=True):
+        np.testing.assert_allclose(outs[name], ref, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from opfuse.frontend import rule_registry as names
-from opfuse.fusion.groups import Group, group_boundary, merge_refusal
+from opfuse.fusion.groups import Group, creates_cycle, group_boundary, merge_refusal
 from opfuse.fusion.pad_gather import plan_pad_gathers
 from opfuse.fusion.resize import plan_resize_gathers
 from opfuse.fusion.rules.base import Candidate, FusionRule
@@ -137,7 +137,7 @@ class AnchorEpilogue(FusionRule):
             kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and len(members) == 1
         )
         if lone_nhwc and anchor.outputs[0] not in state.read():
-            members |= _split_epilogue(graph, anchor, taken, consumers)
+            members |= _split_epilogue(graph, anchor, taken, producers, consumers, order)
         by_id = {x.id: x for x in graph.nodes}
         members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
         for cid, why in pending.items():
@@ -289,7 +289,12 @@ MAX_SPLIT_SIDE_INPUTS = 2  # tensors of a part's shape the parts' chains load (a
 
 
 def _split_epilogue(
-    graph: Graph, anchor: Node, taken: set[str], consumers: dict[str, list[Node]]
+    graph: Graph,
+    anchor: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+    order: dict[str, int],
 ) -> set[str]:
     """A Split of the conv's output channels that only it feeds (sibling convolutions merged by
     passes/sibling_convs.py, or the model's own: DPN cuts each block's output into its residual
@@ -307,8 +312,6 @@ def _split_epilogue(
     graph_outputs = {o.name for o in graph.outputs}
     if sizes is None or int(split.attrs.get("axis", 0)) % 4 != 3 or out in graph_outputs:
         return set()
-    order = {n.id: i for i, n in enumerate(graph.nodes)}
-    producers = graph.producers()
     members = {split.id}
     sides: dict[str, str] = {}  # each side input, and the part whose elements it is loaded at
     for part in split.outputs:
@@ -329,8 +332,10 @@ def _split_epilogue(
                 len(side) == 1
                 and graph.spec(side[0]).shape == shape
                 and graph.spec(side[0]).dtype == graph.spec(value).dtype
-                and not _depends_on(side[0], anchor, producers, order)
                 and _whole_buffer(producers, side[0])
+                # made outside the kernel, and not from its output: no cycle through the side
+                and getattr(producers.get(side[0]), "id", None) not in members
+                and creates_cycle(graph, {anchor.id, *members, node.id}, order) is None
                 and sides.get(side[0], part) == part  # at one part's elements only
                 and len(sides.keys() | {side[0]}) <= MAX_SPLIT_SIDE_INPUTS
             ):
@@ -350,21 +355,6 @@ def _whole_buffer(producers: dict[str, Node], value: str) -> bool:
     while node is not None and node.op_type in RESHAPES:
         node = producers.get(node.inputs[0])
     return node is None or node.op_type not in VIEW_THROUGH
-
-
-def _depends_on(value: str, node: Node, producers: dict[str, Node], order: dict[str, int]) -> bool:
-    """Whether `value` is computed from `node`'s outputs: walked back through its producers, down
-    to those before `node` in graph order (topological: none of them reads what `node` makes)."""
-    stack, seen = [value], set()
-    while stack:
-        p = producers.get(stack.pop())
-        if p is None or p.id in seen or order[p.id] < order[node.id]:
-            continue
-        if p.id == node.id:
-            return True
-        seen.add(p.id)
-        stack.extend(x for x in p.inputs if x)
-    return False
 
 
 def _dense_nhwc_conv(graph: Graph, conv: Node) -> bool:
