@@ -6,7 +6,8 @@ arithmetic) and each group output is stored once in its own dtype. A window op (
 input at neighbouring channel offsets, so that input is always one of the kernel's tensors. A
 Concat selects: each element of its output is loaded from the input whose range along the axis
 holds it, at the element's coordinate minus that input's offset, the other inputs' loads masked
-off (`concat_select`), so its inputs are always kernel tensors too.
+off (`concat_select`), so its inputs are always kernel tensors too. A Resize alone in its group
+(`resize_gather`, where no reader's kernel gathers it) is its input's gather loads, stored.
 """
 
 from __future__ import annotations
@@ -201,6 +202,8 @@ def _pointwise_node(
         buf.line(f"{v} = {expr}  # {n.op_type}")
     elif n.op_type == "Concat":
         emit_concat(buf, graph, n, v, slot, views, index_type, tables=tables)
+    elif n.op_type == "Resize":  # a Resize alone: its input's loads gather the resized value
+        buf.line(f"{v} = {regs[n.inputs[0]]}  # Resize")
     else:
         args_expr = [regs[x] if x else "" for x in n.inputs]
         to_float = n.op_type == "Cast" and ONNX_CASTS[int(n.attrs["to"])] in FLOAT_TYPES

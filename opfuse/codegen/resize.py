@@ -4,8 +4,9 @@ The kernel iterates over the resized value (possibly sliced, or transposed: then
 which of its axes holds each resized axis); for each element it maps the output coordinate on
 each resized axis back to the input as the ONNX Resize operator does, in float32 as onnxruntime
 computes it (an IEEE division by the float32 scale, so the nearest pixel it picks is the one
-onnxruntime picks), and loads the input there: one load for `nearest`, one per tap (four for a
-bilinear resize) and their blend for `linear`. The resized tensor is never written.
+onnxruntime picks), and loads the input there: one load for `nearest`, one per tap and their
+blend for `linear` (four taps for a bilinear resize) and `cubic` (sixteen for a bicubic one).
+The resized tensor is never written.
 """
 
 from __future__ import annotations
@@ -41,6 +42,32 @@ def _nearest_index(src: str, nearest_mode: str) -> str:
         return f"tl.floor({src} + 0.5)"
     # round_prefer_floor: halves go down, the rest to the nearest
     return f"tl.where({src} - tl.floor({src}) == 0.5, tl.floor({src}), tl.floor({src} + 0.5))"
+
+
+def _cubic_taps(
+    var: str, src: str, last: int, stride: int, a: float, index_type: str, lines: list[str]
+) -> list[tuple[str, str | None]]:
+    """The four taps of a cubic resize along one axis, as onnxruntime takes them: the source
+    coordinate unclamped, the pixels floor(x) - 1 .. floor(x) + 2 (clamped to the input: edge
+    pixels repeat) weighed by Keys' cubic convolution with coefficient `a` at the distance t =
+    x - floor(x)."""
+    A = float_literal(a)
+    lines.append(f"{var}s = {src}")
+    lines.append(f"{var}f = tl.floor({var}s)")
+    lines.append(f"{var}t = {var}s - {var}f")
+    lines.append(f"{var}b = {var}f.to({index_type})")
+    # Keys' kernel: |d| <= 1: (a + 2)|d|^3 - (a + 3)|d|^2 + 1; 1 < |d| < 2: a|d|^3 - 5a|d|^2 + 8a|d| - 4a.
+    distances = [f"({var}t + 1.0)", f"{var}t", f"(1.0 - {var}t)", f"(2.0 - {var}t)"]
+    out: list[tuple[str, str | None]] = []
+    for k, d in enumerate(distances):
+        w = f"{var}w{k}"
+        if k in (1, 2):
+            lines.append(f"{w} = (({A} + 2.0) * {d} - ({A} + 3.0)) * {d} * {d} + 1.0")
+        else:
+            lines.append(f"{w} = (({A} * {d} - 5.0 * {A}) * {d} + 8.0 * {A}) * {d} - 4.0 * {A}")
+        index = f"tl.minimum(tl.maximum({var}b + {k - 1}, 0), {last})"
+        out.append((f"{index} * {stride}" if stride != 1 else index, w))
+    return out
 
 
 def resize_load(
@@ -84,6 +111,9 @@ def resize_load(
             lines.append(f"{var}s = {src}")
             lines.append(f"{idx} = tl.minimum(tl.maximum({pick}, 0.0), {float(last)}).to({index_type})")
             taps.append([(f"{idx} * {stride}", None)])
+            continue
+        if gather.mode == "cubic":
+            taps.append(_cubic_taps(var, src, last, stride, gather.cubic_a, index_type, lines))
             continue
         # linear: the coordinate clamped to the input, its two neighbours (the same pixel at the
         # last one) and their distances, which weigh the other neighbour; 0.5 each on one pixel.

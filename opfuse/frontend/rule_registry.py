@@ -414,8 +414,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         RESIZE_GATHER,
         FUSION,
-        "A Resize read only by one pointwise kernel, or by one channels-last conv's epilogue, is computed "
-        "by that kernel's gather loads.",
+        "A Resize (nearest, linear or cubic) read only by one pointwise kernel, one channels-last conv's "
+        "epilogue or one row kernel is computed by that kernel's gather loads; any other is a gather "
+        "kernel of its own.",
         requires=(POINTWISE,),
     ),
     _r(

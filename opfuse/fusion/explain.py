@@ -1,5 +1,6 @@
 """What the plan leaves as copies and Resizes, said once the rules are done: a Concat left in the
-plan is a copy (`layout_views`, `concat_select` say why), a Resize its own op (`resize_gather`)."""
+plan is a copy (`layout_views`, `concat_select` say why), a Resize the library's op
+(`resize_gather`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from opfuse.frontend import rule_registry as names
 from opfuse.fusion.groups import Group
 from opfuse.fusion.resize import resize_reason
 from opfuse.graph import Graph
-from opfuse.ir.ops import WINDOW_OPS, window_input
 from opfuse.passes.rules import NotFired, node_label
 
 RESIZE_RULE = names.RESIZE_GATHER
@@ -16,29 +16,15 @@ LAYOUT_RULE = names.LAYOUT_VIEWS
 
 
 def explain_resizes(graph: Graph, groups: list[Group], not_fused: list[NotFired]) -> None:
-    """A Resize left in the plan runs as its own op: say why, where `resize_gather` has not."""
+    """A Resize left in the plan runs as its own op (the library's): say why no kernel computes
+    it, where `resize_gather` has not. (Each Resize the gather can compute is in a group: read
+    by one kernel, gathered by it; else a gather kernel of its own.)"""
     in_groups = {n.id for g in groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
     said = {label for r in not_fused if r.rule == RESIZE_RULE for label in r.nodes}
-    graph_outputs = {o.name for o in graph.outputs}
-    consumers = graph.consumers()
     for n in graph.nodes:
         if n.op_type != "Resize" or n.id in in_groups or node_label(n) in said:
             continue
-        reason = resize_reason(graph, n)
-        windowed = [
-            c
-            for c in consumers.get(n.outputs[0], [])
-            if c.op_type in WINDOW_OPS and window_input(c) == n.outputs[0]
-        ]
-        if reason is None and windowed:
-            reason = f"{windowed[0].op_type} reads its output at neighbouring channels, loaded from memory"
-        elif reason is None:
-            readers = sorted({c.op_type for c in consumers.get(n.outputs[0], [])})
-            reason = (
-                "its output is a graph output"
-                if n.outputs[0] in graph_outputs
-                else f"its output is read by {', '.join(readers)}, not only by one generated pointwise kernel"
-            )
+        reason = resize_reason(graph, n) or "no kernel took it"
         not_fused.append(NotFired(RESIZE_RULE, [node_label(n)], reason))
 
 

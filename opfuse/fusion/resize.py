@@ -1,7 +1,7 @@
 """`resize_gather`: a Resize read only by one pointwise kernel, or by one channels-last conv's
 epilogue, is computed by that kernel's loads.
 
-A Resize of a 4-D tensor over H and W (nearest or bilinear, constant scales or sizes) whose
+A Resize of a 4-D tensor over H and W (nearest, bilinear or bicubic, constant scales or sizes) whose
 output, directly or through unit-step Slices and Transposes, only one pointwise group or one
 NHWC conv's epilogue (`fusion/rules/anchor_epilogue.py`) reads joins that group: an FPN's
 upsampled map, run in NCHW and transposed back into the channels-last region, is gathered by the
@@ -48,16 +48,16 @@ def resize_reason(graph: Graph, node: Node) -> str | None:
         return f"input of type {x.dtype}"
     mode = _attr(node, "mode", "nearest")
     if mode not in MODES:
-        return f"mode {mode if mode == 'cubic' else 'other'}: the gather computes nearest and linear"
+        return "a mode other than nearest, linear and cubic"
     ctm = _attr(node, "coordinate_transformation_mode", "half_pixel")
     if ctm not in COORDINATE_MODES:
         return "coordinate_transformation_mode not one of " + ", ".join(COORDINATE_MODES)
     if mode == "nearest" and _attr(node, "nearest_mode", "round_prefer_floor") not in NEAREST_MODES:
         return "nearest_mode not one of " + ", ".join(NEAREST_MODES)
     if int(node.attrs.get("antialias", 0)):
-        return "antialias: a filter wider than the two taps"
+        return "antialias: a filter that widens with the scale, not a fixed number of taps"
     if int(node.attrs.get("exclude_outside", 0)):
-        return "exclude_outside"
+        return "exclude_outside: taps past the edges renormalize the weights"
     if "axes" in node.attrs:
         return "an axes attribute"
     if _attr(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
@@ -168,34 +168,76 @@ def plan_resize_gathers(
     # The Resizes' own inputs may be read through layout ops the group (with the Resizes) holds.
     every_reader = frozenset(readers | {n.id for _, chain, _, _ in found.values() for n in chain})
     for x, (resize, chain, order, starts) in found.items():
-        axes = _axes(graph, resize)
-        for d, axis in enumerate(axes):
-            axis.start = starts[order[d]]
-        source = resize.inputs[0]
-        shape = tuple(graph.spec(source).shape)
-        base, strides, offset = source, contiguous_strides(shape), 0
-        if fold_layout and source not in graph.constants:
-            view = input_view(graph, source, allow_scale=False, readers=every_reader)
-            if (
-                view.nodes
-                and not any(n.id in held for n in view.nodes)
-                and view.base not in graph.constants
-                and all(n.op_type in VIEW_THROUGH for n in view.nodes)
-                and len(view.strides) == 4
-            ):
-                base, strides, offset = view.base, tuple(view.strides), view.offset
-                owned += [n for n in view.owned() if n.id not in {m.id for m in owned}]
-        gathers[x] = ResizeGather(
-            base,
-            strides,
-            offset,
-            tuple(graph.spec(x).shape),
-            tuple(axes),
-            str(_attr(resize, "mode", "nearest")),
-            str(_attr(resize, "coordinate_transformation_mode", "half_pixel")),
-            str(_attr(resize, "nearest_mode", "round_prefer_floor")),
-            tuple(order),
+        gathers[x], folded = _gather(
+            graph, resize, tuple(graph.spec(x).shape), order, starts, held, every_reader, fold_layout
         )
+        owned += [n for n in folded if n.id not in {m.id for m in owned}]
         owned += chain
     claimed |= {n.id for n in owned}
     return gathers, owned
+
+
+def resize_alone(
+    graph: Graph, node: Node, claimed: set[str], fold_layout: bool
+) -> tuple[ResizeGather, list[Node]]:
+    """A Resize no kernel gathers (`resize_reason` None), as its own kernel: the gather of its
+    output at the output's own offsets, read from its input (through the layout ops before it
+    that only it reads, which leave the plan: the second value; they are added to `claimed`)."""
+    rank = len(graph.spec(node.outputs[0]).shape)
+    gather, folded = _gather(
+        graph,
+        node,
+        tuple(graph.spec(node.outputs[0]).shape),
+        list(range(rank)),
+        [0] * rank,
+        claimed,
+        frozenset({node.id}),
+        fold_layout,
+    )
+    claimed |= {n.id for n in folded}
+    return gather, folded
+
+
+def _gather(
+    graph: Graph,
+    resize: Node,
+    shape: tuple[int, ...],
+    order: list[int],
+    starts: list[int],
+    held: set[str],
+    readers: frozenset[str],
+    fold_layout: bool,
+) -> tuple[ResizeGather, list[Node]]:
+    """The gather of `resize` read at `shape` (its output after the Slices' `starts` and the
+    Transposes' `order`), and the layout ops folded into its input's strides (read only by
+    `readers`; none of them in `held`)."""
+    axes = _axes(graph, resize)
+    for d, axis in enumerate(axes):
+        axis.start = starts[order[d]]
+    source = resize.inputs[0]
+    base, strides, offset = source, contiguous_strides(tuple(graph.spec(source).shape)), 0
+    folded: list[Node] = []
+    if fold_layout and source not in graph.constants:
+        view = input_view(graph, source, allow_scale=False, readers=readers)
+        if (
+            view.nodes
+            and not any(n.id in held for n in view.nodes)
+            and view.base not in graph.constants
+            and all(n.op_type in VIEW_THROUGH for n in view.nodes)
+            and len(view.strides) == 4
+        ):
+            base, strides, offset = view.base, tuple(view.strides), view.offset
+            folded = list(view.owned())
+    gather = ResizeGather(
+        base,
+        strides,
+        offset,
+        shape,
+        tuple(axes),
+        str(_attr(resize, "mode", "nearest")),
+        str(_attr(resize, "coordinate_transformation_mode", "half_pixel")),
+        str(_attr(resize, "nearest_mode", "round_prefer_floor")),
+        tuple(order),
+        float(np.float32(float(resize.attrs.get("cubic_coeff_a", -0.75)))),
+    )
+    return gather, folded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("nearest", "linear")
+MODES = ("nearest", "linear", "cubic")
 
 
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "asymmetric", "align_corners")
@@ -46,6 +46,7 @@ class ResizeGather:
     # identity, or a permutation where Transposes sit between the Resize and the kernel (a
     # Resize run in NCHW, its output transposed back into the channels-last region).
     order: tuple[int, ...] = (0, 1, 2, 3)
+    cubic_a: float = -0.75  # the cubic filter's `cubic_coeff_a` (mode cubic)
 
     def extent(self) -> int:
         """One past the farthest element of `base` the gather may read."""

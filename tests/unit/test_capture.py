@@ -40,14 +40,20 @@ def _audit(cm: opfuse.CompiledModel, feeds: dict[str, np.ndarray]) -> list[str]:
 
 def _upsample(cubic: bool = False) -> onnx.ModelProto:
     """Conv, then a 2x Resize with constant scales, then a Relu: bilinear (opfuse fuses the
-    Resize into the Relu's kernel as a gather) or cubic (a per-op kernel: host-computed taps)."""
+    Resize into the Relu's kernel as a gather) or cubic excluding the taps outside the image
+    (the library's op, no gather computes it: host-computed taps)."""
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
     scales = numpy_helper.from_array(np.array([1, 1, 2, 2], dtype=np.float32), "scales")
     nodes = [
         helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
         helper.make_node(
-            "Resize", ["c", "", "scales"], ["r"], name="up", mode="cubic" if cubic else "linear"
+            "Resize",
+            ["c", "", "scales"],
+            ["r"],
+            name="up",
+            mode="cubic" if cubic else "linear",
+            exclude_outside=int(cubic),
         ),
         helper.make_node("Relu", ["r"], ["y"], name="relu"),
     ]

@@ -124,8 +124,27 @@ def test_a_slice_of_the_resized_value_offsets_the_coordinates(mode: str, precisi
     assert "(((offs // 24) % 20) + 1)" in source and "((offs % 24) + 2)" in source
 
 
+@pytest.mark.parametrize("size", list(RESIZES))
+@pytest.mark.parametrize("coordinate_mode", COORDINATE_MODES)
+def test_bicubic_resize_is_sixteen_gather_loads_and_a_blend(size: str, coordinate_mode: str) -> None:
+    """Keys' cubic filter over 4x4 taps (edge pixels repeated), as torch's bicubic interpolation
+    exports it (cubic_coeff_a -0.75), upscaling and downscaling, against onnxruntime."""
+    how, values, out_hw = RESIZES[size]
+    model, hw = resize_model(
+        how, values, out_hw, mode="cubic", coordinate_transformation_mode=coordinate_mode
+    )
+    check_resize(model, hw, loads=16)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_bicubic_resize_takes_the_models_cubic_coefficient(precision: str) -> None:
+    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="cubic", cubic_coeff_a=-0.5)
+    cm = check_resize(model, hw, precision, loads=16)
+    assert "-0.5" in gather_kernel(cm).source and "-0.75" not in gather_kernel(cm).source
+
+
 def test_unsupported_resizes_stay_ops_and_say_why() -> None:
-    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="cubic")
+    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="cubic", exclude_outside=1)
     cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]})
     assert cm.report["kernels"] == {"before": 3, "after": 2}  # the Resize, then Add and Relu
     reasons = [r for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
@@ -133,10 +152,10 @@ def test_unsupported_resizes_stay_ops_and_say_why() -> None:
         {
             "rule": "resize_gather",
             "nodes": ["Resize#n0"],
-            "reason": "mode cubic: the gather computes nearest and linear",
+            "reason": "exclude_outside: taps past the edges renormalize the weights",
         }
     ]
-    model, hw = resize_model("scales", [1.0, 1.0, 2.5, 2.5], (22, 27), mode="linear", antialias=1)
+    model, hw = resize_model("scales", [1.0, 1.0, 0.6, 0.6], (5, 6), mode="linear", antialias=1)
     cm = check_against_ort(model, {"x": [2, 3, 9, 11], "b": [2, 3, *hw]})
     assert cm.report["kernels"]["after"] == 2
     assert any(r["reason"].startswith("antialias") for r in cm.report["fusion"]["not_fused"])
@@ -161,9 +180,17 @@ def test_disabling_the_rule_gives_the_plan_without_it() -> None:
     assert not [r for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
 
 
-def test_a_resize_read_elsewhere_too_stays_an_op() -> None:
+def lone_resize_group(cm):  # type: ignore[no-untyped-def]
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["rule"] == "resize_gather"]
+    return g
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear", "cubic"])
+def test_a_resize_read_by_two_kernels_is_a_gather_kernel_of_its_own(mode: str) -> None:
+    """Read by a pointwise op and a pool, the resized value is written once, by a generated kernel
+    that gathers it (no library resize: a gather, weighing and sum per axis), and both read it."""
     nodes = [
-        helper.make_node("Resize", ["x", "", "scales"], ["r"], mode="nearest"),
+        helper.make_node("Resize", ["x", "", "scales"], ["r"], mode=mode),
         helper.make_node("Relu", ["r"], ["y"]),
         helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2]),
     ]
@@ -172,9 +199,39 @@ def test_a_resize_read_elsewhere_too_stays_an_op() -> None:
         numpy_helper.from_array(np.array([1, 1, 2, 2], dtype=np.float32), "scales")
     )
     cm = check_against_ort(model, {"x": [1, 2, 4, 5]})
-    reasons = [r["reason"] for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
-    assert reasons == ["its output is read by MaxPool, Relu, not only by one generated pointwise kernel"]
-    assert "Resize" in [s.op_type for s in cm.plan.steps if s.kind == "op"]
+    assert "Resize" not in [s.op_type for s in cm.plan.steps if s.kind == "op"]
+    assert lone_resize_group(cm)["nodes"] == ["Resize#n0"]
+    assert not [r for r in cm.report["fusion"]["not_fused"] if r["rule"] == "resize_gather"]
+    k = gather_kernel(cm)
+    assert k.inputs == ["x"] and k.outputs == ["r"]
+    assert k.source.count("tl.load(") == {"nearest": 1, "linear": 4, "cubic": 16}[mode]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_an_upsampled_graph_output_is_gathered_from_the_channels_last_conv(precision: str) -> None:
+    """A segmentation head: the classifier conv runs channels-last, and the model's output is its
+    bilinear upsampling to the image (NCHW). The Resize's kernel reads the conv's NHWC buffer
+    through the Transpose back, folded into the gather's strides: no copy, no library resize."""
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node(
+            "Resize",
+            ["c", "", "", "sizes"],
+            ["y"],
+            mode="linear",
+            coordinate_transformation_mode="half_pixel",
+        ),
+    ]
+    model = make_model(
+        nodes, {"x": [1, 3, 8, 6]}, {"y": [1, 5, 32, 24]}, {"w": RNG.standard_normal((5, 3, 3, 3)) * 0.3}
+    )
+    model.graph.initializer.append(numpy_helper.from_array(np.array([1, 5, 32, 24], dtype=np.int64), "sizes"))
+    cm = check_against_ort(model, {"x": [1, 3, 8, 6]}, precision, NHWC_ALWAYS)
+    launched = [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches]
+    assert "Resize" not in launched and "Transpose" not in launched
+    g = lone_resize_group(cm)
+    assert g["nodes"] == ["Resize#n1"] and g["layout_folded"] == ["Transpose#ncl2"]
+    assert "__nhwc" in gather_kernel(cm).inputs[0]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -202,7 +259,7 @@ def test_a_resize_of_a_channels_last_conv_reads_the_nhwc_buffer(precision: str) 
 def test_a_resize_an_lrn_reads_at_neighbouring_channels_is_written_not_gathered() -> None:
     """Clip -> nearest 2x upsampling -> LRN (a small CNN of the opset tests): the LRN loads its
     input at neighbouring channel offsets from memory, which a gather does not give, so the Resize
-    writes its output and the LRN's kernel reads it; the report says why."""
+    is a gather kernel of its own that writes its output, and the LRN's kernel reads it."""
     nodes = [
         helper.make_node("Clip", ["x", "lo", "hi"], ["c"], name="clip"),
         helper.make_node("Resize", ["c", "", "scales"], ["r"], name="up", mode="nearest"),
@@ -212,12 +269,10 @@ def test_a_resize_an_lrn_reads_at_neighbouring_channels_is_written_not_gathered(
     inits = {"lo": np.array(-0.4), "hi": np.array(1.5), "scales": np.array([1.0, 1.0, 2.0, 2.0])}
     model = make_model(nodes, {"x": [2, 4, 5, 6]}, {"y": [2, 4, 10, 12]}, inits)
     cm = check_against_ort(model, {"x": [2, 4, 5, 6]}, fusion_disable=NHWC_ALWAYS)
-    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["Clip", "Resize"]
-    (nf,) = [x for x in cm.report["fusion"]["not_fused"] if x["rule"] == "resize_gather"]
-    assert (
-        nf["nodes"] == ["up"]
-        and nf["reason"] == "LRN reads its output at neighbouring channels, loaded from memory"
-    )
+    assert [s.op_type for s in cm.plan.steps if s.kind == "op" and s.launches] == ["Clip"]
+    assert lone_resize_group(cm)["nodes"] == ["up"]  # its own kernel writes it
+    (lrn,) = [g for g in cm.report["fusion"]["groups"] if "lrn" in g["nodes"]]
+    assert "up" not in lrn.get("resize_gathered", [])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

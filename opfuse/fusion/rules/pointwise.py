@@ -23,7 +23,7 @@ from opfuse.fusion.concat import LONE_COPY_REASON, concat_reason
 from opfuse.fusion.groups import Group, group_boundary, merge_refusal
 from opfuse.fusion.layout_fold import fold_layout
 from opfuse.fusion.pad_gather import plan_pad_gathers
-from opfuse.fusion.resize import plan_resize_gathers
+from opfuse.fusion.resize import plan_resize_gathers, resize_alone, resize_reason
 from opfuse.fusion.rules.base import QUIET, Candidate, FusionRule
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
@@ -217,7 +217,35 @@ class Pointwise(FusionRule):
             claimed |= taken
             groups.append(group)
             count += 1
+        if state.on(RESIZE_RULE):
+            held = claimed | {n.id for g in groups for n in [*g.prologue, *g.nodes, *g.absorbed]}
+            groups += self._lone_resizes(held, count)
         state.pointwise = groups[len(state.fused()) :]
+
+    def _lone_resizes(self, claimed: set[str], count: int) -> list[Group]:
+        """Each Resize no kernel gathers, where the gather can compute it, as a kernel of its own
+        (its output's gather, written): one launch where the library's resize is a gather, a
+        weighing and a sum per axis with float32 copies around them."""
+        graph, out = self.graph, list[Group]()
+        for n in graph.nodes:
+            if n.op_type != "Resize" or n.id in claimed or resize_reason(graph, n) is not None:
+                continue
+            gather, folded = resize_alone(graph, n, claimed, self.state.on(LAYOUT_RULE))
+            claimed.add(n.id)
+            x, y = n.inputs[0], n.outputs[0]
+            out.append(
+                Group(
+                    f"g{count + len(out)}",
+                    "pointwise",
+                    RESIZE_RULE,
+                    [n],
+                    [x],
+                    [y],
+                    views={x: gather},
+                    absorbed=folded,
+                )
+            )
+        return out
 
 
 def _window_refusal(graph: Graph, merged: set[str], producers: dict[str, Node]) -> str | None:
