@@ -63,6 +63,7 @@ from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.support import INT32_INDEX_LIMIT, SPATIAL_NAMES, conv_axes
+from opfuse.ir.views import StridedView
 
 Dot = Callable[[str, str], None]
 
@@ -244,6 +245,10 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
         f"# x [{p['N']}, {p['H']}, {p['W']}, {c}] * w [{cv.n}, {p['KH']}, {p['KW']}, {c // cv.groups}] -> "
         f"{list(out_shape)}; M={cv.m} N={cv.n} K={cv.k}" + (f", {cv.groups} groups" if cv.grouped else "")
     )
+    if cv.x_stride:
+        buf.line(
+            f"# x read in place: a window of a buffer of {cv.x_stride} channels a pixel, from element {cv.x_offset}"
+        )
     window = cv.window
     windows = {MAX_POOL_NHWC: "max pool", AVERAGE_POOL_NHWC: "average pool", NHWC_CONV: "depthwise conv"}
     for node in cv.prologue:
@@ -287,6 +292,8 @@ def _nhwc_prelude(buf: SourceBuffer, cv: NhwcConv) -> None:
         buf.line("rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)")
     buf.line("rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)")
     buf.line("rk = tl.arange(0, BLOCK_K)")
+    if cv.x_offset:
+        buf.line(f"x += {cv.x_offset}  # the window's first element in the wider buffer")
     buf.line(f"img = rm // {p['OH'] * p['OW']}")
     buf.line(f"oh = (rm // {p['OW']}) % {p['OH']}")
     buf.line(f"ow = rm % {p['OW']}")
@@ -569,6 +576,20 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
         shape = graph.spec(name).shape
         if name == cv.b_name:
             return "cols", "mask"
+        view = cv.views.get(name)
+        if isinstance(view, StridedView):  # read through its strides (a window of a buffer's channels)
+            if len(view.shape) != 4 or any(
+                d not in (1, o) for d, o in zip(view.shape, out_shape, strict=True)
+            ):
+                raise ValueError(
+                    f"an epilogue input viewed as {list(view.shape)} against the output {list(out_shape)}"
+                )
+            terms = [
+                coords[d] if st == 1 else f"{coords[d]} * {st}"
+                for d, st in enumerate(view.strides)
+                if view.shape[d] > 1
+            ]
+            return " + ".join([*terms, *([str(view.offset)] if view.offset else [])]) or "0", "mask"
         if tuple(shape) == tuple(out_shape):
             return "dst", "mask"
         if name in cv.parts:  # a side input of a Split's part: at the part's own elements

@@ -277,6 +277,10 @@ class TapInput:
 
     p: dict[str, int]
     padding: dict[str, Any] | None = None
+    # x a window of channels of a wider NHWC buffer (the kernel's x pointer moved to its first
+    # channel, `offset`): the buffer's channels, each pixel's stride. 0: x's own channels.
+    pixel_stride: int = 0
+    offset: int = 0
 
     @property
     def window(self) -> Window:
@@ -293,7 +297,7 @@ def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) 
     (sh, sw) and, constant mode, `inside` (not a filled pixel). Returns the pixel's offset."""
     p, c, padding = tap.p, tap.p["C"], tap.padding
     if padding is None:
-        return f"(({img_} * {p['H']} + {ih}) * {p['W']} + {iw}) * {c}"
+        return f"(({img_} * {p['H']} + {ih}) * {p['W']} + {iw}) * {tap.pixel_stride or c}"
     h0, w0 = padding["H"], padding["W"]
     buf.line(f"sh = {ih} - {padding['top']}")
     buf.line(f"sw = {iw} - {padding['left']}")
@@ -331,6 +335,8 @@ def contiguous_run(tap: TapInput) -> int:
     NHWC input read directly (no Pad prologue remapping its pixels, channels at stride 1)."""
     if tap.padding is not None or tap.channel_stride != 1:
         return 1
+    if tap.pixel_stride:  # runs aligned in the wider buffer: its channels and the window's start too
+        return power_run(tap.p["C"], tap.pixel_stride, tap.offset)
     return channel_run(tap.p["C"])
 
 

@@ -15,6 +15,7 @@ from opfuse.graph import Graph, Node
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import centre_tap, conv_params, input_scale_operands, input_scale_reason
+from opfuse.ir.views import StridedView
 
 
 @dataclass
@@ -69,6 +70,12 @@ class NhwcConv:
     ops: list[Node] = field(default_factory=list)
     op_loads: list[str] = field(default_factory=list)
     op_literals: dict[str, str] = field(default_factory=dict)
+    # x a window of channels of a wider NHWC buffer, read in place (fusion/rules/anchor_epilogue.py
+    # `channel_window_input`): the buffer, its channels (each pixel's stride) and the window's
+    # first channel. "": x is a buffer of its own.
+    x_base: str = ""
+    x_stride: int = 0
+    x_offset: int = 0
 
     @property
     def grouped(self) -> bool:
@@ -83,7 +90,8 @@ class NhwcConv:
 
     @property
     def tap(self) -> TapInput:
-        return TapInput(self.p, pad_geometry(self.graph, self.pad) if self.pad is not None else None)
+        padding = pad_geometry(self.graph, self.pad) if self.pad is not None else None
+        return TapInput(self.p, padding, self.x_stride, self.x_offset)
 
     @property
     def args(self) -> list[str]:
@@ -111,7 +119,14 @@ class NhwcConv:
         p, graph = self.p, self.graph
         cat_width = graph.spec(self.concat.outputs[0]).shape[3] if self.concat is not None else self.n
         cat_bases = [graph.spec(self.views[x].base if x in self.views else x).numel for x in self.copied]
-        return max(p["N"] * p["H"] * p["W"] * p["C"], self.m * cat_width, *cat_bases)
+        x_extent = graph.spec(self.x_base).numel if self.x_base else p["N"] * p["H"] * p["W"] * p["C"]
+        windows = [graph.spec(self._buffer(x)).numel for x in self.extra]  # windows of wider buffers
+        return max(x_extent, self.m * cat_width, *cat_bases, *windows)
+
+    def _buffer(self, name: str) -> str:
+        """The buffer an epilogue input is loaded from: the wider one behind a channel window."""
+        view = self.views.get(name)
+        return view.base if isinstance(view, StridedView) else name
 
     @property
     def tensor_inputs(self) -> list[str]:
@@ -119,7 +134,7 @@ class NhwcConv:
         if self.ops:
             first = [self.views[x].base if x in self.views else x for x in self.op_loads]
         else:
-            first = [v for v, _, _ in self.pieces] if self.pieces else [self.x_name]
+            first = [v for v, _, _ in self.pieces] if self.pieces else [self.x_base or self.x_name]
         return [
             *first,
             self.w_name,
@@ -127,7 +142,7 @@ class NhwcConv:
             *([self.sx_name, self.sw_name] if self.sx_name else []),
             *([self.scale] if self.scale else []),
             *(v for v in (self.dw_w, self.dw_b) if v),
-            *(gathers[i].base if i in gathers else x for i, x in enumerate(self.extra)),
+            *(gathers[i].base if i in gathers else self._buffer(x) for i, x in enumerate(self.extra)),
             *(self.views[x].base if x in self.views else x for x in self.copied),
         ]
 
@@ -291,4 +306,26 @@ def nhwc_conv(
     _read_prologue(cv)
     _read_loads(cv, inputs)
     _read_loop_form(cv)
+    _read_channel_window(cv)
     return cv
+
+
+def _read_channel_window(cv: NhwcConv) -> None:
+    """x read in place as a window of a wider NHWC buffer's channels, where the group folded its
+    layout ops (a channel Split between the channels-last region's Transposes). The window, flat
+    and depthwise loops' pixel offsets take the buffer's channel count (`TapInput.pixel_stride`);
+    the other loop forms address x as a buffer of its own, and the planner folds no such input
+    for them."""
+    view = cv.views.get(cv.anchor.inputs[0])
+    if not isinstance(view, StridedView) or len(view.strides) != 4:
+        return
+    n, h, w, c = (int(d) for d in view.shape)
+    xc = int(view.strides[2])
+    want = (h * w * xc, w * xc, xc, 1)
+    if xc <= c or any(
+        size > 1 and got != exp for size, got, exp in zip((n, h, w, c), view.strides, want, strict=True)
+    ):
+        return  # another view of x (a Concat's copied input): x is read as a buffer of its own
+    if cv.x_name != cv.anchor.inputs[0] or cv.grouped or cv.pooled or cv.ops:
+        raise ValueError("a channel window of a wider buffer as the input of a conv with its own input loop")
+    cv.x_base, cv.x_stride, cv.x_offset = view.base, xc, int(view.offset)

@@ -1888,3 +1888,74 @@ def test_a_constant_residual_on_the_second_part_is_loaded_at_that_parts_elements
     outs, refs = cm.run(feeds), ort_run(model, feeds)
     for name, ref in zip(outputs, refs, strict=True):
         np.testing.assert_allclose(outs[name], ref, rtol=1e-4, atol=1e-4)
+
+
+def scales_block(width: int):  # type: ignore[no-untyped-def]
+    """Res2Net's scales: a 1x1 conv, its output split in three along the channels (NCHW, between
+    the channels-last region's Transposes), the second part's 3x3 conv, the third part added to
+    that conv's output before its own 3x3 conv, the first part passed through; concatenated."""
+    c = 3 * width
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="reduce"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Split", ["r", "parts"], ["p0", "p1", "p2"], name="split", axis=1),
+        helper.make_node("Conv", ["p1", "wa"], ["c0"], name="scale0", pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c0", "p2"], ["s1"], name="running_sum"),
+        helper.make_node("Conv", ["s1", "wb"], ["c1"], name="scale1", pads=[1, 1, 1, 1]),
+        helper.make_node("Concat", ["c0", "c1", "p0"], ["y"], name="cat", axis=1),
+    ]
+    inits = {
+        "w0": RNG.standard_normal((c, 8, 1, 1)) * 0.4,
+        "wa": RNG.standard_normal((width, width, 3, 3)) * 0.2,
+        "wb": RNG.standard_normal((width, width, 3, 3)) * 0.2,
+    }
+    m = make_model(nodes, {"x": [2, 8, 6, 5]}, {"y": [2, c, 6, 5]}, inits)
+    m.graph.initializer.append(numpy_helper.from_array(np.array([width] * 3, dtype=np.int64), "parts"))
+    return m
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("width", [8, 16])  # the flat K loop (under 16 channels), the window loop
+def test_a_channel_split_is_read_in_place_by_the_convs_and_the_epilogue(width: int, precision: str) -> None:
+    """Each part of the Split is a window of the 1x1 conv's NHWC output: the 3x3 conv reading
+    one part, and its epilogue adding another, load them in place (each pixel
+    at the buffer's 3 * width channels, from the part's first channel), where the runtime would
+    first copy each strided view into a buffer of its own."""
+    cm = check_against_ort(scales_block(width), {"x": [2, 8, 6, 5]}, precision, fusion_disable=NHWC_ALWAYS)
+    (first,) = [k for k in cm.plan.kernels.values() if "x read in place" in k.source]
+    reduce_out = {o for s in cm.plan.steps if s.kind == "kernel" and "reduce" in s.label for o in s.outputs}
+    # The 3x3 conv's x (the second part) and its epilogue's third part: the 1x1 conv's buffer
+    # itself, each pixel at its 3 * width channels, from channels `width` and 2 * `width`.
+    assert first.inputs[0] in reduce_out and first.inputs[2] in reduce_out
+    assert f"x += {width}" in first.source and f"iw) * {3 * width}" in first.source
+    assert f"ow[:, None] * {3 * width} + cols + {2 * width}, mask=mask" in first.source
+    assert not [s for s in cm.plan.steps if s.op_type in ("Split", "Transpose") and s.inputs[0] in reduce_out]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_depthwise_conv_reads_its_channel_window_in_place(precision: str) -> None:
+    """FocalNet's focal level: a 1x1 conv's output split along the channels, one part through a
+    depthwise 3x3 conv and a Relu, gating another part. The depthwise template loads its part
+    from the 1x1 conv's NHWC buffer at that buffer's channel stride."""
+    width = 16
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["a"], name="project"),
+        helper.make_node("Split", ["a", "parts"], ["q", "ctx", "gate"], name="split", axis=1),
+        helper.make_node("Conv", ["ctx", "wd"], ["d"], name="focal", pads=[1, 1, 1, 1], group=width),
+        helper.make_node("Relu", ["d"], ["r"], name="relu"),
+        helper.make_node("Mul", ["r", "gate"], ["g"], name="gated"),
+        helper.make_node("Add", ["g", "q"], ["y"], name="modulate"),
+    ]
+    inits = {
+        "w0": RNG.standard_normal((3 * width, 8, 1, 1)) * 0.4,
+        "wd": RNG.standard_normal((width, 1, 3, 3)) * 0.3,
+    }
+    m = make_model(nodes, {"x": [2, 8, 5, 6]}, {"y": [2, width, 5, 6]}, inits)
+    m.graph.initializer.append(numpy_helper.from_array(np.array([width] * 3, dtype=np.int64), "parts"))
+    cm = check_against_ort(m, {"x": [2, 8, 5, 6]}, precision, fusion_disable=NHWC_ALWAYS)
+    (k,) = [k for k in cm.plan.kernels.values() if "x read in place" in k.source]
+    assert "depthwise conv kernel" in k.source and f"x += {width}" in k.source
+    assert f"iw) * {3 * width}" in k.source
+    assert cm.plan.kernels[k.id].inputs[0] in {
+        o for s in cm.plan.steps if "project" in s.label for o in s.outputs
+    }

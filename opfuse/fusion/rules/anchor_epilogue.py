@@ -176,6 +176,26 @@ class AnchorEpilogue(FusionRule):
                     # A reshaped (leading axes regrouped) is the same buffer: the row kernel that
                     # reads the output computes the GEMM on its tiles and loads A as it lies.
                     views = {}
+        if (
+            kind == "conv"
+            and variant == "template"
+            and anchor.op_type == NHWC_CONV
+            and not prologue
+            and state.on(names.LAYOUT_VIEWS)
+        ):
+            views.update(channel_window_input(graph, anchor, taken | members))
+            # The epilogue's inputs of the output's shape too (Res2Net's running sum: the previous
+            # scale's conv output plus this scale's part of the Split, in that conv's epilogue).
+            out_shape = tuple(graph.spec(anchor.outputs[0]).shape)
+            epilogue = frozenset(members - {anchor.id})
+            for x in dict.fromkeys(y for n in nodes[1:] for y in n.inputs if y):
+                if x in views or x in anchor.outputs or tuple(graph.spec(x).shape) != out_shape:
+                    continue
+                if any(x in n.outputs for n in nodes):
+                    continue
+                view = channel_window(graph, x, epilogue, taken | members)
+                if view is not None:
+                    views[x] = view
         prefix = PREFIX[kind]
         if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
@@ -397,6 +417,50 @@ def _a_operand_map(
     if im is None or im.rows() is None or im.base in read:
         return {}, []
     return maps, chain
+
+
+def channel_window_input(graph: Graph, anchor: Node, held: set[str]) -> dict[str, StridedView]:
+    """A dense NHWC conv's input that is a window of the channels of a wider NHWC buffer, as
+    {input: its view}: Res2Net's scales, a channel Split left in NCHW between the channels-last
+    region's Transposes, each part read by its own 3x3 conv. The template reads the window in
+    place (each pixel at the buffer's channel stride, from the window's first channel), where the
+    runtime would first copy the strided view into a buffer of its own: a kernel no launch count
+    shows. Only the template's loops that address pixels alone (codegen/conv_operands.py
+    `_read_channel_window`): the window loop, the flat one of few channels and the depthwise
+    one (FocalNet's focal levels); no prologue, not grouped."""
+    x = anchor.inputs[0]
+    if int(anchor.attrs.get("group", 1)) != 1 and not is_depthwise(graph, anchor):
+        return {}
+    view = channel_window(graph, x, frozenset({anchor.id}), held)
+    return {x: view} if view is not None else {}
+
+
+def channel_window(graph: Graph, x: str, readers: frozenset[str], held: set[str]) -> StridedView | None:
+    """`x` (NHWC) as a window of the channels of a wider NHWC buffer behind layout ops (a channel
+    Split or Slice between Transposes), read in place by `readers`; None where it is not one, or
+    is the buffer's own order (no copy to save)."""
+    if x in graph.constants:
+        return None
+    shape = tuple(int(d) for d in graph.spec(x).shape)
+    if len(shape) != 4:
+        return None
+    view = input_view(graph, x, allow_scale=False, readers=readers)
+    if (
+        not view.nodes
+        or view.base in graph.constants
+        or any(n.id in held for n in view.nodes)
+        or any(n.op_type not in VIEW_THROUGH for n in view.nodes)
+        or len(view.strides) != 4
+    ):
+        return None
+    _, h, w, c = shape
+    xc = int(view.strides[2])
+    want = (h * w * xc, w * xc, xc, 1)
+    if xc <= c or any(
+        size > 1 and got != exp for size, got, exp in zip(shape, view.strides, want, strict=True)
+    ):
+        return None
+    return view
 
 
 def _a_operand_view(
