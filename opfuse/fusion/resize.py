@@ -1,5 +1,6 @@
 """`resize_gather`: a Resize read only by one pointwise kernel, or by one channels-last conv's
-epilogue, is computed by that kernel's loads.
+epilogue, is computed by that kernel's loads; any other Resize the gather can compute is a gather
+kernel of its own (`resize_alone`, the pointwise rule's last groups), never the library's op.
 
 A Resize of a 4-D tensor over H and W (nearest, bilinear or bicubic, constant scales or sizes) whose
 output, directly or through unit-step Slices and Transposes, only one pointwise group or one
