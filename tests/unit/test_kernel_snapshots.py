@@ -50,6 +50,29 @@ def _llama(dynamo: bool) -> Callable[[], tuple[onnx.ModelProto, dict[str, list[i
     return build
 
 
+class _ScalesHead(torch.nn.Module):
+    """Res2Net's scales (a channel Split's parts read in place by the 3x3 conv and its epilogue),
+    then a bicubic upsampling that is the model's output (a gather kernel of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduce = torch.nn.Conv2d(8, 48, 1)
+        self.scale0 = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.scale1 = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p0, p1, p2 = torch.relu(self.reduce(x)).split(16, dim=1)
+        c0 = self.scale0(p1)
+        c1 = self.scale1(c0 + p2)
+        y = torch.cat([c0, c1, p0], dim=1)
+        return torch.nn.functional.interpolate(y, scale_factor=2.0, mode="bicubic", align_corners=False)
+
+
+def _scales_head() -> tuple[onnx.ModelProto, dict[str, list[int]]]:
+    torch.manual_seed(6)
+    return export(_ScalesHead(), (torch.randn(2, 8, 6, 5),), ["x"]), {}
+
+
 # name -> (builder, precision, disabled rules): every kernel family (pointwise, row reductions,
 # GEMM and conv templates with their epilogues, pooling, resize, attention, concat selection).
 MODELS: dict[str, tuple[Callable[[], tuple[onnx.ModelProto, dict[str, list[int]]]], str, tuple[str, ...]]] = {
@@ -67,6 +90,7 @@ MODELS: dict[str, tuple[Callable[[], tuple[onnx.ModelProto, dict[str, list[int]]
     "gpt2_block": (_gpt2, "fp32", ()),
     "llama_block": (_llama(False), "fp32", ()),
     "llama_block_dynamo_fp16": (_llama(True), "fp16", ()),
+    "scales_bicubic_head": (_scales_head, "fp32", ("fp32_dense_nchw",)),
 }
 
 
