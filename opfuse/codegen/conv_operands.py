@@ -317,15 +317,9 @@ def _read_channel_window(cv: NhwcConv) -> None:
     the other loop forms address x as a buffer of its own, and the planner folds no such input
     for them."""
     view = cv.views.get(cv.anchor.inputs[0])
-    if not isinstance(view, StridedView) or len(view.strides) != 4:
-        return
-    n, h, w, c = (int(d) for d in view.shape)
-    xc = int(view.strides[2])
-    want = (h * w * xc, w * xc, xc, 1)
-    if xc <= c or any(
-        size > 1 and got != exp for size, got, exp in zip((n, h, w, c), view.strides, want, strict=True)
-    ):
-        return  # another view of x (a Concat's copied input): x is read as a buffer of its own
+    xc = view.channel_window() if isinstance(view, StridedView) else 0
+    if not xc or not isinstance(view, StridedView):
+        return  # no view, or another (a Concat's copied input): x is read as a buffer of its own
     if cv.x_name != cv.anchor.inputs[0] or cv.grouped or cv.pooled or cv.ops:
         raise ValueError("a channel window of a wider buffer as the input of a conv with its own input loop")
     cv.x_base, cv.x_stride, cv.x_offset = view.base, xc, int(view.offset)

@@ -30,6 +30,19 @@ class StridedView:
         want = contiguous_strides(self.shape)
         return all(e == 1 or s == w for e, s, w in zip(self.shape, self.strides, want, strict=True))
 
+    def channel_window(self) -> int:
+        """The channels of the wider NHWC buffer each pixel of this 4-D view steps over, where the
+        view is a window of that buffer's channels (a channel Split or Slice of it); 0 where it
+        is not one, or is the buffer's own order."""
+        if len(self.shape) != 4 or len(self.strides) != 4 or self.scale != 1.0:
+            return 0
+        _, h, w, c = self.shape
+        xc = int(self.strides[2])
+        want = (h * w * xc, w * xc, xc, 1)
+        if xc <= c or any(n > 1 and s != e for n, s, e in zip(self.shape, self.strides, want, strict=True)):
+            return 0
+        return xc
+
     def owned(self) -> list[Node]:
         """The layout nodes a kernel reading through this view replaces (they leave the plan)."""
         return [n for n in self.nodes if n.id not in self.kept]

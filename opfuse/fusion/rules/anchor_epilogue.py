@@ -189,9 +189,8 @@ class AnchorEpilogue(FusionRule):
             out_shape = tuple(graph.spec(anchor.outputs[0]).shape)
             epilogue = frozenset(members - {anchor.id})
             for x in dict.fromkeys(y for n in nodes[1:] for y in n.inputs if y):
-                if x in views or x in anchor.outputs or tuple(graph.spec(x).shape) != out_shape:
-                    continue
-                if any(x in n.outputs for n in nodes):
+                made_here = any(x in n.outputs for n in nodes)
+                if x in views or made_here or tuple(graph.spec(x).shape) != out_shape:
                     continue
                 view = channel_window(graph, x, epilogue, taken | members)
                 if view is not None:
@@ -439,10 +438,7 @@ def channel_window(graph: Graph, x: str, readers: frozenset[str], held: set[str]
     """`x` (NHWC) as a window of the channels of a wider NHWC buffer behind layout ops (a channel
     Split or Slice between Transposes), read in place by `readers`; None where it is not one, or
     is the buffer's own order (no copy to save)."""
-    if x in graph.constants:
-        return None
-    shape = tuple(int(d) for d in graph.spec(x).shape)
-    if len(shape) != 4:
+    if x in graph.constants or len(graph.spec(x).shape) != 4:
         return None
     view = input_view(graph, x, allow_scale=False, readers=readers)
     if (
@@ -450,14 +446,7 @@ def channel_window(graph: Graph, x: str, readers: frozenset[str], held: set[str]
         or view.base in graph.constants
         or any(n.id in held for n in view.nodes)
         or any(n.op_type not in VIEW_THROUGH for n in view.nodes)
-        or len(view.strides) != 4
-    ):
-        return None
-    _, h, w, c = shape
-    xc = int(view.strides[2])
-    want = (h * w * xc, w * xc, xc, 1)
-    if xc <= c or any(
-        size > 1 and got != exp for size, got, exp in zip(shape, view.strides, want, strict=True)
+        or not view.channel_window()
     ):
         return None
     return view
