@@ -265,6 +265,82 @@ class Executor:
         return start.elapsed_time(end) / reps
 
 
+class GroupTimer:
+    """The device time of a few groups' steps of one plan, timed again on demand.
+
+    The tuning stage's second look at a close choice between a group's template and its library
+    form (tuning/orchestrate.py) alternates the two plans' timers: each `time(gid)` replays the
+    group's steps `reps` times from a CUDA graph captured once (their inputs those of one run of
+    the plan), so a round of the two forms sees the same GPU. On the CPU each call runs the steps
+    `reps` times and takes the wall time. A group whose steps cannot be captured is timed eagerly.
+    """
+
+    def __init__(self, executor: Executor, feeds: Mapping[str, Any], groups: list[str], reps: int) -> None:
+        self.executor, self.reps = executor, reps
+        plan = executor.plan
+        self.steps = {gid: [(i, s) for i, s in enumerate(plan.steps) if s.group == gid] for gid in groups}
+        needed = {
+            x
+            for steps in self.steps.values()
+            for _, s in steps
+            for x in (plan.kernels[s.kernel].inputs if s.kind == "kernel" else s.inputs)
+            if x
+        }
+        with torch.no_grad():
+            full = executor.run_tensors(executor.prepare_inputs(feeds), keep_all=True)
+        self.env = {x: full[x] for x in needed if x in full}  # the rest of the run is let go
+        self.graphs: dict[str, Any] = {}
+
+    def _run(self, gid: str, env: dict[str, torch.Tensor]) -> None:
+        for i, step in self.steps[gid]:
+            self.executor._run_step(i, step, env)
+
+    def _graph(self, gid: str) -> Any:
+        """The group's `reps` runs as one CUDA graph (None where a step cannot be captured)."""
+        if gid not in self.graphs:
+            device, env = self.executor.device, dict(self.env)
+            graph: Any = None
+            try:
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    self._run(gid, env)  # warm: compile and allocate outside the capture
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    with torch.cuda.graph(graph):
+                        for _ in range(self.reps):
+                            self._run(gid, env)
+                graph.replay()
+            except RuntimeError:
+                graph = None
+            self.graphs[gid] = (graph, env)
+        return self.graphs[gid]
+
+    def time(self, gid: str) -> float:
+        """ms of one run of the group's steps (the mean of `reps` back to back)."""
+        executor = self.executor
+        with torch.no_grad(), _matmul_precision(executor.plan.precision, executor.device):
+            if executor.device.type != "cuda":
+                env = dict(self.env)
+                t0 = time.perf_counter()
+                for _ in range(self.reps):
+                    self._run(gid, env)
+                return (time.perf_counter() - t0) * 1000.0 / self.reps
+            graph, env = self._graph(gid)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(self.reps):
+                    self._run(gid, env)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / self.reps
+
+
 class _matmul_precision:
     """tf32 allows TensorFloat-32 matmuls and convs for the duration of a run; others forbid it."""
 

@@ -889,6 +889,66 @@ def test_the_tuning_record_names_the_kernels_of_the_plan_that_runs(
         assert record["kernels"][kid] is by_signature[sig] and "config" in by_signature[sig]
 
 
+@pytest.mark.parametrize("template_first, vendor_first", [(1.0, 1.05), (1.0, 2.0)])
+def test_a_close_choice_is_timed_again_with_the_forms_alternating(
+    template_first: float, vendor_first: float, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A group whose template and library forms came out within CLOSE_RATIO in the first pass is
+    timed again: both plans' group steps, really run (the interpreter here), alternating for the
+    rounds; the medians decide, and the record keeps the first times and each form's range. A
+    group far apart is decided by the first pass."""
+    from opfuse.tuning.configs import CLOSE_RATIO
+    from opfuse.tuning.orchestrate import RETIME_CPU
+    from tests.builders import conv_bn_relu
+
+    def first(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
+        template = any(k.group == gid and k.kind == "conv" for k in plan.kernels.values())
+        return {gid: template_first if template else vendor_first}
+
+    record, gid, _, variants = _tune_with(
+        monkeypatch, tmp_path, conv_bn_relu(4, 8, 8), [1, 4, 8, 8], lambda g: g.kind == "conv", first
+    )
+    entry = record["variants"][gid]
+    if vendor_first > CLOSE_RATIO * template_first:
+        assert "retimed" not in entry and "retime" not in record
+        assert entry == {"choice": "template", "template_ms": 1.0, "vendor_ms": 2.0}
+        return
+    again = entry["retimed"]
+    assert again["first_ms"] == [template_first, vendor_first] and again["rounds"] == RETIME_CPU[0]
+    assert record["retime"]["groups"] == 1
+    for form in ("template", "vendor"):
+        lo, hi = again[f"{form}_range"]
+        assert 0.0 < lo <= entry[f"{form}_ms"] <= hi  # the median of real runs, not the first time
+    assert entry["template_ms"] != template_first and entry["vendor_ms"] != vendor_first
+    assert (
+        variants[gid]
+        == entry["choice"]
+        == ("vendor" if entry["vendor_ms"] < entry["template_ms"] else "template")
+    )
+
+
+def test_the_group_timer_runs_the_groups_steps_on_their_inputs() -> None:
+    """GroupTimer keeps only the inputs of the groups it times and runs exactly their steps."""
+    import numpy as np
+
+    from opfuse.runtime.executor import Executor, GroupTimer
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE
+
+    plan = one_kernel_plan()
+    executor = Executor(plan, TEST_DEVICE)
+    (gid,) = {s.group for s in plan.steps if s.group}
+    timer = GroupTimer(executor, random_inputs(plan.inputs, np.random.default_rng(2)), [gid], reps=2)
+    (kernel,) = plan.kernels.values()
+    assert set(timer.env) == set(kernel.inputs)
+    ran: list[int] = []
+    real = executor._run_step
+    executor._run_step = lambda i, step, env, arena=False: (ran.append(i), real(i, step, env, arena))  # type: ignore[method-assign]
+    assert timer.time(gid) > 0.0
+    steps = [i for i, s in enumerate(plan.steps) if s.group == gid]
+    assert ran == steps * 2 or TEST_DEVICE != "cpu"  # a CUDA graph replays what it captured
+
+
 # --- a cache that holds only what ran; workers that cannot start --------------------------------
 
 
