@@ -302,6 +302,13 @@ def _prepare(
             if s.get("op_type") != "Reshape"
         ],
         variants={gid: v.get("choice") for gid, v in ((r.get("tuning") or {}).get("variants") or {}).items()},
+        # The choices timed a second time (close at first): [template, vendor] first, then the
+        # medians that decided, ms.
+        retimed={
+            gid: [*v["retimed"]["first_ms"], v["template_ms"], v["vendor_ms"]]
+            for gid, v in ((r.get("tuning") or {}).get("variants") or {}).items()
+            if v.get("retimed")
+        },
         # The planned groups that run unfused after all (a fault of opfuse's, a kernel the GPU
         # could not compile, a group verification rolled back), each with why: what makes the
         # GPU's launches exceed the CPU leg's plan.
@@ -311,7 +318,7 @@ def _prepare(
         timings_s=r.get("timings_s"),
         tuning_s={
             k: (r.get("tuning") or {}).get(k)
-            for k in ("compile_s", "compile_workers", "configs_s", "variants_s")
+            for k in ("compile_s", "compile_workers", "configs_s", "variants_s", "retime", "retime_error")
         },
     )
     cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
