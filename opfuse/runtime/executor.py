@@ -230,19 +230,25 @@ class Executor:
             with _matmul_precision(self.plan.precision, self.device):
                 for i, step in enumerate(self.plan.steps):
                     with timing_section():  # OPFUSE_TIMING_LOCK: one step's timing at a time
-                        times.append(self._device_time(i, step, full, reps))
+                        times.append(self._device_time([(i, step)], full, reps))
             return times
 
-    def _device_time(self, i: int, step: Step, env: dict[str, torch.Tensor], reps: int) -> float:
-        """One step's device time: `reps` launches captured in a CUDA graph and replayed, so host
-        launch overhead (which a graph-replayed plan does not pay) stays out of the figure."""
+    def _device_time(self, steps: list[tuple[int, Step]], env: dict[str, torch.Tensor], reps: int) -> float:
+        """The device time of one run of `steps`: `reps` runs captured in a CUDA graph and replayed
+        once, so host launch overhead (which a graph-replayed plan does not pay) stays out of the
+        figure. The graph is let go before this returns (a capture costs about 4 ms)."""
         scratch = dict(env)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def run() -> None:
+            for i, step in steps:
+                self._run_step(i, step, scratch)
+
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._run_step(i, step, scratch)  # warm: compile and allocate outside the capture
+                run()  # warm: compile and allocate outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with warnings.catch_warnings():
@@ -251,7 +257,7 @@ class Executor:
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
                 with torch.cuda.graph(graph):
                     for _ in range(reps):
-                        self._run_step(i, step, scratch)
+                        run()
             graph.replay()
             start.record()
             graph.replay()
@@ -259,7 +265,7 @@ class Executor:
         except RuntimeError:  # a step that cannot be captured is timed eagerly
             start.record()
             for _ in range(reps):
-                self._run_step(i, step, scratch)
+                run()
             end.record()
         end.synchronize()
         return start.elapsed_time(end) / reps
@@ -269,10 +275,18 @@ class GroupTimer:
     """The device time of a few groups' steps of one plan, timed again on demand.
 
     The tuning stage's second look at a close choice between a group's template and its library
-    form (tuning/orchestrate.py) alternates the two plans' timers: each `time(gid)` replays the
-    group's steps `reps` times from a CUDA graph captured once (their inputs those of one run of
-    the plan), so a round of the two forms sees the same GPU. On the CPU each call runs the steps
-    `reps` times and takes the wall time. A group whose steps cannot be captured is timed eagerly.
+    form (tuning/orchestrate.py) alternates the two plans' timers. Each step's inputs are those of
+    one run of the plan, kept, as the per-step profile (Executor.time_steps) takes them; each
+    `time(gid)` is the sum of the group's steps' times, each step run `reps` times: on a GPU
+    captured as a CUDA graph, replayed and let go, exactly as the profile times a step; on the CPU
+    back to back by the wall clock.
+
+    A first form kept each group's graph (all its steps in one) for every round: on the GPU that
+    met an illegal memory access (halonet26t at batch 32, twice in two runs; not under
+    CUDA_LAUNCH_BLOCKING=1, and not with the second timing off). torch keeps cuBLAS workspaces per
+    capture stream, and a graph let go clears them under graphs still alive that replay with
+    them (pytorch/pytorch#193402), which fits. Here no graph outlives its own timing: this form
+    runs only what the profile runs, more often.
     """
 
     def __init__(self, executor: Executor, feeds: Mapping[str, Any], groups: list[str], reps: int) -> None:
@@ -289,56 +303,19 @@ class GroupTimer:
         with torch.no_grad():
             full = executor.run_tensors(executor.prepare_inputs(feeds), keep_all=True)
         self.env = {x: full[x] for x in needed if x in full}  # the rest of the run is let go
-        self.graphs: dict[str, Any] = {}
-
-    def _run(self, gid: str, env: dict[str, torch.Tensor]) -> None:
-        for i, step in self.steps[gid]:
-            self.executor._run_step(i, step, env)
-
-    def _graph(self, gid: str) -> Any:
-        """The group's `reps` runs as one CUDA graph (None where a step cannot be captured)."""
-        if gid not in self.graphs:
-            device, env = self.executor.device, dict(self.env)
-            graph: Any = None
-            try:
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    self._run(gid, env)  # warm: compile and allocate outside the capture
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                    with torch.cuda.graph(graph):
-                        for _ in range(self.reps):
-                            self._run(gid, env)
-                graph.replay()
-            except RuntimeError:
-                graph = None
-            self.graphs[gid] = (graph, env)
-        return self.graphs[gid]
 
     def time(self, gid: str) -> float:
         """ms of one run of the group's steps (the mean of `reps` back to back)."""
         executor = self.executor
         with torch.no_grad(), _matmul_precision(executor.plan.precision, executor.device):
-            if executor.device.type != "cuda":
-                env = dict(self.env)
-                t0 = time.perf_counter()
-                for _ in range(self.reps):
-                    self._run(gid, env)
-                return (time.perf_counter() - t0) * 1000.0 / self.reps
-            graph, env = self._graph(gid)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            if graph is not None:
-                graph.replay()
-            else:
-                for _ in range(self.reps):
-                    self._run(gid, env)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / self.reps
+            if executor.device.type == "cuda":
+                return sum(executor._device_time([step], self.env, self.reps) for step in self.steps[gid])
+            env = dict(self.env)
+            t0 = time.perf_counter()
+            for _ in range(self.reps):
+                for i, step in self.steps[gid]:
+                    executor._run_step(i, step, env)
+            return (time.perf_counter() - t0) * 1000.0 / self.reps
 
 
 class _matmul_precision:

@@ -268,9 +268,10 @@ def tune(
 
 
 # Rounds of the second look at close choices, and launches a round (retime_close): on a GPU each
-# round replays a CUDA graph, tens of microseconds a group; in Triton's interpreter a launch of a
-# template takes about as long as a whole GPU leg's round, so there it is a few.
-RETIME_GPU = (9, 20)
+# round captures each step of each form's group as a CUDA graph (about 4 ms) and replays it (tens
+# of microseconds); in Triton's interpreter a launch of a template takes about as long as a whole GPU
+# round, so there it is a few.
+RETIME_GPU = (7, 20)
 RETIME_CPU = (3, 1)
 
 
