@@ -271,7 +271,7 @@ def tune(
 # round captures each step of each form's group as a CUDA graph (about 4 ms) and replays it (tens
 # of microseconds); in Triton's interpreter a launch of a template takes about as long as a whole GPU
 # round, so there it is a few.
-RETIME_GPU = (7, 20)
+RETIME_GPU = (5, 20)
 RETIME_CPU = (3, 1)
 
 
