@@ -275,18 +275,18 @@ class GroupTimer:
     """The device time of a few groups' steps of one plan, timed again on demand.
 
     The tuning stage's second look at a close choice between a group's template and its library
-    form (tuning/orchestrate.py) alternates the two plans' timers. Each step's inputs are those of
-    one run of the plan, kept, as the per-step profile (Executor.time_steps) takes them; each
-    `time(gid)` is the sum of the group's steps' times, each step run `reps` times: on a GPU
-    captured as a CUDA graph, replayed and let go, exactly as the profile times a step; on the CPU
-    back to back by the wall clock.
+    form (tuning/orchestrate.py) alternates the two plans' timers. The steps' inputs are those of
+    one run of the plan, kept; each `time(gid)` runs the group's steps (the library op and its
+    epilogue kernel run back to back, as in the plan's own CUDA graph) `reps` times: on a GPU
+    captured as one CUDA graph, replayed and let go, as the per-step profile times a step
+    (Executor._device_time); on the CPU back to back by the wall clock.
 
     A first form kept each group's graph (all its steps in one) for every round: on the GPU that
     met an illegal memory access (halonet26t at batch 32, twice in two runs; not under
     CUDA_LAUNCH_BLOCKING=1, and not with the second timing off). torch keeps cuBLAS workspaces per
     capture stream, and a graph let go clears them under graphs still alive that replay with
-    them (pytorch/pytorch#193402), which fits. Here no graph outlives its own timing: this form
-    runs only what the profile runs, more often.
+    them (pytorch/pytorch#193402), which fits. Here no graph outlives its own timing, as in the
+    profile.
     """
 
     def __init__(self, executor: Executor, feeds: Mapping[str, Any], groups: list[str], reps: int) -> None:
@@ -309,7 +309,7 @@ class GroupTimer:
         executor = self.executor
         with torch.no_grad(), _matmul_precision(executor.plan.precision, executor.device):
             if executor.device.type == "cuda":
-                return sum(executor._device_time([step], self.env, self.reps) for step in self.steps[gid])
+                return executor._device_time(self.steps[gid], self.env, self.reps)
             env = dict(self.env)
             t0 = time.perf_counter()
             for _ in range(self.reps):

@@ -268,8 +268,8 @@ def tune(
 
 
 # Rounds of the second look at close choices, and launches a round (retime_close): on a GPU each
-# round captures each step of each form's group as a CUDA graph (about 4 ms) and replays it (tens
-# of microseconds); in Triton's interpreter a launch of a template takes about as long as a whole GPU
+# round captures each form's group as a CUDA graph (about 4 ms), replays it (tens of
+# microseconds) and lets it go; in Triton's interpreter a launch of a template takes about as long as a whole GPU
 # round, so there it is a few.
 RETIME_GPU = (5, 20)
 RETIME_CPU = (3, 1)
