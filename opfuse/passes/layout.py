@@ -22,7 +22,12 @@ the [N, C, L] tensors of a 1-D conv their tokens [N, L, C] as one image row [N, 
   statistics), its per-channel scale and bias broadcast along the last axis;
 - the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
   a Transpose to NHWC of a value already there is that value, and the operand of a Transpose back
-  to NCHW is the NHWC form of its result.
+  to NCHW is the NHWC form of its result;
+- pointwise ops that only a conv of the region reads, each with one computed input and constants
+  (a BatchNorm's scale and shift before a conv whose input comes from outside the region: MaxViT's
+  MBConv pre-norm after the window reverse) run in NHWC: the Transpose into the region moves above
+  them, where their kernel reads it as a view, instead of a copy the runtime makes of their NCHW
+  output for the conv.
 
 At the region's edges an explicit Transpose converts (into NHWC before the first conv, back to
 NCHW before an op that needs the original layout or a graph output); the fusion planner folds
@@ -197,6 +202,40 @@ def _pointwise_ok(graph: Graph, node: Node, twin: dict[str, str]) -> bool:
     return touches
 
 
+def _hoisted(graph: Graph, convs: list[Node]) -> set[str]:
+    """The pointwise ops that run in NHWC ahead of the region (module doc): walking back from
+    each 2-D conv's input, an op with one computed input of its output's rank (4), the rest
+    constants, whose output is no graph output and is read only by the region's convs and ops
+    already taken. A chain reaching a value of the region stops there (the region takes it
+    anyway)."""
+    producers, consumers = graph.producers(), graph.consumers()
+    outputs = {o.name for o in graph.outputs}
+    conv_ids = {n.id for n in convs}
+    taken: set[str] = set()
+    for conv in convs:
+        x = conv.inputs[0]
+        while True:
+            node = producers.get(x)
+            if (
+                node is None
+                or node.op_type not in POINTWISE_OPS
+                or node.id in taken
+                or len([o for o in node.outputs if o]) != 1
+                or x in outputs
+                or len(graph.spec(x).shape) != 4
+                or graph.spec(x).dtype not in FLOAT_TYPES
+            ):
+                break
+            if any(r.id not in conv_ids and r.id not in taken for r in consumers.get(x, [])):
+                break
+            computed = [i for i in node.inputs if i and i not in graph.constants]
+            if len(computed) != 1 or len(graph.spec(computed[0]).shape) != 4:
+                break
+            taken.add(node.id)
+            x = computed[0]
+    return taken
+
+
 def _one_group(graph: Graph, node: Node) -> bool:
     """A 4-D GroupNormalization with one group, its scale and bias one value per channel (or one
     in all), whose statistics are those of LayerNormalization over the same elements."""
@@ -255,6 +294,7 @@ def to_channels_last(
     # What the 1-D convs read: the model's permute from NLC to their NCL input is absorbed.
     reads_1d = {n.inputs[0] for n in convs if len(graph.spec(n.inputs[0]).shape) == 3}
     rename: dict[str, str] = {}  # a model Transpose to NHWC of a value with a twin: the twin itself
+    hoisted = _hoisted(graph, [n for n in convs if len(graph.spec(n.inputs[0]).shape) == 4])
     for node in graph.nodes:
         node.inputs = [rename.get(x, x) for x in node.inputs]
         op = node.op_type
@@ -338,7 +378,7 @@ def to_channels_last(
             attrs = {"axis": 1, "epsilon": float(node.attrs.get("epsilon", 1e-5))}
             out = rw.new_output(node.outputs[0])
             rw.out.append(Node(node.id, "LayerNormalization", ins, [out], attrs, node.name))
-        elif _pointwise_ok(graph, node, rw.twin):
+        elif _pointwise_ok(graph, node, rw.twin) or node.id in hoisted:
             ins = []
             for x in node.inputs:
                 if not x or (x not in rw.twin and x not in graph.constants and graph.spec(x).numel == 1):

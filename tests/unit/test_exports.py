@@ -635,3 +635,43 @@ def test_rotary_rotate_half_becomes_one_gemm_with_the_rotation_in_its_epilogue(d
     # the Concat with `* sin + x * cos` after it (concat_select); with it, by the GEMM's epilogue.
     assert cm.report["kernels"]["after"] == off.report["kernels"]["after"] - 2
     assert any("concat_select" in g["rule"] for g in off.report["fusion"]["groups"])
+
+
+class WindowsThenMBConv(nn.Module):
+    """MaxViT's seam: window-attention tokens [B * windows, 16, C] reversed into an image, then
+    the MBConv's pre-norm (BatchNorm) and its first 1x1 conv, the image also the shortcut."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.mix = nn.Linear(c, c)
+        self.norm = nn.BatchNorm2d(c)
+        self.conv = nn.Conv2d(c, c, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, ws, c, h = 1, 4, tokens.shape[-1], 8
+        t = self.mix(tokens)  # [4, 16, C]: 2 x 2 windows of 4 x 4 tokens
+        img = t.view(b, h // ws, h // ws, ws, ws, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, h)
+        return self.conv(self.norm(img)) + img
+
+
+@pytest.mark.parametrize("dynamo", [True, False])
+def test_a_norm_between_reversed_windows_and_a_conv_writes_the_convs_layout(dynamo: bool) -> None:
+    """The BatchNorm runs in NHWC, its kernel reading the windows in place and writing what the
+    conv reads: no copy of the norm's output is left for the runtime to make (before, the norm
+    wrote NCHW and the runtime copied it into NHWC for the conv: 3 copies a run). The two left
+    are the shortcut's: the window reverse's Reshape of a permuted value, and the conv epilogue's
+    read of it through the Transpose into NHWC."""
+    from bench.kernels import view_copies
+
+    torch.manual_seed(4)
+    model = WindowsThenMBConv()
+    model.norm.running_mean.uniform_(-0.5, 0.5)
+    model.norm.running_var.uniform_(0.5, 2.0)
+    model.norm.weight.data.uniform_(0.5, 1.5)
+    tokens = image(4, 16, 8)
+    cm = check(export(model, (torch.from_numpy(tokens),), ["tokens"], dynamo=dynamo), {"tokens": tokens})
+    norm = next(s for s in cm.plan.steps if s.kind == "kernel" and "norm" in s.label.lower())
+    assert cm.plan.values[norm.outputs[0]].shape == (1, 8, 8, 8)  # NHWC: the conv's input
+    conv = next(s for s in cm.plan.steps if s.kind == "kernel" and cm.plan.kernels[s.kernel].kind == "conv")
+    assert norm.outputs[0] in cm.plan.kernels[conv.kernel].inputs
+    assert view_copies(cm.plan) == 2

@@ -108,3 +108,59 @@ def test_dense_convolutions_in_fp32_on_the_gpu_stay_nchw() -> None:
     assert ops(graph) == ["Conv", "Relu", "MaxPool"]
     assert [(r.nodes, r.reason) for r in log.not_fired] == [(["conv"], FP32_DENSE_REASON)]
     assert log.fired == {names.FP32_DENSE_NCHW: 1}
+
+
+def test_a_norm_only_a_conv_reads_runs_channels_last_ahead_of_it() -> None:
+    """A BatchNorm's scale and shift (a Mul and an Add by per-channel constants) on a value from
+    outside the region (here the model's own transpose of the input, as MaxViT's window reverse
+    before its MBConv's pre-norm), read only by the conv: the Transpose into NHWC moves above
+    them, so their kernel writes the conv's NHWC input. The shortcut's Add after the conv reads
+    the same untransposed value through the same twin."""
+    c = 4
+    model = tiny_model(
+        [
+            n("Transpose", ["x"], ["t"], name="window_reverse", perm=[0, 1, 3, 2]),
+            n("Mul", ["t", "scale"], ["s"], name="bn_scale"),
+            n("Add", ["s", "shift"], ["b"], name="bn_shift"),
+            n("Conv", ["b", "w", "bias"], ["c"], name="conv"),
+            n("Add", ["c", "t"], ["y"], name="shortcut"),
+        ],
+        {"x": [1, c, 5, 6]},
+        {"y": [1, c, 6, 5]},
+        {
+            "scale": weights(c, 1, 1, seed=2) + 1.0,
+            "shift": weights(c, 1, 1, seed=3),
+            "w": weights(c, c, 1, 1),
+            "bias": weights(c, seed=1),
+        },
+    )
+    graph = graph_of(model)
+    run_pass(graph, PASS)
+    assert ops(graph) == ["Transpose", "Transpose", "Mul", "Add", NHWC_CONV, "Add", "Transpose"]
+    to_nhwc = graph.nodes[1]
+    assert to_nhwc.inputs == ["t"] and to_nhwc.attrs["perm"] == [0, 2, 3, 1]
+    mul, add, conv, shortcut = graph.nodes[2:6]
+    assert mul.inputs[0] == to_nhwc.outputs[0] and conv.inputs[0] == add.outputs[0]
+    assert graph.spec(add.outputs[0]).shape == (1, 6, 5, c)  # NHWC: the conv's input as it reads it
+    assert to_nhwc.outputs[0] in shortcut.inputs  # one twin of the transposed value for both readers
+    assert_computes_as_onnxruntime(model, graph)
+
+
+def test_a_norm_read_by_more_than_the_conv_stays_where_it_was() -> None:
+    """The same norm, its output also a graph output: it stays NCHW, and the conv's input is the
+    Transpose of its output, as before."""
+    c = 4
+    model = tiny_model(
+        [
+            n("Transpose", ["x"], ["t"], name="window_reverse", perm=[0, 1, 3, 2]),
+            n("Mul", ["t", "scale"], ["s"], name="bn_scale"),
+            n("Conv", ["s", "w"], ["y"], name="conv"),
+        ],
+        {"x": [1, c, 5, 6]},
+        {"y": [1, c, 6, 5], "s": [1, c, 6, 5]},
+        {"scale": weights(c, 1, 1, seed=2) + 1.0, "w": weights(c, c, 1, 1)},
+    )
+    graph = graph_of(model)
+    run_pass(graph, PASS)
+    assert ops(graph) == ["Transpose", "Mul", "Transpose", NHWC_CONV, "Transpose"]
+    assert_computes_as_onnxruntime(model, graph)
