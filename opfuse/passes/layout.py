@@ -45,6 +45,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.ops import FLOAT_TYPES, LRN_NHWC, NHWC_CONV, POINTWISE_OPS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.ops import NHWC_POOLS as POOLS
+from opfuse.passes.pointwise_views import VIEWS
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
 RULE = names.CHANNELS_LAST
@@ -206,14 +207,17 @@ def _hoisted(graph: Graph, convs: list[Node]) -> set[str]:
     """The pointwise ops that run in NHWC ahead of the region (module doc): walking back from
     each 2-D conv's input, an op with one computed input of its output's rank (4), the rest
     constants, whose output is no graph output and is read only by the region's convs and ops
-    already taken. A chain reaching a value of the region stops there (the region takes it
-    anyway)."""
+    already taken; and only a chain that starts from a layout op's output (a Reshape, a
+    Transpose: MaxViT's window reverse) or a graph input. A chain after an op that computes (a
+    GroupNorm's row kernel, whose epilogue it would be) stays: there the NCHW value is one
+    kernel's output either way, and moving the chain would cost it that kernel's epilogue."""
     producers, consumers = graph.producers(), graph.consumers()
     outputs = {o.name for o in graph.outputs}
     conv_ids = {n.id for n in convs}
     taken: set[str] = set()
     for conv in convs:
         x = conv.inputs[0]
+        chain: list[str] = []
         while True:
             node = producers.get(x)
             if (
@@ -226,13 +230,18 @@ def _hoisted(graph: Graph, convs: list[Node]) -> set[str]:
                 or graph.spec(x).dtype not in FLOAT_TYPES
             ):
                 break
-            if any(r.id not in conv_ids and r.id not in taken for r in consumers.get(x, [])):
+            if any(
+                r.id not in conv_ids and r.id not in taken and r.id not in chain for r in consumers.get(x, [])
+            ):
                 break
             computed = [i for i in node.inputs if i and i not in graph.constants]
             if len(computed) != 1 or len(graph.spec(computed[0]).shape) != 4:
                 break
-            taken.add(node.id)
+            chain.append(node.id)
             x = computed[0]
+        source = producers.get(x)
+        if chain and (source is None or source.op_type in VIEWS):
+            taken.update(chain)
     return taken
 
 

@@ -164,3 +164,25 @@ def test_a_norm_read_by_more_than_the_conv_stays_where_it_was() -> None:
     run_pass(graph, PASS)
     assert ops(graph) == ["Transpose", "Mul", "Transpose", NHWC_CONV, "Transpose"]
     assert_computes_as_onnxruntime(model, graph)
+
+
+def test_an_activation_after_a_computed_norm_stays_its_epilogue() -> None:
+    """A Relu after a GroupNorm of two groups (which stays NCHW), read only by the conv: the chain
+    starts from an op that computes, whose row kernel takes the Relu as its epilogue, so it stays
+    NCHW and the Transpose into the region comes after it (moved, it would be a kernel of its own)."""
+    c = 4
+    model = tiny_model(
+        [
+            n("GroupNormalization", ["x", "gamma", "beta"], ["g"], name="norm", num_groups=2),
+            n("Relu", ["g"], ["r"], name="relu"),
+            n("Conv", ["r", "w"], ["y"], name="conv"),
+        ],
+        {"x": [1, c, 5, 6]},
+        {"y": [1, c, 5, 6]},
+        {"gamma": weights(c, seed=2) + 1.0, "beta": weights(c, seed=3), "w": weights(c, c, 1, 1)},
+        opset=21,  # GroupNormalization's per-channel scale and bias
+    )
+    graph = graph_of(model)
+    run_pass(graph, PASS)
+    assert ops(graph) == ["GroupNormalization", "Relu", "Transpose", NHWC_CONV, "Transpose"]
+    assert_computes_as_onnxruntime(model, graph)
