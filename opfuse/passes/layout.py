@@ -23,11 +23,11 @@ the [N, C, L] tensors of a 1-D conv their tokens [N, L, C] as one image row [N, 
 - the model's own permutes between the layouts (ConvNeXt's LayerNorm over channels) are absorbed:
   a Transpose to NHWC of a value already there is that value, and the operand of a Transpose back
   to NCHW is the NHWC form of its result;
-- pointwise ops that only a conv of the region reads, each with one computed input and constants
-  (a BatchNorm's scale and shift before a conv whose input comes from outside the region: MaxViT's
-  MBConv pre-norm after the window reverse) run in NHWC: the Transpose into the region moves above
-  them, where their kernel reads it as a view, instead of a copy the runtime makes of their NCHW
-  output for the conv.
+- pointwise ops that only a conv of the region reads, each with one computed input and constants,
+  the chain starting from a layout op's output or a graph input (a BatchNorm's scale and shift
+  before a conv: MaxViT's MBConv pre-norm after the window reverse) run in NHWC: the Transpose
+  into the region moves above them, where their kernel reads it as a view, instead of a copy the
+  runtime makes of their NCHW output for the conv.
 
 At the region's edges an explicit Transpose converts (into NHWC before the first conv, back to
 NCHW before an op that needs the original layout or a graph output); the fusion planner folds
