@@ -930,6 +930,32 @@ def test_a_close_choice_is_timed_again_with_the_forms_alternating(
     )
 
 
+def test_a_second_timing_that_raises_leaves_the_first_times_to_decide(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The second timing is a second opinion: where it raises (here the timer, for every group),
+    the choice is the first pass's, the record says why in one line, and tuning goes on."""
+    from opfuse.runtime import executor as executor_module
+    from tests.builders import conv_bn_relu
+
+    def broken(self: Any, gid: str) -> float:
+        raise RuntimeError("injected: the second timing failed")
+
+    monkeypatch.setattr(executor_module.GroupTimer, "time", broken)
+
+    def first(plan: Any, gid: str, groups: list[Any]) -> dict[str, float]:
+        template = any(k.group == gid and k.kind == "conv" for k in plan.kernels.values())
+        return {gid: 1.05 if template else 1.0}
+
+    record, gid, make_plan, variants = _tune_with(
+        monkeypatch, tmp_path, conv_bn_relu(4, 8, 8), [1, 4, 8, 8], lambda g: g.kind == "conv", first
+    )
+    assert record["retime_error"] == "RuntimeError: injected: the second timing failed"
+    assert "retime" not in record and "retimed" not in record["variants"][gid]
+    assert record["variants"][gid] == {"choice": "vendor", "template_ms": 1.05, "vendor_ms": 1.0}
+    assert variants[gid] == "vendor" and [k.kind for k in make_plan().kernels.values()] == ["pointwise"]
+
+
 def test_the_group_timer_runs_the_groups_steps_on_their_inputs() -> None:
     """GroupTimer keeps only the inputs of the groups it times and runs exactly their steps."""
     import numpy as np
