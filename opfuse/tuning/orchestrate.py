@@ -268,9 +268,9 @@ def tune(
 
 
 # Rounds of the second look at close choices, and launches a round (retime_close): on a GPU each
-# round captures each form's group as a CUDA graph (about 4 ms), replays it (tens of
-# microseconds) and lets it go; in Triton's interpreter a launch of a template takes about as long as a whole GPU
-# round, so there it is a few.
+# round captures each form's group as a CUDA graph (4-8 ms), replays it (tens of microseconds)
+# and lets it go; in Triton's interpreter a launch of a template takes about as long as a whole
+# GPU round, so there it is a few.
 RETIME_GPU = (5, 20)
 RETIME_CPU = (3, 1)
 
