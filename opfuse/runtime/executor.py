@@ -236,7 +236,7 @@ class Executor:
     def _device_time(self, steps: list[tuple[int, Step]], env: dict[str, torch.Tensor], reps: int) -> float:
         """The device time of one run of `steps`: `reps` runs captured in a CUDA graph and replayed
         once, so host launch overhead (which a graph-replayed plan does not pay) stays out of the
-        figure. The graph is let go before this returns (a capture costs about 4 ms)."""
+        figure. The graph is let go before this returns (a capture costs 4-8 ms)."""
         scratch = dict(env)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
