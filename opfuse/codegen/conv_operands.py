@@ -317,8 +317,7 @@ def _read_channel_window(cv: NhwcConv) -> None:
     the other loop forms address x as a buffer of its own, and the planner folds no such input
     for them."""
     view = cv.views.get(cv.anchor.inputs[0])
-    xc = view.channel_window() if isinstance(view, StridedView) else 0
-    if not xc or not isinstance(view, StridedView):
+    if not isinstance(view, StridedView) or not (xc := view.channel_window()):
         return  # no view, or another (a Concat's copied input): x is read as a buffer of its own
     if cv.x_name != cv.anchor.inputs[0] or cv.grouped or cv.pooled or cv.ops:
         raise ValueError("a channel window of a wider buffer as the input of a conv with its own input loop")

@@ -217,7 +217,7 @@ def _hoisted(graph: Graph, convs: list[Node]) -> set[str]:
     taken: set[str] = set()
     for conv in convs:
         x = conv.inputs[0]
-        chain: list[str] = []
+        chain: set[str] = set()
         while True:
             node = producers.get(x)
             if (
@@ -237,7 +237,7 @@ def _hoisted(graph: Graph, convs: list[Node]) -> set[str]:
             computed = [i for i in node.inputs if i and i not in graph.constants]
             if len(computed) != 1 or len(graph.spec(computed[0]).shape) != 4:
                 break
-            chain.append(node.id)
+            chain.add(node.id)
             x = computed[0]
         source = producers.get(x)
         if chain and (source is None or source.op_type in VIEWS):

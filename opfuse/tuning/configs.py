@@ -488,14 +488,15 @@ CLOSE_RATIO = 1.5
 
 
 def retime_close(
-    plans: dict[str, tuple[Plan, Executor]],
+    executors: dict[str, Executor],
     feeds: dict[str, Any],
     first: dict[str, dict[str, float]],
     rounds: int,
     reps: int,
 ) -> dict[str, dict[str, list[float]]]:
     """The groups of `first` (form -> group -> ms, each plan timed once, whole) whose forms came out
-    within CLOSE_RATIO, timed again: form -> group -> `rounds` times, sorted.
+    within CLOSE_RATIO, timed again on each form's plan's executor (`executors`, by form): form ->
+    group -> `rounds` times, sorted.
 
     A first pass times one plan, then the other, a few launches a step: on a GPU whose clocks
     move, or that another process's tuning worker shares, a group a few percent apart is decided by
@@ -503,7 +504,7 @@ def retime_close(
     section (OPFUSE_TIMING_LOCK), `reps` launches each from a CUDA graph, the order swapped each
     round, so a disturbance falls on both. Groups the first pass found far apart are not timed
     again."""
-    names = list(plans)
+    names = list(executors)
     close = [
         gid
         for gid in first[names[0]]
@@ -512,7 +513,7 @@ def retime_close(
     ]
     if not close:
         return {}
-    timers = {n: GroupTimer(executor, feeds, close, reps) for n, (_, executor) in plans.items()}
+    timers = {n: GroupTimer(executor, feeds, close, reps) for n, executor in executors.items()}
     samples: dict[str, dict[str, list[float]]] = {n: {gid: [] for gid in close} for n in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]

@@ -298,7 +298,7 @@ def _retime_close(
     t0 = time.perf_counter()
     try:
         retimed = configs_module.retime_close(
-            {name: (candidates[name], ran[name][0]) for name in ("template", "vendor")},
+            {name: ran[name][0] for name in ("template", "vendor")},
             feeds,
             first,
             rounds,
