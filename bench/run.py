@@ -29,6 +29,7 @@ import torch
 import opfuse
 from bench.corpus.run import commit
 from bench.zoo import ZOO, build, export_onnx
+from opfuse.runtime.graph_capture import graph_capture
 
 TUNE_BUDGET_S = 60.0  # set by main(): --tune-budget
 WARM = False  # set by main(): --warm
@@ -58,7 +59,7 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with graph_capture(g):
         fn()
     return g.replay
 

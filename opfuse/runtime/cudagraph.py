@@ -8,6 +8,7 @@ import torch
 
 from opfuse.runtime.capture import CaptureBlocked, describe, host_blockers
 from opfuse.runtime.executor import Executor
+from opfuse.runtime.graph_capture import graph_capture
 
 
 class GraphRunner:
@@ -33,7 +34,7 @@ class GraphRunner:
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(executor.device)
         before = torch.cuda.memory_allocated(executor.device)
-        with torch.no_grad(), torch.cuda.graph(self.graph):
+        with torch.no_grad(), graph_capture(self.graph):
             self.static_out = executor.run_tensors(dict(self.static_in))
         torch.cuda.synchronize(executor.device)
         # Activations live in the graph's private pool: what it holds is the plan's working memory.

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from opfuse.errors import InputError, ModelError
+from opfuse.runtime.graph_capture import graph_capture
 from opfuse.runtime.kernels import ensure_interpreter, load_kernel_module
 from opfuse.runtime.memory import plan_memory
 from opfuse.runtime.ops import run_op
@@ -255,7 +256,7 @@ class Executor:
                 # A step that launches nothing (a view: Reshape, Flatten, Squeeze) captures an
                 # empty graph, and torch warns; its device time is ~0, which is the answer.
                 warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                with torch.cuda.graph(graph):
+                with graph_capture(graph):
                     for _ in range(reps):
                         run()
             graph.replay()

@@ -69,10 +69,12 @@ def cuda_graph_ms(fn: Callable[[], Any], reps: int = 10) -> float:
     """Device time of one launch: `reps` launches captured in a CUDA graph, replayed."""
     import torch
 
+    from opfuse.runtime.graph_capture import graph_capture
+
     fn()  # compile and warm
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for _ in range(reps):
             fn()
     graph.replay()
