@@ -455,23 +455,39 @@ def unsafe_reasons(plan: Plan, tuned: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+# The first pass over each candidate plan: rounds, and launches a round of each group's steps
+# (GroupTimer: on a GPU one CUDA graph per group and round, captured, replayed and let go).
+FIRST_GPU = (3, 5)
+FIRST_CPU = (3, 1)
+
+
 def variant_group_times(
     plan: Plan, executor: Executor, feeds: dict[str, Any], tuned: dict[str, Any]
 ) -> dict[str, float]:
     """Per-group ms of one candidate plan, for the template-vs-vendor choice.
 
-    The plan runs here, step by step: vendor ops are torch ops, and its generated kernels run with
-    configs that ran cleanly in the tuning worker. A plan holding a kernel that crashed there is not
-    run: its kernel groups take the worker's times, crashed groups and groups with torch op steps
+    The plan runs here: vendor ops are torch ops, and its generated kernels run with configs that
+    ran cleanly in the tuning worker. Each group's steps are timed together (GroupTimer), as the
+    plan's own CUDA graph runs them: a library op and its epilogue kernel back to back. Timed one
+    step at a time, each step's figure carries its own launch gaps, and the library form (two
+    steps) came out slower than it runs. A plan holding a kernel that crashed there is not run:
+    its kernel groups take the worker's times, crashed groups and groups with torch op steps
     score infinity (so the choice falls to the template, the default).
     """
     bad = unsafe_groups(plan, tuned)
     per_group: dict[str, float] = {}
     if not bad:
-        for step, ms in zip(plan.steps, step_times(executor, feeds), strict=True):
-            if step.group:
-                per_group[step.group] = per_group.get(step.group, 0.0) + ms
-        return per_group
+        groups = list(dict.fromkeys(s.group for s in plan.steps if s.group))
+        if not groups:
+            return per_group
+        rounds, reps = FIRST_GPU if executor.device.type == "cuda" else FIRST_CPU
+        timer = GroupTimer(executor, feeds, groups, reps)
+        samples: dict[str, list[float]] = {gid: [] for gid in groups}
+        for _ in range(rounds):
+            for gid in groups:
+                with timing_section():
+                    samples[gid].append(timer.time(gid))
+        return {gid: sorted(ts)[len(ts) // 2] for gid, ts in samples.items()}
     for step in plan.steps:
         if not step.group:
             continue
@@ -522,9 +538,3 @@ def retime_close(
                 for n in order:
                     samples[n][gid].append(timers[n].time(gid))
     return {n: {gid: sorted(ts) for gid, ts in per.items()} for n, per in samples.items()}
-
-
-def step_times(executor: Executor, feeds: dict[str, Any], reps: int = 5) -> list[float]:
-    """Median per-step time over a few synchronized runs."""
-    runs = [executor.time_steps(feeds) for _ in range(reps)]
-    return [sorted(col)[len(col) // 2] for col in zip(*runs, strict=True)]

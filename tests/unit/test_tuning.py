@@ -956,6 +956,54 @@ def test_a_second_timing_that_raises_leaves_the_first_times_to_decide(
     assert variants[gid] == "vendor" and [k.kind for k in make_plan().kernels.values()] == ["pointwise"]
 
 
+def test_the_first_pass_times_each_group_s_steps_together(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The first pass over each candidate plan times a group's steps as one unit (GroupTimer), as
+    the plan's graph runs them: the library form's conv and its epilogue kernel together, not
+    each alone and summed. Every group of both plans is timed FIRST rounds; the choice takes the
+    medians of real runs."""
+    import numpy as np
+
+    from opfuse.frontend.load import load_and_specialize
+    from opfuse.fusion.planner import plan_fusion
+    from opfuse.graph import graph_from_onnx
+    from opfuse.passes.pipeline import run_passes
+    from opfuse.runtime import executor as executor_module
+    from opfuse.runtime.ops import SUPPORTED_OPS
+    from opfuse.tuning.configs import FIRST_CPU, FIRST_GPU
+    from opfuse.verify.reference import random_inputs
+    from tests.builders import TEST_DEVICE, conv_bn_relu
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    timed: list[tuple[int, str, tuple[str, ...]]] = []
+    original = executor_module.GroupTimer.time
+
+    def spy(self: Any, gid: str) -> float:
+        plan = self.executor.plan
+        kinds = tuple(s.kind if s.kind == "kernel" else s.op_type for _, s in self.steps[gid])
+        timed.append((id(plan), gid, kinds))
+        return original(self, gid)
+
+    monkeypatch.setattr(executor_module.GroupTimer, "time", spy)
+    _, spec = load_and_specialize(conv_bn_relu(4, 8, 8), {"x": [1, 4, 8, 8]}, SUPPORTED_OPS)
+    graph = graph_from_onnx(spec)
+    run_passes(graph)
+    fusion = plan_fusion(graph)
+    (gid,) = [g.id for g in fusion.groups if g.kind == "conv"]
+    result, _ = tune_fusion(graph, fusion, random_inputs(graph.inputs, np.random.default_rng(6)))
+    entry = result.record["variants"][gid]
+    assert math.isfinite(entry["template_ms"]) and math.isfinite(entry["vendor_ms"])
+    rounds = (FIRST_CPU if TEST_DEVICE == "cpu" else FIRST_GPU)[0]
+    forms = {kinds for _, g, kinds in timed if g == gid}
+    assert forms == {("kernel",), ("opfuse.ConvNHWC", "kernel")}  # the template; the library conv + epilogue
+    plans = {p for p, g, _ in timed if g == gid}
+    assert len(plans) == 2
+    for p in plans:  # the first pass: `rounds` times each; a close pair adds the second timing's
+        n = sum(1 for q, g, _ in timed if q == p and g == gid)
+        assert n == rounds + (entry["retimed"]["rounds"] if "retimed" in entry else 0)
+
+
 def test_the_group_timer_runs_the_groups_steps_on_their_inputs() -> None:
     """GroupTimer keeps only the inputs of the groups it times and runs exactly their steps."""
     import numpy as np
