@@ -20,8 +20,11 @@ from opfuse.ir.support import conv_params, pad_per_dim
 
 def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
     """A 4-D NCHW Pad of the spatial axes only, as a conv prologue reads it: the source's H and
-    W, the top and left pads, the mode, and a constant Pad's value as a literal."""
+    W, the top and left pads, the mode, and a constant Pad's value as a literal. The region's
+    Transpose to NHWC alone (layout_prologue) reads its NCHW source unpadded: mode "nchw"."""
     h, w = graph.spec(pad.inputs[0]).shape[2:]
+    if pad.op_type == "Transpose":
+        return {"H": h, "W": w, "top": 0, "left": 0, "mode": "nchw", "value": "0.0"}
     per_dim = pad_per_dim(graph, pad)
     assert per_dim is not None  # checked by the planner (fusion.anchors.pad_prologue_reason)
     value = 0.0
@@ -273,7 +276,8 @@ def tap_segments(w: np.ndarray) -> list[tuple[int, int, int, int, int, int]] | N
 @dataclass(frozen=True)
 class TapInput:
     """What the NHWC conv template reads its input through: the conv's geometry (`conv_params`)
-    and a Pad prologue's (`pad_geometry`; None: x is the conv's own NHWC input)."""
+    and a Pad prologue's or an NCHW source's (`pad_geometry`; None: x is the conv's own NHWC
+    input)."""
 
     p: dict[str, int]
     padding: dict[str, Any] | None = None
@@ -299,6 +303,8 @@ def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) 
     if padding is None:
         return f"(({img_} * {p['H']} + {ih}) * {p['W']} + {iw}) * {tap.pixel_stride or c}"
     h0, w0 = padding["H"], padding["W"]
+    if padding["mode"] == "nchw":  # the NCHW source itself: pixel (ih, iw) of channel 0
+        return f"{img_} * {c * h0 * w0} + {ih} * {w0} + {iw}"
     buf.line(f"sh = {ih} - {padding['top']}")
     buf.line(f"sw = {iw} - {padding['left']}")
     if padding["mode"] == "reflect":

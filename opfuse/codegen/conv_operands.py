@@ -12,7 +12,7 @@ from opfuse.codegen.conv_fragments import TapInput, pad_geometry, tap_segments
 from opfuse.codegen.epilogue import dot_precision
 from opfuse.codegen.fragments import split_literals
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
+from opfuse.ir.ops import FLAT_CONV_CHANNELS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.resize import ResizeGather
 from opfuse.ir.support import centre_tap, conv_params, input_scale_operands, input_scale_reason
 from opfuse.ir.views import StridedView
@@ -42,7 +42,7 @@ class NhwcConv:
     sw_name: str = ""
     scale: str = ""  # x = act * scale: the kernel reads act and scales each loaded tile
     scale_index: str = ""
-    pad: Node | None = None
+    pad: Node | None = None  # a Pad, then the Transpose to NHWC; or that Transpose alone (NCHW x)
     window: Node | None = None  # a depthwise conv or a pool computed as the tiles are loaded
     dw_w: str = ""
     dw_b: str = ""
@@ -189,9 +189,10 @@ def _read_prologue(cv: NhwcConv) -> None:
                 x for n in cv.act for x in n.inputs if x in graph.constants and graph.constants[x].size > 1
             )
         )
-    elif prologue and prologue[0].op_type == "Pad":
+    elif prologue and prologue[0].op_type in ("Pad", "Transpose"):
         # Pad (NCHW) -> Transpose to NHWC -> conv: the kernel reads the unpadded NCHW tensor, the
-        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
+        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant). The
+        # Transpose alone (layout_prologue): the kernel reads the NCHW tensor, a plane a channel.
         cv.pad = prologue[0]
         cv.x_name = cv.pad.inputs[0]
     elif prologue and (len(prologue) > 1 or input_scale_reason(graph, prologue[0], cv.anchor) is not None):
@@ -242,7 +243,7 @@ def _read_loop_form(cv: NhwcConv) -> None:
     # Few input channels (a network's first layer): one flat K loop, cin = k % C. Otherwise a loop
     # over the KH*KW window positions, each reading contiguous blocks of channels (the window
     # prologue has its own loop over channel blocks).
-    cv.flat = cv.p["C"] < 16 and cv.window is None and not cv.pieces and not cv.grouped
+    cv.flat = cv.p["C"] < FLAT_CONV_CHANNELS and cv.window is None and not cv.pieces and not cv.grouped
     window_loop = not (
         cv.depthwise or cv.grouped or cv.flat or cv.pieces or (cv.window is not None and not cv.pooled)
     )

@@ -143,7 +143,9 @@ def _conv_split(g: GroupLike) -> SplitForm | None:
     kernel (the conv's or the pool's template, with its activation), then the anchor's template,
     as without the prologue rule."""
     windows = (NHWC_CONV, *NHWC_POOLS.values())
-    if g.prologue and not any(n.op_type in (*windows, "Pad") for n in g.prologue):
+    # A Pad, or the region's Transpose alone (pad_prologue, layout_prologue): the library's
+    # conv reads them as ops before it, its vendor form as for a conv without a prologue.
+    if g.prologue and not any(n.op_type in (*windows, "Pad", "Transpose") for n in g.prologue):
         # Pointwise ops on the input tiles (operand_prologue, or an input scale), or a Concat and
         # the ops after it (concat_prologue): one pointwise kernel for them, as for a GEMM.
         return SplitForm(

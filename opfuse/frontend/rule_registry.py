@@ -81,6 +81,7 @@ GEMM_EPILOGUE = "gemm_epilogue"
 CONV_EPILOGUE = "conv_epilogue"
 POOL_EPILOGUE = "pool_epilogue"
 PAD_PROLOGUE = "pad_prologue"
+LAYOUT_PROLOGUE = "layout_prologue"
 CONCAT_PROLOGUE = "concat_prologue"
 OPERAND_PROLOGUE = "operand_prologue"
 DEPTHWISE_PROLOGUE = "depthwise_prologue"
@@ -462,6 +463,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         PAD_PROLOGUE,
         FUSION,
         "An anchor's template reads through the constant, reflect or edge Pad before it.",
+    ),
+    _r(
+        LAYOUT_PROLOGUE,
+        FUSION,
+        "A channels-last conv of few input channels (a network's stem) reads its NCHW input in "
+        "place, a plane a channel, where the region's Transpose to NHWC has no other reader: no "
+        "copy of the input.",
+        requires=(CHANNELS_LAST,),
     ),
     _r(
         CONCAT_PROLOGUE,

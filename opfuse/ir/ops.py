@@ -17,6 +17,9 @@ DFTN = "opfuse.DFTN"  # a Fourier transform over several axes (passes/dft.py)
 NHWC_POOLS = {"MaxPool": MAX_POOL_NHWC, "AveragePool": AVERAGE_POOL_NHWC}
 INTERNAL_OPS = (NHWC_CONV, *NHWC_POOLS.values(), LRN_NHWC, DFTN)
 CONV_OPS = ("Conv", NHWC_CONV)
+# A conv with fewer input channels (a network's first layer) runs its template's flat K loop
+# (codegen/conv.py): one loop over (kh, kw, cin), every load a gather of a few channels.
+FLAT_CONV_CHANNELS = 16
 
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 ONNX_FLOAT_CASTS = {1: "float32", 10: "float16", 16: "bfloat16"}  # Cast.to enum -> dtype

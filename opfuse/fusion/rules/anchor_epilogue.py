@@ -26,7 +26,7 @@ from opfuse.fusion.rules.base import Candidate, FusionRule
 from opfuse.fusion.rules.concat_prologue import concat_prologue
 from opfuse.fusion.rules.gemm_reduction import left_to_a_row_kernel
 from opfuse.fusion.rules.operand_prologue import operand_prologue, prologue_views
-from opfuse.fusion.rules.pad_prologue import input_pad
+from opfuse.fusion.rules.pad_prologue import input_pad, input_transpose
 from opfuse.fusion.views import RESHAPES, VIEW_THROUGH, input_view
 from opfuse.graph import Graph, Node
 from opfuse.ir.index_map import IndexMap
@@ -46,6 +46,7 @@ GEMM_RULE = names.GEMM_EPILOGUE
 CONV_RULE = names.CONV_EPILOGUE
 POOL_RULE = names.POOL_EPILOGUE
 PAD_RULE = names.PAD_PROLOGUE
+LAYOUT_PROLOGUE_RULE = names.LAYOUT_PROLOGUE
 RESIZE_RULE = names.RESIZE_GATHER
 PAD_GATHER_RULE = names.PAD_GATHER
 # Group id prefixes, unique across group kinds: m (GEMM), c (conv), p (pool), a (attention),
@@ -59,6 +60,7 @@ MAX_EPILOGUE_TENSORS = 8  # besides A and B: each is a tile of loads live beside
 class AnchorEpilogue(FusionRule):
     options = (
         PAD_RULE,
+        LAYOUT_PROLOGUE_RULE,
         names.CONCAT_PROLOGUE,
         names.OPERAND_PROLOGUE,
         RESIZE_RULE,
@@ -140,6 +142,17 @@ class AnchorEpilogue(FusionRule):
             members |= _split_epilogue(graph, anchor, taken, producers, consumers, order)
         by_id = {x.id: x for x in graph.nodes}
         members = _pull_side_inputs(graph, anchor, members, taken, consumers, order)
+        if (
+            not prologue
+            and variant == "template"
+            and not shortcut
+            and len(members) > 1
+            and state.on(LAYOUT_PROLOGUE_RULE)
+        ):
+            # Only a conv with an epilogue: a lone one is left to the library, or to a row
+            # kernel that computes it on its tiles (gemm_reduction, depthwise_reduction).
+            prologue = input_transpose(graph, anchor, taken, producers, consumers)
+            rule = f"{rule}+{LAYOUT_PROLOGUE_RULE}" if prologue else rule
         for cid, why in pending.items():
             if cid not in members:
                 not_fused.append(NotFired(rule, [node_label(anchor), node_label(by_id[cid])], why))

@@ -4,6 +4,10 @@ Applied inside the anchor rule (anchor_epilogue.py) to an NHWC conv without an i
 Pad (an NCHW Pad, then the region's Transpose to NHWC) that only the conv reads becomes the conv's
 prologue, and the template maps each padded pixel to the one it copies (reflect, edge) or fills
 (constant). Refused, with the reason, where the template cannot read through that Pad.
+
+`layout_prologue` (`input_transpose`) is the same read without a Pad: the region's Transpose of
+an NCHW tensor that only the conv reads (the image, at a network's stem) is no copy; the template
+reads the NCHW tensor, a plane a channel.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from opfuse.frontend import rule_registry as names
+from opfuse.fusion.views import VIEW_THROUGH
 from opfuse.graph import Graph, Node
-from opfuse.ir.ops import NHWC_CONV, is_depthwise
+from opfuse.ir.ops import FLAT_CONV_CHANNELS, NHWC_CONV, is_depthwise
 from opfuse.ir.support import PAD_MODES, pad_per_dim, spatial_pad_reason
 from opfuse.passes.rules import NotFired, node_label
 
@@ -50,6 +55,39 @@ def input_pad(
         not_fused.append(NotFired(PAD_RULE, [node_label(pad), node_label(conv)], why))
         return []
     return [pad, t]
+
+
+def input_transpose(
+    graph: Graph,
+    conv: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+) -> list[Node]:
+    """The region's Transpose to NHWC before a conv of few input channels (its flat K loop), of a
+    computed or input 4-D NCHW tensor, read by nothing else (layout_prologue): the conv template
+    reads the NCHW tensor in place, a plane a channel, and the Transpose is no copy. Every
+    channels-last network's stem reads the image so."""
+    if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
+        return []  # the depthwise template loads channels as the contiguous axis
+    if graph.spec(conv.inputs[0]).shape[3] >= FLAT_CONV_CHANNELS:
+        # Wider inputs are read a channel block at a time, contiguous in NHWC only: the copy
+        # pays for itself there. A first layer's flat K loop gathers a few channels either way.
+        return []
+    t = producers.get(conv.inputs[0])
+    if t is None or t.op_type != "Transpose" or t.id in taken:
+        return []
+    if [int(a) for a in t.attrs.get("perm", ())] != [0, 2, 3, 1] or t.inputs[0] in graph.constants:
+        return []
+    outputs = {o.name for o in graph.outputs}
+    if t.outputs[0] in outputs or [c.id for c in consumers.get(t.outputs[0], [])] != [conv.id]:
+        return []
+    source = producers.get(t.inputs[0])
+    if source is not None and source.op_type in VIEW_THROUGH:
+        # A view (a channel part of a Split, often of an NHWC buffer turned back): read where it
+        # lies (anchor_epilogue's channel window) or copied once, never made NCHW for this read.
+        return []
+    return [t]
 
 
 def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:

@@ -54,8 +54,9 @@ def test_a_conv_and_a_pool_each_take_their_epilogue() -> None:
         {"w": weights(8, 4, 3, 3), "b": weights(8, seed=1)},
     )
     _, plan = planned(model)
+    # The conv reads the NCHW image in place through the region's Transpose (layout_prologue).
     assert claimed(plan) == [
-        ("conv", names.CONV_EPILOGUE, ["conv", "relu"]),
+        ("conv", f"{names.CONV_EPILOGUE}+{names.LAYOUT_PROLOGUE}", ["Transpose", "conv", "relu"]),
         ("pool", names.POOL_EPILOGUE, ["pool", "gate"]),
     ]
     assert [g.id for g in plan.groups] == ["c0", "p1"]  # one numbering across the anchor kinds

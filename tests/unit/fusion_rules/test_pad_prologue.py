@@ -35,4 +35,7 @@ def test_the_conv_reads_through_the_pad() -> None:
 def test_a_reflection_wider_than_the_image_is_refused() -> None:
     _, plan = planned(padded_conv(6))
     assert refusals(plan, names.PAD_PROLOGUE) == [(["pad", "conv"], "a reflection wider than the image")]
-    assert claimed(plan) == [("conv", names.CONV_EPILOGUE, ["conv", "relu"])]
+    # The Pad runs on its own; the conv reads its NCHW output in place (layout_prologue).
+    assert claimed(plan) == [
+        ("conv", f"{names.CONV_EPILOGUE}+{names.LAYOUT_PROLOGUE}", ["Transpose", "conv", "relu"])
+    ]
