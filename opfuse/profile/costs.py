@@ -116,6 +116,9 @@ def _conv_flops(inputs: list[str], out_numel: int, shape: Any) -> int:
 
 _MATMULS = ("MatMul", "Gemm")
 _CONVS = ("Conv", "opfuse.ConvNHWC")
+# Nodes a kernel reads through (a conv's Pad and Transpose prologues: pad_prologue,
+# layout_prologue): addressing, no arithmetic.
+_READ_THROUGH = ("Transpose", "Pad")
 
 
 def _spec_nodes(spec: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -143,7 +146,8 @@ def _listed(value: Any) -> list[Any]:
 
 def _kernel_flops(plan: Plan, step: Step, out_numel: int, shape: Any) -> int:
     """A generated kernel's FLOPs: its GEMM or conv anchor's multiply-adds, plus one FLOP per
-    output element for each other node (the epilogue, or a pointwise or row kernel's ops)."""
+    output element for each other node (the epilogue, or a pointwise or row kernel's ops) but
+    the layout ops it reads through."""
     kernel = plan.kernels[step.kernel]
     nodes = _spec_nodes(kernel.spec)
     if not nodes:  # a kernel without a spec: count its nodes from the source's node comments
@@ -158,7 +162,7 @@ def _kernel_flops(plan: Plan, step: Step, out_numel: int, shape: Any) -> int:
             outputs = [str(x) for x in node.get("outputs", [])]
             own = shape(outputs[0]) if outputs else ()
             flops += _conv_flops(inputs, int(np.prod(own, dtype=np.int64)) if own else out_numel, shape)
-        else:
+        elif op_type not in _READ_THROUGH:
             flops += out_numel
     return flops
 

@@ -399,7 +399,7 @@ def test_a_gpu_record_names_the_planned_groups_that_ran_unfused(monkeypatch: pyt
     assert planned["fusion"]["not_fused"] and gpu.unfused_groups(planned) == []
     monkeypatch.setattr(PlanState, "read", lambda self: set())
     got = gpu.unfused_groups(opfuse.compile(hrnet_fuse(), input_shapes=shapes, verify=False).report)
-    assert [g[:2] for g in got] == [["conv_epilogue+resize_gather", "conv_a"]]
+    assert [g[:2] for g in got] == [["conv_epilogue+layout_prologue+resize_gather", "Transpose#ncl1"]]
     assert "no step of the plan writes" in got[0][2]
 
 

@@ -996,7 +996,9 @@ def test_the_first_pass_times_each_group_s_steps_together(
     assert math.isfinite(entry["template_ms"]) and math.isfinite(entry["vendor_ms"])
     rounds = (FIRST_CPU if TEST_DEVICE == "cpu" else FIRST_GPU)[0]
     forms = {kinds for _, g, kinds in timed if g == gid}
-    assert forms == {("kernel",), ("opfuse.ConvNHWC", "kernel")}  # the template; the library conv + epilogue
+    # The template (reading the NCHW image in place: layout_prologue); the library form: the
+    # Transpose to NHWC, the library's conv, the epilogue's kernel.
+    assert forms == {("kernel",), ("Transpose", "opfuse.ConvNHWC", "kernel")}
     plans = {p for p, g, _ in timed if g == gid}
     assert len(plans) == 2
     for p in plans:  # the first pass: `rounds` times each; a close pair adds the second timing's

@@ -36,20 +36,14 @@ def input_pad(
     nothing else: the conv template reads the unpadded tensor, each padded pixel mapped to the one
     it copies (reflect, edge) or filled (constant). Reflection padding before every 3x3 conv is
     how image-to-image generators and segmentation heads keep their borders."""
-    if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
+    t = _region_transpose(graph, conv, taken, producers, consumers)
+    pad = producers.get(t.inputs[0]) if t is not None else None
+    if t is None or pad is None or pad.op_type != "Pad" or pad.id in taken:
         return []
-    outputs = {o.name for o in graph.outputs}
-    t = producers.get(conv.inputs[0])
-    if t is None or t.op_type != "Transpose" or t.id in taken:
+    if pad.outputs[0] in {o.name for o in graph.outputs}:
         return []
-    if [int(a) for a in t.attrs.get("perm", ())] != [0, 2, 3, 1]:
+    if [c.id for c in consumers.get(pad.outputs[0], [])] != [t.id]:
         return []
-    pad = producers.get(t.inputs[0])
-    if pad is None or pad.op_type != "Pad" or pad.id in taken:
-        return []
-    for v, reader in ((t.outputs[0], conv), (pad.outputs[0], t)):
-        if v in outputs or [c.id for c in consumers.get(v, [])] != [reader.id]:
-            return []
     why = pad_prologue_reason(graph, pad)
     if why is not None:
         not_fused.append(NotFired(PAD_RULE, [node_label(pad), node_label(conv)], why))
@@ -68,19 +62,12 @@ def input_transpose(
     computed or input 4-D NCHW tensor, read by nothing else (layout_prologue): the conv template
     reads the NCHW tensor in place, a plane a channel, and the Transpose is no copy. Every
     channels-last network's stem reads the image so."""
-    if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
-        return []  # the depthwise template loads channels as the contiguous axis
+    t = _region_transpose(graph, conv, taken, producers, consumers)
+    if t is None or t.inputs[0] in graph.constants:
+        return []
     if graph.spec(conv.inputs[0]).shape[3] >= FLAT_CONV_CHANNELS:
         # Wider inputs are read a channel block at a time, contiguous in NHWC only: the copy
         # pays for itself there. A first layer's flat K loop gathers a few channels either way.
-        return []
-    t = producers.get(conv.inputs[0])
-    if t is None or t.op_type != "Transpose" or t.id in taken:
-        return []
-    if [int(a) for a in t.attrs.get("perm", ())] != [0, 2, 3, 1] or t.inputs[0] in graph.constants:
-        return []
-    outputs = {o.name for o in graph.outputs}
-    if t.outputs[0] in outputs or [c.id for c in consumers.get(t.outputs[0], [])] != [conv.id]:
         return []
     source = producers.get(t.inputs[0])
     if source is not None and source.op_type in VIEW_THROUGH:
@@ -88,6 +75,27 @@ def input_transpose(
         # lies (anchor_epilogue's channel window) or copied once, never made NCHW for this read.
         return []
     return [t]
+
+
+def _region_transpose(
+    graph: Graph,
+    conv: Node,
+    taken: set[str],
+    producers: dict[str, Node],
+    consumers: dict[str, list[Node]],
+) -> Node | None:
+    """The region's Transpose to NHWC that makes a dense or grouped NHWC conv's input, with no
+    other reader (the depthwise template loads channels as the contiguous axis: not for it)."""
+    if conv.op_type != NHWC_CONV or is_depthwise(graph, conv):
+        return None
+    t = producers.get(conv.inputs[0])
+    if t is None or t.op_type != "Transpose" or t.id in taken:
+        return None
+    if [int(a) for a in t.attrs.get("perm", ())] != [0, 2, 3, 1]:
+        return None
+    if t.outputs[0] in {o.name for o in graph.outputs}:
+        return None
+    return t if [c.id for c in consumers.get(t.outputs[0], [])] == [conv.id] else None
 
 
 def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:

@@ -235,9 +235,10 @@ def test_sibling_convolutions_whose_part_is_gathered_by_an_earlier_epilogue_stor
     assert r["fusion"]["passes"]["fired"].get(names.MERGE_SIBLING_CONVS) == 1
     assert not [nf for nf in r["fusion"]["not_fused"] if "run unfused" in nf["reason"]]
     assert not r["verification"]["rolled_back"]
-    # conv_a's kernel adds the gathered part; the merged conv's kernel; the Relu of its other part.
+    # conv_a's kernel (reading the NCHW input in place) adds the gathered part; the merged
+    # conv's kernel; the Relu of its other part.
     assert [g["nodes"] for g in r["fusion"]["groups"] if "resize_gather" in g["rule"]] == [
-        ["conv_a", "relu_a", "fuse_add"]
+        ["Transpose#ncl1", "conv_a", "relu_a", "fuse_add"]
     ]
     assert r["kernels"]["after"] == 3
 
@@ -255,7 +256,7 @@ def test_a_kernel_planned_to_read_a_value_no_step_writes_runs_unfused(
     monkeypatch.setattr(PlanState, "read", lambda self: set())
     cm = check_against_ort(hrnet_fuse(), {"x": [1, 4, 8, 8], "z": [1, 4, 4, 4]})
     unfused = [nf for nf in cm.report["fusion"]["not_fused"] if "run unfused" in nf["reason"]]
-    assert [nf["nodes"] for nf in unfused] == [["conv_a", "relu_a", "fuse_add"]]
+    assert [nf["nodes"] for nf in unfused] == [["Transpose#ncl1", "conv_a", "relu_a", "fuse_add"]]
     assert "which no step of the plan writes" in unfused[0]["reason"]
     assert "bug in opfuse" in unfused[0]["reason"]
 
