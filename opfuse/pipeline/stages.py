@@ -23,7 +23,7 @@ from opfuse.passes.precision import apply_precision
 from opfuse.pipeline.builder import PlanBuilder
 from opfuse.pipeline.context import BUG_NOTE, describe
 from opfuse.report import group_times
-from opfuse.runtime.executor import Executor
+from opfuse.runtime.executor import Executor, device_lost
 from opfuse.runtime.ops import SUPPORTED_OPS
 from opfuse.runtime.plan import Plan
 from opfuse.tuning import orchestrate
@@ -188,6 +188,8 @@ def tune(
         except ModelError:
             raise
         except Exception as exc:
+            if device_lost(exc):
+                raise  # the device runs nothing after it: fail here, not at the next upload
             if compile_pool is not None:
                 compile_pool.close()
             untouched.record = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import time
 import warnings
@@ -24,6 +25,8 @@ from opfuse.runtime.ops_registry import host_inputs
 from opfuse.runtime.plan import Plan, Step
 from opfuse.runtime.tensors import DTYPE_NAMES, from_numpy, to_numpy, torch_dtype
 from opfuse.runtime.timing_lock import timing_section
+
+log = logging.getLogger(__name__)
 
 # Constants up to this many elements that an op reads on the host get a host copy (runtime/capture.py).
 HOST_COPY_MAX_ELEMENTS = 1024
@@ -246,30 +249,59 @@ class Executor:
                 self._run_step(i, step, scratch)
 
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                run()  # warm: compile and allocate outside the capture
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with warnings.catch_warnings():
-                # A step that launches nothing (a view: Reshape, Flatten, Squeeze) captures an
-                # empty graph, and torch warns; its device time is ~0, which is the answer.
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                with graph_capture(graph):
-                    for _ in range(reps):
-                        run()
-            graph.replay()
-            start.record()
-            graph.replay()
-            end.record()
-        except RuntimeError:  # a step that cannot be captured is timed eagerly
-            start.record()
-            for _ in range(reps):
-                run()
-            end.record()
-        end.synchronize()
+            try:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    run()  # warm: compile and allocate outside the capture
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with warnings.catch_warnings():
+                    # A step that launches nothing (a view: Reshape, Flatten, Squeeze) captures an
+                    # empty graph, and torch warns; its device time is ~0, which is the answer.
+                    warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+                    with graph_capture(graph):
+                        for _ in range(reps):
+                            run()
+                graph.replay()
+                start.record()
+                graph.replay()
+                end.record()
+            except RuntimeError as exc:  # a step that cannot be captured is timed eagerly
+                if device_lost(exc):
+                    raise
+                start.record()
+                for _ in range(reps):
+                    run()
+                end.record()
+            end.synchronize()
+        except RuntimeError as exc:
+            if device_lost(exc):  # say where, here: the error is sticky and surfaces anywhere later
+                labels = "; ".join(step.label or step.kernel or step.op_type for _, step in steps)
+                log.error(
+                    "the device failed while timing steps [%s] of plan steps %s: %s",
+                    labels,
+                    [i for i, _ in steps],
+                    str(exc).splitlines()[0],
+                )
+            raise
         return start.elapsed_time(end) / reps
+
+
+# Errors after which the device's context cannot be used (CUDA's sticky errors): a kernel read
+# or wrote outside its memory, or died. Not a capture that failed (the step is timed eagerly).
+DEVICE_LOST = (
+    "illegal memory access",
+    "misaligned address",
+    "unspecified launch failure",
+    "illegal instruction",
+)
+
+
+def device_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a sticky device error: nothing on this device runs after it."""
+    text = str(exc)
+    return any(s in text for s in DEVICE_LOST)
 
 
 class GroupTimer:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from opfuse.codegen.registry import has_library_alternative, split_form, template_only
 from opfuse.fusion.groups import Group
 from opfuse.report import tuning_summary
-from opfuse.runtime.executor import Executor
+from opfuse.runtime.executor import Executor, device_lost
 from opfuse.runtime.plan import Plan
 from opfuse.tuning import configs as configs_module
 from opfuse.tuning.cache import TuningCache, config_key, kernel_signature
@@ -305,6 +305,8 @@ def _retime_close(
             reps,
         )
     except Exception as exc:  # the first times stand; the record says why
+        if device_lost(exc):
+            raise  # not a second opinion that failed: the device runs nothing after it
         record["retime_error"] = f"{type(exc).__name__}: {exc}"
         return {}
     if retimed:

@@ -1006,6 +1006,27 @@ def test_the_first_pass_times_each_group_s_steps_together(
         assert n == rounds + (entry["retimed"]["rounds"] if "retimed" in entry else 0)
 
 
+def test_a_device_lost_while_timing_fails_the_compile_where_it_happened(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A sticky device error (an illegal memory access: nothing on the device runs after it) met
+    while timing is no group's fault and no second opinion that failed: tuning raises it where it
+    happened, instead of leaving every kernel untuned and failing at the next upload."""
+    import opfuse
+    from opfuse.runtime import executor as executor_module
+    from tests.builders import conv_bn_relu
+
+    def lost(self: Any, gid: str) -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(executor_module.GroupTimer, "time", lost)
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        opfuse.compile(conv_bn_relu(4, 8, 8), input_shapes={"x": [1, 4, 8, 8]}, tune_budget_s=5)
+    assert executor_module.device_lost(RuntimeError("CUDA error: misaligned address"))
+    assert not executor_module.device_lost(RuntimeError("operation not permitted when stream is capturing"))
+
+
 def test_the_group_timer_runs_the_groups_steps_on_their_inputs() -> None:
     """GroupTimer keeps only the inputs of the groups it times and runs exactly their steps."""
     import numpy as np
