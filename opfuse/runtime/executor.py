@@ -325,7 +325,10 @@ class GroupTimer:
     def __init__(self, executor: Executor, feeds: Mapping[str, Any], groups: list[str], reps: int) -> None:
         self.executor, self.reps = executor, reps
         plan = executor.plan
-        self.steps = {gid: [(i, s) for i, s in enumerate(plan.steps) if s.group == gid] for gid in groups}
+        self.steps: dict[str, list[tuple[int, Step]]] = {gid: [] for gid in groups}
+        for i, s in enumerate(plan.steps):
+            if s.group in self.steps:
+                self.steps[s.group].append((i, s))
         needed = {
             x
             for steps in self.steps.values()

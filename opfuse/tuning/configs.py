@@ -481,13 +481,8 @@ def variant_group_times(
         if not groups:
             return per_group
         rounds, reps = FIRST_GPU if executor.device.type == "cuda" else FIRST_CPU
-        timer = GroupTimer(executor, feeds, groups, reps)
-        samples: dict[str, list[float]] = {gid: [] for gid in groups}
-        for _ in range(rounds):
-            for gid in groups:
-                with timing_section():
-                    samples[gid].append(timer.time(gid))
-        return {gid: sorted(ts)[len(ts) // 2] for gid, ts in samples.items()}
+        samples = _time_rounds({"plan": GroupTimer(executor, feeds, groups, reps)}, groups, rounds)["plan"]
+        return {gid: ts[len(ts) // 2] for gid, ts in samples.items()}
     for step in plan.steps:
         if not step.group:
             continue
@@ -530,10 +525,20 @@ def retime_close(
     if not close:
         return {}
     timers = {n: GroupTimer(executor, feeds, close, reps) for n, executor in executors.items()}
-    samples: dict[str, dict[str, list[float]]] = {n: {gid: [] for gid in close} for n in names}
+    return _time_rounds(timers, close, rounds)
+
+
+def _time_rounds(
+    timers: dict[str, GroupTimer], gids: list[str], rounds: int
+) -> dict[str, dict[str, list[float]]]:
+    """Each group of `gids` timed `rounds` times on every timer: timer -> group -> times, sorted.
+    A group's timings of one round share a timing section (OPFUSE_TIMING_LOCK), the timers'
+    order swapped each round, so that a disturbance falls on all of them."""
+    names = list(timers)
+    samples: dict[str, dict[str, list[float]]] = {n: {gid: [] for gid in gids} for n in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
-        for gid in close:
+        for gid in gids:
             with timing_section():
                 for n in order:
                     samples[n][gid].append(timers[n].time(gid))

@@ -7,11 +7,11 @@ pointwise ops join; memory-bound neighbours join later by rules of their own (wi
 gemv_chain, depthwise_reduction, concat_epilogue, pooled_gemm). The three kinds share one pass
 over the graph, so their groups share one numbering. Inside it, `pad_prologue` and
 `layout_prologue` (pad_prologue.py; the latter only for a conv with an epilogue, so that a lone
-one stays the library's or a row kernel's), `concat_prologue` (concat_prologue.py) and a conv's per-(image, channel) input scale read the
-anchor's input through the nodes before it, `operand_prologue` (operand_prologue.py) computes a
-GEMM's A on its tiles; `layout_views` reads a GEMM's A operand behind layout ops. An anchor with nothing to fuse
-that a template can run goes to `state.lone` (the library kernel runs it unless tuning measures
-the template faster).
+one stays the library's or a row kernel's), `concat_prologue` (concat_prologue.py) and a conv's
+per-(image, channel) input scale read the anchor's input through the nodes before it,
+`operand_prologue` (operand_prologue.py) computes a GEMM's A on its tiles; `layout_views` reads a
+GEMM's A operand behind layout ops. An anchor with nothing to fuse that a template can run goes
+to `state.lone` (the library kernel runs it unless tuning measures the template faster).
 """
 
 from __future__ import annotations
