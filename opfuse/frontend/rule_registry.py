@@ -253,8 +253,9 @@ REGISTRY: tuple[RuleInfo, ...] = (
         MERGE_DFTS,
         GRAPH_PASS,
         "DFTs over different axes, each reading the last (`torch.fft.fftn`: a DFT per axis), are one "
-        "`opfuse.DFTN` node: one library transform over every axis, its intermediate in float32; and a "
-        "real signal padded with zero imaginary parts (Concat(x, 0) along the pairs) is read as the "
+        "`opfuse.DFTN` node: one library transform over every axis, its intermediate in float32 (a "
+        "float16 signal on a GPU whose transformed lengths are powers of two in half precision, as "
+        "torch.fft runs it: no cast kernel either side); and a real signal padded with zero imaginary parts (Concat(x, 0) along the pairs) is read as the "
         "real signal it is, the zeros never written.",
     ),
     _r(
