@@ -51,6 +51,43 @@ def time_cuda(fn: Callable[[int], Any], iters: int, warmup: int) -> float:
     return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]))
 
 
+# The paired timing: rounds of `iters` runs per contender, and how long they run in turns first.
+PAIRED_ROUNDS = 6
+PAIRED_WARM_S = 0.25
+
+
+def paired_ms(
+    fns: dict[str, Callable[[], Any]],
+    iters: int,
+    rounds: int = PAIRED_ROUNDS,
+    warm_s: float = PAIRED_WARM_S,
+    timer: Callable[[Callable[[int], Any], int, int], float] = time_cuda,
+) -> dict[str, list[float]]:
+    """Each of `fns` (a captured graph's replay) timed in `rounds` rounds of `iters` runs, taking
+    turns, the order reversed each round; name -> each round's median ms, in round order.
+
+    Timed one after the other, a small model's graph and its peer's came out up to 30% apart
+    between two runs of the same plans on one H100 (the clocks a card keeps after waiting idle
+    are not those it reaches under load, and a few milliseconds of runs do not raise them): a
+    ratio between two figures timed apart held that spread. Here the contenders first run in
+    turns for `warm_s` seconds, and a change of clocks during the rounds falls on all of them."""
+    names = list(fns)
+    deadline = time.perf_counter() + warm_s
+    while True:
+        for name in names:
+            fns[name]()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if time.perf_counter() >= deadline:
+            break
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            fn = fns[name]
+            out[name].append(timer(lambda i, f=fn: f(), iters, 1))
+    return out
+
+
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

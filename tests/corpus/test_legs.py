@@ -428,3 +428,31 @@ def test_gpu_leg_runs_the_rows_named_in_their_order() -> None:
     ]
     with pytest.raises(KeyError):
         gpu.selected(["timm/no_such_model"], None)
+
+
+def test_paired_timing_warms_the_contenders_in_turns_then_alternates_their_rounds() -> None:
+    """opfuse's graph and its peer are timed in rounds, taking turns with the order reversed each
+    round, after running in turns for the warm-up time: each round's figure is kept in order."""
+    from bench.run import paired_ms
+
+    calls: list[str] = []
+    figures = {"opfuse": iter([1.0, 2.0, 3.0]), "peer": iter([4.0, 5.0, 6.0])}
+
+    def contender(name: str):  # type: ignore[no-untyped-def]
+        return lambda: calls.append(name)
+
+    def timer(fn, iters, warmup):  # type: ignore[no-untyped-def]
+        before = len(calls)
+        for i in range(warmup + iters):
+            fn(i)
+        assert len(calls) == before + warmup + iters
+        return next(figures[calls[-1]])
+
+    out = paired_ms(
+        {"opfuse": contender("opfuse"), "peer": contender("peer")}, 4, rounds=3, warm_s=0.0, timer=timer
+    )
+    assert out == {"opfuse": [1.0, 2.0, 3.0], "peer": [4.0, 5.0, 6.0]}
+    assert calls[:2] == ["opfuse", "peer"]  # the warm-up: each once, in turns, when warm_s is spent
+    timed = calls[2:]
+    blocks = [timed[i * 5][0] for i in range(6)]  # 1 warm-up + 4 timed runs a block
+    assert blocks == ["o", "p", "p", "o", "o", "p"]
