@@ -66,10 +66,10 @@ def paired_ms(
     """Each of `fns` (a captured graph's replay) timed in `rounds` rounds of `iters` runs, taking
     turns, the order reversed each round; name -> each round's median ms, in round order.
 
-    Timed one after the other, a small model's graph and its peer's came out up to 30% apart
-    between two runs of the same plans on one H100 (the clocks a card keeps after waiting idle
-    are not those it reaches under load, and a few milliseconds of runs do not raise them): a
-    ratio between two figures timed apart held that spread. Here the contenders first run in
+    Timed one after the other, the same plans came out up to 30% apart between two runs on one
+    H100 (hgnet_tiny's ratio 1.12 in a wave, 0.79 alone), likely the clocks a card keeps after
+    waiting idle, which a few milliseconds of runs do not raise: a ratio of two figures timed
+    apart held that spread. Here the contenders first run in
     turns for `warm_s` seconds, and a change of clocks during the rounds falls on all of them."""
     names = list(fns)
     deadline = time.perf_counter() + warm_s
