@@ -233,8 +233,11 @@ def test_linear_layer_after_a_head_merge_becomes_matmul(precision: str) -> None:
     assert [g["kind"] for g in cm.report["fusion"]["groups"]] == ["gemm"]  # bias in the epilogue
 
 
-def classifier_head(n: int, c: int, size: int, classes: int, flatten: bool = True) -> Any:
-    """A CNN's head: Relu(x + r) (the last residual), global average pool, Flatten, Gemm."""
+def classifier_head(
+    n: int, c: int, size: int, classes: int, flatten: bool = True, epilogue: bool = False
+) -> Any:
+    """A CNN's head: Relu(x + r) (the last residual), global average pool, Flatten, Gemm (and a
+    Sigmoid after it: `epilogue`)."""
     rng = np.random.default_rng(9)
     inits = {
         "w": rng.standard_normal((classes, c)) * 0.2,
@@ -254,7 +257,9 @@ def classifier_head(n: int, c: int, size: int, classes: int, flatten: bool = Tru
     else:  # torchvision's ShuffleNet: x.mean([2, 3])
         inits["axes"] = np.array([2, 3])
         nodes.append(helper.make_node("ReduceMean", ["a", "axes"], ["f"], name="pool", keepdims=0))
-    nodes.append(helper.make_node("Gemm", ["f", "w", "b"], ["y"], name="fc", transB=1))
+    nodes.append(helper.make_node("Gemm", ["f", "w", "b"], ["g" if epilogue else "y"], name="fc", transB=1))
+    if epilogue:
+        nodes.append(helper.make_node("Sigmoid", ["g"], ["y"], name="act"))
     shape = [n, c, size, size]
     m = make_model(nodes, {"x": shape, "r": shape}, {"y": [n, classes]}, inits)
     if not flatten:
@@ -263,20 +268,21 @@ def classifier_head(n: int, c: int, size: int, classes: int, flatten: bool = Tru
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-@pytest.mark.parametrize("flatten", [True, False])
+@pytest.mark.parametrize("flatten, epilogue", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
-    precision: str, flatten: bool, layout: str
+    precision: str, flatten: bool, epilogue: bool, layout: str
 ) -> None:
     """The head's pool (with the residual add and Relu before it) is computed on the GEMM's A
     tiles: one kernel for pool and classifier, at every tuning candidate, and its split form (the
-    row kernel, then the GEMM's template) computes the same."""
+    row kernel, then the library's GEMM as without the rule; the GEMM's template where an
+    epilogue follows it) computes the same."""
     from bench.kernels import plan_model
     from opfuse.tuning.candidates import candidates
     from tests.unit.test_conv import check_every_candidate
 
     n, c, size, classes = 2, 24, 5, 40
-    m = classifier_head(n, c, size, classes, flatten)
+    m = classifier_head(n, c, size, classes, flatten, epilogue)
     shapes = {"x": [n, c, size, size], "r": [n, c, size, size]}
     off = ("fp32_dense_nchw",) if layout == "nhwc" else ("channels_last",)
     cm = check_against_ort(m, shapes, precision, fusion_disable=off)
@@ -296,7 +302,14 @@ def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
     split = build_plan(
         p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants={pg.id: "vendor"}
     )
-    assert [split.kernels[s.kernel].kind for s in split.steps if s.group == pg.id] == ["rowwise", "gemm"]
+    steps = [s for s in split.steps if s.group == pg.id]
+    kernels = [split.kernels[s.kernel].kind for s in steps if s.kind == "kernel"]
+    ops = [s.op_type for s in steps if s.kind == "op"]
+    if epilogue:
+        assert kernels == ["rowwise", "gemm"] and ops == []
+    else:  # the layout ops between the pool and the GEMM run as the library's, then its GEMM
+        assert kernels == ["rowwise"] and ops[-1] == "Gemm"
+        assert steps[0].kind == "kernel" and steps[-1].op_type == "Gemm"
     got = np.asarray(Executor(split, TEST_DEVICE).run(feeds)["y"], dtype=np.float32)
     assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < tol
 

@@ -9,7 +9,8 @@ squeeze-excitation's MLP after a dense conv, ResNeSt's split attention), which c
 on its first GEMV's input tiles. The GEMM has as many rows as there are images, and the pool is
 computed once per column tile of the GEMM (read again from L2): so only up to
 POOLED_GEMM_MAX_ROWS images. Tuning times it against the split form (the row kernel, then the
-GEMM's template or the chain).
+GEMM as without the rule: the library's for a GEMM alone, its template for one with an
+epilogue; or the chain).
 """
 
 from __future__ import annotations
