@@ -83,9 +83,13 @@ def paired_ms(
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            fn = fns[name]
-            out[name].append(timer(lambda i, f=fn: f(), iters, 1))
+            out[name].append(timer(_indexed(fns[name]), iters, 1))
     return out
+
+
+def _indexed(fn: Callable[[], Any]) -> Callable[[int], Any]:
+    """`fn` as time_cuda calls it (with the iteration's index, unused)."""
+    return lambda i: fn()
 
 
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
