@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -354,13 +354,14 @@ def _verification(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _time(b: _Batch, iters: int, warmup: int) -> None:
+def _time(b: _Batch, iters: int, warmup: int, profile: bool = False) -> None:
     """The timings, with the GPU to this process alone: opfuse's fused plan (its CUDA graph), its
     step-by-step run and its per-op plan (CompiledModel.benchmark, one protocol: `ratio_per_op`),
     and torch.compile's graph. Where both are captured graphs, the two are timed again in turns
     (bench.run.paired_ms, each on one set of inputs): `opfuse_ms`, `torch_compile_cudagraph_ms`
     and their ratio are those medians, `paired_rounds_ms` each round's, and `benchmark_ms` the
-    protocol's figure for opfuse's graph."""
+    protocol's figure for opfuse's graph. With `profile` (--profile) the line also holds each
+    graph's kernels (`opfuse_kernels`, `peer_kernels`: kernel_profile)."""
     import numpy as np
 
     from bench.run import paired_ms, time_cuda
@@ -387,6 +388,9 @@ def _time(b: _Batch, iters: int, warmup: int) -> None:
         rec["opfuse_ms"] = float(np.median(rounds["opfuse"]))
         rec["torch_compile_cudagraph_ms"] = float(np.median(rounds["torch_compile"]))
         rec["paired_rounds_ms"] = {k: [round(v, 5) for v in vs] for k, vs in rounds.items()}
+        if profile:
+            rec["opfuse_kernels"] = kernel_profile(runner.replay)
+            rec["peer_kernels"] = kernel_profile(b.peer)
     elif b.peer is not None:
         replay = b.peer
         rec["torch_compile_cudagraph_ms"] = time_cuda(lambda i: replay(), iters, warmup)
@@ -396,6 +400,36 @@ def _time(b: _Batch, iters: int, warmup: int) -> None:
     else:  # torch.compile's pieces between host reads: not the whole-graph peer the column compares
         rec["ratio_torch_compile"] = None
         rec["ratio_torch_compile_reduce_overhead"] = ratio
+
+
+def kernel_profile(fn: Callable[[], Any], runs: int = 20) -> list[list[Any]]:
+    """What the GPU runs for `fn` (a graph's replay), by torch's profiler over `runs` calls after
+    five unprofiled: [us a call, launches a call, kernel name], the most time first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_table(prof.events(), runs)
+
+
+def kernel_table(events: Iterable[Any], runs: int) -> list[list[Any]]:
+    """The device events of `runs` calls summed by kernel name: [us a call, launches a call, name
+    (120 characters)], the most time first."""
+    total: dict[str, list[float]] = {}
+    for e in events:
+        if getattr(e.device_type, "name", "") != "CUDA":
+            continue
+        t = total.setdefault(e.name, [0.0, 0.0])
+        t[0] += float(e.device_time)
+        t[1] += 1
+    rows = [[round(us / runs, 2), round(n / runs, 2), name[:120]] for name, (us, n) in total.items()]
+    return sorted(rows, key=lambda r: (-r[0], r[2]))
 
 
 def measure_row(
@@ -409,6 +443,7 @@ def measure_row(
     export_dir: str,
     sync_dir: str = "",
     disable: tuple[str, ...] = (),
+    profile: bool = False,
 ) -> None:
     """One row's batches, in three steps: export each batch; compile, verify and capture each with
     opfuse, then compile and capture torch.compile's peer of the module (fp16, the same inputs);
@@ -457,7 +492,7 @@ def measure_row(
     for b in prepared:
         if timed and "error" not in b.rec:
             try:
-                _time(b, iters, warmup)
+                _time(b, iters, warmup, profile)
             except Exception as exc:
                 traceback.print_exc()
                 b.rec["error"] = one_line(exc, 400)
@@ -533,6 +568,8 @@ def _command(name: str, batches: list[int], out_path: str, args: argparse.Namesp
     cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--tune-budget", str(args.tune_budget)]
     if args.disable:
         cmd += ["--disable", args.disable]
+    if args.profile:
+        cmd.append("--profile")
     return cmd
 
 
@@ -684,6 +721,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tune-budget", type=float, default=60.0, help="opfuse tuning seconds per model")
     ap.add_argument("--disable", default="", help="opfuse rules to switch off, comma-separated (A/B runs)")
     ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list each graph's kernels (torch's profiler): the lines' opfuse_kernels and peer_kernels",
+    )
+    ap.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -738,6 +780,7 @@ def main(argv: list[str] | None = None) -> None:
             args.export_dir,
             args.sync_dir,
             tuple(x for x in args.disable.split(",") if x),
+            args.profile,
         )
         return
     try:

@@ -456,3 +456,21 @@ def test_paired_timing_warms_the_contenders_in_turns_then_alternates_their_round
     timed = calls[2:]
     blocks = [timed[i * 5][0] for i in range(6)]  # 1 warm-up + 4 timed runs a block
     assert blocks == ["o", "p", "p", "o", "o", "p"]
+
+
+def test_a_kernel_profile_sums_each_kernels_device_time_a_call() -> None:
+    """--profile's table: device events only, summed by kernel name and divided by the calls, the
+    most time first; --profile reaches the row's worker."""
+    from types import SimpleNamespace
+
+    cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
+    events = [
+        SimpleNamespace(name="fused_conv", device_type=cuda, device_time=6.0),
+        SimpleNamespace(name="fused_conv", device_type=cuda, device_time=4.0),
+        SimpleNamespace(name="gemv", device_type=cuda, device_time=7.0),
+        SimpleNamespace(name="cudaGraphLaunch", device_type=cpu, device_time=0.0),
+    ]
+    assert gpu.kernel_table(events, runs=2) == [[5.0, 1.0, "fused_conv"], [3.5, 0.5, "gemv"]]
+    args = gpu.parse(["--profile"])
+    assert "--profile" in gpu._command("timm/resnet18", [1], "out.jsonl", args, "wave")
+    assert "--profile" not in gpu._command("timm/resnet18", [1], "out.jsonl", gpu.parse([]), "wave")
