@@ -64,7 +64,8 @@ def _prod(dims: tuple[int, ...] | list[int]) -> int:
 
 def _view_row_expr(view: Any, full: tuple[int, ...], split: int | None) -> str:
     """Row `row`'s elements in the buffer behind a folded layout view: the row dims at the view's
-    strides, the row itself contiguous (`cols`), from the view's offset."""
+    strides, the row itself one run at its last dim's step (`cols`, contiguous where that is 1),
+    from the view's offset."""
     k = len(full) - 1 if split is None else split
     row_strides = [_prod(full[d + 1 : k]) for d in range(k)]
     terms = [str(view.offset)] if view.offset else []
@@ -73,7 +74,8 @@ def _view_row_expr(view: Any, full: tuple[int, ...], split: int | None) -> str:
             continue
         coord = _coord("row", row_strides[d], full[d])
         terms.append(f"{coord} * {view.strides[d]}" if view.strides[d] != 1 else coord)
-    return " + ".join([*terms, "cols"])
+    step = view.strides[-1]
+    return " + ".join([*terms, f"cols * {step}" if step != 1 else "cols"])
 
 
 def _coord(var: str, div: int, size: int) -> str:

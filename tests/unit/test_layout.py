@@ -361,6 +361,33 @@ def test_a_row_kernel_reads_its_rows_through_a_transpose(precision: str) -> None
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_row_kernel_reads_rows_at_a_step_of_two(precision: str) -> None:
+    """FNet's real part of its Fourier transform: [..., 2] pairs, the real values sliced out and
+    reshaped before the residual add and LayerNorm. Each row lies at a step of 2 in the pairs'
+    buffer: the row kernel reads it there (`cols * 2`), where the runtime copied the view."""
+    from tests.unit.test_fusion import check_against_ort
+
+    rng = np.random.default_rng(11)
+    b, s, e = 2, 6, 16
+    nodes = [
+        helper.make_node("Slice", ["pairs", "st", "en", "ax"], ["re"], name="real_part"),
+        helper.make_node("Reshape", ["re", "shape"], ["select"], name="select"),
+        helper.make_node("Add", ["x", "select"], ["res"], name="residual"),
+        helper.make_node("LayerNormalization", ["res", "g", "beta"], ["y"], name="ln", axis=-1),
+    ]
+    inits = {"g": 1 + 0.1 * rng.standard_normal(e), "beta": rng.standard_normal(e)}
+    model = make_model(nodes, {"pairs": [b, s, e, 2], "x": [b, s, e]}, {"y": [b, s, e]}, inits)
+    for name, v in (("st", [0]), ("en", [1]), ("ax", [-1]), ("shape", [b, s, e])):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(v, np.int64), name))
+    cm = check_against_ort(model, {"pairs": [b, s, e, 2], "x": [b, s, e]}, precision)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "rowwise"]
+    assert "pairs" in k.inputs and "select" not in k.inputs and "cols * 2" in k.source
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["kind"] == "rowwise"]
+    assert "real_part" in g["layout_folded"]
+    assert not any(st.op_type in ("Slice", "Reshape") for st in cm.plan.steps)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_heads_merged_into_the_batch_and_split_out_again_are_read_in_place(precision: str) -> None:
     """Seq-first multi-head attention's head split, from a window of a packed projection (ViT's
     q): [S, B, 3E] -> [S, B, E] -> [S, B*H, D] -> [B*H, S, D] -> [B, H, S, D]. The middle shape is

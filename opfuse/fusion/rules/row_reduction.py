@@ -323,9 +323,11 @@ def _gather_row_pads(graph: Graph, group: Group, claimed: set[str]) -> None:
 
 
 def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
-    """A row kernel's full-shaped input reached through layout ops that keep each row contiguous
-    (a seq-first attention output transposed back to batch-first before its residual LayerNorm)
-    is read from the buffer behind them: rows at their strides, each row as it lies."""
+    """A row kernel's full-shaped input reached through layout ops that keep each row in one run
+    of equal steps is read from the buffer behind them: rows at their strides, each row as it
+    lies (a seq-first attention output transposed back to batch-first before its residual
+    LayerNorm: contiguous rows; the real parts of FNet's Fourier transform, every other value of
+    its [..., 2] pairs: a row at a step of 2), where the runtime would first copy the view."""
     space = row_space(graph, row_head(graph, group.nodes))
     if space.inner > 1 or space.groups:
         return  # rows strided or grouped: their own addressing
@@ -338,8 +340,12 @@ def _fold_row_layout(graph: Graph, group: Group, claimed: set[str]) -> None:
         graph,
         group,
         claimed,
-        # Full-shaped, and each row lying contiguously, as the kernel reads it.
-        lambda x, view: tuple(graph.spec(x).shape) == full and tuple(view.strides[k:]) == trailing,
+        # Full-shaped, and each row one run at the step of its last dim, as the kernel reads it.
+        lambda x, view: (
+            tuple(graph.spec(x).shape) == full
+            and view.strides[-1] >= 1
+            and tuple(view.strides[k:]) == tuple(view.strides[-1] * t for t in trailing)
+        ),
     )
 
 
