@@ -17,7 +17,7 @@ from opfuse.codegen.registry import has_library_alternative, split_form, templat
 from opfuse.fusion.groups import Group
 from opfuse.report import tuning_summary
 from opfuse.runtime.executor import Executor, device_lost
-from opfuse.runtime.plan import Plan
+from opfuse.runtime.plan import KernelInfo, Plan
 from opfuse.tuning import configs as configs_module
 from opfuse.tuning.cache import TuningCache, config_key, kernel_signature
 from opfuse.tuning.configs import NO_WORKER, Precompiled, precompile
@@ -47,6 +47,15 @@ class TuningResult:
     unsafe: dict[str, str]
     codegen_faults: dict[str, str]
     rebuild: bool = True
+
+
+def variant_cache_key(split: str | None, template: KernelInfo) -> str:
+    """The tuning cache's key of a group's template-or-alternative choice: its template kernel's
+    signature, and the alternative. A split form's choice is keyed apart, by the form (`split`,
+    registry.split_form): its "vendor" is no library kernel, and a choice made against one form
+    says nothing of another (pooled_gemm's became the library's GEMM where it had been the GEMM's
+    template, 2026-12-06)."""
+    return (f"variant-split:{split}:" if split is not None else "variant:") + kernel_signature(template)
 
 
 def tune(
@@ -91,9 +100,7 @@ def tune(
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
     variant_key = {
-        # A split-form choice is keyed apart: its "vendor" is two templates, not the library.
-        gid: ("variant-split:" if gid in split_groups else "variant:")
-        + kernel_signature(template_kernel[gid])
+        gid: variant_cache_key(split_groups.get(gid), template_kernel[gid])
         for gid in anchors
         if gid in template_kernel
     }

@@ -1252,3 +1252,24 @@ def test_a_lone_anchor_left_to_the_library_is_never_unsafe(
     record = tune_fusion(graph, fusion, feeds)[0].record
     assert record["lone_anchors"]["library"] == [gid]
     assert record["unsafe_groups"] == [] and record["unsafe"] == {}
+
+
+def test_a_split_forms_choice_is_cached_under_its_form() -> None:
+    """A choice between a group's template and its split form is keyed by the form as well as the
+    template kernel: a choice cached against an earlier form (pooled_gemm's GEMM template) is not
+    taken for one against another (the library's GEMM), nor for the library's kernel."""
+    from bench.kernels import plan_model
+    from opfuse.codegen.registry import split_form
+    from opfuse.tuning.orchestrate import variant_cache_key
+    from tests.unit.test_gemm import classifier_head
+
+    shapes = {"x": [1, 24, 5, 5], "r": [1, 24, 5, 5]}
+    p = plan_model(classifier_head(1, 24, 5, 40), shapes, "fp32")
+    (g,) = [g for g in p.fusion.groups if g.kind == "gemm"]
+    (k,) = [k for k in p.plan.kernels.values() if k.group == g.id]
+    form = split_form(g)
+    assert form == "split: the row kernel, then the library's GEMM"
+    key = variant_cache_key(form, k)
+    assert key.startswith(f"variant-split:{form}:")
+    assert key != variant_cache_key("split: the row kernel, then the GEMM's template", k)
+    assert variant_cache_key(None, k).startswith("variant:") and variant_cache_key(None, k) != key
