@@ -69,8 +69,8 @@ def paired_ms(
     Timed one after the other, the same plans came out up to 30% apart between two runs on one
     H100 (hgnet_tiny's ratio 1.12 in a wave, 0.79 alone), likely the clocks a card keeps after
     waiting idle, which a few milliseconds of runs do not raise: a ratio of two figures timed
-    apart held that spread. Here the contenders first run in
-    turns for `warm_s` seconds, and a change of clocks during the rounds falls on all of them."""
+    apart held that spread. Here the contenders first run in turns for `warm_s` seconds, and a
+    change of clocks during the rounds falls on all of them."""
     names = list(fns)
     deadline = time.perf_counter() + warm_s
     while True:

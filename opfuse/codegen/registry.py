@@ -206,12 +206,14 @@ def _gemm_split(g: GroupLike) -> SplitForm | None:
             "split: the prologue's kernel, the library's GEMM, the epilogue's kernel", _prologue_split(g)
         )
     gemm = g.nodes[0]
-    alone = len(g.nodes) == 1 and not any(x in g.views for x in gemm.inputs[1:] if x)
-    if alone and _layout_chain(g, library=True)[0] == g.prologue[-1].outputs[0]:
-        # One to four images: a GEMV, where the template took 10.2 us for ResNeXt-50's 2048 x 1000
-        # head at batch 1 on an H100 (2026-12-06), a tenth of the chip's bandwidth.
-        return _pooled_split(g, SplitPiece(None, [gemm]), "the library's GEMM", library=True)
-    return _pooled_split(g, SplitPiece("gemm", g.nodes, views=g.views), "the GEMM's template")
+    if len(g.nodes) == 1 and not any(x in g.views for x in gemm.inputs[1:] if x):
+        start, every = _layout_chain(g, library=True)
+        if start == g.prologue[-1].outputs[0]:
+            # One to four images: a GEMV, where the template took 10.2 us for ResNeXt-50's 2048 x
+            # 1000 head at batch 1 on an H100 (2026-12-06), a tenth of the chip's bandwidth.
+            return _pooled_split(g, every, SplitPiece(None, [gemm]), "the library's GEMM")
+    between = _layout_chain(g, library=False)[1]
+    return _pooled_split(g, between, SplitPiece("gemm", g.nodes, views=g.views), "the GEMM's template")
 
 
 def _chain_split(g: GroupLike) -> SplitForm | None:
@@ -219,7 +221,8 @@ def _chain_split(g: GroupLike) -> SplitForm | None:
     kernel, then the chain."""
     if not g.prologue:
         return None
-    return _pooled_split(g, SplitPiece("chain", g.nodes, match=g.match), "the chain")
+    between = _layout_chain(g, library=False)[1]
+    return _pooled_split(g, between, SplitPiece("chain", g.nodes, match=g.match), "the chain")
 
 
 def _layout_chain(g: GroupLike, library: bool) -> tuple[str, list[Node]]:
@@ -234,12 +237,10 @@ def _layout_chain(g: GroupLike, library: bool) -> tuple[str, list[Node]]:
     return a, between
 
 
-def _pooled_split(g: GroupLike, reader: SplitPiece, what: str, library: bool = False) -> SplitForm:
+def _pooled_split(g: GroupLike, between: list[Node], reader: SplitPiece, what: str) -> SplitForm:
     """A pool computed on the tiles of its reader (pooled_gemm): the pool's row kernel, the layout
-    ops folded between the pooled vector and the reader where no view of the group's reads
-    through them (every one before a `library` reader, which reads no view), as the library's
-    ops, then the reader's kernel (or the library's op)."""
-    _, between = _layout_chain(g, library)
+    ops `between` the pooled vector and the reader that the reader does not read through
+    (_layout_chain), as the library's ops, then the reader's kernel (or the library's op)."""
 
     def pieces(graph: Graph) -> list[SplitPiece]:
         space = row_space(graph, g.prologue[-1])

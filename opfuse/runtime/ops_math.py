@@ -147,7 +147,7 @@ def _transform(
         try:
             out = library(_signal(x, half=True))
         except RuntimeError:  # complex half is new to the library: where it refuses, widen
-            out = None
+            pass
     if out is None:
         out = library(_signal(x))
     return (torch.view_as_real(out) if out.is_complex() else out).to(x.dtype)
