@@ -18,13 +18,17 @@ from opfuse.ir.ops import NHWC_POOLS
 from opfuse.ir.support import conv_params, pad_per_dim
 
 
-def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
-    """A 4-D NCHW Pad of the spatial axes only, as a conv prologue reads it: the source's H and
-    W, the top and left pads, the mode, and a constant Pad's value as a literal. The region's
-    Transpose to NHWC alone (layout_prologue) reads its NCHW source unpadded: mode "nchw"."""
-    h, w = graph.spec(pad.inputs[0]).shape[2:]
+def pad_geometry(graph: Graph, pad: Node, nhwc: bool = False) -> dict[str, Any]:
+    """A 4-D Pad of the spatial axes only, as a conv prologue reads it: the source's H and W, the
+    top and left pads, the mode, a constant Pad's value as a literal, and whether the source is
+    NHWC (`nhwc`: a Pad in the channels-last region) or NCHW (a Pad before the region's
+    Transpose). The region's Transpose to NHWC alone (layout_prologue) reads its NCHW source
+    unpadded: mode "nchw"."""
+    shape = graph.spec(pad.inputs[0]).shape
     if pad.op_type == "Transpose":
-        return {"H": h, "W": w, "top": 0, "left": 0, "mode": "nchw", "value": "0.0"}
+        h, w = shape[2:]
+        return {"H": h, "W": w, "top": 0, "left": 0, "mode": "nchw", "value": "0.0", "nhwc": False}
+    (h, w), axes = (shape[1:3], (1, 2)) if nhwc else (shape[2:], (2, 3))
     per_dim = pad_per_dim(graph, pad)
     assert per_dim is not None  # checked by the planner (fusion.anchors.pad_prologue_reason)
     value = 0.0
@@ -33,10 +37,11 @@ def pad_geometry(graph: Graph, pad: Node) -> dict[str, Any]:
     return {
         "H": h,
         "W": w,
-        "top": per_dim[2][0],
-        "left": per_dim[3][0],
+        "top": per_dim[axes[0]][0],
+        "left": per_dim[axes[1]][0],
         "mode": str(pad.attrs.get("mode", "constant")),
         "value": float_literal(value),
+        "nhwc": nhwc,
     }
 
 
@@ -293,7 +298,9 @@ class TapInput:
     @property
     def channel_stride(self) -> int:
         """The stride between input channels in x: 1 (NHWC), or a plane (a padded NCHW source)."""
-        return self.padding["H"] * self.padding["W"] if self.padding is not None else 1
+        if self.padding is None or self.padding["nhwc"]:
+            return 1
+        return self.padding["H"] * self.padding["W"]
 
 
 def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) -> str:
@@ -316,6 +323,8 @@ def source_pixel(buf: SourceBuffer, tap: TapInput, ih: str, iw: str, img_: str) 
             buf.line(f"{v} = tl.minimum(tl.maximum({v}, 0), {size - 1})")
     else:
         buf.line(f"inside = (sh >= 0) & (sh < {h0}) & (sw >= 0) & (sw < {w0})")
+    if padding["nhwc"]:
+        return f"(({img_} * {h0} + sh) * {w0} + sw) * {c}"
     return f"{img_} * {c * h0 * w0} + sh * {w0} + sw"
 
 
@@ -338,9 +347,12 @@ def padded_load(buf: SourceBuffer, tap: TapInput, offset: str, ok: str, blocked:
 
 def contiguous_run(tap: TapInput) -> int:
     """The run of contiguous channels a tap's [pixels, channels] loads may claim (`in_bounds`):
-    NHWC input read directly (no Pad prologue remapping its pixels, channels at stride 1)."""
-    if tap.padding is not None or tap.channel_stride != 1:
+    NHWC input, read directly or through an NHWC Pad (which moves whole pixels), channels at
+    stride 1."""
+    if tap.channel_stride != 1:
         return 1
+    if tap.padding is not None:
+        return channel_run(tap.p["C"])
     if tap.pixel_stride:  # runs aligned in the wider buffer: its channels and the window's start too
         return power_run(tap.p["C"], tap.pixel_stride, tap.offset)
     return channel_run(tap.p["C"])
@@ -363,7 +375,17 @@ def depthwise_taps(buf: SourceBuffer, tap: TapInput, loop: str) -> None:
     with buf.indent():
         window_position(buf, tap)
         buf.line("x_ok = ok[:, None] & col_ok[None, :]")
-        buf.line(f"xv = {guarded_load('x', 'base[:, None] + rn[None, :]', 'x_ok', run=contiguous_run(tap))}")
+        padding = tap.padding
+        if padding is not None and padding["mode"] == "constant":  # an NHWC Pad's filled pixels
+            fill = padding["value"]
+            buf.line("read_ok = x_ok & inside")
+            buf.line(f"xv = {guarded_load('x', 'base[:, None] + rn[None, :]', 'read_ok', fill)}")
+            if fill != "0.0":  # the conv's own padding (outside the padded tensor) stays 0
+                buf.line("xv = tl.where(x_ok, xv, 0.0).to(xv.dtype)")
+        else:
+            buf.line(
+                f"xv = {guarded_load('x', 'base[:, None] + rn[None, :]', 'x_ok', run=contiguous_run(tap))}"
+            )
         taps = tap.p["KH"] * tap.p["KW"]
         buf.line(f"wv = {guarded_load('w', f'rn[None, :] * {taps} + t', 'col_ok[None, :]')}")
         buf.line("acc = acc + xv.to(tl.float32) * wv.to(tl.float32)")

@@ -90,7 +90,8 @@ class NhwcConv:
 
     @property
     def tap(self) -> TapInput:
-        padding = pad_geometry(self.graph, self.pad) if self.pad is not None else None
+        pad = self.pad
+        padding = pad_geometry(self.graph, pad, pad.outputs[0] == self.anchor.inputs[0]) if pad else None
         return TapInput(self.p, padding, self.x_stride, self.x_offset)
 
     @property
@@ -191,8 +192,9 @@ def _read_prologue(cv: NhwcConv) -> None:
         )
     elif prologue and prologue[0].op_type in ("Pad", "Transpose"):
         # Pad (NCHW) -> Transpose to NHWC -> conv: the kernel reads the unpadded NCHW tensor, the
-        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant). The
-        # Transpose alone (layout_prologue): the kernel reads the NCHW tensor, a plane a channel.
+        # padded pixel mapped to the one it copies (reflect, edge) or filled (constant); an NHWC
+        # Pad -> conv the same, of the unpadded NHWC tensor. The Transpose alone
+        # (layout_prologue): the kernel reads the NCHW tensor, a plane a channel.
         cv.pad = prologue[0]
         cv.x_name = cv.pad.inputs[0]
     elif prologue and (len(prologue) > 1 or input_scale_reason(graph, prologue[0], cv.anchor) is not None):

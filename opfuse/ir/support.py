@@ -274,13 +274,14 @@ def pad_per_dim(graph: Graph, pad: Node) -> list[tuple[int, int]] | None:
     return per_dim
 
 
-def spatial_pad_reason(graph: Graph, pad: Node) -> str | None:
+def spatial_pad_reason(graph: Graph, pad: Node, nhwc: bool = False) -> str | None:
     """None where a Pad's pads are constants, non-negative, and on the spatial axes only (what a
-    conv can take as its own padding or read through), else why not."""
+    conv can take as its own padding or read through), else why not. `nhwc`: a 4-D channels-last
+    Pad, its channels the last axis."""
     per_dim = pad_per_dim(graph, pad)
     if per_dim is None:
         return "the pads (or axes) are not constants"
-    if per_dim[0] != (0, 0) or per_dim[1] != (0, 0):
+    if per_dim[0] != (0, 0) or per_dim[-1 if nhwc else 1] != (0, 0):
         return "the Pad pads the batch or channel axis"
     if any(b < 0 or e < 0 for b, e in per_dim):
         return "negative pads (a crop)"

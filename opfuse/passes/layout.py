@@ -17,6 +17,10 @@ the [N, C, L] tensors of a 1-D conv their tokens [N, L, C] as one image row [N, 
   written-out ReduceMean/Sum/Max/Min with constant axes reduces the same axes in NHWC numbering;
 - pointwise ops take their per-channel constants transposed ([C,1,1] -> [1,1,1,C]);
 - Concat along channels concatenates along the last axis;
+- a Pad of a value already channels-last pads its NHWC twin (the same pads, numbered in NHWC), so
+  the region does not leave for it and come back: a conv after it reads through it
+  (pad_prologue), the depthwise template too (TResNet's anti-aliasing blur pools: a reflect Pad
+  after a conv, then a depthwise blur conv);
 - LRN becomes `opfuse.LRNNHWC`, its window over the last axis (the channels, contiguous);
 - a GroupNormalization with one group becomes LayerNormalization over axes 1-3 (the same
   statistics), its per-channel scale and bias broadcast along the last axis;
@@ -45,6 +49,7 @@ from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.ops import FLOAT_TYPES, LRN_NHWC, NHWC_CONV, POINTWISE_OPS, ROW_REDUCTIONS, is_depthwise
 from opfuse.ir.ops import NHWC_POOLS as POOLS
+from opfuse.ir.support import pad_per_dim
 from opfuse.passes.pointwise_views import VIEWS
 from opfuse.passes.rules import NotFired, RuleLog, node_label
 
@@ -365,6 +370,11 @@ def to_channels_last(
             out = rw.new_output(node.outputs[0]) if keep else node.outputs[0]
             attrs = {k: v for k, v in node.attrs.items() if k != "axes"} | {"keepdims": keep}
             rw.out.append(Node(node.id, op, ins, [out], attrs, node.name))
+        elif op == "Pad" and node.inputs[0] in rw.twin and (pads := _nhwc_pads(graph, node)) is not None:
+            ins = [rw.twin[node.inputs[0]], graph.add_constant(f"{node.id}_pads", pads, "int64")]
+            ins += node.inputs[2:3]  # the value; the axes are all four now
+            out = rw.new_output(node.outputs[0])
+            rw.out.append(Node(node.id, "Pad", ins, [out], dict(node.attrs), node.name))
         elif op == "LRN" and node.inputs[0] in rw.twin and len(graph.spec(node.inputs[0]).shape) == 4:
             # A window over the channels: in NHWC neighbouring channels are neighbouring elements.
             ins = [rw.twin[node.inputs[0]]]
@@ -406,6 +416,18 @@ def to_channels_last(
         _back_to_nchw(rw, o.name)
     graph.nodes = rw.out
     log.fired[RULE] = log.fired.get(RULE, 0) + len(convs)
+
+
+def _nhwc_pads(graph: Graph, node: Node) -> np.ndarray | None:
+    """A 4-D Pad's pads (constants) for its input's NHWC twin: the begins of N, H, W, C, then their
+    ends; None where they are not constants."""
+    if len(graph.spec(node.inputs[0]).shape) != 4 or len([o for o in node.outputs if o]) != 1:
+        return None
+    per_dim = pad_per_dim(graph, node)
+    if per_dim is None:
+        return None
+    nhwc = [per_dim[a] for a in TO_NHWC]
+    return np.array([b for b, _ in nhwc] + [e for _, e in nhwc], dtype=np.int64)
 
 
 def _row_attrs(attrs: dict[str, Any]) -> dict[str, Any]:

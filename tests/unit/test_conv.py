@@ -1515,6 +1515,71 @@ def test_a_conv_reads_its_input_through_the_pad_before_it(
     assert [s.op_type for s in off.plan.steps if s.kind == "op" and s.launches] == ["Pad", "opfuse.ConvNHWC"]
 
 
+def blur_pool_block(c: int, mode: str, pads: list[int], group: int, stride: int, value: float | None) -> Any:
+    """conv -> LeakyRelu -> Pad(`mode`, `pads`: top, left, bottom, right) -> 3x3 conv of `group`
+    groups at `stride` -> Relu: the Pad inside the channels-last region, as TResNet's
+    anti-aliasing blur pool (a reflect Pad, then a depthwise blur at stride 2) after a conv."""
+    n, size = 2, 7
+    inits: dict[str, Any] = {
+        "w0": RNG.standard_normal((c, 5, 1, 1)) * 0.3,
+        "w1": RNG.standard_normal((c, c // group, 3, 3)) * 0.2,
+        "b1": RNG.standard_normal(c) * 0.1,
+        "pads": np.array([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]),
+    }
+    pad_inputs = ["a", "pads"]
+    if value is not None:
+        inits["value"] = np.array(value)
+        pad_inputs.append("value")
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv0"),
+        helper.make_node("LeakyRelu", ["c0"], ["a"], name="act", alpha=0.01),
+        helper.make_node("Pad", pad_inputs, ["p"], name="pad", mode=mode),
+        helper.make_node("Conv", ["p", "w1", "b1"], ["c1"], name="conv", group=group, strides=[stride] * 2),
+        helper.make_node("Relu", ["c1"], ["y"], name="relu"),
+    ]
+    hp, wp = size + pads[0] + pads[2], size + pads[1] + pads[3]
+    out = [n, c, (hp - 3) // stride + 1, (wp - 3) // stride + 1]
+    m = make_model(nodes, {"x": [n, 5, size, size]}, {"y": out}, inits)
+    for init in m.graph.initializer:
+        if init.name == "pads":
+            init.CopyFrom(numpy_helper.from_array(inits["pads"].astype(np.int64), "pads"))
+    return m, [n, 5, size, size]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "mode, pads, group, stride, value",
+    [
+        ("reflect", [1, 1, 1, 1], 16, 2, None),  # the blur pool: depthwise at stride 2
+        ("edge", [2, 1, 0, 1], 16, 1, None),
+        ("constant", [1, 0, 2, 1], 16, 2, 0.5),
+        ("reflect", [1, 2, 1, 0], 1, 1, None),  # a dense conv's K loop
+        ("constant", [0, 1, 1, 2], 4, 1, -0.25),  # a grouped conv's
+    ],
+)
+def test_a_pad_inside_the_channels_last_region_is_read_through_by_the_conv_after_it(
+    precision: str, mode: str, pads: list[int], group: int, stride: int, value: float | None
+) -> None:
+    """A Pad of a conv's output pads the NHWC twin (passes/layout.py): no Transpose back to NCHW
+    for it and none into the region after it, and the conv after it, depthwise, dense or grouped,
+    reads the unpadded NHWC tensor through it (pad_prologue): two kernels where the Pad was a
+    launch of its own between them."""
+    m, shape = blur_pool_block(16, mode, pads, group, stride, value)
+    cm = check_against_ort(m, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS)
+    assert not [s for s in cm.plan.steps if s.op_type == "Transpose" and s.launches]
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["nodes"][0] == "pad"]
+    assert g["rule"] == "conv_epilogue+pad_prologue" and g["nodes"] == ["pad", "conv", "relu"]
+    assert cm.report["kernels"]["after"] == 2
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv" and "sh = " in k.source]
+    assert ("depthwise" in k.source) == (group == 16)
+    assert ("tl.where(sh < 0, -sh, sh)" in k.source) == (mode == "reflect")
+    check_every_candidate(cm, k, m, {"x": RNG.standard_normal(shape).astype(np.float32)}, precision)
+    off = check_against_ort(m, {"x": shape}, precision, fusion_disable=(*NHWC_ALWAYS, "pad_prologue"))
+    # Without the rule the Pad runs on its own, still on the NHWC twin.
+    assert next(s.op_type for s in off.plan.steps if s.kind == "op" and s.launches) == "Pad"
+    assert not [s for s in off.plan.steps if s.op_type == "Transpose" and s.launches]
+
+
 @pytest.mark.parametrize(
     "mode, pads, why",
     [

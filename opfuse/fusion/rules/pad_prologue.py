@@ -1,9 +1,10 @@
 """`pad_prologue`: an anchor's template reads through the Pad before it.
 
 Applied inside the anchor rule (anchor_epilogue.py) to an NHWC conv without an input scale: the
-Pad (an NCHW Pad, then the region's Transpose to NHWC) that only the conv reads becomes the conv's
-prologue, and the template maps each padded pixel to the one it copies (reflect, edge) or fills
-(constant). Refused, with the reason, where the template cannot read through that Pad.
+Pad that only the conv reads (an NHWC Pad, or an NCHW Pad then the region's Transpose to NHWC)
+becomes the conv's prologue, and the template maps each padded pixel to the one it copies
+(reflect, edge) or fills (constant). Refused, with the reason, where the template cannot read
+through that Pad.
 
 `layout_prologue` (`input_transpose`) is the same read without a Pad: the region's Transpose of
 an NCHW tensor that only the conv reads (the image, at a network's stem) is no copy; the template
@@ -32,23 +33,31 @@ def input_pad(
     consumers: dict[str, list[Node]],
     not_fused: list[NotFired],
 ) -> list[Node]:
-    """The Pad before an NHWC conv (an NCHW Pad, then the region's Transpose to NHWC), read by
-    nothing else: the conv template reads the unpadded tensor, each padded pixel mapped to the one
-    it copies (reflect, edge) or filled (constant). Reflection padding before every 3x3 conv is
-    how image-to-image generators and segmentation heads keep their borders."""
-    t = _region_transpose(graph, conv, taken, producers, consumers)
-    pad = producers.get(t.inputs[0]) if t is not None else None
-    if t is None or pad is None or pad.op_type != "Pad" or pad.id in taken:
+    """The Pad before an NHWC conv, read by nothing else: the conv template reads the unpadded
+    tensor, each padded pixel mapped to the one it copies (reflect, edge) or filled (constant).
+    Either an NHWC Pad (of a value already channels-last: passes/layout.py), read by any NHWC
+    conv, depthwise too; or an NCHW Pad, then the region's Transpose to NHWC, read by a dense or
+    grouped conv a plane a channel. Reflection padding before every 3x3 conv is how image-to-image
+    generators and segmentation heads keep their borders, and TResNet's blur pools theirs."""
+    direct = producers.get(conv.inputs[0]) if conv.op_type == NHWC_CONV else None
+    t = (
+        None
+        if direct is not None and direct.op_type == "Pad"
+        else _region_transpose(graph, conv, taken, producers, consumers)
+    )
+    pad = direct if t is None else producers.get(t.inputs[0])  # an NHWC Pad: the conv's input itself
+    if pad is None or pad.op_type != "Pad":
         return []
-    if pad.outputs[0] in {o.name for o in graph.outputs}:
+    reader, reads = (conv, [pad]) if t is None else (t, [pad, t])
+    if pad.id in taken or pad.outputs[0] in {o.name for o in graph.outputs}:
         return []
-    if [c.id for c in consumers.get(pad.outputs[0], [])] != [t.id]:
+    if [c.id for c in consumers.get(pad.outputs[0], [])] != [reader.id]:
         return []
-    why = pad_prologue_reason(graph, pad)
+    why = pad_prologue_reason(graph, pad, nhwc=reader is conv)
     if why is not None:
         not_fused.append(NotFired(PAD_RULE, [node_label(pad), node_label(conv)], why))
         return []
-    return [pad, t]
+    return reads
 
 
 def input_transpose(
@@ -98,20 +107,20 @@ def _region_transpose(
     return t if [c.id for c in consumers.get(t.outputs[0], [])] == [conv.id] else None
 
 
-def pad_prologue_reason(graph: Graph, pad: Node) -> str | None:
-    """None if a conv's input tiles can be read through this Pad, else why not."""
+def pad_prologue_reason(graph: Graph, pad: Node, nhwc: bool = False) -> str | None:
+    """None if a conv's input tiles can be read through this Pad (NCHW, or `nhwc`), else why not."""
     mode = str(pad.attrs.get("mode", "constant"))
     x = graph.spec(pad.inputs[0])
     if mode not in PAD_MODES:
         return f"Pad mode {mode!r}: the conv reads through constant, reflect and edge padding"
     if len(x.shape) != 4:
         return "not a 4-D Pad"
-    why = spatial_pad_reason(graph, pad)
+    why = spatial_pad_reason(graph, pad, nhwc)
     if why is not None:
         return why
     per_dim = pad_per_dim(graph, pad)
     assert per_dim is not None
-    if mode == "reflect" and any(max(per_dim[a]) >= x.shape[a] for a in (2, 3)):
+    if mode == "reflect" and any(max(per_dim[a]) >= x.shape[a] for a in ((1, 2) if nhwc else (2, 3))):
         return "a reflection wider than the image"
     if len(pad.inputs) > 2 and pad.inputs[2]:
         value = graph.constants.get(pad.inputs[2])
