@@ -147,8 +147,14 @@ def _generate_conv_nchw(
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
     module_imports(buf)
-    config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False}
-    kernel_head(buf, "fused_conv", args, config, m, n, k, dtype)
+    # Split-K (a tuning choice, split_k_candidates): few output tiles and a long K, the 3-D convs
+    # of a video network's last stages at batch 1 (a few pixels by 512 channels, K 4608).
+    split = "split_k" not in graph.disabled
+    flags: dict[str, Any] = {"SPLIT_K": 1} if split else {}
+    config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False, **flags}
+    kernel_head(
+        buf, "fused_conv", args + (["partials", "lock"] if split else []), config, m, n, k, dtype, flags
+    )
     regs: dict[str, str] = {}
 
     def a_tile() -> None:
@@ -172,22 +178,31 @@ def _generate_conv_nchw(
             buf.line(_unflatten("rm[:, None]", f"o{a.name}", d, outs))
         buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         w_tile = TileRead("w", f"rn[None, :] * {k} + kk[:, None]", power_run(k))
-        k_loop(buf, k, n, w_tile, dot_precision(dtype, precision), a_tile)
+        k_loop(buf, k, n, w_tile, dot_precision(dtype, precision), a_tile, split)
+        if split:
+            split_k_reduction(buf)
+            buf.line("if last:")
+
+    def index_of(name: str) -> tuple[str | None, str]:
+        return ("cols" if name == b_name else _epilogue_index(graph.spec(name).shape, out_shape)), "mask"
+
+    def bias(regs: dict[str, str]) -> None:
+        if b_name:
+            buf.line(f"acc = acc + {regs[b_name]}")
+
+    with buf.indent(), buf.indent() if split else contextlib.nullcontext():
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (rm[:, None] < {m}) & (cols < {n})")
-
-        def index_of(name: str) -> tuple[str | None, str]:
-            return ("cols" if name == b_name else _epilogue_index(graph.spec(name).shape, out_shape)), "mask"
-
-        def bias(regs: dict[str, str]) -> None:
-            if b_name:
-                buf.line(f"acc = acc + {regs[b_name]}")
-
         accumulator_epilogue(buf, graph, anchor.outputs[0], epilogue, extra, index_of, literals, regs, bias)
         pixel = _row_major([f"o{a.name}" for a in axes], outs)
         buf.line(f"dst = img * {n * pixels} + cols * {pixels} + {pixel}")
         emit_stores(buf, outputs, regs, "dst")
-    emit_launch(buf, "fused_conv", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))')
+    if split:
+        split_k_launch(buf, "fused_conv", args, m, n)
+    else:
+        emit_launch(
+            buf, "fused_conv", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))'
+        )
     return KernelSource(kernel_id, "conv", buf.getvalue(), [x_name, w_name, *extra], list(outputs), config)
 
 

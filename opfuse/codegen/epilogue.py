@@ -97,15 +97,33 @@ def dot_step(buf: SourceBuffer, b: TileRead, mask: str, prec: str) -> None:
     emit_dot(buf, "acc", "a_tile", "b_tile", prec)
 
 
-def k_loop(buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Callable[[], None]) -> None:
+def k_loop(
+    buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Callable[[], None], split: bool = False
+) -> None:
     """The K loop over one flat range, BLOCK_K at a time (`kk`): `a_tile()` writes the A tile's
-    load, the B tile `b` (of `kk` and `rn`) is read inside [K, N]."""
+    load, the B tile `b` (of `kk` and `rn`) is read inside [K, N]. `split`: a kernel with the
+    SPLIT_K constexpr, whose program (.., .., s) takes every SPLIT_K-th block from the s-th (the
+    whole loop where SPLIT_K is 1)."""
+    if split:
+        buf.line("if SPLIT_K == 1:")
+        with buf.indent():
+            k_loop(buf, k, n, b, prec, a_tile)
+        buf.line("else:")
+        with buf.indent():
+            buf.line(f"for k0 in range(tl.program_id(2) * BLOCK_K, {k}, SPLIT_K * BLOCK_K):")
+            with buf.indent():
+                _k_step(buf, k, n, b, prec, a_tile)
+        return
     buf.line(f"for k0 in range(0, {k}, BLOCK_K):")
     with buf.indent():
-        buf.line("kk = k0 + rk")
-        a_tile()
-        inside = f"(kk[:, None] < {k}) & (rn[None, :] < {n})"
-        dot_step(buf, b, f"{inside} & {b.mask}" if b.mask else inside, prec)
+        _k_step(buf, k, n, b, prec, a_tile)
+
+
+def _k_step(buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Callable[[], None]) -> None:
+    buf.line("kk = k0 + rk")
+    a_tile()
+    inside = f"(kk[:, None] < {k}) & (rn[None, :] < {n})"
+    dot_step(buf, b, f"{inside} & {b.mask}" if b.mask else inside, prec)
 
 
 def accumulator_epilogue(

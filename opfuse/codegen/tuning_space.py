@@ -95,12 +95,16 @@ DEPTHWISE_CANDIDATES: list[dict[str, Any]] = [
 ROW_TILES = (1024, 2048)
 
 
-# Split-K (codegen/conv.py), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the
-# H200's 132 SMs): its K loop shared among 2, 4 or 8 programs per tile, at most SPLIT_K_PROGRAMS
-# programs in all and at least SPLIT_K_MIN_K of K each.
+# Split-K (codegen/conv.py: the NHWC template's window loop, and the channels-first template of
+# 1-D to 3-D convs), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the H200's
+# 132 SMs): its K loop shared among 2 to 32 programs per tile, at most SPLIT_K_PROGRAMS programs in
+# all and at least SPLIT_K_MIN_K of K each. 16 and 32 are for the GEMV-shaped convs of the last
+# stages at batch 1 (r2plus1d_18: 4 pixels by 1152 channels, K 4608, megabytes of weights that 18
+# programs streamed at 64 us a conv).
 SPLIT_K_TILES = 128
 SPLIT_K_PROGRAMS = 512
 SPLIT_K_MIN_K = 256
+SPLITS = (2, 4, 8, 16, 32)
 
 
 def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
@@ -109,9 +113,11 @@ def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
         return []
     m, n, kk = (int(v) for v in found.groups())
     out: list[dict[str, Any]] = []
-    for bm, bn in ((64, 64), (32, 64)):
+    for bm, bn in ((64, 64), (32, 64), (16, 64)):
+        if bm > max(16, next_pow2(m)) or (bm == 16 and m > 16):
+            continue  # rows the tile would leave empty; 16 only for a few pixels (GEMV-shaped)
         tiles = -(-m // bm) * -(-n // bn)
-        for split in (2, 4, 8):
+        for split in SPLITS:
             if tiles < SPLIT_K_TILES and tiles * split <= SPLIT_K_PROGRAMS and kk // split >= SPLIT_K_MIN_K:
                 out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
     return out

@@ -566,7 +566,7 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         SPLIT_K,
         CODEGEN,
-        "The conv template's split-K configs, offered to tuning where the output tiles are too few "
+        "The conv templates' split-K configs (NHWC and channels-first), offered to tuning where the output tiles are too few "
         "to fill the GPU.",
         requires=(CONV_EPILOGUE,),
     ),

@@ -1854,6 +1854,48 @@ def test_a_3d_conv_kernel_is_right_at_every_tuning_candidate() -> None:
     launch_at_every_config(k, [x.to(dev), wt.to(dev), bt.to(dev)], [want], "fp32")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_gemv_shaped_3d_conv_splits_its_k_loop_and_is_right_at_every_split(precision: str) -> None:
+    """A video network's last-stage (1, 3, 3) conv at batch 1: 4 output pixels, K = 512 x 9. Its
+    one output tile tries split-K up to 16 programs (tiles of 16 rows: the pixels are 4), and at
+    every candidate, and at a split of 3 (uneven), every output element matches torch's conv3d;
+    each tile's counter is back at 0 after every launch."""
+    import torch
+
+    from opfuse.runtime.kernels import load_kernel_module
+    from opfuse.tuning.candidates import split_k_candidates
+
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[0, 1, 1, 0, 1, 1]),
+        helper.make_node("Relu", ["c"], ["y"]),
+    ]
+    w, b = RNG.standard_normal((24, 512, 1, 3, 3)) * 0.05, RNG.standard_normal(24) * 0.1
+    shape = [1, 512, 1, 2, 2]
+    model = make_model(nodes, {"x": shape}, {"y": [1, 24, 1, 2, 2]}, {"w": w, "b": b})
+    cm = check_against_ort(model, {"x": shape}, precision, fusion_disable=("channels_last",), tune_budget_s=0)
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+    assert (
+        k.config["SPLIT_K"] == 1 and "range(tl.program_id(2) * BLOCK_K, 4608, SPLIT_K * BLOCK_K)" in k.source
+    )
+    splits = split_k_candidates(k)
+    assert {c["SPLIT_K"] for c in splits} == {2, 4, 8, 16} and {c["BLOCK_M"] for c in splits} == {16}
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(*shape, generator=gen)
+    wt, bt = torch.from_numpy(w).float(), torch.from_numpy(b).float()
+    want = torch.relu(torch.nn.functional.conv3d(x, wt, bt, padding=(0, 1, 1)))
+    dev, dtype = torch.device(TEST_DEVICE), torch.float32 if precision == "fp32" else torch.float16
+    args = [x.to(dev, dtype), wt.to(dev, dtype), bt.to(dev, dtype)]
+    odd = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}
+    launch_at_every_config(k, args, [want], precision, extra=[odd])
+    module = load_kernel_module(k.source, interpret=TEST_DEVICE == "cpu")
+    for config in [*splits, odd]:
+        scratch: dict[Any, Any] = {}
+        out = torch.empty(want.shape, device=dev, dtype=dtype)
+        module.launch(*args, out, config={**k.config, **config}, scratch=scratch)
+        (_, lock) = next(iter(scratch.values()))
+        assert int(lock.abs().sum()) == 0, config
+
+
 def dual_path(side_is_view: bool = False) -> Any:
     """DPN's block end: a conv's output channels cut into the residual part (12) and the dense
     part (8), here two convs of x that merge_sibling_convs makes one conv and a Split; the residual
