@@ -28,8 +28,6 @@ from opfuse.codegen.conv_fragments import (
     shortcut_loop,
     shortcut_params,
     source_pixel,
-    split_k_launch,
-    split_k_reduction,
     window_position,
     window_prologue,
 )
@@ -45,6 +43,8 @@ from opfuse.codegen.epilogue import (
     emit_nodes,
     emit_stores,
     k_loop,
+    split_k_launch,
+    split_k_reduction,
 )
 from opfuse.codegen.fragments import (
     KernelSource,
@@ -198,7 +198,7 @@ def _generate_conv_nchw(
         buf.line(f"dst = img * {n * pixels} + cols * {pixels} + {pixel}")
         emit_stores(buf, outputs, regs, "dst")
     if split:
-        split_k_launch(buf, "fused_conv", args, m, n)
+        split_k_launch(buf, "fused_conv", args, _conv_tiles(m, n))
     else:
         emit_launch(
             buf, "fused_conv", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))'
@@ -207,6 +207,11 @@ def _generate_conv_nchw(
 
 
 # -- the NHWC template ------------------------------------------------------------------------
+
+
+def _conv_tiles(m: int, n: int) -> list[str]:
+    """The grid's axes of output tiles (rows, columns) at launch config `c`."""
+    return [f'triton.cdiv({m}, c["BLOCK_M"])', f'triton.cdiv({n}, c["BLOCK_N"])']
 
 
 def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSource:
@@ -242,7 +247,7 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
     with buf.indent(), buf.indent() if cv.splittable else contextlib.nullcontext():
         _nhwc_epilogue(buf, cv)
     if cv.splittable:
-        split_k_launch(buf, "fused_conv", args, m, n)
+        split_k_launch(buf, "fused_conv", args, _conv_tiles(m, n))
     else:
         emit_launch(
             buf, "fused_conv", args, f'(triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]))'

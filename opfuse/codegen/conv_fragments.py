@@ -1,5 +1,5 @@
 """Pieces of the NHWC conv template (codegen/conv.py) that stand on their own: a Pad prologue's
-geometry, the split-K reduction and launch, the shortcut's second K loop, the Concat stores, the
+geometry, the shortcut's second K loop, the Concat stores, the
 window prologue (a depthwise conv or a pool on the input tiles) and the zero-weight tap segments."""
 
 from __future__ import annotations
@@ -43,67 +43,6 @@ def pad_geometry(graph: Graph, pad: Node, nhwc: bool = False) -> dict[str, Any]:
         "value": float_literal(value),
         "nhwc": nhwc,
     }
-
-
-def split_k_reduction(buf: SourceBuffer) -> None:
-    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `partials`, count it in at
-    the tile's `lock`; the program that arrives last sums the SPLIT_K slots in order (the same sum
-    whichever program is last), sets the counter back to 0 for the next launch and runs the
-    epilogue (`last`). The barriers order every thread's store before the count, and the count
-    before any thread's loads."""
-    buf.line("if SPLIT_K > 1:")
-    with buf.indent():
-        buf.line("tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)")
-        buf.line("part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
-        buf.line("slots = partials + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
-        buf.line('tl.store(slots + tl.program_id(2) * BLOCK_M * BLOCK_N + part, acc, cache_modifier=".cg")')
-        buf.line("tl.debug_barrier()")
-        buf.line('arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")')
-        buf.line("tl.debug_barrier()")
-        buf.line("last = arrived == SPLIT_K - 1")
-        buf.line("if last:")
-        with buf.indent():
-            buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-            buf.line("for s in range(0, SPLIT_K):")
-            with buf.indent():
-                buf.line('acc += tl.load(slots + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")')
-            buf.line('tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")')
-    buf.line("else:")
-    with buf.indent():
-        buf.line("last = True")
-
-
-def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], m: int, n: int) -> None:
-    """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
-    (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
-    launch; the last program of a tile leaves its counter at 0 again. The scratch is the caller's
-    (`scratch`: the Executor's dict, shared by its steps, which run one after another, so two plans
-    running at once, or two CUDA graphs replayed on two streams, never share counters), else the
-    module's (SCRATCH: a tuning worker, one launch at a time)."""
-    buf.line()
-    buf.line()
-    buf.line("SCRATCH = {}")
-    buf.line("USES_SCRATCH = True  # launch() takes `scratch`: the Executor passes its own")
-    buf.line()
-    buf.line()
-    buf.line(f"def launch({', '.join(args)}, config=None, scratch=None):")
-    with buf.indent():
-        buf.line("c = CONFIG if config is None else config")
-        buf.line("store = SCRATCH if scratch is None else scratch")
-        buf.line(f'grid = (triton.cdiv({m}, c["BLOCK_M"]), triton.cdiv({n}, c["BLOCK_N"]), c["SPLIT_K"])')
-        buf.line(f'key = (str({args[0]}.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
-        buf.line("if key not in store:")
-        with buf.indent():
-            buf.line("import torch")
-            buf.line("")
-            buf.line("tiles = grid[0] * grid[1]")
-            buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
-            buf.line(
-                f"store[key] = (torch.empty(slots, dtype=torch.float32, device={args[0]}.device), "
-                f"torch.zeros(tiles, dtype=torch.int32, device={args[0]}.device))"
-            )
-        buf.line("partials, lock = store[key]")
-        buf.line(f"{fn}[grid]({', '.join(args)}, partials, lock, **c)")
 
 
 def shortcut_params(graph: Graph, conv: Node) -> dict[str, int]:

@@ -98,19 +98,26 @@ def dot_step(buf: SourceBuffer, b: TileRead, mask: str, prec: str) -> None:
 
 
 def k_loop(
-    buf: SourceBuffer, k: int, n: int, b: TileRead, prec: str, a_tile: Callable[[], None], split: bool = False
+    buf: SourceBuffer,
+    k: int,
+    n: int,
+    b: TileRead,
+    prec: str,
+    a_tile: Callable[[], None],
+    split: bool = False,
+    split_axis: int = 2,
 ) -> None:
     """The K loop over one flat range, BLOCK_K at a time (`kk`): `a_tile()` writes the A tile's
     load, the B tile `b` (of `kk` and `rn`) is read inside [K, N]. `split`: a kernel with the
-    SPLIT_K constexpr, whose program (.., .., s) takes every SPLIT_K-th block from the s-th (the
-    whole loop where SPLIT_K is 1)."""
+    SPLIT_K constexpr, whose program s along grid axis `split_axis` takes every SPLIT_K-th block
+    from the s-th (the whole loop where SPLIT_K is 1)."""
     if split:
         buf.line("if SPLIT_K == 1:")
         with buf.indent():
             k_loop(buf, k, n, b, prec, a_tile)
         buf.line("else:")
         with buf.indent():
-            buf.line(f"for k0 in range(tl.program_id(2) * BLOCK_K, {k}, SPLIT_K * BLOCK_K):")
+            buf.line(f"for k0 in range(tl.program_id({split_axis}) * BLOCK_K, {k}, SPLIT_K * BLOCK_K):")
             with buf.indent():
                 _k_step(buf, k, n, b, prec, a_tile)
         return
@@ -160,6 +167,75 @@ def emit_stores(
         if name in skip:
             continue
         buf.line(f"tl.store(out{i} + {dst}, {regs[name]}.to(out{i}.dtype.element_ty), mask={mask})")
+
+
+def split_k_reduction(
+    buf: SourceBuffer,
+    tile: str = "tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)",
+    split_axis: int = 2,
+) -> None:
+    """SPLIT_K > 1: store this program's partial tile (float32) in its slot of `partials`, count it in at
+    the tile's `lock`; the program that arrives last sums the SPLIT_K slots in order (the same sum
+    whichever program is last), sets the counter back to 0 for the next launch and runs the
+    epilogue (`last`). The barriers order every thread's store before the count, and the count
+    before any thread's loads. `tile`: the output tile's number; `split_axis`: the grid axis of
+    the program's part of K."""
+    buf.line("if SPLIT_K > 1:")
+    with buf.indent():
+        buf.line(f"tile = {tile}")
+        buf.line("part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]")
+        buf.line("slots = partials + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N")
+        buf.line(
+            f'tl.store(slots + tl.program_id({split_axis}) * BLOCK_M * BLOCK_N + part, acc, cache_modifier=".cg")'
+        )
+        buf.line("tl.debug_barrier()")
+        buf.line('arrived = tl.atomic_add(lock + tile, 1, sem="acq_rel", scope="gpu")')
+        buf.line("tl.debug_barrier()")
+        buf.line("last = arrived == SPLIT_K - 1")
+        buf.line("if last:")
+        with buf.indent():
+            buf.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            buf.line("for s in range(0, SPLIT_K):")
+            with buf.indent():
+                buf.line('acc += tl.load(slots + s * BLOCK_M * BLOCK_N + part, cache_modifier=".cg")')
+            buf.line('tl.atomic_xchg(lock + tile, 0, sem="relaxed", scope="gpu")')
+    buf.line("else:")
+    with buf.indent():
+        buf.line("last = True")
+
+
+def split_k_launch(buf: SourceBuffer, fn: str, args: list[str], tiles: list[str]) -> None:
+    """The module's `launch`, with the split-K scratch: per device and tiling, a float32 slot per
+    (tile, split) and an int32 counter per tile, made once (the counters zeroed) and reused by every
+    launch; the last program of a tile leaves its counter at 0 again. The grid is `tiles` (its
+    axes of output tiles, of the launch config `c`), then SPLIT_K. The scratch is the caller's
+    (`scratch`: the Executor's dict, shared by its steps, which run one after another, so two plans
+    running at once, or two CUDA graphs replayed on two streams, never share counters), else the
+    module's (SCRATCH: a tuning worker, one launch at a time)."""
+    buf.line()
+    buf.line()
+    buf.line("SCRATCH = {}")
+    buf.line("USES_SCRATCH = True  # launch() takes `scratch`: the Executor passes its own")
+    buf.line()
+    buf.line()
+    buf.line(f"def launch({', '.join(args)}, config=None, scratch=None):")
+    with buf.indent():
+        buf.line("c = CONFIG if config is None else config")
+        buf.line("store = SCRATCH if scratch is None else scratch")
+        buf.line(f'grid = ({", ".join(tiles)}, c["SPLIT_K"])')
+        buf.line(f'key = (str({args[0]}.device), grid, c["BLOCK_M"] * c["BLOCK_N"])')
+        buf.line("if key not in store:")
+        with buf.indent():
+            buf.line("import torch")
+            buf.line("")
+            buf.line(f"tiles = {' * '.join(f'grid[{i}]' for i in range(len(tiles)))}")
+            buf.line('slots = tiles * c["SPLIT_K"] * c["BLOCK_M"] * c["BLOCK_N"] if c["SPLIT_K"] > 1 else 1')
+            buf.line(
+                f"store[key] = (torch.empty(slots, dtype=torch.float32, device={args[0]}.device), "
+                f"torch.zeros(tiles, dtype=torch.int32, device={args[0]}.device))"
+            )
+        buf.line("partials, lock = store[key]")
+        buf.line(f"{fn}[grid]({', '.join(args)}, partials, lock, **c)")
 
 
 def emit_launch(buf: SourceBuffer, fn: str, args: list[str], grid: str) -> None:

@@ -11,6 +11,7 @@ operands read with strides, so a Transpose or head-splitting Reshape before eith
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ from opfuse.codegen.epilogue import (
     k_loop,
     pooled_a_tile,
     pooled_pixels,
+    split_k_launch,
+    split_k_reduction,
 )
 from opfuse.codegen.fragments import (
     KernelSource,
@@ -166,25 +169,39 @@ def generate_gemm(
     for node in epilogue:
         buf.line(node_comment(node, "epilogue"))
     module_imports(buf)
-    config = _gemm_head(buf, gm, fn, args)
+    # Split-K (a tuning choice, split_k_candidates): the few column tiles of a GEMV-shaped GEMM
+    # (a classifier head at batch 1: one row by 1000 columns, K 2048) share the K loop.
+    split = "split_k" not in graph.disabled
+    config = _gemm_head(buf, gm, fn, args + (["partials", "lock"] if split else []), split)
     with buf.indent():
         _grouped_tile(buf, m, n)
         a_rows = _a_rows(buf, gm)
-        _gemm_k_loop(buf, gm, a_rows, dot_precision(graph.spec(a_name).dtype, precision), views)
+        _gemm_k_loop(buf, gm, a_rows, dot_precision(graph.spec(a_name).dtype, precision), views, split)
+        if split:
+            split_k_reduction(buf, "pid", split_axis=1)
+            buf.line("if last:")
+    with buf.indent(), buf.indent() if split else contextlib.nullcontext():
         buf.line("row = rm[:, None]")
         buf.line("cols = rn[None, :]")
         buf.line(f"mask = (row < {m}) & (cols < {n})")
         regs: dict[str, str] = {}
         _gemm_epilogue(buf, gm, regs, views)
         emit_stores(buf, outputs, regs, f"row * {n} + cols")
-    emit_launch(buf, fn, args, f'(triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"]),)')
+    tiles = f'triton.cdiv({m}, c["BLOCK_M"]) * triton.cdiv({n}, c["BLOCK_N"])'
+    if split:
+        split_k_launch(buf, fn, args, [tiles])
+    else:
+        emit_launch(buf, fn, args, f"({tiles},)")
     return KernelSource(kernel_id, "gemm", buf.getvalue(), tensor_inputs, list(outputs), config)
 
 
-def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[str, Any]:
-    """CONFIG, INTERPRETER_CONFIG and the kernel's signature (GROUP_M, and BLOCK_P for a pool)."""
+def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str], split: bool = False) -> dict[str, Any]:
+    """CONFIG, INTERPRETER_CONFIG and the kernel's signature (GROUP_M, BLOCK_P for a pool, and
+    SPLIT_K where `split`)."""
     m, n, k, pool = gm.m, gm.n, gm.k, gm.pool
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "GROUP_M": 8, "UPCAST": False}
+    if split:
+        config["SPLIT_K"] = 1
     pool_pixels = 0
     if pool is not None:  # pixels of the pool summed per step (a third tile dimension)
         pool_pixels = pooled_pixels(gm.graph, pool)
@@ -194,6 +211,7 @@ def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[s
     # Triton's CPU interpreter multiplies bfloat16 tiles wrongly; there they are widened first.
     upcast = gm.graph.spec(gm.anchor.inputs[0]).dtype == "bfloat16"
     pool_block = f', "BLOCK_P": {next_pow2(pool_pixels)}' if pool is not None else ""
+    pool_block += ', "SPLIT_K": 1' if split else ""
     buf.line(
         f'INTERPRETER_CONFIG = {{"BLOCK_M": {bm}, "BLOCK_N": {bn}, "BLOCK_K": {bk}, "GROUP_M": 1, "UPCAST": {upcast}{pool_block}}}'
     )
@@ -203,9 +221,8 @@ def _gemm_head(buf: SourceBuffer, gm: _Gemm, fn: str, args: list[str]) -> dict[s
     buf.line(
         f"def {fn}({', '.join(args)}, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,"
     )
-    buf.line(
-        f"        GROUP_M: tl.constexpr, UPCAST: tl.constexpr{', BLOCK_P: tl.constexpr' if pool else ''}):"
-    )
+    more = (", BLOCK_P: tl.constexpr" if pool else "") + (", SPLIT_K: tl.constexpr" if split else "")
+    buf.line(f"        GROUP_M: tl.constexpr, UPCAST: tl.constexpr{more}):")
     return config
 
 
@@ -290,7 +307,12 @@ def _a_rows_mapped(buf: SourceBuffer, gm: _Gemm, a_view: IndexMap) -> tuple[str,
 
 
 def _gemm_k_loop(
-    buf: SourceBuffer, gm: _Gemm, a_rows: tuple[str, int, int], prec: str, views: dict[str, Any]
+    buf: SourceBuffer,
+    gm: _Gemm,
+    a_rows: tuple[str, int, int],
+    prec: str,
+    views: dict[str, Any],
+    split: bool = False,
 ) -> None:
     m, n, k = gm.m, gm.n, gm.k
     sbk, sbn = (1, k) if gm.trans_b else (n, 1)
@@ -314,7 +336,7 @@ def _gemm_k_loop(
             if filled != "a_tile":
                 buf.line(f"a_tile = tl.where({a_ok}, {filled}, 0.0)")
 
-    k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile)
+    k_loop(buf, k, n, TileRead.strided("b", sbk, sbn), prec, a_tile, split, split_axis=1)
 
 
 def _computed_a_tile(

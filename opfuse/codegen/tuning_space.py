@@ -108,12 +108,16 @@ SPLITS = (2, 4, 8, 16, 32)
 
 
 def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
-    found = re.search(r"; M=(\d+) N=(\d+) K=(\d+)$", k.source, re.MULTILINE)  # the template's header
-    if k.kind != "conv" or "SPLIT_K" not in k.config or found is None:
+    """The split-K configs of a conv or GEMM kernel with the SPLIT_K constexpr whose output tiles
+    are few (SPLIT_K_TILES); tiles of 16 rows where the rows are 16 or fewer (GEMV-shaped: a
+    network's last stage, or its classifier, at batch 1), with 32 columns too for a GEMM."""
+    found = re.search(r"\bM=(\d+) N=(\d+) K=(\d+)\.?$", k.source, re.MULTILINE)  # the template's header
+    if k.kind not in ("conv", "gemm") or "SPLIT_K" not in k.config or found is None:
         return []
     m, n, kk = (int(v) for v in found.groups())
     out: list[dict[str, Any]] = []
-    for bm, bn in ((64, 64), (32, 64), (16, 64)):
+    tiles_tried = [(64, 64), (32, 64), (16, 64)] + ([(16, 32)] if k.kind == "gemm" else [])
+    for bm, bn in tiles_tried:
         if bm > max(16, next_pow2(m)) or (bm == 16 and m > 16):
             continue  # rows the tile would leave empty; 16 only for a few pixels (GEMV-shaped)
         tiles = -(-m // bm) * -(-n // bn)
@@ -129,10 +133,10 @@ def fixed(kind: str) -> Candidates:
 
 
 def gemm_candidates(k: KernelLike) -> list[dict[str, Any]]:
-    """A GEMM that pools its A operand (BLOCK_P: pooled_gemm) also tries 16 and 32 pixels per step."""
-    if "BLOCK_P" in k.config:
-        return CANDIDATES["gemm"] + [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]]
-    return CANDIDATES["gemm"]
+    """A GEMM that pools its A operand (BLOCK_P: pooled_gemm) also tries 16 and 32 pixels per step;
+    one of few output tiles, split-K (split_k_candidates)."""
+    pooled = [{"BLOCK_P": p} for p in (16, 32) if p != k.config["BLOCK_P"]] if "BLOCK_P" in k.config else []
+    return CANDIDATES["gemm"] + pooled + split_k_candidates(k)
 
 
 def chain_candidates(k: KernelLike) -> list[dict[str, Any]]:

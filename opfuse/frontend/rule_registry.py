@@ -566,9 +566,8 @@ REGISTRY: tuple[RuleInfo, ...] = (
     _r(
         SPLIT_K,
         CODEGEN,
-        "The conv templates' split-K configs (NHWC and channels-first), offered to tuning where the output tiles are too few "
-        "to fill the GPU.",
-        requires=(CONV_EPILOGUE,),
+        "The conv and GEMM templates' split-K configs, offered to tuning where the output tiles are "
+        "too few to fill the GPU.",
     ),
 )
 

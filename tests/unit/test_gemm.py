@@ -314,6 +314,37 @@ def test_the_global_pool_runs_on_the_classifier_gemms_a_tiles(
     assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < tol
 
 
+@pytest.mark.parametrize("precision, epilogue", [("fp32", False), ("fp16", True)])
+def test_a_gemv_shaped_gemm_splits_its_k_loop_and_is_right_at_every_split(
+    precision: str, epilogue: bool
+) -> None:
+    """A classifier head at batch 1 (one row, K 1024 after the pool, 100 classes): its few column
+    tiles try split-K, tiles of 16 rows by 32 or 64 columns, and at every candidate and at a split
+    of 3 (uneven) the plan computes what onnxruntime does, and every tile's counter is back at 0
+    after each run; the pool stays on the GEMM's A tiles."""
+    from opfuse.tuning.candidates import candidates, split_k_candidates
+    from tests.unit.test_conv import check_every_candidate
+
+    n, c, size, classes = 1, 1024, 2, 100
+    m = classifier_head(n, c, size, classes, True, epilogue)
+    shapes = {"x": [n, c, size, size], "r": [n, c, size, size]}
+    cm = check_against_ort(m, shapes, precision, fusion_disable=("fp32_dense_nchw",))
+    (k,) = [k for k in cm.plan.kernels.values() if k.kind == "gemm"]
+    assert k.config["SPLIT_K"] == 1 and "tl.atomic_add(lock" in k.source and "psum" in k.source
+    splits = split_k_candidates(k)
+    assert {(c["BLOCK_M"], c["BLOCK_N"]) for c in splits} == {(16, 32), (16, 64)}
+    assert {c["SPLIT_K"] for c in splits} == {2, 4} and all(c in candidates(k) for c in splits)
+    rng = np.random.default_rng(4)
+    feeds = {name: rng.standard_normal(s).astype(np.float32) for name, s in shapes.items()}
+    odd = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3}
+    check_every_candidate(cm, k, m, feeds, precision, [odd])
+    ex = Executor(cm.plan, TEST_DEVICE)
+    for config in [*splits, odd]:
+        ex.configs[k.id] = {**k.config, **config}
+        ex.run(feeds)
+        assert all(int(lock.abs().sum()) == 0 for _, lock in ex.scratch.values()), config
+
+
 def test_pooled_gemm_says_why_not() -> None:
     m = classifier_head(1, 8, 4, 6)
     shapes = {"x": [1, 8, 4, 4], "r": [1, 8, 4, 4]}
