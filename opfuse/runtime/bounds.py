@@ -12,6 +12,13 @@ suite turns the checks on and fails a test that left a violation (tests/conftest
 kernel every test runs in its own process is checked, at the interpreter's configs and,
 in tests that ask for them (OPFUSE_INTERPRET_GPU_CONFIGS), at the GPU's.
 
+The compiled kernel also reads what the interpreter does not model: a load whose offsets carry
+`tl.max_contiguous` / `tl.multiple_of` hints (codegen.source.in_bounds) is vectorized by them, a
+run of lanes read from its first lane's address. A hint the offsets break reads memory no lane
+addresses, which no check of the lanes sees. So each hint is held to the tile it is given
+(`check_hint`): every run is contiguous and starts at a multiple of its length, or is all zeros
+(masked-off lanes: the compiled load's mask covers the run), or is cut by its mask.
+
 This patches the interpreter of the pinned Triton (pyproject.toml) and only in the process that
 calls `install()`; compiled kernels are never touched.
 """
@@ -101,6 +108,39 @@ def check(addresses: np.ndarray, mask: np.ndarray | None, itemsize: int, what: s
         message = _describe(int(bad[0]), itemsize, what, ranges, int(bad.size))
         violations.append(message)
         raise OutOfBounds(message)
+
+
+def check_hint(data: Any, key: str, values: Any) -> None:
+    """Hold a contiguity (`tt.contiguity`: runs of `values[d]` consecutive offsets along axis d)
+    or divisibility (`tt.divisibility`: each run's first offset a multiple of `values[d]`) hint to
+    the integer tile it is given; a run whose lanes are all 0 (masked off by `in_bounds`) claims
+    nothing, and a run some of whose lanes are masked off is held on the rest (its masked lanes
+    are where its first lane's run would put them). Raises OutOfBounds, and keeps the violation."""
+    a = np.asarray(data)
+    if a.ndim == 0 or a.dtype.kind not in "iu":
+        return
+    values = [values] if np.isscalar(values) else list(values)
+    for axis, run in enumerate(int(v) for v in values):
+        if run <= 1 or axis >= a.ndim or a.shape[axis] % run:
+            continue
+        runs = np.moveaxis(a, axis, -1).reshape(-1, run).astype(np.int64)
+        live = runs != 0
+        lanes = np.arange(run, dtype=np.int64)
+        # Each run's first offset, as its live lanes put it.
+        first = np.where(live, runs - lanes, 0).max(axis=1)
+        if key == "tt.contiguity":
+            bad = (live & (runs != first[:, None] + lanes)).any(axis=1)
+        else:
+            bad = live.any(axis=1) & (first % run != 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            kernel = getattr(_state, "kernel", "a kernel")
+            message = (
+                f"{kernel}: a {'max_contiguous' if key == 'tt.contiguity' else 'multiple_of'} hint of "
+                f"{run} along axis {axis} that {int(bad.sum())} run(s) break; one is {runs[i].tolist()}"
+            )
+            violations.append(message)
+            raise OutOfBounds(message)
 
 
 def _describe(addr: int, itemsize: int, what: str, ranges: list[tuple[int, int, str]], bad: int) -> str:
@@ -214,6 +254,14 @@ def install() -> None:
         check(ptr.data, None, val.data.dtype.itemsize, "atomic compare-and-swap")
         return cas(self, ptr, cmp, val, *rest)
 
+    set_attr = ti.TensorHandle.set_attr
+
+    def hinted(self: Any, key: str, value: Any) -> Any:
+        if key in ("tt.contiguity", "tt.divisibility"):
+            check_hint(self.data, key, value)
+        return set_attr(self, key, value)
+
+    ti.TensorHandle.set_attr = hinted
     grid_cls.__call__ = grid_call
     builder_cls.create_masked_load = masked_load
     builder_cls.create_masked_store = masked_store

@@ -190,3 +190,41 @@ def test_a_load_inside_a_loop_keeps_every_lane_inside_its_tensor(checked: Any) -
     with pytest.raises(Exception, match=r"looped_sum: a load \(every lane\) of 12 element\(s\) outside"):
         looped[(1,)](x, torch.empty(16), 20, BLOCK=16, GUARDED=False)
     assert "element 20 of 'x'" in checked.violations[-1]
+
+
+def _hinted_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hinted(x, y, n, start, BLOCK: tl.constexpr, RUN: tl.constexpr):
+        o = start + tl.arange(0, BLOCK)
+        ok = o < n
+        at = tl.max_contiguous(tl.multiple_of(tl.where(ok, o, 0), RUN), RUN)
+        tl.store(y + tl.arange(0, BLOCK), tl.load(x + at, mask=ok, other=0.0))
+
+    return hinted
+
+
+@pytest.mark.parametrize(
+    "start, n, broken", [(0, 16, False), (8, 16, False), (0, 12, False), (4, 16, True), (0, 13, False)]
+)
+def test_a_vectorizing_hint_is_held_to_its_offsets(checked: Any, start: int, n: int, broken: bool) -> None:
+    """A load's contiguity and alignment hints (what the compiled kernel vectorizes by, reading a
+    run of lanes from its first lane's address) must hold on the offsets: runs of 8 from a
+    multiple of 8, masked off whole (all 0), or in part (n = 13: the compiled load's mask then
+    varies within the run, and the compiler narrows the load to it). A run that starts off a
+    multiple of 8 (start 4) raises."""
+    hinted = _hinted_kernel()
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal(32).astype(np.float32))
+    y = torch.empty(16)
+    before = len(checked.violations)
+    if broken:
+        with pytest.raises(Exception, match=r"hinted: a (max_contiguous|multiple_of) hint of 8"):
+            hinted[(1,)](x, y, n, start, BLOCK=16, RUN=8)
+        assert len(checked.violations) == before + 1
+    else:
+        hinted[(1,)](x, y, n, start, BLOCK=16, RUN=8)
+        assert len(checked.violations) == before
+        want = torch.where(torch.arange(start, start + 16) < n, x[start : start + 16], 0.0)
+        assert torch.equal(y, want)
