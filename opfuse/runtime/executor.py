@@ -49,6 +49,16 @@ class Executor:
             kid: load_kernel_module(k.source, self.interpret) for kid, k in plan.kernels.items()
         }
         self.configs = {kid: self._config(kid) for kid in plan.kernels}
+        # What each kernel's generated offsets assume of its inputs: checked before every launch, so
+        # a value of another shape or type (a bug) fails that group instead of reading past a tensor.
+        self.kernel_inputs = {
+            kid: [(x, torch.Size(plan.values[x].shape), torch_dtype(plan.values[x].dtype)) for x in k.inputs]
+            for kid, k in plan.kernels.items()
+        }
+        # OPFUSE_TRACE_LAUNCHES=<file>: one line per kernel launch (its module, and the address
+        # range of every input and output) appended to the file: a debug switch that matches an
+        # address compute-sanitizer reports to the tensor it belongs to.
+        self.trace = os.environ.get("OPFUSE_TRACE_LAUNCHES") or None
         # Index inputs of Gathers computed in a kernel (fusion/rules/gather_prologue.py), which
         # clamps them: (input slot, axis size) each, checked on the CPU before its launch.
         self.index_checks: dict[str, list[tuple[int, int]]] = {
@@ -159,8 +169,16 @@ class Executor:
                     env[name] = value
             return
         ins = [env[x].contiguous() for x in self.plan.kernels[step.kernel].inputs]
+        for t, (name, shape, dtype) in zip(ins, self.kernel_inputs[step.kernel], strict=True):
+            if t.shape != shape or t.dtype != dtype:  # the kernel's offsets assume the spec's
+                raise KernelInputMismatch(
+                    f"step {i} ({step.label or step.kernel}): input {name!r} is {t.dtype} "
+                    f"{list(t.shape)}, but kernel {step.kernel} was generated for {dtype} {list(shape)}"
+                )
         kouts = [self._buffer(name, arena) for name in step.outputs]
         module = self.modules[step.kernel]
+        if self.trace is not None:
+            self._trace(i, step, module, ins, kouts)
         for slot, size in self.index_checks[step.kernel]:  # the library Gather's error on the CPU
             if host_index_checks(ins[slot].device):
                 try:
@@ -172,6 +190,26 @@ class Executor:
         else:
             module.launch(*ins, *kouts, config=self.configs[step.kernel])
         env.update(zip(step.outputs, kouts, strict=True))
+
+    def _trace(
+        self, i: int, step: Step, module: ModuleType, ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        def ranges(names: list[str], ts: list[torch.Tensor]) -> str:
+            return " ".join(
+                f"{n}={t.data_ptr():#x}+{t.numel() * t.element_size()}"
+                f"[{t.untyped_storage().data_ptr():#x}+{t.untyped_storage().nbytes()}]"
+                for n, t in zip(names, ts, strict=True)
+            )
+
+        kernel = self.plan.kernels[step.kernel]
+        line = (
+            f"{os.getpid()} {id(self):#x} step {i} {step.kernel} {os.path.basename(module.__file__ or '')} "
+            f"group {step.group} config {self.configs[step.kernel]} in {ranges(kernel.inputs, ins)} "
+            f"out {ranges(step.outputs, outs)}\n"
+        )
+        assert self.trace is not None
+        with open(self.trace, "a") as f:
+            f.write(line)
 
     def run_tensors(
         self, env: dict[str, torch.Tensor], keep_all: bool = False, around: Callable[..., None] | None = None
@@ -286,6 +324,11 @@ class Executor:
                 )
             raise
         return start.elapsed_time(end) / reps
+
+
+class KernelInputMismatch(RuntimeError):
+    """A kernel was handed a value of another shape or type than its plan's spec (a bug in
+    opfuse): raised before the launch, where the kernel would read past the tensor."""
 
 
 # Errors after which the device's context cannot be used (CUDA's sticky errors): a kernel read

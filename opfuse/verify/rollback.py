@@ -15,6 +15,7 @@ failure (`OutputCheck.compared`), and no rollback is decided on it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,8 @@ from opfuse.verify.reference import WIDER_INT_HIGHS, OnnxRuntimeReference, descr
 
 if TYPE_CHECKING:
     from opfuse.pipeline.builder import PlanBuilder
+
+log = logging.getLogger(__name__)
 
 VERIFY_TRIALS = 2
 KEPT_FAILURES = 2  # inputs a check failed on, run again by every later check
@@ -266,7 +269,8 @@ class Verifier:
                 return not self.check(builder.plan(subset))[0]
             except ModelError:
                 raise
-            except Exception:  # a fused kernel that raises fails verification too
+            except Exception as exc:  # a fused kernel that raises fails verification too
+                log.warning("verifying the plan with groups %s fused raised %s", subset, describe(exc))
                 return True
 
         rolled = bisect_bad(ids, fails)
