@@ -290,6 +290,8 @@ def _nhwc_header(buf: SourceBuffer, cv: NhwcConv, kernel_id: str, group_id: str)
         )
     for node in cv.epilogue:
         buf.line(node_comment(node, "epilogue"))
+    if cv.tail is not None:
+        buf.line(node_comment(cv.tail, "on the output tile, its windows' rows adjacent"))
     for i, g in cv.gathers.items():
         resized, source = [a.out_size for a in g.axes], [a.in_size for a in g.axes]
         buf.line(f"#   + in{i}: resized {resized} by gather loads from its input {source}")
@@ -314,9 +316,18 @@ def _nhwc_prelude(buf: SourceBuffer, cv: NhwcConv) -> None:
     buf.line("rk = tl.arange(0, BLOCK_K)")
     if cv.x_offset:
         buf.line(f"x += {cv.x_offset}  # the window's first element in the wider buffer")
-    buf.line(f"img = rm // {p['OH'] * p['OW']}")
-    buf.line(f"oh = (rm // {p['OW']}) % {p['OH']}")
-    buf.line(f"ow = rm % {p['OW']}")
+    if cv.tail is not None:  # the rows window by window: a window's taps are adjacent rows
+        tp = cv.tail_p
+        taps = tp["KH"] * tp["KW"]
+        buf.line(f"tap = rm % {taps}")
+        buf.line(f"win = rm // {taps}")
+        buf.line(f"img = win // {tp['OH'] * tp['OW']}")
+        buf.line(f"oh = ((win // {tp['OW']}) % {tp['OH']}) * {tp['KH']} + tap // {tp['KW']}")
+        buf.line(f"ow = (win % {tp['OW']}) * {tp['KW']} + tap % {tp['KW']}")
+    else:
+        buf.line(f"img = rm // {p['OH'] * p['OW']}")
+        buf.line(f"oh = (rm // {p['OW']}) % {p['OH']}")
+        buf.line(f"ow = rm % {p['OW']}")
     ih0, iw0 = Window.of(p).origin("oh", "ow")
     buf.line(f"ih0 = {ih0}")
     buf.line(f"iw0 = {iw0}")
@@ -582,6 +593,34 @@ def _store_pooled(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) ->
             )
 
 
+def p_out(cv: NhwcConv, axis: int) -> int:
+    """The conv output's extent on NHWC `axis`."""
+    return int(cv.graph.spec(cv.anchor.outputs[0]).shape[axis])
+
+
+def _store_tail(buf: SourceBuffer, cv: NhwcConv, value: str) -> None:
+    """The pool on the output tile (`cv.tail`): the tile's value rounded to the model's type, as
+    the stored tensor would be, each window's adjacent rows reduced to its maximum or average,
+    and the pooled rows stored (window w of the program's tile is output pixel w: the pooled
+    map's pixels in order)."""
+    assert cv.tail is not None
+    taps = cv.tail_p["KH"] * cv.tail_p["KW"]
+    windows = cv.m // taps
+    out = f"out{cv.outputs.index(cv.tail.outputs[0])}"
+    buf.line(
+        f"tv = tl.reshape({value}.to({out}.dtype.element_ty).to(tl.float32), (BLOCK_M // {taps}, {taps}, BLOCK_N))"
+    )
+    if cv.tail.op_type == MAX_POOL_NHWC:
+        buf.line("pooled = tl.max(tv, axis=1)")
+    else:
+        buf.line(f"pooled = tl.sum(tv, axis=1) / {taps}")
+    buf.line(f"prow = tl.program_id(0) * (BLOCK_M // {taps}) + tl.arange(0, BLOCK_M // {taps})")
+    buf.line(
+        f"tl.store({out} + prow[:, None] * {cv.n} + cols, pooled.to({out}.dtype.element_ty), "
+        f"mask=(prow[:, None] < {windows}) & (cols < {cv.n}))"
+    )
+
+
 def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
     """Bias and the epilogue on the accumulator, then the stores: plain, the Split's parts from
     their columns, or the Concat's rows."""
@@ -589,7 +628,10 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
     out_shape = graph.spec(cv.anchor.outputs[0]).shape
     buf.line("cols = rn[None, :]")
     buf.line(f"mask = row_ok[:, None] & (cols < {n})")
-    buf.line(f"dst = rm[:, None] * {n} + cols")
+    if cv.tail is not None:  # rows are not pixels in order: each row's pixel from its coordinates
+        buf.line(f"dst = ((img * {p_out(cv, 1)} + oh) * {p_out(cv, 2)} + ow)[:, None] * {n} + cols")
+    else:
+        buf.line(f"dst = rm[:, None] * {n} + cols")
     coords = {0: "img[:, None]", 1: "oh[:, None]", 2: "ow[:, None]", 3: "cols"}
 
     def index_of(name: str) -> tuple[str | None, str]:
@@ -642,6 +684,8 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
                 f"tl.store(out{i} + rm[:, None] * {width} + cols - {first}, "
                 f"{regs[name]}.to(out{i}.dtype.element_ty), mask=mask & (cols >= {first}) & (cols < {first + width}))"
             )
+    elif cv.tail is not None:
+        _store_tail(buf, cv, regs[cv.tail.inputs[0]])
     elif cv.concat is None:
         emit_stores(buf, cv.outputs, regs, "dst", skip={cv.pool_out})
     else:

@@ -14,7 +14,7 @@ from opfuse.codegen.fragments import split_literals
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import FLAT_CONV_CHANNELS, NHWC_CONV, NHWC_POOLS, has_shortcut, is_depthwise
 from opfuse.ir.resize import ResizeGather
-from opfuse.ir.support import centre_tap, conv_params, input_scale_operands, input_scale_reason
+from opfuse.ir.support import centre_tap, conv_params, input_scale_operands, input_scale_reason, pool_params
 from opfuse.ir.views import StridedView
 
 
@@ -76,6 +76,11 @@ class NhwcConv:
     x_base: str = ""
     x_stride: int = 0
     x_offset: int = 0
+    # A pool whose windows tile the map, on the output tile (fusion/rules/anchor_epilogue.py
+    # `pool_tail`): the rows run window by window (`m` counts the pixels of whole windows only),
+    # and the pooled tile is the kernel's one output. `tail_p`: the pool's pool_params.
+    tail: Node | None = None
+    tail_p: dict[str, int] = field(default_factory=dict)
 
     @property
     def grouped(self) -> bool:
@@ -278,6 +283,8 @@ def nhwc_conv(
     epilogue = [node for node in epilogue if node is not concat]
     split = next((node for node in epilogue if node.op_type == "Split"), None)
     epilogue = [node for node in epilogue if node is not split]
+    tail = epilogue[-1] if epilogue and epilogue[-1].op_type in NHWC_POOLS.values() else None
+    epilogue = epilogue[:-1] if tail is not None else epilogue
     depthwise = is_depthwise(graph, anchor)
     groups = int(anchor.attrs.get("group", 1))
     cv = NhwcConv(
@@ -301,6 +308,14 @@ def nhwc_conv(
         split=split,
         parts=_split_parts(graph, split, epilogue) if split is not None else {},
     )
+    if tail is not None:
+        if concat is not None or split is not None or depthwise or has_shortcut(anchor):
+            raise ValueError(
+                "a pool on the output tile needs a plain conv: no Concat, Split, shortcut or depthwise"
+            )
+        cv.tail, cv.tail_p = tail, pool_params(graph, tail)
+        tp = cv.tail_p
+        cv.m = p["N"] * tp["OH"] * tp["OW"] * tp["KH"] * tp["KW"]
     if has_shortcut(anchor):
         cv.sx_name, cv.sw_name = anchor.inputs[3], anchor.inputs[4]
     if concat is not None:
@@ -310,6 +325,8 @@ def nhwc_conv(
     _read_loads(cv, inputs)
     _read_loop_form(cv)
     _read_channel_window(cv)
+    if cv.tail is not None and (cv.pieces or cv.gathers):
+        raise ValueError("a pool on the output tile with a Concat read in the K loop or a gathered input")
     return cv
 
 

@@ -86,6 +86,7 @@ CONCAT_PROLOGUE = "concat_prologue"
 OPERAND_PROLOGUE = "operand_prologue"
 DEPTHWISE_PROLOGUE = "depthwise_prologue"
 POOL_PROLOGUE = "pool_prologue"
+POOL_TAIL = "pool_tail"
 GEMV_CHAIN = "gemv_chain"
 DEPTHWISE_REDUCTION = "depthwise_reduction"
 GEMM_REDUCTION = "gemm_reduction"
@@ -501,6 +502,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "average divided as the pool's own kernel divides); where others read the pool too, the conv stores "
         "the tile it loads at its centre window position.",
         impl=f"{RULES_PACKAGE}.window_prologue",
+    ),
+    _r(
+        POOL_TAIL,
+        FUSION,
+        "A max or average pool whose windows tile the map (window = stride, no padding: VGG's, a "
+        "DenseNet transition's) after a conv's epilogue, computed on the conv's output tile: the "
+        "conv's rows run window by window, and only the pooled tile is stored.",
+        requires=(CHANNELS_LAST, CONV_EPILOGUE),
     ),
     _r(
         GEMV_CHAIN,

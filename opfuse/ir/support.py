@@ -363,6 +363,31 @@ def pool_params(graph: Graph, node: Node) -> dict[str, int]:
     }
 
 
+POOL_TAIL_MAX_WINDOW = 16  # taps of a window a conv's row tile (16 rows at least) holds whole
+
+
+def pool_tail_reason(graph: Graph, node: Node) -> str | None:
+    """None if the NHWC pool can be computed on the output tile of the conv before it
+    (fusion/rules/anchor_epilogue.py, `pool_tail`): windows that tile the map (the window its
+    stride, no padding or dilation, the ceiling mode off) of a power-of-two number of taps up to
+    POOL_TAIL_MAX_WINDOW, so that the conv's rows, taken window by window, hold whole windows;
+    else why not."""
+    why = pool_reason(graph, node)
+    if why is not None:
+        return why
+    p = pool_params(graph, node)
+    taps = p["KH"] * p["KW"]
+    if (p["SH"], p["SW"]) != (p["KH"], p["KW"]) or (p["DH"], p["DW"]) != (1, 1):
+        return f"its {p['KH']}x{p['KW']} windows at stride ({p['SH']}, {p['SW']}) overlap or skip pixels"
+    if p["PH"] or p["PW"] or p["PH_END"] or p["PW_END"] or int(node.attrs.get("ceil_mode", 0)):
+        return "it pads the map (or rounds its windows up)"
+    if taps & (taps - 1) or taps > POOL_TAIL_MAX_WINDOW:
+        return f"a window of {taps} taps (the conv's row tiles hold whole windows of 2, 4, 8 or 16)"
+    if p["OH"] * p["KH"] > p["H"] or p["OW"] * p["KW"] > p["W"]:
+        return "its windows reach past the map"
+    return None
+
+
 def pool_reason(graph: Graph, node: Node) -> str | None:
     """None if the NHWC max or average pool can run as the template, else why not."""
     if node.op_type not in NHWC_POOLS.values():

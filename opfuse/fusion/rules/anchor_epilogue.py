@@ -39,6 +39,7 @@ from opfuse.ir.support import (
     is_batched,
     pointwise_reason,
     pool_reason,
+    pool_tail_reason,
 )
 from opfuse.ir.views import StridedView
 from opfuse.passes.rules import NotFired, node_label
@@ -67,6 +68,7 @@ class AnchorEpilogue(FusionRule):
         RESIZE_RULE,
         PAD_GATHER_RULE,
         names.LAYOUT_VIEWS,
+        names.POOL_TAIL,
     )
 
     def match(self) -> Iterator[Candidate]:
@@ -264,6 +266,15 @@ class AnchorEpilogue(FusionRule):
                 views = {**views, **pads}
                 absorbed += padded
                 rule = f"{rule}+{PAD_GATHER_RULE}"
+        if kind == "conv" and variant == "template" and state.on(names.POOL_TAIL):
+            tail = _pool_tail(
+                graph, anchor, nodes, prologue, views, outs, taken | members, consumers, not_fused
+            )
+            if tail is not None:
+                nodes.append(tail)
+                members = members | {tail.id}
+                ins, outs = group_boundary(graph, [*prologue, *nodes])
+                rule = f"{rule}+{names.POOL_TAIL}"
         taken |= members | {x.id for x in [*prologue, *absorbed]}
         groups.append(
             Group(
@@ -316,6 +327,44 @@ class AnchorEpilogue(FusionRule):
 
 
 RULE = AnchorEpilogue
+
+
+def _pool_tail(
+    graph: Graph,
+    anchor: Node,
+    nodes: list[Node],
+    prologue: list[Node],
+    views: dict[str, Any],
+    outs: list[str],
+    taken: set[str],
+    consumers: dict[str, list[Node]],
+    not_fused: list[NotFired],
+) -> Node | None:
+    """The NHWC pool that alone reads the one value the conv group writes, where its windows tile
+    the map (ir.support.pool_tail_reason): computed on the conv's output tile, whose rows then run
+    window by window (codegen.conv), so that only the pooled tile is stored. Not for a group whose
+    rows are read or stored as pixels in order (a Concat read in its K loop or written by its
+    stores, a Split's parts, a Resize gathered by its loads), a shortcut's second K loop or a
+    depthwise conv."""
+    if len(outs) != 1 or outs[0] in {o.name for o in graph.outputs}:
+        return None
+    readers = consumers.get(outs[0], [])
+    if len(readers) != 1 or readers[0].op_type not in NHWC_POOLS.values() or readers[0].id in taken:
+        return None
+    pool = readers[0]
+    why = pool_tail_reason(graph, pool)
+    if why is None and (
+        anchor.op_type != NHWC_CONV
+        or has_shortcut(anchor)
+        or is_depthwise(graph, anchor)
+        or any(n.op_type in ("Concat", "Split") for n in [*prologue, *nodes])
+        or any(not isinstance(v, StridedView) for v in views.values())
+    ):
+        why = "the conv's rows are read or stored as pixels in order here (a Concat, a Split, a gather)"
+    if why is not None:
+        not_fused.append(NotFired(names.POOL_TAIL, [node_label(anchor), node_label(pool)], why))
+        return None
+    return pool
 
 
 MAX_SPLIT_SIDE_INPUTS = 2  # tensors of a part's shape the parts' chains load (a residual each)

@@ -53,10 +53,14 @@ def test_a_conv_and_a_pool_each_take_their_epilogue() -> None:
         {"y": [1, 8, 3, 3]},
         {"w": weights(8, 4, 3, 3), "b": weights(8, seed=1)},
     )
-    _, plan = planned(model)
+    _, plan = planned(model, (names.POOL_TAIL,))
     # The conv reads the NCHW image in place through the region's Transpose (layout_prologue).
     assert claimed(plan) == [
         ("conv", f"{names.CONV_EPILOGUE}+{names.LAYOUT_PROLOGUE}", ["Transpose", "conv", "relu"]),
         ("pool", names.POOL_EPILOGUE, ["pool", "gate"]),
     ]
     assert [g.id for g in plan.groups] == ["c0", "p1"]  # one numbering across the anchor kinds
+    # With pool_tail the 2x2 pool, whose windows tile the map, runs on the conv's output tile.
+    _, plan = planned(model)
+    rule = f"{names.CONV_EPILOGUE}+{names.LAYOUT_PROLOGUE}+{names.POOL_TAIL}"
+    assert claimed(plan)[0] == ("conv", rule, ["Transpose", "conv", "relu", "pool"])
