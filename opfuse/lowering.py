@@ -11,6 +11,7 @@ from opfuse.codegen.spec import Part, render_part
 from opfuse.fusion.groups import group_boundary
 from opfuse.fusion.planner import FusionPlan, Group
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.ops import NHWC_POOLS
 from opfuse.passes.rules import node_label
 from opfuse.runtime.plan import KernelInfo, Plan, Step
 
@@ -159,15 +160,19 @@ def build_plan(
             anchor, epilogue = g.nodes[0], g.nodes[1:]
             # Folded layout ops and an input scale run as their own ops before the library kernel,
             # a Concat the template writes in place as its own op after the epilogue.
+            # A pool on the output tile (pool_tail) runs as the library's pool after the epilogue.
             concat = [n for n in epilogue if n.op_type == "Concat"]
-            epilogue = [n for n in epilogue if n.op_type != "Concat"]
+            tail = [n for n in epilogue if n.op_type in NHWC_POOLS.values()]
+            epilogue = [n for n in epilogue if n.op_type != "Concat" and n not in tail]
             for n in [*g.absorbed, *g.prologue, anchor, *concat]:
                 steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])
-            if not epilogue:
-                continue  # a prologue-only group: nothing after the library kernel
-            ins, outs = group_boundary(graph, epilogue)
-            add_kernel(Part(g.id, "pointwise", epilogue, ins, outs), g, g.nodes)
+            if epilogue:  # else a prologue-only group: nothing after the library kernel
+                ins, outs = group_boundary(graph, epilogue)
+                add_kernel(Part(g.id, "pointwise", epilogue, ins, outs), g, g.nodes)
+            for n in tail:
+                steps.append(_op_step(n, g.id))
+                rank.append(order[n.id])
             continue
         kind = g.kind if g.kind in TEMPLATES else "pointwise"
         part = Part(g.id, kind, g.nodes, g.inputs, g.outputs, g.full, g.split, g.match, g.views, g.prologue)

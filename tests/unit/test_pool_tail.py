@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
+from tests.builders import TEST_DEVICE
 from tests.unit.test_conv import check_every_candidate
 from tests.unit.test_fusion import NHWC_ALWAYS, check_against_ort, make_model, ort_run
 
@@ -125,3 +126,29 @@ def test_a_pre_pool_map_read_elsewhere_keeps_its_pool_apart() -> None:
     tails = [g["nodes"][-1] for g in cm.report["fusion"]["groups"] if "pool_tail" in g["rule"]]
     assert tails == ["pool2"]  # the first pool goes to the next conv's loads (pool_prologue)
     _exact(cm, model, shape, "fp32")
+
+
+def test_the_library_form_of_a_conv_with_its_pool_runs_the_pool_after_the_epilogue() -> None:
+    """What tuning measures the one kernel against (variant "vendor"): the library's conv, the
+    epilogue's kernel, then the library's pool; both plans compute what onnxruntime does."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    shape = [2, 4, 8, 8]
+    model, _ = conv_pool_net(shape, {"kernel_shape": [2, 2], "strides": [2, 2]})
+    p = plan_model(model, {"x": shape}, "fp32", NHWC_ALWAYS)
+    tails = [g for g in p.fusion.groups if g.rule.endswith("+pool_tail")]
+    assert len(tails) == 2
+    vendor = build_plan(
+        p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor" for g in tails}
+    )
+    for g in tails:
+        mine = [(s.kind, s.op_type) for s in vendor.steps if s.group == g.id and s.launches]
+        pool = g.nodes[-1].op_type
+        assert mine == [("op", "opfuse.ConvNHWC"), ("kernel", ""), ("op", pool)]
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(model, {"x": x})[0]
+    for plan in (p.plan, vendor):
+        got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
