@@ -593,7 +593,7 @@ def _store_pooled(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) ->
             )
 
 
-def p_out(cv: NhwcConv, axis: int) -> int:
+def _out_extent(cv: NhwcConv, axis: int) -> int:
     """The conv output's extent on NHWC `axis`."""
     return int(cv.graph.spec(cv.anchor.outputs[0]).shape[axis])
 
@@ -629,7 +629,7 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
     buf.line("cols = rn[None, :]")
     buf.line(f"mask = row_ok[:, None] & (cols < {n})")
     if cv.tail is not None:  # rows are not pixels in order: each row's pixel from its coordinates
-        buf.line(f"dst = ((img * {p_out(cv, 1)} + oh) * {p_out(cv, 2)} + ow)[:, None] * {n} + cols")
+        buf.line(f"dst = ((img * {_out_extent(cv, 1)} + oh) * {_out_extent(cv, 2)} + ow)[:, None] * {n} + cols")
     else:
         buf.line(f"dst = rm[:, None] * {n} + cols")
     coords = {0: "img[:, None]", 1: "oh[:, None]", 2: "ow[:, None]", 3: "cols"}
