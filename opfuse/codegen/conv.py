@@ -324,6 +324,8 @@ def _nhwc_prelude(buf: SourceBuffer, cv: NhwcConv) -> None:
         buf.line(f"img = win // {tp['OH'] * tp['OW']}")
         buf.line(f"oh = ((win // {tp['OW']}) % {tp['OH']}) * {tp['KH']} + tap // {tp['KW']}")
         buf.line(f"ow = (win % {tp['OW']}) * {tp['KW']} + tap % {tp['KW']}")
+        if cv.pieces:  # a 1x1 conv of a Concat reads each row's own pixel of its inputs
+            buf.line(f"pix = (img * {p['OH']} + oh) * {p['OW']} + ow")
     else:
         buf.line(f"img = rm // {p['OH'] * p['OW']}")
         buf.line(f"oh = (rm // {p['OW']}) % {p['OH']}")
@@ -386,7 +388,8 @@ def _concat_loop(buf: SourceBuffer, cv: NhwcConv, dot: Dot) -> None:
             buf.line("ci = c0 + rk")
             buf.line(f"c_ok = ci < {channels}")
             buf.line("x_ok = row_ok[:, None] & c_ok[None, :]")
-            offset = f"rm[:, None] * {channels} + ci[None, :]"
+            pixel = "pix" if cv.tail is not None else "rm"  # rows window by window: pixels from coordinates
+            offset = f"{pixel}[:, None] * {channels} + ci[None, :]"
             xv = guarded_load(f"xp{i}", offset, "x_ok", run=channel_run(channels))
             buf.line(f"xv = {xv}.to(tl.float32)")
             regs = {**cv.literals, concat.outputs[0]: "xv"}
@@ -629,7 +632,9 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
     buf.line("cols = rn[None, :]")
     buf.line(f"mask = row_ok[:, None] & (cols < {n})")
     if cv.tail is not None:  # rows are not pixels in order: each row's pixel from its coordinates
-        buf.line(f"dst = ((img * {_out_extent(cv, 1)} + oh) * {_out_extent(cv, 2)} + ow)[:, None] * {n} + cols")
+        buf.line(
+            f"dst = ((img * {_out_extent(cv, 1)} + oh) * {_out_extent(cv, 2)} + ow)[:, None] * {n} + cols"
+        )
     else:
         buf.line(f"dst = rm[:, None] * {n} + cols")
     coords = {0: "img[:, None]", 1: "oh[:, None]", 2: "ow[:, None]", 3: "cols"}

@@ -152,3 +152,49 @@ def test_the_library_form_of_a_conv_with_its_pool_runs_the_pool_after_the_epilog
     for plan in (p.plan, vendor):
         got = Executor(plan, TEST_DEVICE).run({"x": x})["y"]
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def dense_transition(shape: list[int]) -> Any:
+    """DenseNet's dense layer then transition: a = Relu(conv(x)), b = Relu(conv(a)), the Concat
+    of both through a per-channel affine and a Relu (the transition's BatchNorm), a 1x1 conv with
+    nothing after it, then the 2x2 average pool at stride 2."""
+    n, c, h, w = shape
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1, 1, 1, 1], name="conv0"),
+        helper.make_node("Relu", ["c0"], ["a"], name="relu0"),
+        helper.make_node("Conv", ["a", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["b"], name="relu1"),
+        helper.make_node("Concat", ["a", "b"], ["cat"], name="cat", axis=1),
+        helper.make_node("Mul", ["cat", "s"], ["cs"], name="bn_scale"),
+        helper.make_node("Add", ["cs", "t"], ["ct"], name="bn_shift"),
+        helper.make_node("Relu", ["ct"], ["r"], name="relu2"),
+        helper.make_node("Conv", ["r", "wt"], ["tc"], name="transition"),
+        helper.make_node("AveragePool", ["tc"], ["y"], name="pool", kernel_shape=[2, 2], strides=[2, 2]),
+    ]
+    inits = {
+        "w0": RNG.standard_normal((16, c, 3, 3)) * 0.3,
+        "b0": RNG.standard_normal(16) * 0.1,
+        "w1": RNG.standard_normal((8, 16, 3, 3)) * 0.2,
+        "b1": RNG.standard_normal(8) * 0.1,
+        "s": RNG.uniform(0.5, 1.5, (24, 1, 1)),
+        "t": RNG.standard_normal((24, 1, 1)) * 0.1,
+        "wt": RNG.standard_normal((12, 24, 1, 1)) * 0.3,
+    }
+    return make_model(nodes, {"x": shape}, {"y": [n, 12, h // 2, w // 2]}, inits)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_transition_conv_reading_a_concat_pools_its_own_tile(precision: str) -> None:
+    """The transition's 1x1 conv has no epilogue but its pool: the conv reads the Concat's inputs
+    in its K loop (concat_prologue), each row at its own pixel though the rows run window by
+    window, and stores only the pooled map. Every element against onnxruntime, at every tuning
+    candidate."""
+    shape = [2, 4, 6, 10]
+    model = dense_transition(shape)
+    cm = check_against_ort(model, {"x": shape}, precision, fusion_disable=NHWC_ALWAYS, tune_budget_s=0)
+    (g,) = [g for g in cm.report["fusion"]["groups"] if g["nodes"][-1] == "pool"]
+    assert "concat_prologue" in g["rule"] and g["rule"].endswith("+pool_tail") and "transition" in g["nodes"]
+    assert _pool_steps(cm) == []
+    (k,) = [k for k in cm.plan.kernels.values() if "pix[:, None]" in k.source]
+    _exact(cm, model, shape, precision)
+    check_every_candidate(cm, k, model, {"x": RNG.standard_normal(shape).astype(np.float32)}, precision)

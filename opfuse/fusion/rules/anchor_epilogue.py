@@ -211,6 +211,18 @@ class AnchorEpilogue(FusionRule):
                 view = channel_window(graph, x, epilogue, taken | members)
                 if view is not None:
                     views[x] = view
+        tail = None
+        if kind == "conv" and variant == "template" and state.on(names.POOL_TAIL):
+            # A pool whose windows tile the map, on the output tile: a lone conv's too (a
+            # DenseNet transition's 1x1 conv, then its average pool).
+            written = group_boundary(graph, [*prologue, *nodes])[1]
+            tail = _pool_tail(
+                graph, anchor, nodes, prologue, views, written, taken | members, consumers, not_fused
+            )
+            if tail is not None:
+                nodes.append(tail)
+                members = members | {tail.id}
+                rule = f"{rule}+{names.POOL_TAIL}"
         prefix = PREFIX[kind]
         if len(members) == 1 and not views and not prologue and not shortcut:
             # Nothing to fuse: the vendor kernel runs the anchor alone, unless its own template
@@ -232,7 +244,8 @@ class AnchorEpilogue(FusionRule):
         absorbed = [n for v in views.values() if isinstance(v, StridedView) for n in v.owned()] + a_chain
         # Inputs as the nodes read them; codegen reads a folded A from the buffer behind its view.
         ins, outs = group_boundary(graph, [*prologue, *nodes])
-        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and state.on(RESIZE_RULE):
+        resize = tail is None and state.on(RESIZE_RULE)  # a gathered input is loaded at rows in order
+        if kind == "conv" and variant == "template" and anchor.op_type == NHWC_CONV and resize:
             # An input of the epilogue that is a Resize (through the Transposes around it: an
             # FPN's upsampled map added to the lateral conv's output) is gathered by its loads.
             gathers, gathered = plan_resize_gathers(
@@ -266,15 +279,6 @@ class AnchorEpilogue(FusionRule):
                 views = {**views, **pads}
                 absorbed += padded
                 rule = f"{rule}+{PAD_GATHER_RULE}"
-        if kind == "conv" and variant == "template" and state.on(names.POOL_TAIL):
-            tail = _pool_tail(
-                graph, anchor, nodes, prologue, views, outs, taken | members, consumers, not_fused
-            )
-            if tail is not None:
-                nodes.append(tail)
-                members = members | {tail.id}
-                ins, outs = group_boundary(graph, [*prologue, *nodes])
-                rule = f"{rule}+{names.POOL_TAIL}"
         taken |= members | {x.id for x in [*prologue, *absorbed]}
         groups.append(
             Group(
@@ -345,7 +349,7 @@ def _pool_tail(
     window by window (codegen.conv), so that only the pooled tile is stored. Not for a group whose
     rows are read or stored as pixels in order (a Concat read in its K loop or written by its
     stores, a Split's parts, a Resize gathered by its loads), a shortcut's second K loop or a
-    depthwise conv."""
+    depthwise conv; a Concat read in the K loop (concat_prologue) is read at each row's pixel."""
     if len(outs) != 1 or outs[0] in {o.name for o in graph.outputs}:
         return None
     readers = consumers.get(outs[0], [])
@@ -357,10 +361,10 @@ def _pool_tail(
         anchor.op_type != NHWC_CONV
         or has_shortcut(anchor)
         or is_depthwise(graph, anchor)
-        or any(n.op_type in ("Concat", "Split") for n in [*prologue, *nodes])
+        or any(n.op_type in ("Concat", "Split") for n in nodes)
         or any(not isinstance(v, StridedView) for v in views.values())
     ):
-        why = "the conv's rows are read or stored as pixels in order here (a Concat, a Split, a gather)"
+        why = "the conv's rows are stored as pixels in order here (a Concat, a Split, a gathered input)"
     if why is not None:
         not_fused.append(NotFired(names.POOL_TAIL, [node_label(anchor), node_label(pool)], why))
         return None
