@@ -596,11 +596,6 @@ def _store_pooled(buf: SourceBuffer, cv: NhwcConv, ih: str, iw: str, ok: str) ->
             )
 
 
-def _out_extent(cv: NhwcConv, axis: int) -> int:
-    """The conv output's extent on NHWC `axis`."""
-    return int(cv.graph.spec(cv.anchor.outputs[0]).shape[axis])
-
-
 def _store_tail(buf: SourceBuffer, cv: NhwcConv, value: str) -> None:
     """The pool on the output tile (`cv.tail`): the tile's value rounded to the model's type, as
     the stored tensor would be, each window's adjacent rows reduced to its maximum or average,
@@ -632,9 +627,7 @@ def _nhwc_epilogue(buf: SourceBuffer, cv: NhwcConv) -> None:
     buf.line("cols = rn[None, :]")
     buf.line(f"mask = row_ok[:, None] & (cols < {n})")
     if cv.tail is not None:  # rows are not pixels in order: each row's pixel from its coordinates
-        buf.line(
-            f"dst = ((img * {_out_extent(cv, 1)} + oh) * {_out_extent(cv, 2)} + ow)[:, None] * {n} + cols"
-        )
+        buf.line(f"dst = ((img * {cv.p['OH']} + oh) * {cv.p['OW']} + ow)[:, None] * {n} + cols")
     else:
         buf.line(f"dst = rm[:, None] * {n} + cols")
     coords = {0: "img[:, None]", 1: "oh[:, None]", 2: "ow[:, None]", 3: "cols"}
