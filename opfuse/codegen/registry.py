@@ -254,7 +254,8 @@ def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
     """A prologue of memory-bound ops on the anchor's input tiles (a Concat and the ops after it
     before a 1x1 conv, pointwise ops computing a GEMM's A): as the plan without the rule runs
     them, one pointwise kernel (reading its inputs through the group's views), the library's
-    anchor, then the epilogue's kernel. Not the prologue's ops one library launch each: that
+    anchor, then the epilogue's kernel (and a pool on the output tile as the library's pool). Not
+    the prologue's ops one library launch each: that
     alternative lost to the one kernel where the plan without the rule would have won."""
 
     def pieces(graph: Graph) -> list[SplitPiece]:
@@ -264,7 +265,9 @@ def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
         # Layout ops folded into the GEMM's own operand view (a batched B) run as the library's.
         # (A fusion group has `absorbed`; a split form is only ever asked of one.)
         before = [n for n in getattr(g, "absorbed", []) if n.id not in own]
-        epilogue = [n for n in g.nodes[1:] if n.op_type != "Concat"]
+        # A pool on the output tile (pool_tail) runs as the library's pool after the epilogue.
+        tail = [n for n in g.nodes[1:] if n.op_type in NHWC_POOLS.values()]
+        epilogue = [n for n in g.nodes[1:] if n.op_type != "Concat" and n not in tail]
         concat = [n for n in g.nodes[1:] if n.op_type == "Concat"]  # written in place: a copy after
         out = [SplitPiece(None, before)] if before else []
         out += [
@@ -275,6 +278,8 @@ def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
             out.append(SplitPiece("pointwise", epilogue))
         if concat:
             out.append(SplitPiece(None, concat))
+        if tail:
+            out.append(SplitPiece(None, tail))
         return out
 
     return pieces
@@ -318,6 +323,12 @@ def split_form(g: GroupLike) -> str | None:
     kernels), said as the report's `vendor_form`; None where it has none."""
     form = split_of(g)
     return form.form if form is not None else None
+
+
+def has_alternative(g: GroupLike) -> bool:
+    """Whether tuning times group `g`'s template against another form (variant "vendor"): its
+    split form, or else the library's kernel (none for a template-only group)."""
+    return split_of(g) is not None or (has_library_alternative(g.kind) and not template_only(g))
 
 
 def template_only(g: GroupLike) -> bool:

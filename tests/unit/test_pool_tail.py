@@ -128,25 +128,31 @@ def test_a_pre_pool_map_read_elsewhere_keeps_its_pool_apart() -> None:
     _exact(cm, model, shape, "fp32")
 
 
-def test_the_library_form_of_a_conv_with_its_pool_runs_the_pool_after_the_epilogue() -> None:
+@pytest.mark.parametrize("net", ["vgg", "densenet"])
+def test_the_library_form_of_a_conv_with_its_pool_runs_the_pool_after_the_epilogue(net: str) -> None:
     """What tuning measures the one kernel against (variant "vendor"): the library's conv, the
-    epilogue's kernel, then the library's pool; both plans compute what onnxruntime does."""
+    epilogue's kernel, then the library's pool; for the transition conv reading a Concat, the
+    prologue's kernel, the library's conv (nothing after it), then the pool. Both plans compute
+    what onnxruntime does."""
     from bench.kernels import plan_model
     from opfuse.lowering import build_plan
     from opfuse.runtime.executor import Executor
 
     shape = [2, 4, 8, 8]
-    model, _ = conv_pool_net(shape, {"kernel_shape": [2, 2], "strides": [2, 2]})
+    if net == "vgg":
+        model, _ = conv_pool_net(shape, {"kernel_shape": [2, 2], "strides": [2, 2]})
+        expected = [("op", "opfuse.ConvNHWC"), ("kernel", "")]
+    else:
+        model, expected = dense_transition(shape), [("kernel", ""), ("op", "opfuse.ConvNHWC")]
     p = plan_model(model, {"x": shape}, "fp32", NHWC_ALWAYS)
     tails = [g for g in p.fusion.groups if g.rule.endswith("+pool_tail")]
-    assert len(tails) == 2
+    assert len(tails) == (2 if net == "vgg" else 1)
     vendor = build_plan(
         p.graph, p.fusion, "fp32", p.plan.inputs, p.plan.outputs, variants={g.id: "vendor" for g in tails}
     )
     for g in tails:
         mine = [(s.kind, s.op_type) for s in vendor.steps if s.group == g.id and s.launches]
-        pool = g.nodes[-1].op_type
-        assert mine == [("op", "opfuse.ConvNHWC"), ("kernel", ""), ("op", pool)]
+        assert mine == [*expected, ("op", g.nodes[-1].op_type)]
     x = RNG.standard_normal(shape).astype(np.float32)
     want = ort_run(model, {"x": x})[0]
     for plan in (p.plan, vendor):
