@@ -8,12 +8,11 @@ the PlanBuilder they are given: PlanBuilder.adopt makes the builder of the tuned
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opfuse.codegen.registry import has_library_alternative, split_form, template_only
+from opfuse.codegen.registry import has_alternative, split_form
 from opfuse.fusion.groups import Group
 from opfuse.report import tuning_summary
 from opfuse.runtime.executor import Executor, device_lost
@@ -47,6 +46,23 @@ class TuningResult:
     unsafe: dict[str, str]
     codegen_faults: dict[str, str]
     rebuild: bool = True
+
+
+def _plan_of(work: PlanBuilder, variants: dict[str, str]) -> tuple[Plan, dict[str, str]]:
+    """The plan of `work`'s groups with `variants`, and the groups whose "vendor" form could not
+    be generated, each with why: left out of that plan, and not marked unsafe in `work` (their
+    templates generate; `work.plan` found those faults already)."""
+    trial = work.derive(variants=variants)
+    p = trial.plan()
+    faults = {
+        gid: why
+        for gid, why in trial.unsafe.items()
+        if gid not in work.unsafe and variants.get(gid) == "vendor"
+    }
+    work.unsafe.update(
+        {gid: why for gid, why in trial.unsafe.items() if gid not in work.unsafe and gid not in faults}
+    )
+    return p, faults
 
 
 def variant_cache_key(split: str | None, template: KernelInfo) -> str:
@@ -90,12 +106,7 @@ def tune(
     # for a template-only group: merged sibling convs, whose template alone writes the Split's
     # parts, and a conv summing a shortcut, which the library has not).
     split_groups = {g.id: form for g in work.groups if (form := split_form(g)) is not None}
-    anchors = [
-        g.id
-        for g in work.groups
-        if g.variant == "template"
-        and (g.id in split_groups or (has_library_alternative(g.kind) and not template_only(g)))
-    ]
+    anchors = [g.id for g in work.groups if g.variant == "template" and has_alternative(g)]
     # A variant choice is cached under its template kernel's signature: compiling the same model
     # again (or one with the same layers) skips the vendor plan and its timing altogether.
     template_kernel = {k.group: k for k in plan.kernels.values()}
@@ -107,8 +118,11 @@ def tune(
     known: dict[str, Any] = {gid: cache.get(key) for gid, key in variant_key.items()}
     to_measure = [gid for gid in anchors if not known.get(gid)]
     candidates = {"template": plan}
+    # A group whose alternative cannot be generated is left out of the alternatives' plan (it runs
+    # unfused there, so its template wins): the fault is the alternative's, never the group's.
+    vendor_faults: dict[str, str] = {}
     if to_measure:
-        candidates["vendor"] = dataclasses.replace(work, variants={gid: "vendor" for gid in anchors}).plan()
+        candidates["vendor"], vendor_faults = _plan_of(work, {gid: "vendor" for gid in anchors})
     times: dict[str, dict[str, float]] = {}
     retimed: dict[str, dict[str, list[float]]] = {}  # the close groups' second look (_retime_close)
     crashed: dict[str, dict[str, str]] = {}  # candidate plan -> group -> why it must not run here
@@ -219,13 +233,26 @@ def tune(
                 record["variants"][gid]["retimed"] = again
             if gid in split_groups:  # its "vendor" form is two kernels (lowering.py)
                 record["variants"][gid]["vendor_form"] = split_groups[gid]
-            if gid in variant_key and min(t_ms, v_ms) < float("inf"):
+            if gid in vendor_faults:
+                record["variants"][gid]["vendor_error"] = vendor_faults[gid]
+            # Only what both ran is remembered: an alternative that failed is measured next time.
+            if gid in variant_key and max(t_ms, v_ms) < float("inf"):
                 cache.put(variant_key[gid], {"choice": choice, "template_ms": t_ms, "vendor_ms": v_ms})
         if "vendor" not in candidates and any(
             v == "vendor" for g, v in variants.items() if g not in lone_ids
         ):
             # Vendor variants taken from the cache: their epilogue kernels' configs come from it too.
-            vendor_plan = work.plan(None)
+            # One this opfuse cannot generate (a choice cached by another version) keeps its template.
+            vendor_plan, broken = _plan_of(work, dict(variants))
+            for gid, why in broken.items():
+                variants[gid] = "template"
+                record["variants"][gid] = {
+                    **record["variants"][gid],
+                    "choice": "template",
+                    "vendor_error": why,
+                }
+            if broken:
+                vendor_plan = work.plan(None)
             if gpu and not cache.covers([vendor_plan]):
                 with CompilePool(device) as late:
                     pre = precompile(
