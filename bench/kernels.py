@@ -125,6 +125,28 @@ def plan_model(
     return Planned(graph, fusion, base_plan, plan, passes)
 
 
+def alternative_faults(p: Planned, precision: str) -> dict[str, str]:
+    """The groups of `p` whose alternative form (what tuning on the GPU times the template against:
+    the library's kernel with the epilogue's, or the group's split form) cannot be generated, each
+    with its error, found as a compile finds them (pipeline.builder.faulty_groups). A compile runs
+    such a group as its template; this finds the fault without a GPU."""
+    from opfuse.codegen.registry import has_alternative
+    from opfuse.lowering import build_plan
+    from opfuse.pipeline.builder import faulty_groups
+
+    ids = [g.id for g in p.fusion.groups if g.variant == "template" and has_alternative(g)]
+
+    def build(subset: list[str]) -> Any:
+        variants = {gid: "vendor" for gid in subset}
+        return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
+
+    try:
+        build(ids)
+    except Exception:
+        return faulty_groups(ids, build)
+    return {}
+
+
 def view_copies(plan: Any) -> int | None:
     """Copies the plan makes at run time that no step counts: a generated kernel's input that is a
     non-contiguous view (the executor copies it with .contiguous() first), and a view op whose

@@ -11,6 +11,8 @@ unfused (a group whose code generation fails, or that verification rolls back), 
 launches more than planned. So a row that differs is a row to run again (`make corpus
 ROWS=<row>`), not necessarily a bug; one whose plan has more launches than the file's compile
 is a plan that got worse (or an export that changed: the line then says the compute nodes too).
+The alternative form of every group (what tuning on the GPU times each template against) is
+generated too: a group whose alternative cannot be generated makes the row an error here.
 Rows the file has as not compiled (export_failed, unsupported, model_error, crash, timeout,
 not_run) are skipped with that status. The file is only read.
 """
@@ -70,12 +72,18 @@ def plan_launches(
     plan runs outside any group and the fusion rules' refusals."""
     import onnx
 
-    from bench.kernels import plan_model, view_copies
+    from bench.kernels import alternative_faults, plan_model, view_copies
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
     proto = onnx.load(path)  # with its external data
     p = plan_model(proto, input_shapes(proto, example), "fp32")
+    faults = alternative_faults(p, "fp32")
+    if faults:  # the GPU's tuning would meet them: an error here, where no GPU is needed
+        gid, why = next(iter(faults.items()))
+        raise RuntimeError(
+            f"the alternative form of {len(faults)} group(s) cannot be generated ({gid}: {why})"
+        )
     if check is not None:
         check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)

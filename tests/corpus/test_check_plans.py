@@ -100,6 +100,34 @@ def test_a_row_that_cannot_be_built_fails_the_check(capsys: pytest.CaptureFixtur
     assert check == ("5", "-", "error: building: RuntimeError: no such model")
 
 
+def test_a_row_whose_alternative_form_cannot_be_generated_fails_the_check(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GEMM group's alternative (the library's GEMM, then the epilogue's pointwise kernel) is
+    generated as tuning on the GPU would generate it; its fault is the row's error here."""
+    import torch
+
+    from opfuse.codegen import registry
+
+    def generate_pointwise(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no pointwise kernel")
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU()).eval(), {"x": torch.randn(4, 16)}
+
+    row = models.Row("timm/linear", "timm", build)
+    line = {"status": "ok", "launches": "1", "compute_nodes": "2"}
+    rc = check_plans([row], ["dynamo"], {("timm/linear", "dynamo"): line})
+    assert rc == 0 and _checks(capsys.readouterr().out)[("timm/linear", "dynamo")] == ("1", "1", "ok")
+    monkeypatch.setattr(registry, "generate_pointwise", generate_pointwise)
+    rc = check_plans([row], ["dynamo"], {("timm/linear", "dynamo"): line})
+    assert rc == 1
+    check = _checks(capsys.readouterr().out)[("timm/linear", "dynamo")]
+    assert check[:2] == ("1", "-") and check[2].startswith("error: RuntimeError: the alternative form of 1 group(s)"), check
+    assert "ValueError: no pointwise kernel" in check[2], check
+
+
 def test_check_plans_needs_the_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="does not exist"):
         cpu.main(["--check-plans", "--rows", "transformers/bert", "--expected", str(tmp_path / "no.csv")])
