@@ -126,25 +126,29 @@ def plan_model(
 
 
 def alternative_faults(p: Planned, precision: str) -> dict[str, str]:
-    """The groups of `p` whose alternative form (what tuning on the GPU times the template against:
-    the library's kernel with the epilogue's, or the group's split form) cannot be generated, each
-    with its error, found as a compile finds them (pipeline.builder.faulty_groups). A compile runs
-    such a group as its template; this finds the fault without a GPU."""
+    """What tuning on the GPU generates beyond the plan, and cannot: the groups whose alternative
+    form (the library's kernel with the epilogue's, or the group's split form, timed against the
+    template) or, for an anchor with nothing to fuse, whose template fails to generate; each with
+    its error, found as a compile finds them (pipeline.builder.faulty_groups). A compile keeps the
+    template of the first and the library's kernel for the second; this finds the fault without a
+    GPU."""
     from opfuse.codegen.registry import has_alternative
+    from opfuse.fusion.planner import FusionPlan
     from opfuse.lowering import build_plan
     from opfuse.pipeline.builder import faulty_groups
 
+    lone = FusionPlan(p.fusion.lone, [])
+    faults = faulty_groups(
+        [g.id for g in p.fusion.lone],
+        lambda ids: build_plan(p.graph, lone, precision, p.plan.inputs, p.plan.outputs, enabled=ids),
+    )
     ids = [g.id for g in p.fusion.groups if g.variant == "template" and has_alternative(g)]
 
     def build(subset: list[str]) -> Any:
         variants = {gid: "vendor" for gid in subset}
         return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
 
-    try:
-        build(ids)
-    except Exception:
-        return faulty_groups(ids, build)
-    return {}
+    return {**faults, **faulty_groups(ids, build)}
 
 
 def view_copies(plan: Any) -> int | None:
