@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection
 
-from opfuse.codegen.registry import TEMPLATES, split_of, template_only
+from opfuse.codegen.registry import TEMPLATES, bias_to_epilogue, split_of, template_only
 from opfuse.codegen.source import fixed_header
 from opfuse.codegen.spec import Part, render_part
 from opfuse.fusion.groups import group_boundary
@@ -124,7 +124,7 @@ def build_plan(
         steps.append(
             Step("kernel", list(src.inputs), list(src.outputs), kernel=src.id, group=g.id, label=label)
         )
-        rank.append(max(order[n.id] for n in nodes))
+        rank.append(max(order[n.id] for n in nodes if n.id in order))  # not a bias moved (bias_to_epilogue)
 
     for g in on:
         vendor = variants.get(g.id, g.variant) == "vendor" and not (
@@ -164,6 +164,7 @@ def build_plan(
             concat = [n for n in epilogue if n.op_type == "Concat"]
             tail = [n for n in epilogue if n.op_type in NHWC_POOLS.values()]
             epilogue = [n for n in epilogue if n.op_type != "Concat" and n not in tail]
+            anchor, epilogue = bias_to_epilogue(graph, anchor, epilogue)
             for n in [*g.absorbed, *g.prologue, anchor, *concat]:
                 steps.append(_op_step(n, g.id))
                 rank.append(order[n.id])

@@ -31,7 +31,7 @@ from opfuse.codegen.tuning_space import (
     rowwise_candidates,
 )
 from opfuse.frontend.rule_registry import DEPTHWISE_REDUCTION
-from opfuse.graph import Graph, Node
+from opfuse.graph import Graph, Node, TensorSpec
 from opfuse.ir.ops import NHWC_CONV, NHWC_POOLS
 from opfuse.ir.rows import row_op_reason, row_space
 from opfuse.ir.support import conv_anchor_reason, gemm_anchor_reason, pointwise_reason, pool_reason
@@ -250,6 +250,40 @@ def _pooled_split(g: GroupLike, between: list[Node], reader: SplitPiece, what: s
     return SplitForm(f"split: the row kernel, then {what}", pieces)
 
 
+def bias_to_epilogue(graph: Graph, anchor: Node, epilogue: list[Node]) -> tuple[Node, list[Node]]:
+    """The library's conv of a "vendor" form and its epilogue's kernel, with the conv's bias moved
+    from the one to the other: torch runs a convolution's bias as an add kernel of its own after
+    the library's (cuDNN's) kernel, a launch and a pass over the output that the epilogue's kernel
+    makes for nothing. The conv writes `<output>__nobias`; the epilogue's first op adds the bias
+    (laid along the channel axis) and writes the conv's output as before. Unchanged where there is
+    no epilogue, no bias, or a bias that is not a constant."""
+    if anchor.op_type not in (NHWC_CONV, "Conv") or not epilogue:
+        return anchor, epilogue
+    bias = anchor.inputs[2] if len(anchor.inputs) > 2 else ""
+    if not bias or bias not in graph.constants or graph.constants[bias].ndim != 1:
+        return anchor, epilogue
+    out = anchor.outputs[0]
+    spec = graph.spec(out)
+    if anchor.op_type == "Conv" and len(spec.shape) > 2:  # channels first: along axis 1
+        column = f"{bias}__channels"
+        if column not in graph.constants:
+            shape = (graph.constants[bias].shape[0], *[1] * (len(spec.shape) - 2))
+            graph.add_constant(column, graph.constants[bias].reshape(shape), graph.spec(bias).dtype)
+        bias = column
+    raw = f"{out}__nobias"
+    graph.values[raw] = TensorSpec(raw, spec.dtype, spec.shape)
+    conv = Node(
+        anchor.id,
+        anchor.op_type,
+        [*anchor.inputs[:2], "", *anchor.inputs[3:]],
+        [raw],
+        dict(anchor.attrs),
+        anchor.name,
+    )
+    add = Node(f"{anchor.id}_bias", "Add", [raw, bias], [out], {}, anchor.name)
+    return conv, [add, *epilogue]
+
+
 def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
     """A prologue of memory-bound ops on the anchor's input tiles (a Concat and the ops after it
     before a 1x1 conv, pointwise ops computing a GEMM's A): as the plan without the rule runs
@@ -270,10 +304,11 @@ def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
         epilogue = [n for n in g.nodes[1:] if n.op_type != "Concat" and n not in tail]
         concat = [n for n in g.nodes[1:] if n.op_type == "Concat"]  # written in place: a copy after
         out = [SplitPiece(None, before)] if before else []
+        anchor, epilogue = bias_to_epilogue(graph, g.nodes[0], epilogue)
         out += [
             SplitPiece("pointwise", g.prologue, views=views),
-            SplitPiece(None, [g.nodes[0]]),
-        ]  # the anchor
+            SplitPiece(None, [anchor]),
+        ]
         if epilogue:
             out.append(SplitPiece("pointwise", epilogue))
         if concat:

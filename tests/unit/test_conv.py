@@ -966,6 +966,42 @@ def test_the_vendor_variant_of_a_conv_writing_a_concat_runs_the_concat_as_its_ow
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_the_library_form_of_a_conv_adds_its_bias_in_the_epilogues_kernel(dims: int, precision: str) -> None:
+    """torch runs a conv's bias as an add kernel of its own after the library's conv: the vendor
+    variant runs the library's conv without its bias and adds it (along the channel axis: last in
+    NHWC, axis 1 for a 3-D conv left channels-first) as the first op of the epilogue's kernel. The
+    result is onnxruntime's, every element."""
+    from bench.kernels import plan_model
+    from opfuse.lowering import build_plan
+    from opfuse.runtime.executor import Executor
+
+    shape = [2, 4, *[6] * dims]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1] * (2 * dims), name="conv"),
+        helper.make_node("Sigmoid", ["c"], ["y"], name="act"),
+    ]
+    inits = {"w": RNG.standard_normal((8, 4, *[3] * dims)) * 0.3, "b": RNG.standard_normal(8)}
+    m = make_model(nodes, {"x": shape}, {"y": [2, 8, *[6] * dims]}, inits)
+    p = plan_model(m, {"x": shape}, precision, NHWC_ALWAYS)
+    (g,) = p.fusion.groups
+    vendor = build_plan(
+        p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants={g.id: "vendor"}
+    )
+    conv, epilogue = [s for s in vendor.steps if s.launches]
+    assert conv.op_type == ("Conv" if dims == 3 else "opfuse.ConvNHWC") and conv.inputs[2] == ""
+    bias = vendor.kernels[epilogue.kernel].inputs[1]
+    channels_last = dims != 3
+    assert vendor.values[bias].shape == ((8,) if channels_last else (8, 1, 1, 1))
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = ort_run(m, {"x": x})[0]
+    tol = 1e-5 if precision == "fp32" else 2e-3
+    for plan in (p.plan, vendor):
+        got = np.asarray(Executor(plan, TEST_DEVICE).run({"x": x})["y"], np.float32)
+        np.testing.assert_allclose(got, want, rtol=10 * tol, atol=tol)
+
+
 def depthwise_layernorm(n: int, c: int, size: int, k: int = 7) -> Any:
     """ConvNeXt's block head: a kxk depthwise conv, channels-last, then LayerNorm over the channels."""
     inits = {
