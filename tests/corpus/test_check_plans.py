@@ -124,7 +124,9 @@ def test_a_row_whose_alternative_form_cannot_be_generated_fails_the_check(
     rc = check_plans([row], ["dynamo"], {("timm/linear", "dynamo"): line})
     assert rc == 1
     check = _checks(capsys.readouterr().out)[("timm/linear", "dynamo")]
-    assert check[:2] == ("1", "-") and check[2].startswith("error: RuntimeError: the alternative form of 1 group(s)"), check
+    assert check[:2] == ("1", "-") and check[2].startswith(
+        "error: RuntimeError: the alternative form of 1 group(s)"
+    ), check
     assert "ValueError: no pointwise kernel" in check[2], check
 
 
