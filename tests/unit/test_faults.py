@@ -148,6 +148,40 @@ def test_a_group_whose_library_form_cannot_be_generated_keeps_its_template(
     np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
 
 
+def test_a_cached_library_choice_whose_form_cannot_be_generated_runs_the_template(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A choice cached by an earlier compile (here: the GEMM group's library form) whose form this
+    compile cannot generate: the group runs its template, the report says why, and the compile
+    verifies."""
+    from opfuse.codegen import registry
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+    opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
+    path = tmp_path / "tuning.json"
+    cached = json.loads(path.read_text())
+    (key,) = [k for k in cached if k.startswith("variant")]
+    cached[key]["choice"] = "vendor"
+    path.write_text(json.dumps(cached))
+
+    def generate_pointwise(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(FAULT)
+
+    monkeypatch.setattr(registry, "generate_pointwise", generate_pointwise)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
+    report = cm.report
+    assert report["verification"]["passed"] is True
+    assert sorted(k.kind for k in cm.plan.kernels.values()) == ["gemm", "rowwise"]
+    (gemm,) = [g["id"] for g in report["fusion"]["groups"] if g["kind"] == "gemm"]
+    chosen = report["tuning"]["variants"][gemm]
+    assert chosen["cached"] and chosen["choice"] == "template" and FAULT in chosen["vendor_error"], chosen
+    assert gemm not in report["tuning"]["unsafe"]
+    x = np.random.default_rng(6).standard_normal((8, 16)).astype(np.float32)
+    ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
+    np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+
+
 def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pytest.MonkeyPatch) -> None:
     from opfuse.pipeline import stages
 
