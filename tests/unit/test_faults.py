@@ -116,22 +116,20 @@ def test_a_group_whose_tuning_raises_runs_unfused(tmp_path: Any, monkeypatch: py
     assert all("error" not in v for v in cached.values())  # the failure stays out of the cache
 
 
-def test_a_group_whose_library_form_cannot_be_generated_keeps_its_template(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tuning times the GEMM group's template against its library form (the library's GEMM, then
-    a pointwise kernel for the epilogue). Where that form's kernel cannot be generated the group
-    stays fused as its template, the report says why, and nothing of it is cached."""
-    from opfuse.codegen import registry  # the epilogue's kernel of the library form is a pointwise one
-
-    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+def _library_form_cannot_be_generated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM group's library form (the library's GEMM, then a pointwise kernel for the
+    epilogue) fails to generate from now on: its epilogue's pointwise kernel raises."""
+    from opfuse.codegen import registry
 
     def generate_pointwise(*args: Any, **kwargs: Any) -> Any:
         raise ValueError(FAULT)
 
     monkeypatch.setattr(registry, "generate_pointwise", generate_pointwise)
-    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
+
+
+def assert_gemm_kept_its_template(cm: Any, cached: bool) -> None:
+    """Verified, both groups fused (the GEMM as its template, not unsafe), the reason in
+    `tuning.variants`, every output element onnxruntime's."""
     report = cm.report
     assert report["verification"]["passed"] is True
     assert sorted(g["kind"] for g in report["fusion"]["groups"]) == ["gemm", "rowwise"]
@@ -140,22 +138,33 @@ def test_a_group_whose_library_form_cannot_be_generated_keeps_its_template(
     (gemm,) = [g["id"] for g in report["fusion"]["groups"] if g["kind"] == "gemm"]
     chosen = report["tuning"]["variants"][gemm]
     assert chosen["choice"] == "template" and FAULT in chosen["vendor_error"], chosen
+    assert bool(chosen.get("cached")) is cached
     assert gemm not in report["tuning"]["unsafe"]
-    cached = json.loads((tmp_path / "tuning.json").read_text())
-    assert not [k for k in cached if k.startswith("variant")], cached
     x = np.random.default_rng(5).standard_normal((8, 16)).astype(np.float32)
     ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
     np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_group_whose_library_form_cannot_be_generated_keeps_its_template(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tuning times the GEMM group's template against its library form. Where that form cannot
+    be generated the group stays fused as its template, the report says why, and nothing of the
+    choice is cached."""
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
+    _library_form_cannot_be_generated(monkeypatch)
+    cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
+    assert_gemm_kept_its_template(cm, cached=False)
+    cached = json.loads((tmp_path / "tuning.json").read_text())
+    assert not [k for k in cached if k.startswith("variant")], cached
 
 
 def test_a_cached_library_choice_whose_form_cannot_be_generated_runs_the_template(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A choice cached by an earlier compile (here: the GEMM group's library form) whose form this
-    compile cannot generate: the group runs its template, the report says why, and the compile
-    verifies."""
-    from opfuse.codegen import registry
-
+    compile cannot generate: the group runs its template, the report says why."""
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("OPFUSE_TUNE_INPROCESS", raising=False)
     opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
@@ -164,22 +173,9 @@ def test_a_cached_library_choice_whose_form_cannot_be_generated_runs_the_templat
     (key,) = [k for k in cached if k.startswith("variant")]
     cached[key]["choice"] = "vendor"
     path.write_text(json.dumps(cached))
-
-    def generate_pointwise(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(FAULT)
-
-    monkeypatch.setattr(registry, "generate_pointwise", generate_pointwise)
+    _library_form_cannot_be_generated(monkeypatch)
     cm = opfuse.compile(softmax_then_gemm(), device=TEST_DEVICE, tune_budget_s=60)
-    report = cm.report
-    assert report["verification"]["passed"] is True
-    assert sorted(k.kind for k in cm.plan.kernels.values()) == ["gemm", "rowwise"]
-    (gemm,) = [g["id"] for g in report["fusion"]["groups"] if g["kind"] == "gemm"]
-    chosen = report["tuning"]["variants"][gemm]
-    assert chosen["cached"] and chosen["choice"] == "template" and FAULT in chosen["vendor_error"], chosen
-    assert gemm not in report["tuning"]["unsafe"]
-    x = np.random.default_rng(6).standard_normal((8, 16)).astype(np.float32)
-    ref = OnnxRuntimeReference(softmax_then_gemm()).run({"x": x})["y"]
-    np.testing.assert_allclose(cm.run({"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+    assert_gemm_kept_its_template(cm, cached=True)
 
 
 def test_a_planner_fault_leaves_the_model_unfused_and_verified(monkeypatch: pytest.MonkeyPatch) -> None:
