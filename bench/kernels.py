@@ -132,7 +132,6 @@ def alternative_faults(p: Planned, precision: str) -> dict[str, str]:
     its error, found as a compile finds them (pipeline.builder.faulty_groups). A compile keeps the
     template of the first and the library's kernel for the second; this finds the fault without a
     GPU."""
-    from opfuse.codegen.registry import has_alternative
     from opfuse.fusion.planner import FusionPlan
     from opfuse.lowering import build_plan
     from opfuse.pipeline.builder import faulty_groups
@@ -142,13 +141,27 @@ def alternative_faults(p: Planned, precision: str) -> dict[str, str]:
         [g.id for g in p.fusion.lone],
         lambda ids: build_plan(p.graph, lone, precision, p.plan.inputs, p.plan.outputs, enabled=ids),
     )
-    ids = [g.id for g in p.fusion.groups if g.variant == "template" and has_alternative(g)]
+    return {
+        **faults,
+        **faulty_groups(_with_alternatives(p), lambda ids: alternatives_plan(p, precision, ids)),
+    }
 
-    def build(subset: list[str]) -> Any:
-        variants = {gid: "vendor" for gid in subset}
-        return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
 
-    return {**faults, **faulty_groups(ids, build)}
+def _with_alternatives(p: Planned) -> list[str]:
+    from opfuse.codegen.registry import has_alternative
+
+    return [g.id for g in p.fusion.groups if g.variant == "template" and has_alternative(g)]
+
+
+def alternatives_plan(p: Planned, precision: str, ids: Collection[str] | None = None) -> Any:
+    """The plan of `p` with the groups `ids` (every group that has one, by default) in their
+    alternative form (variant "vendor"): what a compile on the GPU runs for the groups whose
+    alternative tuning measures faster."""
+    from opfuse.lowering import build_plan
+
+    ids = _with_alternatives(p) if ids is None else ids
+    variants = {gid: "vendor" for gid in ids}
+    return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
 
 
 def view_copies(plan: Any) -> int | None:

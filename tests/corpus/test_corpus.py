@@ -4,7 +4,8 @@ Each subset row is exported (the default exporter and TorchScript), compiled and
 interpreter exactly as `make corpus` does, and compared with its line of bench/corpus/expected.csv:
 the same status (a row that compiled and verified there still does; a row that failed there fails
 the same way, until the file is rewritten), and the same number of launches. A row that moves,
-either way, fails with the command that rewrites its lines.
+either way, fails with the command that rewrites its lines. Each subset row's plan with every group
+in its alternative form (what tuning on the GPU may choose) is run against onnxruntime too.
 """
 
 from __future__ import annotations
@@ -65,6 +66,37 @@ def test_subset_row_matches_expected(name: str, exporter: str, tmp_path: Path) -
             f"{where}: {launches} launches, fewer than the {expected} of expected.csv: an improvement "
             "the file does not hold yet; " + _rewrite_hint(name)
         )
+
+
+@pytest.mark.parametrize("name", [r.name for r in CI_ROWS if not r.gpu_only_verify])
+def test_subset_rows_alternative_forms_compute_what_onnxruntime_does(name: str, tmp_path: Path) -> None:
+    """Tuning on the GPU runs a group's alternative form (the library's kernel and the epilogue's
+    kernel, or its split form) where that measures faster; the CPU leg verifies the templates only.
+    Every group of the row in its alternative at once (the default export), every output element
+    against onnxruntime on random inputs."""
+    import numpy as np
+    import onnx
+
+    from bench.corpus.run import export, input_shapes
+    from bench.kernels import alternatives_plan, plan_model
+    from opfuse.runtime.executor import Executor
+    from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
+    from tests.builders import TEST_DEVICE
+
+    module, example = _built(name)
+    path = str(tmp_path / "model.onnx")
+    export(module, example, path, "dynamo")
+    proto = onnx.load(path)
+    p = plan_model(proto, input_shapes(proto, example), "fp32")
+    plan = alternatives_plan(p, "fp32")
+    feeds = random_inputs(plan.inputs, np.random.default_rng(0))  # as the CPU leg verifies
+    got = Executor(plan, TEST_DEVICE).run(feeds)
+    want = OnnxRuntimeReference(proto).run(feeds)
+    for o in p.plan.outputs:
+        a, b = np.asarray(got[o.name], np.float64), np.asarray(want[o.name], np.float64)
+        assert np.isfinite(a).all() and np.std(b) > 0, o.name  # a value that varies: no vacuous check
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert rel < 1e-4, f"{name}: output {o.name} differs from onnxruntime's (relative L2 {rel:.2e})"
 
 
 def test_registry_spans_the_families_and_the_subset_covers_each() -> None:
