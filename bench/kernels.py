@@ -164,6 +164,28 @@ def alternatives_plan(p: Planned, precision: str, ids: Collection[str] | None = 
     return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
 
 
+def alternatives_rel_l2(p: Planned, proto: Any, device: str = "cpu", seed: int = 0) -> float:
+    """The worst relative L2 error, over the model's outputs, of `alternatives_plan(p)` against
+    onnxruntime on random inputs (as the CPU leg verifies a compile); infinity where an output is
+    not finite."""
+    import numpy as np
+
+    from opfuse.runtime.executor import Executor
+    from opfuse.verify.reference import OnnxRuntimeReference, random_inputs
+
+    plan = alternatives_plan(p, "fp32")
+    feeds = random_inputs(plan.inputs, np.random.default_rng(seed))
+    got = Executor(plan, device).run(feeds)
+    want = OnnxRuntimeReference(proto).run(feeds)
+    worst = 0.0
+    for o in p.plan.outputs:
+        a, b = np.asarray(got[o.name], np.float64), np.asarray(want[o.name], np.float64)
+        if not np.isfinite(a).all():
+            return float("inf")
+        worst = max(worst, float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30)))
+    return worst
+
+
 def view_copies(plan: Any) -> int | None:
     """Copies the plan makes at run time that no step counts: a generated kernel's input that is a
     non-contiguous view (the executor copies it with .contiguous() first), and a view op whose

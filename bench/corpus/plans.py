@@ -46,6 +46,9 @@ class Check:
     # What the plan runs outside any group: launches by op type, and the rules' refusals.
     alone: Counter[str] = field(default_factory=Counter)
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # --run-alternatives: the worst relative L2 error of the plan with every group in its
+    # alternative form against onnxruntime (bench.kernels.alternatives_rel_l2). None: not run.
+    alternatives: float | None = None
     # Copies the runtime makes that no launch counts (bench.kernels.view_copies): a kernel input
     # that is a non-contiguous view, a Reshape of a non-contiguous value. None: not counted.
     copies: int | None = None
@@ -55,6 +58,8 @@ class Check:
         verdict = f"{self.verdict}: {self.note}" if self.verdict == "error" else self.verdict
         if self.note and self.verdict != "error":
             verdict += f" ({self.note})"
+        if self.alternatives is not None and self.verdict != "error":
+            verdict += f" (alternatives: relative L2 {self.alternatives:.1e})"
         return f"{self.model:<{width}} {self.exporter:<11} {self.file_launches or '-':>6} {planned:>7}  {verdict}"
 
 
@@ -65,14 +70,20 @@ def _reason(text: str) -> str:
 
 
 def plan_launches(
-    module: Any, example: dict[str, Any], exporter: str, workdir: str, check: Check | None = None
+    module: Any,
+    example: dict[str, Any],
+    exporter: str,
+    workdir: str,
+    check: Check | None = None,
+    run_alternatives: bool = False,
 ) -> tuple[int, int]:
     """(the fused plan's launches, compute nodes) of one export of `module`, as opfuse.compile on
     the CPU would plan it (fp32, no rule disabled) before it runs anything. `check` gets what the
-    plan runs outside any group and the fusion rules' refusals."""
+    plan runs outside any group and the fusion rules' refusals; with `run_alternatives`, the error
+    of the plan with every group in its alternative form, run against onnxruntime."""
     import onnx
 
-    from bench.kernels import alternative_faults, plan_model, view_copies
+    from bench.kernels import alternative_faults, alternatives_rel_l2, plan_model, view_copies
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
@@ -84,6 +95,8 @@ def plan_launches(
         raise RuntimeError(
             f"the alternative form of {len(faults)} group(s) cannot be generated ({gid}: {why})"
         )
+    if check is not None and run_alternatives:
+        check.alternatives = alternatives_rel_l2(p, proto)
     if check is not None:
         check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
@@ -91,11 +104,20 @@ def plan_launches(
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
+ALTERNATIVES_TOLERANCE = 1e-4  # the relative L2 error --run-alternatives accepts (fp32)
+
+
 def check_row(
-    row: Any, exporters: list[str], expected: Mapping[tuple[str, str], Mapping[str, str]]
+    row: Any,
+    exporters: list[str],
+    expected: Mapping[tuple[str, str], Mapping[str, str]],
+    run_alternatives: bool = False,
 ) -> list[Check]:
     """One Check per exporter of `row`; the model is built only where a line of the file is to be
-    checked. Never raises for the row's sake: what failed is an "error" check."""
+    checked. Never raises for the row's sake: what failed is an "error" check. With
+    `run_alternatives` (not for a row the interpreter is too slow for, `gpu_only_verify`), the plan
+    with every group in its alternative form runs too: an error beyond ALTERNATIVES_TOLERANCE is the
+    row's error."""
     checks: dict[str, Check] = {}
     todo: list[str] = []
     for e in exporters:
@@ -122,9 +144,16 @@ def check_row(
             c = checks[e]
             try:
                 with tempfile.TemporaryDirectory(prefix="opfuse-plan-") as d:
-                    c.planned, compute = plan_launches(module, example, e, d, c)
+                    run = run_alternatives and not row.gpu_only_verify
+                    c.planned, compute = plan_launches(module, example, e, d, c, run)
             except Exception as exc:
                 c.verdict, c.note = "error", one_line(exc)
+                continue
+            if c.alternatives is not None and not c.alternatives < ALTERNATIVES_TOLERANCE:
+                c.verdict, c.note = (
+                    "error",
+                    f"the alternative forms' relative L2 error is {c.alternatives:.2e}",
+                )
                 continue
             c.verdict = "ok" if c.planned == int(c.file_launches) else "differs"
             was = expected[(row.name, e)].get("compute_nodes")
@@ -170,14 +199,16 @@ def check_plans(
     exporters: list[str],
     expected: Mapping[tuple[str, str], Mapping[str, str]],
     say: Callable[[str], None] = print,
+    run_alternatives: bool = False,
 ) -> int:
     """Check each row and exporter, one line each as it is checked, then a summary; 1 where any
-    row differs or could not be planned, else 0."""
+    row differs or could not be planned (or, `run_alternatives`, its alternative forms compute
+    something else than onnxruntime), else 0."""
     width = max([len(r.name) for r in rows] + [len("row")])
     say(f"{'row':<{width}} {'exporter':<11} {'file':>6} {'planned':>7}  check")
     checks: list[Check] = []
     for row in rows:
-        for c in check_row(row, exporters, expected):
+        for c in check_row(row, exporters, expected, run_alternatives):
             checks.append(c)
             say(c.line(width))
             sys.stdout.flush()

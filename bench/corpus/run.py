@@ -586,6 +586,13 @@ def main(argv: list[str] | None = None) -> None:
         "A compile can keep fewer groups than the plan forms (groups rolled back or run unfused), "
         "so a row that differs is a row to run again (make corpus ROWS=...), not necessarily a bug",
     )
+    ap.add_argument(
+        "--run-alternatives",
+        action="store_true",
+        help="with --check-plans: also run each row's plan with every group in its alternative form "
+        "(what tuning on the GPU may choose) on random inputs against onnxruntime; an error above "
+        "1e-4 (relative L2) fails the row. gpu_only_verify rows are planned only",
+    )
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one row, in its own process
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -615,7 +622,9 @@ def main(argv: list[str] | None = None) -> None:
 
         if not os.path.exists(args.out):
             raise SystemExit(f"--check-plans: {args.out} does not exist (--expected names the file)")
-        rc = check_plans(shard(rows, args.shard), exporters, read_rows(args.out))
+        rc = check_plans(
+            shard(rows, args.shard), exporters, read_rows(args.out), run_alternatives=args.run_alternatives
+        )
         if rc:
             raise SystemExit(rc)
         return

@@ -130,6 +130,39 @@ def test_a_row_whose_alternative_form_cannot_be_generated_fails_the_check(
     assert "ValueError: no pointwise kernel" in check[2], check
 
 
+def test_run_alternatives_runs_each_rows_alternative_forms_against_onnxruntime(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--run-alternatives: the conv group's library form (the library's conv, then its epilogue's
+    kernel adding the bias) runs against onnxruntime; a wrong one fails the row."""
+    import torch
+
+    from opfuse import lowering  # builds the library form of a conv group
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Sigmoid()).eval()
+        return net, {"x": torch.randn(2, 3, 6, 6)}
+
+    row = models.Row("timm/conv", "timm", build)
+    line = {"status": "ok", "launches": "1", "compute_nodes": "2"}  # one kernel: the conv and its Sigmoid
+    assert check_plans([row], ["dynamo"], {("timm/conv", "dynamo"): line}, run_alternatives=True) == 0
+    check = _checks(capsys.readouterr().out)[("timm/conv", "dynamo")][2]
+    assert check.startswith("ok (alternatives: relative L2 ") and float(check.split()[-1][:-1]) < 1e-4, check
+    real = lowering.bias_to_epilogue
+
+    def subtracted(graph: Any, anchor: Any, epilogue: list[Any]) -> Any:
+        conv, ops = real(graph, anchor, epilogue)
+        if ops and ops[0].op_type == "Add":  # the bias subtracted: a fault the check must see
+            ops[0].op_type = "Sub"
+        return conv, ops
+
+    monkeypatch.setattr(lowering, "bias_to_epilogue", subtracted)
+    assert check_plans([row], ["dynamo"], {("timm/conv", "dynamo"): line}, run_alternatives=True) == 1
+    check = _checks(capsys.readouterr().out)[("timm/conv", "dynamo")][2]
+    assert check.startswith("error: the alternative forms' relative L2 error is "), check
+
+
 def test_check_plans_needs_the_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="does not exist"):
         cpu.main(["--check-plans", "--rows", "transformers/bert", "--expected", str(tmp_path / "no.csv")])
