@@ -186,6 +186,18 @@ def alternatives_rel_l2(p: Planned, proto: Any, device: str = "cpu", seed: int =
     return worst
 
 
+def bias_adds(plan: Any) -> int:
+    """The plan's per-op library convs with a bias: on the GPU each is two kernels (the library's
+    conv, then torch's add of the bias), counted as one launch. A conv group's library form moves
+    the bias into its epilogue's kernel (codegen.registry.bias_to_epilogue); a conv with nothing
+    fused after it keeps the add."""
+    return sum(
+        1
+        for s in plan.steps
+        if s.kind == "op" and s.op_type in ("Conv", "opfuse.ConvNHWC") and len(s.inputs) > 2 and s.inputs[2]
+    )
+
+
 def view_copies(plan: Any) -> int | None:
     """Copies the plan makes at run time that no step counts: a generated kernel's input that is a
     non-contiguous view (the executor copies it with .contiguous() first), and a view op whose

@@ -52,6 +52,9 @@ class Check:
     # Copies the runtime makes that no launch counts (bench.kernels.view_copies): a kernel input
     # that is a non-contiguous view, a Reshape of a non-contiguous value. None: not counted.
     copies: int | None = None
+    # Library convs with a bias the plan runs as per-op steps: torch adds the bias with a kernel
+    # of its own after the library's conv, a launch no step counts (bench.kernels.bias_adds).
+    bias_adds: int = 0
 
     def line(self, width: int) -> str:
         planned = "-" if self.planned is None else str(self.planned)
@@ -83,7 +86,7 @@ def plan_launches(
     of the plan with every group in its alternative form, run against onnxruntime."""
     import onnx
 
-    from bench.kernels import alternative_faults, alternatives_rel_l2, plan_model, view_copies
+    from bench.kernels import alternative_faults, alternatives_rel_l2, bias_adds, plan_model, view_copies
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
@@ -101,6 +104,7 @@ def plan_launches(
         check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
         check.copies = view_copies(p.plan)
+        check.bias_adds = bias_adds(p.plan)
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
@@ -176,7 +180,8 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
         for op, n in c.alone.items():
             where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
     copies = Counter({f"{c.model}[{c.exporter[0]}]": c.copies for c in checks if c.copies})
-    if not alone and not refused and not copies:
+    adds = Counter({f"{c.model}[{c.exporter[0]}]": c.bias_adds for c in checks if c.bias_adds})
+    if not alone and not refused and not copies and not adds:
         return
     say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
     for op, n in alone.most_common(top):
@@ -191,6 +196,12 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
         say(
             f"copies the runtime makes that no launch counts (views a kernel cannot read, Reshapes "
             f"of non-contiguous values): {sum(copies.values())} over {len(copies)} rows; the most: {most}"
+        )
+    if adds:
+        most = ", ".join(f"{r} {k}" for r, k in adds.most_common(6))
+        say(
+            f"library convs with a bias run per op (torch adds the bias with a kernel of its own, which "
+            f"no launch counts): {sum(adds.values())} over {len(adds)} rows; the most: {most}"
         )
 
 

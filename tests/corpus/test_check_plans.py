@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.corpus import models
@@ -175,7 +176,7 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
 
     a = Check("m1", "dynamo", "ok", alone=Counter({"MatMul": 3, "Add": 1}), copies=4)
     a.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_3 (Add)"))] += 2
-    b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}), copies=0)
+    b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}), copies=0, bias_adds=3)
     b.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_17 (Add)"))] += 1
     lines: list[str] = []
     explain([a, b], lines.append)
@@ -185,3 +186,33 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
     assert lines[4].split(maxsplit=1) == ["3", "gemm_epilogue: merging would create a cycle through X (Add)"]
     # The runtime's uncounted copies: the total over the rows that make any, those rows, the most.
     assert lines[5].endswith("4 over 1 rows; the most: m1[d] 4"), lines[5]
+    # Library convs with a bias run per op: the add kernel torch launches after each.
+    assert lines[6].startswith("library convs with a bias") and lines[6].endswith(
+        "3 over 1 rows; the most: m2[d] 3"
+    )
+
+
+def test_bias_adds_counts_the_per_op_library_convs_with_a_bias() -> None:
+    """A conv with nothing fused after it stays the library's, its bias added by a kernel of its
+    own; a conv group's library form adds the bias in its epilogue's kernel instead."""
+    from onnx import helper
+
+    from bench.kernels import alternatives_plan, bias_adds, plan_model
+    from tests.unit.test_fusion import NHWC_ALWAYS, make_model
+
+    rng = np.random.default_rng(2)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["y"], name="conv2"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((8, 4, 3, 3)),
+        "b1": rng.standard_normal(8),
+        "w2": rng.standard_normal((6, 8, 1, 1)),
+        "b2": rng.standard_normal(6),
+    }
+    m = make_model(nodes, {"x": [1, 4, 5, 5]}, {"y": [1, 6, 5, 5]}, inits)
+    p = plan_model(m, {"x": [1, 4, 5, 5]}, "fp32", NHWC_ALWAYS)
+    assert bias_adds(p.plan) == 1  # conv2, lone: the library's conv and its add
+    assert bias_adds(alternatives_plan(p, "fp32")) == 1  # conv1's library form adds its bias in the epilogue
