@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.corpus.run import export, input_shapes, one_line
+from bench.kernels import alternatives_pass
 
 # The file's statuses of a row that compiled: its `launches` is the compiled plan's.
 COMPILED = ("ok", "compiled", "not_verified")
@@ -46,9 +47,10 @@ class Check:
     # What the plan runs outside any group: launches by op type, and the rules' refusals.
     alone: Counter[str] = field(default_factory=Counter)
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)
-    # --run-alternatives: the worst relative L2 error of the plan with every group in its
-    # alternative form against onnxruntime (bench.kernels.alternatives_rel_l2). None: not run.
-    alternatives: float | None = None
+    # --run-alternatives: the worst relative L2 errors against onnxruntime of the plan with every
+    # group in its alternative form and of the unfused plan (bench.kernels.alternatives_rel_l2).
+    # None: not run.
+    alternatives: tuple[float, float] | None = None
     # Copies the runtime makes that no launch counts (bench.kernels.view_copies): a kernel input
     # that is a non-contiguous view, a Reshape of a non-contiguous value. None: not counted.
     copies: int | None = None
@@ -62,7 +64,8 @@ class Check:
         if self.note and self.verdict != "error":
             verdict += f" ({self.note})"
         if self.alternatives is not None and self.verdict != "error":
-            verdict += f" (alternatives: relative L2 {self.alternatives:.1e})"
+            alt, unfused = self.alternatives
+            verdict += f" (alternatives: relative L2 {alt:.1e}, unfused {unfused:.1e})"
         return f"{self.model:<{width}} {self.exporter:<11} {self.file_launches or '-':>6} {planned:>7}  {verdict}"
 
 
@@ -108,9 +111,6 @@ def plan_launches(
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
-ALTERNATIVES_TOLERANCE = 1e-4  # the relative L2 error --run-alternatives accepts (fp32)
-
-
 def check_row(
     row: Any,
     exporters: list[str],
@@ -120,8 +120,8 @@ def check_row(
     """One Check per exporter of `row`; the model is built only where a line of the file is to be
     checked. Never raises for the row's sake: what failed is an "error" check. With
     `run_alternatives` (not for a row the interpreter is too slow for, `gpu_only_verify`), the plan
-    with every group in its alternative form runs too: an error beyond ALTERNATIVES_TOLERANCE is the
-    row's error."""
+    with every group in its alternative form runs too: an error a compile's verification would not
+    pass (bench.kernels.alternatives_pass) is the row's error."""
     checks: dict[str, Check] = {}
     todo: list[str] = []
     for e in exporters:
@@ -153,11 +153,10 @@ def check_row(
             except Exception as exc:
                 c.verdict, c.note = "error", one_line(exc)
                 continue
-            if c.alternatives is not None and not c.alternatives < ALTERNATIVES_TOLERANCE:
-                c.verdict, c.note = (
-                    "error",
-                    f"the alternative forms' relative L2 error is {c.alternatives:.2e}",
-                )
+            if c.alternatives is not None and not alternatives_pass(*c.alternatives):
+                alt, unfused = c.alternatives
+                c.verdict = "error"
+                c.note = f"the alternative forms' relative L2 error is {alt:.2e} (the unfused plan's {unfused:.2e})"
                 continue
             c.verdict = "ok" if c.planned == int(c.file_launches) else "differs"
             was = expected[(row.name, e)].get("compute_nodes")

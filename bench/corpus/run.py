@@ -590,8 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         "--run-alternatives",
         action="store_true",
         help="with --check-plans: also run each row's plan with every group in its alternative form "
-        "(what tuning on the GPU may choose) on random inputs against onnxruntime; an error above "
-        "1e-4 (relative L2) fails the row. gpu_only_verify rows are planned only",
+        "(what tuning on the GPU may choose) on random inputs against onnxruntime; an error a "
+        "compile's verification would not pass fails the row. gpu_only_verify rows are planned only",
     )
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one row, in its own process
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
