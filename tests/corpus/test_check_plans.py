@@ -161,7 +161,10 @@ def test_run_alternatives_runs_each_rows_alternative_forms_against_onnxruntime(
     monkeypatch.setattr(lowering, "bias_to_epilogue", subtracted)
     assert check_plans([row], ["dynamo"], {("timm/conv", "dynamo"): line}, run_alternatives=True) == 1
     check = _checks(capsys.readouterr().out)[("timm/conv", "dynamo")][2]
-    assert check.startswith("error: the alternative forms' relative L2 error is "), check
+    assert check.startswith("error: the alternative forms miss onnxruntime: alternatives: relative L2 "), (
+        check
+    )
+    assert ", unfused " in check and ", fused " in check, check  # the fused plan's error, measured then
 
 
 def test_check_plans_needs_the_file(tmp_path: Path) -> None:
