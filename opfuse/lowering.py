@@ -124,7 +124,8 @@ def build_plan(
         steps.append(
             Step("kernel", list(src.inputs), list(src.outputs), kernel=src.id, group=g.id, label=label)
         )
-        rank.append(max(order[n.id] for n in nodes if n.id in order))  # not a bias moved (bias_to_epilogue)
+        # (a conv's bias moved into its epilogue, bias_to_epilogue, is an Add that is no graph node)
+        rank.append(max(order[n.id] for n in nodes if n.id in order))
 
     for g in on:
         vendor = variants.get(g.id, g.variant) == "vendor" and not (

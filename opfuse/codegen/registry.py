@@ -289,8 +289,8 @@ def _prologue_split(g: GroupLike) -> Callable[[Graph], list[SplitPiece]]:
     before a 1x1 conv, pointwise ops computing a GEMM's A): as the plan without the rule runs
     them, one pointwise kernel (reading its inputs through the group's views), the library's
     anchor, then the epilogue's kernel (and a pool on the output tile as the library's pool). Not
-    the prologue's ops one library launch each: that
-    alternative lost to the one kernel where the plan without the rule would have won."""
+    the prologue's ops one library launch each: that alternative lost to the one kernel where the
+    plan without the rule would have won."""
 
     def pieces(graph: Graph) -> list[SplitPiece]:
         reads = {x for n in g.prologue for x in n.inputs if x}
