@@ -12,7 +12,10 @@ launches more than planned. So a row that differs is a row to run again (`make c
 ROWS=<row>`), not necessarily a bug; one whose plan has more launches than the file's compile
 is a plan that got worse (or an export that changed: the line then says the compute nodes too).
 The alternative form of every group (what tuning on the GPU times each template against) is
-generated too: a group whose alternative cannot be generated makes the row an error here.
+generated too: a group whose alternative cannot be generated makes the row an error here. With
+`--run-alternatives` the plan with every group in its alternative form also runs, in the
+interpreter, against onnxruntime (seconds to minutes a row; `gpu_only_verify` rows are planned
+only).
 Rows the file has as not compiled (export_failed, unsupported, model_error, crash, timeout,
 not_run) are skipped with that status. The file is only read.
 """
