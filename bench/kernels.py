@@ -164,60 +164,22 @@ def alternatives_plan(p: Planned, precision: str, ids: Collection[str] | None = 
     return build_plan(p.graph, p.fusion, precision, p.plan.inputs, p.plan.outputs, variants=variants)
 
 
-def alternatives_errors(p: Planned, proto: Any, device: str = "cpu", seed: int = 0) -> dict[str, float]:
-    """The worst relative L2 errors, over the model's outputs, against onnxruntime on random inputs
-    (as the CPU leg verifies a compile): of `alternatives_plan(p)` ("alternatives") and of the
-    unfused plan ("unfused"), and where the first misses `alternatives_pass` on those two, of the
-    fused plan a compile verifies ("fused": slow in the interpreter, so only then). A deep model
-    amplifies rounding past the precision's rtol, and reassociating ops (merged branches) moves it
-    too. Infinity where an output is not finite."""
+def verify_alternatives(p: Planned, proto: Any, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
+    """The plan with every group in its alternative form (`alternatives_plan`), verified against
+    onnxruntime as a compile verifies its plan (verify.rollback.Verifier, fp32): the record as
+    report["verification"] has it: `passed`, each output's relative L2 error, and `rolled_back`,
+    the groups whose alternative fails on its own."""
     import numpy as np
 
-    from opfuse.runtime.executor import Executor
-    from opfuse.verify.compare import DEFAULT_TOLERANCES, compare_outputs, nothing_to_compare
-    from opfuse.verify.reference import WIDER_INT_HIGHS, OnnxRuntimeReference, random_inputs
-
-    plan = alternatives_plan(p, "fp32")
-    reference, rng = OnnxRuntimeReference(proto), np.random.default_rng(seed)
-    # Integer inputs drawn wider until the reference has something to compare (a compile's
-    # verifier does the same: a model's few smallest token ids may give NaN everywhere).
-    for wider in range(len(WIDER_INT_HIGHS) + 1):
-        feeds = random_inputs(plan.inputs, rng, wider)
-        want = reference.run(feeds)
-        if not any(nothing_to_compare(np.asarray(v)) for v in want.values()):
-            break
-    else:
-        raise RuntimeError("onnxruntime's outputs are NaN or infinite everywhere on every input drawn")
-
-    def worst(run: Any) -> float:
-        got = Executor(run, device).run(feeds)
-        err = 0.0
-        for o in p.plan.outputs:
-            a, b = np.asarray(got[o.name]), np.asarray(want[o.name])
-            check = compare_outputs(a, b, *DEFAULT_TOLERANCES["fp32"])
-            if not np.isfinite(check.rel_l2_err):  # a NaN where the reference has none, or the like
-                return float("inf")
-            err = max(err, check.rel_l2_err)
-        return err
-
-    errors = {"alternatives": worst(plan), "unfused": worst(p.base_plan)}
-    if not alternatives_pass(errors):
-        errors["fused"] = worst(p.plan)
-    return errors
-
-
-def alternatives_pass(errors: Mapping[str, float]) -> bool:
-    """Whether the alternatives' error passes as a compile's verification would pass a plan:
-    within fp32's rtol, or within PRECISION_BOUND_FACTOR times the unfused plan's error where
-    that is larger (verify/rollback.py); or within that factor of the fused plan's own error, where
-    measured: the alternatives are then as close to the reference as the plan a compile keeps."""
+    from opfuse.pipeline.builder import PlanBuilder
     from opfuse.verify.compare import DEFAULT_TOLERANCES
-    from opfuse.verify.rollback import PRECISION_BOUND_FACTOR
+    from opfuse.verify.rollback import Verifier
 
-    known = [errors["unfused"], errors.get("fused", 0.0)]
-    return errors["alternatives"] <= max(
-        DEFAULT_TOLERANCES["fp32"][0], *(PRECISION_BOUND_FACTOR * e for e in known)
-    )
+    variants = {gid: "vendor" for gid in _with_alternatives(p)}
+    builder = PlanBuilder(p.graph, list(p.fusion.groups), "fp32", p.plan.inputs, p.plan.outputs, variants)
+    rng = np.random.default_rng(seed)
+    verifier = Verifier(proto, p.plan.inputs, device, DEFAULT_TOLERANCES["fp32"], rng, p.base_plan)
+    return verifier.verify_with_rollback(builder, builder.plan())[1]
 
 
 def bias_adds(plan: Any) -> int:

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.corpus.run import export, input_shapes, one_line
-from bench.kernels import alternatives_pass
 
 # The file's statuses of a row that compiled: its `launches` is the compiled plan's.
 COMPILED = ("ok", "compiled", "not_verified")
@@ -50,10 +49,9 @@ class Check:
     # What the plan runs outside any group: launches by op type, and the rules' refusals.
     alone: Counter[str] = field(default_factory=Counter)
     refused: Counter[tuple[str, str]] = field(default_factory=Counter)
-    # --run-alternatives: the worst relative L2 errors against onnxruntime of the plan with every
-    # group in its alternative form, of the unfused plan, and where needed of the fused plan
-    # (bench.kernels.alternatives_errors). None: not run.
-    alternatives: dict[str, float] | None = None
+    # --run-alternatives: the verification record of the plan with every group in its
+    # alternative form (bench.kernels.verify_alternatives). None: not run.
+    alternatives: dict[str, Any] | None = None
     # Copies the runtime makes that no launch counts (bench.kernels.view_copies): a kernel input
     # that is a non-contiguous view, a Reshape of a non-contiguous value. None: not counted.
     copies: int | None = None
@@ -71,10 +69,21 @@ class Check:
         return f"{self.model:<{width}} {self.exporter:<11} {self.file_launches or '-':>6} {planned:>7}  {verdict}"
 
 
-def _errors(errors: Mapping[str, float]) -> str:
-    """`alternatives: relative L2 1.2e-03, unfused 7.2e-04[, fused ...]`"""
-    rest = ", ".join(f"{k} {v:.1e}" for k, v in errors.items() if k != "alternatives")
-    return f"alternatives: relative L2 {errors['alternatives']:.1e}, {rest}"
+def _verified(record: Mapping[str, Any]) -> bool:
+    """The alternatives pass: verified, no group rolled back."""
+    return bool(record.get("passed")) and not record.get("rolled_back")
+
+
+def _errors(record: Mapping[str, Any]) -> str:
+    """`alternatives: relative L2 1.2e-03[, held to the unfused plan's error][, rolled back ...]`"""
+    errs = [o.get("rel_l2_err") for o in record.get("outputs", {}).values()]
+    worst = max((float(e) for e in errs if e is not None), default=float("nan"))
+    text = f"alternatives: relative L2 {worst:.1e}"
+    if record.get("basis") == "unfused_precision":
+        text += ", held to the unfused plan's error"
+    if record.get("rolled_back"):
+        text += f", rolled back {', '.join(record['rolled_back'])}"
+    return text + (f" ({record['note']})" if not _verified(record) and record.get("note") else "")
 
 
 def _reason(text: str) -> str:
@@ -97,7 +106,7 @@ def plan_launches(
     of the plan with every group in its alternative form, run against onnxruntime."""
     import onnx
 
-    from bench.kernels import alternative_faults, alternatives_errors, bias_adds, plan_model, view_copies
+    from bench.kernels import alternative_faults, bias_adds, plan_model, verify_alternatives, view_copies
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
@@ -110,7 +119,7 @@ def plan_launches(
             f"the alternative form of {len(faults)} group(s) cannot be generated ({gid}: {why})"
         )
     if check is not None and run_alternatives:
-        check.alternatives = alternatives_errors(p, proto)
+        check.alternatives = verify_alternatives(p, proto)
     if check is not None:
         check.alone.update(s.op_type for s in p.plan.steps if s.kind == "op" and not s.group and s.launches)
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
@@ -128,8 +137,8 @@ def check_row(
     """One Check per exporter of `row`; the model is built only where a line of the file is to be
     checked. Never raises for the row's sake: what failed is an "error" check. With
     `run_alternatives` (not for a row the interpreter is too slow for, `gpu_only_verify`), the plan
-    with every group in its alternative form runs too: an error a compile's verification would not
-    pass (bench.kernels.alternatives_pass) is the row's error."""
+    with every group in its alternative form is verified too, as a compile verifies its plan: a
+    failure, or a group rolled back, is the row's error."""
     checks: dict[str, Check] = {}
     todo: list[str] = []
     for e in exporters:
@@ -161,7 +170,7 @@ def check_row(
             except Exception as exc:
                 c.verdict, c.note = "error", one_line(exc)
                 continue
-            if c.alternatives is not None and not alternatives_pass(c.alternatives):
+            if c.alternatives is not None and not _verified(c.alternatives):
                 c.verdict, c.note = (
                     "error",
                     f"the alternative forms miss onnxruntime: {_errors(c.alternatives)}",

@@ -73,11 +73,11 @@ def test_subset_rows_alternative_forms_compute_what_onnxruntime_does(name: str, 
     """Tuning on the GPU runs a group's alternative form (the library's kernel and the epilogue's
     kernel, or its split form) where that measures faster; the CPU leg verifies the templates only.
     Every group of the row in its alternative at once (the default export), every output element
-    against onnxruntime on random inputs."""
+    against onnxruntime on random inputs, as a compile verifies its plan."""
     import onnx
 
     from bench.corpus.run import export, input_shapes
-    from bench.kernels import alternatives_errors, alternatives_pass, plan_model
+    from bench.kernels import plan_model, verify_alternatives
     from tests.builders import TEST_DEVICE
 
     module, example = _built(name)
@@ -85,9 +85,9 @@ def test_subset_rows_alternative_forms_compute_what_onnxruntime_does(name: str, 
     export(module, example, path, "dynamo")
     proto = onnx.load(path)
     p = plan_model(proto, input_shapes(proto, example), "fp32")
-    errors = alternatives_errors(p, proto, TEST_DEVICE)
-    assert alternatives_pass(errors), (
-        f"{name}: the alternative forms' outputs differ from onnxruntime's: {errors}"
+    record = verify_alternatives(p, proto, TEST_DEVICE)
+    assert record["passed"] and not record["rolled_back"], (
+        f"{name}: the alternative forms' outputs differ from onnxruntime's: {record}"
     )
 
 
