@@ -58,6 +58,7 @@ from opfuse.codegen.fragments import (
 )
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, guarded_load, power_run
+from opfuse.codegen.tuning_space import start_split
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV
@@ -152,6 +153,8 @@ def _generate_conv_nchw(
     split = "split_k" not in graph.disabled
     flags: dict[str, Any] = {"SPLIT_K": 1} if split else {}
     config: dict[str, Any] = {**matmul_tile_config(m, n, k), "UPCAST": False, **flags}
+    if split:
+        config["SPLIT_K"] = start_split(m, n, k, config)
     kernel_head(
         buf, "fused_conv", args + (["partials", "lock"] if split else []), config, m, n, k, dtype, flags
     )
@@ -226,6 +229,8 @@ def _generate_conv_nhwc(kernel_id: str, group_id: str, cv: NhwcConv) -> KernelSo
         config["BLOCK_K"] = min(64, max(16, next_pow2(narrowest)))
     flags: dict[str, Any] = {"UNROLL": False} if cv.depthwise else {"SPLIT_K": 1} if cv.splittable else {}
     config.update(flags)
+    if cv.splittable:
+        config["SPLIT_K"] = start_split(m, n, c, config)  # K as the kernel's header gives it
     args = cv.args
     scratch = ["partials", "lock"] if cv.splittable else []
     dtype = cv.graph.spec(cv.anchor.inputs[0]).dtype

@@ -107,6 +107,24 @@ SPLIT_K_MIN_K = 256
 SPLITS = (2, 4, 8, 16, 32)
 
 
+def start_split(m: int, n: int, k: int, config: dict[str, Any]) -> int:
+    """The SPLIT_K a splittable conv starts with, before any tuning, at its start tile `config`: 1,
+    unless its output tiles are fewer than SPLIT_K_TILES (about one per SM); then the smallest of
+    SPLITS that gives every SM a program, or the largest the candidates' bounds allow short of that
+    (SPLIT_K_PROGRAMS programs, SPLIT_K_MIN_K of K each). The GEMV-shaped convs of a video
+    network's last stages at batch 1 otherwise stream megabytes of weights through 8 to 18
+    programs wherever a short budget leaves them untuned (r2plus1d_18: 20-65 us a conv)."""
+    tiles = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
+    chosen = 1
+    for split in SPLITS:
+        if tiles >= SPLIT_K_TILES or tiles * split > SPLIT_K_PROGRAMS or k // split < SPLIT_K_MIN_K:
+            break
+        chosen = split
+        if tiles * split >= SPLIT_K_TILES:
+            break
+    return chosen
+
+
 def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
     """The split-K configs of a conv or GEMM kernel with the SPLIT_K constexpr whose output tiles
     are few (SPLIT_K_TILES); tiles of 16 rows where the rows are 16 or fewer (GEMV-shaped: a
@@ -148,11 +166,14 @@ def chain_candidates(k: KernelLike) -> list[dict[str, Any]]:
 
 def conv_candidates(k: KernelLike) -> list[dict[str, Any]]:
     """The depthwise template (the only one with UNROLL) has its own (DEPTHWISE_CANDIDATES); a
-    conv whose tiles are too few for the GPU (SPLIT_K) also tries split-K."""
+    conv whose K loop can be split (SPLIT_K) tries the tiles unsplit, and where its tiles are too
+    few for the GPU, split-K."""
     if "UNROLL" in k.config:
         return DEPTHWISE_CANDIDATES
     if "SPLIT_K" in k.config:
-        return CANDIDATES["conv"] + split_k_candidates(k)
+        # The tiles are tried whole (its start may be split: start_split), the splits after them.
+        whole = [c if not c else {**c, "SPLIT_K": 1} for c in CANDIDATES["conv"]]
+        return whole + split_k_candidates(k)
     return CANDIDATES["conv"]
 
 

@@ -1894,9 +1894,11 @@ def test_a_3d_conv_kernel_is_right_at_every_tuning_candidate() -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_gemv_shaped_3d_conv_splits_its_k_loop_and_is_right_at_every_split(precision: str) -> None:
     """A video network's last-stage (1, 3, 3) conv at batch 1: 4 output pixels, K = 512 x 9. Its
-    one output tile tries split-K up to 16 programs (tiles of 16 rows: the pixels are 4), and at
-    every candidate, and at a split of 3 (uneven), every output element matches torch's conv3d;
-    each tile's counter is back at 0 after every launch."""
+    one output tile starts split among 16 programs (start_split: short of an SM each, 288 of K
+    each; untuned, one program would stream all of K), tries split-K up to 16 programs (tiles of
+    16 rows: the pixels are 4), and at every candidate, the start included, and at a split of 3
+    (uneven), every output element matches torch's conv3d; each tile's counter is back at 0 after
+    every launch."""
     import torch
 
     from opfuse.runtime.kernels import load_kernel_module
@@ -1912,8 +1914,9 @@ def test_a_gemv_shaped_3d_conv_splits_its_k_loop_and_is_right_at_every_split(pre
     cm = check_against_ort(model, {"x": shape}, precision, fusion_disable=("channels_last",), tune_budget_s=0)
     (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
     assert (
-        k.config["SPLIT_K"] == 1 and "range(tl.program_id(2) * BLOCK_K, 4608, SPLIT_K * BLOCK_K)" in k.source
+        k.config["SPLIT_K"] == 16 and "range(tl.program_id(2) * BLOCK_K, 4608, SPLIT_K * BLOCK_K)" in k.source
     )
+    assert "INTERPRETER_CONFIG = {" in k.source and "'SPLIT_K': 1}" in k.source  # the CPU's one pass
     splits = split_k_candidates(k)
     assert {c["SPLIT_K"] for c in splits} == {2, 4, 8, 16} and {c["BLOCK_M"] for c in splits} == {16}
     gen = torch.Generator().manual_seed(9)
