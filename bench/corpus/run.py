@@ -90,8 +90,23 @@ STATUSES = (
     "not_run",
 )
 ROW_TIMEOUT_S = 900.0
-# Compute-bound ops: the launch target is at most these plus a tenth of the compute nodes.
-ANCHOR_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "Einsum", "opfuse.ConvNHWC"})
+# Compute-bound ops, each a kernel (or, for the recurrent layers, a library call) of its own that
+# no fusion rule merges with another: the launch target is at most these plus a tenth of the
+# compute nodes.
+ANCHOR_OPS = frozenset(
+    {
+        "MatMul",
+        "Gemm",
+        "Conv",
+        "ConvTranspose",
+        "Attention",
+        "Einsum",
+        "opfuse.ConvNHWC",
+        "LSTM",
+        "GRU",
+        "RNN",
+    }
+)
 
 
 def one_line(exc: BaseException, limit: int = 240) -> str:
