@@ -54,6 +54,7 @@ LOCAL_RESPONSE_NORM = "local_response_norm"
 FOLD_BATCHNORM = "fold_batchnorm"
 SUM_SIBLING_CONVS = "sum_sibling_convs"
 SUM_SIBLING_GEMMS = "sum_sibling_gemms"
+FORWARD_CONV_BIAS = "forward_conv_bias"
 REDUCE_STACK = "reduce_stack"
 MERGE_REDUCTIONS = "merge_reductions"
 MERGE_DFTS = "merge_dfts"
@@ -279,6 +280,14 @@ REGISTRY: tuple[RuleInfo, ...] = (
         "Two products of one input by constant weights added together (a distilled classifier's "
         "two heads, averaged) are one product by the sum of the weights, with the sum of their "
         "biases: one GEMM, where the first ran alone to write what the second's epilogue added.",
+    ),
+    _r(
+        FORWARD_CONV_BIAS,
+        GRAPH_PASS,
+        "A Conv read only by Convs that pad nothing and have a bias (a depthwise conv and the 1x1 "
+        "conv after it) runs without its bias: conv(x + b) is conv(x) plus the reader's weights "
+        "summed against b, a constant added to each reader's bias; the library's conv then needs "
+        "no add kernel after it.",
     ),
     _r(
         REDUCE_STACK,

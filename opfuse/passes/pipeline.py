@@ -24,6 +24,7 @@ from opfuse.passes.cleanup import (
 from opfuse.passes.col2im import col2im_to_views
 from opfuse.passes.concat_convs import merge_concat_convs
 from opfuse.passes.constants import drop_unused_constants, fold_constant_nodes
+from opfuse.passes.conv_bias import forward_conv_bias
 from opfuse.passes.dft import merge_dfts
 from opfuse.passes.einsum import einsum_matmul
 from opfuse.passes.gather_slice import gather_to_slice, gathernd_as_gather
@@ -79,6 +80,7 @@ PASSES: tuple[Pass, ...] = (
     fold_batchnorm,
     sum_sibling_convs,
     sum_sibling_gemms,
+    forward_conv_bias,
     reduce_stack,
     merge_reductions,
     merge_concat_convs,
