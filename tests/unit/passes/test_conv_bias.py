@@ -106,13 +106,18 @@ def test_a_conv_read_by_anything_else_is_not_a_candidate() -> None:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_a_separable_conv_compiles_without_the_depthwise_bias(precision: str) -> None:
-    """End to end: the pass fires, the depthwise conv's step has no bias, and the compiled plan
-    matches onnxruntime on fresh random input, every element."""
+@pytest.mark.parametrize("channels", [24, 200], ids=["prologue", "alone"])
+def test_a_separable_conv_compiles_without_the_depthwise_bias(precision: str, channels: int) -> None:
+    """End to end: the pass fires and the compiled plan matches onnxruntime on fresh random input,
+    every element: with the depthwise conv computed on the 1x1 conv's tiles (24 channels:
+    depthwise_prologue), and run alone by the library, without a bias (200: every column tile would
+    compute it again)."""
     from tests.unit.test_fusion import check_against_ort
 
-    model = separable({"w": [24, 8, 1, 1], "out": [1, 24, 7, 7]})
+    model = separable({"w": [channels, 8, 1, 1], "out": [1, channels, 7, 7]})
     cm = check_against_ort(model, {"x": [1, 8, 7, 7]}, precision)
     assert cm.report["fusion"]["passes"]["fired"].get(names.FORWARD_CONV_BIAS) == 1
-    convs = [s for s in cm.plan.steps if s.kind == "op" and "Conv" in s.op_type]
-    assert all(len(s.inputs) < 3 or not s.inputs[2] for s in convs if "dw" in s.label)
+    alone = [s.inputs for s in cm.plan.steps if s.kind == "op" and "Conv" in s.op_type]
+    assert [len(inputs) for inputs in alone] == (
+        [] if channels == 24 else [2, 3]
+    )  # no bias, then its reader's
