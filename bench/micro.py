@@ -15,6 +15,10 @@ torch.matmul.
   measured them, and the plan's kernels, against torch's conv (channels-last) or bmm + ReLU
   captured in a CUDA graph. The depthwise template loaded its tile one element per lane until
   its offsets' runs were restated (codegen.source.in_bounds): this is the A/B of that.
+- splits: the GEMV-shaped convs of a video network's last stages at batch 1 (r2plus1d_18 and
+  r3d_18 at the corpus's input: a few output pixels, K in the thousands) + ReLU; the template at
+  its start config (tuning_space.start_split) and at each tuning candidate, its kernel's device
+  time, against torch's conv channels-first and channels-last in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -127,6 +131,31 @@ def tile_model(
     nodes = [helper.make_node("MatMul", ["x", "z"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
     ins = {"x": shape, "z": (b, k, n)}
     return _model(nodes, ins, (b, m, n), {}), ins
+
+
+SPLIT_CASES = {
+    # name: (input [N, C, D, H, W], output channels, kernel, pads at each end)
+    "r2plus1d_18 layer 4 (1,3,3) 512->1152": ((1, 512, 1, 2, 2), 1152, (1, 3, 3), (0, 1, 1)),
+    "r2plus1d_18 layer 4 (3,1,1) 1152->512": ((1, 1152, 1, 2, 2), 512, (3, 1, 1), (1, 0, 0)),
+    "r2plus1d_18 layer 3 (1,3,3) 256->576": ((1, 256, 1, 4, 4), 576, (1, 3, 3), (0, 1, 1)),
+    "r3d_18 layer 4 (3,3,3) 512->512": ((1, 512, 1, 2, 2), 512, (3, 3, 3), (1, 1, 1)),
+}
+
+
+def split_model(
+    shape: tuple[int, ...], cout: int, kernel: tuple[int, ...], pads: tuple[int, ...]
+) -> tuple[onnx.ModelProto, dict[str, tuple[int, ...]]]:
+    """Relu(Conv(x) + bias), the conv unstrided; its model and input shapes."""
+    rng = np.random.default_rng(0)
+    cin = shape[1]
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["h"], pads=[*pads, *pads]),
+        helper.make_node("Relu", ["h"], ["y"]),
+    ]
+    out = (shape[0], cout, *[d + 2 * p - k + 1 for d, k, p in zip(shape[2:], kernel, pads, strict=True)])
+    inits = {"w": rng.standard_normal((cout, cin, *kernel)) / (cin * np.prod(kernel)) ** 0.5}
+    inits["b"] = rng.standard_normal(cout) * 0.1
+    return _model(nodes, {"x": shape}, out, inits), {"x": shape}
 
 
 def kernel_step_ms(cm: opfuse.CompiledModel, shapes: dict[str, tuple[int, ...]]) -> tuple[float, int]:
@@ -262,6 +291,67 @@ def tiles(device: str, small: bool, budget: float) -> list[dict[str, Any]]:
     return rows
 
 
+def splits(device: str, small: bool) -> list[dict[str, Any]]:
+    """Each case compiled without tuning (its start config runs), then its conv kernel timed at
+    every tuning candidate (the start alone on the CPU: a smoke run)."""
+    from opfuse.tuning.candidates import candidates
+
+    rows = []
+    for name, (shape, cout, kernel, pads) in SPLIT_CASES.items():
+        if small:
+            shape, cout = (shape[0], shape[1] // 16, *shape[2:]), cout // 16
+        model, shapes = split_model(shape, cout, kernel, pads)
+        cm = opfuse.compile(model, {k: list(v) for k, v in shapes.items()}, precision="fp16", device=device)
+        (k,) = [k for k in cm.plan.kernels.values() if k.kind == "conv"]
+        executor = Executor(cm.plan, cm.device)
+        feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+        timed: list[tuple[float, dict[str, Any]]] = []
+        cands: list[dict[str, Any]] = [{}, *(candidates(k) if device.startswith("cuda") else [])]
+        for cand in cands:
+            config = {**k.config, **cand}
+            executor.configs[k.id] = config
+            times = executor.time_steps(feeds)
+            ms = sum(t for s, t in zip(cm.plan.steps, times, strict=True) if s.kernel == k.id)
+            timed.append(
+                (ms, {c: config[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if c in config})
+            )
+        row: dict[str, Any] = {
+            "case": name,
+            "shape": list(shape),
+            "verified": cm.report["verification"]["passed"],
+            "start_ms": timed[0][0],
+            "start": timed[0][1],
+            "best_ms": min(timed, key=lambda t: t[0])[0],
+            "best": min(timed, key=lambda t: t[0])[1],
+            "configs": [[ms, c] for ms, c in timed],
+        }
+        if device.startswith("cuda"):
+            x = torch.randn(*shape, device=device, dtype=torch.float16)
+            w = torch.randn(cout, shape[1], *kernel, device=device, dtype=torch.float16)
+            b = torch.randn(cout, device=device, dtype=torch.float16)
+            row["torch_ms"] = cuda_graph_ms(functools.partial(_conv3d_relu, x, w, b, pads), reps=20)
+            last = torch.channels_last_3d
+            xl, wl = x.contiguous(memory_format=last), w.contiguous(memory_format=last)
+            row["torch_channels_last_ms"] = cuda_graph_ms(
+                functools.partial(_conv3d_relu, xl, wl, b, pads), reps=20
+            )
+        rows.append(row)
+        print(
+            f"{name:<40} start {row['start_ms']:.4f} ms {row['start']}, best {row['best_ms']:.4f} ms {row['best']}"
+            + (
+                f"; torch {row['torch_ms']:.4f} / channels-last {row['torch_channels_last_ms']:.4f} ms"
+                if "torch_ms" in row
+                else ""
+            ),
+            flush=True,
+        )
+    return rows
+
+
+def _conv3d_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, pads: tuple[int, ...]) -> torch.Tensor:
+    return torch.relu(torch.nn.functional.conv3d(x, w, b, padding=pads))
+
+
 def _depthwise_relu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(torch.nn.functional.conv2d(x, w, None, 1, 1, 1, x.shape[1]))
 
@@ -292,6 +382,7 @@ SECTIONS: dict[str, Any] = {
     "bandwidth": lambda a: bandwidth(a.device, a.small),
     "gemm": lambda a: gemm(a.device, a.small, a.tune_budget),
     "tiles": lambda a: tiles(a.device, a.small, a.tune_budget),
+    "splits": lambda a: splits(a.device, a.small),
 }
 
 
@@ -303,8 +394,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument(
         "--sections",
-        default="bandwidth,gemm,tiles",
-        help="comma-separated: bandwidth, gemm, tiles (default all)",
+        default="bandwidth,gemm,tiles,splits",
+        help="comma-separated: bandwidth, gemm, tiles, splits (default all)",
     )
     args = ap.parse_args()
     wanted = set(args.sections.split(","))

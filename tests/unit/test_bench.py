@@ -21,6 +21,8 @@ def test_micro_smoke_runs_each_case_as_one_verified_kernel() -> None:
         assert row["verified"] is True and row["opfuse_ms"] > 0
     for row in micro.tiles("cpu", small=True, budget=0):
         assert row["kernels"] >= 1 and row["verified"] is True and row["opfuse_ms"] > 0
+    for row in micro.splits("cpu", small=True):
+        assert row["verified"] is True and row["start_ms"] > 0 and row["start"]["SPLIT_K"] >= 1
 
 
 def test_run_prints_one_table_from_several_result_files(
