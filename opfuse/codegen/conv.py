@@ -55,10 +55,10 @@ from opfuse.codegen.fragments import (
     module_title,
     node_comment,
     split_literals,
+    start_split,
 )
 from opfuse.codegen.resize import resize_load
 from opfuse.codegen.source import SourceBuffer, channel_run, comment_text, guarded_load, power_run
-from opfuse.codegen.tuning_space import start_split
 from opfuse.codegen.window import PoolTaps, Window
 from opfuse.graph import Graph, Node
 from opfuse.ir.ops import AVERAGE_POOL_NHWC, MAX_POOL_NHWC, NHWC_CONV

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from opfuse.codegen.fragments import SPLIT_K_MIN_K, SPLIT_K_PROGRAMS, SPLIT_K_TILES, SPLITS
 from opfuse.codegen.rowwise import rows_per_program
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.rows import MIN_TILED_COLUMNS
@@ -93,36 +94,6 @@ DEPTHWISE_CANDIDATES: list[dict[str, Any]] = [
 # program (the default, as measured on the H200 for the zoo), or a tile of 1024 or 2048
 # (ConvNeXt-T's LayerNorm over 96 channels at batch 32 moved 0.6 TB/s one row per program).
 ROW_TILES = (1024, 2048)
-
-
-# Split-K (codegen/conv.py: the NHWC template's window loop, and the channels-first template of
-# 1-D to 3-D convs), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the H200's
-# 132 SMs): its K loop shared among 2 to 32 programs per tile, at most SPLIT_K_PROGRAMS programs in
-# all and at least SPLIT_K_MIN_K of K each. 16 and 32 are for the GEMV-shaped convs of the last
-# stages at batch 1 (r2plus1d_18: 4 pixels by 1152 channels, K 4608, megabytes of weights that 18
-# programs streamed at 64 us a conv).
-SPLIT_K_TILES = 128
-SPLIT_K_PROGRAMS = 512
-SPLIT_K_MIN_K = 256
-SPLITS = (2, 4, 8, 16, 32)
-
-
-def start_split(m: int, n: int, k: int, config: dict[str, Any]) -> int:
-    """The SPLIT_K a splittable conv starts with, before any tuning, at its start tile `config`: 1,
-    unless its output tiles are fewer than SPLIT_K_TILES (about one per SM); then the smallest of
-    SPLITS that gives every SM a program, or the largest the candidates' bounds allow short of that
-    (SPLIT_K_PROGRAMS programs, SPLIT_K_MIN_K of K each). The GEMV-shaped convs of a video
-    network's last stages at batch 1 otherwise stream megabytes of weights through 8 to 18
-    programs wherever a short budget leaves them untuned (r2plus1d_18: 20-65 us a conv)."""
-    tiles = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
-    chosen = 1
-    for split in SPLITS:
-        if tiles >= SPLIT_K_TILES or tiles * split > SPLIT_K_PROGRAMS or k // split < SPLIT_K_MIN_K:
-            break
-        chosen = split
-        if tiles * split >= SPLIT_K_TILES:
-            break
-    return chosen
 
 
 def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
