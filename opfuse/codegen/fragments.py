@@ -59,10 +59,11 @@ def matmul_tile_config(m: int, n: int, k: int) -> dict[str, int]:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
 
 
-# Split-K (the candidates in tuning_space.split_k_candidates, the start in start_split; codegen/
-# conv.py: the NHWC template's window loop, the channels-first template of 1-D to 3-D convs), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the H200's
-# 132 SMs): its K loop shared among 2 to 32 programs per tile, at most SPLIT_K_PROGRAMS programs in
-# all and at least SPLIT_K_MIN_K of K each. 16 and 32 are for the GEMV-shaped convs of the last
+# Split-K (the candidates in tuning_space.split_k_candidates, the start in start_split; in
+# codegen/conv.py: the NHWC template's window loop, the channels-first template of 1-D to 3-D
+# convs), for a conv whose output tiles are fewer than SPLIT_K_TILES (about the H200's 132 SMs):
+# its K loop shared among 2 to 32 programs per tile, at most SPLIT_K_PROGRAMS programs in all and
+# at least SPLIT_K_MIN_K of K each. 16 and 32 are for the GEMV-shaped convs of the last
 # stages at batch 1 (r2plus1d_18: 4 pixels by 1152 channels, K 4608, megabytes of weights that 18
 # programs streamed at 64 us a conv).
 SPLIT_K_TILES = 128
