@@ -315,14 +315,15 @@ def splits(device: str, small: bool) -> list[dict[str, Any]]:
             timed.append(
                 (ms, {c: config[c] for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K") if c in config})
             )
+        best = min(timed, key=lambda t: t[0])
         row: dict[str, Any] = {
             "case": name,
             "shape": list(shape),
             "verified": cm.report["verification"]["passed"],
             "start_ms": timed[0][0],
             "start": timed[0][1],
-            "best_ms": min(timed, key=lambda t: t[0])[0],
-            "best": min(timed, key=lambda t: t[0])[1],
+            "best_ms": best[0],
+            "best": best[1],
             "configs": [[ms, c] for ms, c in timed],
         }
         if device.startswith("cuda"):

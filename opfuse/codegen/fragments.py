@@ -72,22 +72,25 @@ SPLIT_K_MIN_K = 256
 SPLITS = (2, 4, 8, 16, 32)
 
 
+def allowed_splits(tiles: int, k: int) -> list[int]:
+    """The SPLITS a product of `tiles` output tiles and `k` of K may take: none at SPLIT_K_TILES
+    tiles or more, at most SPLIT_K_PROGRAMS programs, at least SPLIT_K_MIN_K of K each (smallest
+    first: a prefix of SPLITS)."""
+    if tiles >= SPLIT_K_TILES:
+        return []
+    return [s for s in SPLITS if tiles * s <= SPLIT_K_PROGRAMS and k // s >= SPLIT_K_MIN_K]
+
+
 def start_split(m: int, n: int, k: int, config: dict[str, Any]) -> int:
     """The SPLIT_K a splittable conv starts with, before any tuning, at its start tile `config`: 1,
-    unless its output tiles are fewer than SPLIT_K_TILES (about one per SM); then the smallest of
-    SPLITS that gives every SM a program, or the largest the candidates' bounds allow short of that
-    (SPLIT_K_PROGRAMS programs, SPLIT_K_MIN_K of K each). The GEMV-shaped convs of a video
-    network's last stages at batch 1 otherwise stream megabytes of weights through 8 to 18
-    programs wherever a short budget leaves them untuned (r2plus1d_18: 20-65 us a conv)."""
+    unless its output tiles are fewer than SPLIT_K_TILES (about one per SM); then the smallest
+    allowed split (allowed_splits) that gives every SM a program, or the largest allowed short of
+    that. The GEMV-shaped convs of a video network's last stages at batch 1 otherwise stream
+    megabytes of weights through 8 to 18 programs wherever a short budget leaves them untuned
+    (r2plus1d_18: 20-65 us a conv)."""
     tiles = -(-m // config["BLOCK_M"]) * -(-n // config["BLOCK_N"])
-    chosen = 1
-    for split in SPLITS:
-        if tiles >= SPLIT_K_TILES or tiles * split > SPLIT_K_PROGRAMS or k // split < SPLIT_K_MIN_K:
-            break
-        chosen = split
-        if tiles * split >= SPLIT_K_TILES:
-            break
-    return chosen
+    allowed = allowed_splits(tiles, k)
+    return next((s for s in allowed if tiles * s >= SPLIT_K_TILES), allowed[-1] if allowed else 1)
 
 
 def kernel_head(

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from opfuse.codegen.fragments import SPLIT_K_MIN_K, SPLIT_K_PROGRAMS, SPLIT_K_TILES, SPLITS
+from opfuse.codegen.fragments import allowed_splits
 from opfuse.codegen.rowwise import rows_per_program
 from opfuse.ir.queries import next_pow2
 from opfuse.ir.rows import MIN_TILED_COLUMNS
@@ -109,10 +109,8 @@ def split_k_candidates(k: KernelLike) -> list[dict[str, Any]]:
     for bm, bn in tiles_tried:
         if bm > max(16, next_pow2(m)) or (bm == 16 and m > 16):
             continue  # rows the tile would leave empty; 16 only for a few pixels (GEMV-shaped)
-        tiles = -(-m // bm) * -(-n // bn)
-        for split in SPLITS:
-            if tiles < SPLIT_K_TILES and tiles * split <= SPLIT_K_PROGRAMS and kk // split >= SPLIT_K_MIN_K:
-                out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
+        for split in allowed_splits(-(-m // bm) * -(-n // bn), kk):
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3})
     return out
 
 

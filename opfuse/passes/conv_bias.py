@@ -20,6 +20,7 @@ import numpy as np
 
 from opfuse.frontend import rule_registry as names
 from opfuse.graph import Graph, Node, TensorSpec
+from opfuse.ir.support import window_pads
 from opfuse.passes.rules import Rule, node_label
 
 
@@ -36,10 +37,11 @@ def _match(graph: Graph, node: Node) -> dict[str, Any] | None:
     return {"readers": readers, "nodes": [node, *readers]}
 
 
-def _pads_nothing(conv: Node) -> bool:
-    auto = conv.attrs.get("auto_pad", "NOTSET")
-    auto = auto.decode() if isinstance(auto, bytes) else auto
-    return auto in ("NOTSET", "VALID") and not any(conv.attrs.get("pads", []))
+def _pads_nothing(graph: Graph, conv: Node) -> bool:
+    """No tap of `conv` reads outside its input (explicit pads, or auto_pad resolved)."""
+    size, out = graph.spec(conv.inputs[0]).shape[2:], graph.spec(conv.outputs[0]).shape[2:]
+    begins, ends = window_pads(conv, tuple(size), tuple(out), tuple(graph.spec(conv.inputs[1]).shape[2:]))
+    return not any(begins) and not any(ends)
 
 
 def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
@@ -51,7 +53,7 @@ def _check(graph: Graph, node: Node, m: dict[str, Any]) -> str | None:
     for reader in m["readers"]:
         if reader.inputs[0] != node.outputs[0] or node.outputs[0] in reader.inputs[1:]:
             return f"{node_label(reader)} reads it as a weight or bias"
-        if not _pads_nothing(reader):
+        if not _pads_nothing(graph, reader):
             return f"{node_label(reader)} pads its input: the bias would reach its zero border"
         if reader.inputs[1] not in graph.constants:
             return f"the weight of {node_label(reader)} is not a constant"

@@ -1,23 +1,21 @@
 """What tuning tries: the launch configs of each kernel, around the kernel's own start config.
 
 `candidates(k)` lists the overrides timed for kernel `k`: its template's own, from the template
-registry (codegen.registry; the tables are codegen.tuning_space's, re-exported here);
-`fallback_configs(k)` the configs tried in order where its start config does not compile on the
-device.
+registry (codegen.registry; the tables are codegen.tuning_space's, the split-K bounds
+codegen.fragments', re-exported here); `fallback_configs(k)` the configs tried in order where its
+start config does not compile on the device.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from opfuse.codegen.fragments import SPLIT_K_MIN_K, SPLIT_K_PROGRAMS, SPLIT_K_TILES
 from opfuse.codegen.registry import TEMPLATES
 from opfuse.codegen.tuning_space import (
     CANDIDATES,
     DEPTHWISE_CANDIDATES,
     ROW_TILES,
-    SPLIT_K_MIN_K,
-    SPLIT_K_PROGRAMS,
-    SPLIT_K_TILES,
     split_k_candidates,
 )
 from opfuse.runtime.plan import KernelInfo

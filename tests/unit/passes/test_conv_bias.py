@@ -44,8 +44,9 @@ def separable(
         {"w": [12, 8, 3, 3], "attrs": {"strides": [2, 2], "dilations": [2, 2]}, "out": [1, 12, 2, 2]},
         {"w": [12, 2, 2, 2], "attrs": {"group": 4}, "out": [1, 12, 6, 6]},  # grouped, 2x2 taps
         {"w": [12, 8, 3, 3], "attrs": {"auto_pad": "VALID"}, "out": [1, 12, 5, 5]},
+        {"w": [12, 8, 1, 1], "attrs": {"auto_pad": "SAME_UPPER"}, "out": [1, 12, 7, 7]},  # pads 0
     ],
-    ids=["1x1", "strided_dilated", "grouped", "valid"],
+    ids=["1x1", "strided_dilated", "grouped", "valid", "same_1x1"],
 )
 def test_the_bias_moves_into_an_unpadded_reader_and_every_element_stays(
     reader: dict[str, Any] | None,
@@ -73,9 +74,13 @@ def test_two_readers_each_take_their_share() -> None:
             separable({"w": [12, 8, 3, 3], "attrs": {"pads": [1, 1, 1, 1]}}),
             "pw pads its input: the bias would reach its zero border",
         ),
+        (
+            separable({"w": [12, 8, 3, 3], "attrs": {"auto_pad": "SAME_UPPER"}}),
+            "pw pads its input: the bias would reach its zero border",
+        ),
         (separable(reader_bias=False), "pw has no constant bias to take it (the add would only move)"),
     ],
-    ids=["padded", "no_bias"],
+    ids=["padded", "same_3x3", "no_bias"],
 )
 def test_a_reader_that_pads_or_has_no_bias_keeps_it_where_it_is(model: onnx.ModelProto, reason: str) -> None:
     graph = graph_of(model)
