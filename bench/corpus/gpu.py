@@ -314,11 +314,20 @@ def _prepare(
         # GPU's launches exceed the CPU leg's plan.
         unfused=unfused_groups(r),
         # Where a cold compile's time goes: the stages, and within tuning the parallel compile of
-        # every kernel (and its workers), the config search, the template/vendor timings.
+        # every kernel (and its workers), the config search, the template/vendor timings; and how
+        # far the search got (`summary`: kernels timed, cached, left at their start config).
         timings_s=r.get("timings_s"),
         tuning_s={
             k: (r.get("tuning") or {}).get(k)
-            for k in ("compile_s", "compile_workers", "configs_s", "variants_s", "retime", "retime_error")
+            for k in (
+                "compile_s",
+                "compile_workers",
+                "configs_s",
+                "variants_s",
+                "retime",
+                "retime_error",
+                "summary",
+            )
         },
     )
     cm.run(random_inputs(cm.plan.inputs, np.random.default_rng(5)))  # captures the CUDA graph
