@@ -543,7 +543,7 @@ def summary(path: str) -> str:
         geo = math.exp(sum(math.log(max(v, 1e-9)) for v in lpn) / len(lpn))
         lines.append(f"launches per compute node, geomean over {len(lpn)} verified rows: {geo:.3f}")
     over = [
-        f"{r['model']}[{r['exporter'][0]}] {r['launches']}>{r['anchors']}+{0.1 * int(r['compute_nodes']):.0f}"
+        f"{r['model']}[{r['exporter'][0]}] {r['launches']}>{r['anchors']}+{0.1 * int(r['compute_nodes']):.1f}"
         for r in ran
         if r["launches"]
         and r["anchors"]
@@ -552,7 +552,7 @@ def summary(path: str) -> str:
     ]
     if over:
         lines.append(
-            f"launches above anchors + 10% of compute nodes: {len(over)} rows: " + ", ".join(over[:8])
+            f"launches above anchors + 10% of compute nodes: {len(over)} rows: " + ", ".join(over[:12])
         )
     cov = [float(r["fused_coverage"]) for r in ran if r["verified"] == "true" and r["fused_coverage"]]
     if cov:
@@ -562,6 +562,7 @@ def summary(path: str) -> str:
         if sub:
             ok = sum(r["status"] == "ok" for r in sub)
             lines.append(f"  {exporter}: {ok}/{len(sub)} ok")
+    lines += gpu_summary(rows)
     groups: dict[tuple[str, str], list[str]] = {}
     for r in ran:
         if r["status"] not in ("ok", "compiled"):
@@ -571,6 +572,59 @@ def summary(path: str) -> str:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         lines.append(f"  {len(names):3d} {status}: {why}\n        {shown}")
     return "\n".join(lines)
+
+
+def _pair(cell: str) -> tuple[float, float] | None:
+    """A GPU column's "batch 1/batch 32" as two numbers; None where either batch has none."""
+    try:
+        one, thirty_two = (float(x) for x in cell.split("/"))
+    except ValueError:
+        return None
+    return one, thirty_two
+
+
+def gpu_summary(rows: list[dict[str, str]], worst: int = 10, limit: float = 1.10) -> list[str]:
+    """The GPU leg's figures, as the issue's targets name them: the rows timed at both batches and
+    the geomean of their ratio to torch.compile + CUDA graph at each batch, the batches above
+    `limit`, the rows slower than opfuse's own per-op plan, the `worst` rows by their larger
+    ratio with the commit and date that measured them, and how many rows each of the newest
+    commits measured."""
+    timed = [(r, p) for r in rows if (p := _pair(r.get("ratio_torch_compile", ""))) is not None]
+    if not timed:
+        return []
+    lines = []
+    geo = [math.exp(sum(math.log(p[i]) for _, p in timed) / len(timed)) for i in (0, 1)]
+    lines.append(
+        f"GPU: {len(timed)} rows timed at both batches, ratio to torch.compile + CUDA graph geomean "
+        f"{geo[0]:.3f} (b1) / {geo[1]:.3f} (b32)"
+    )
+    # A row without a ratio: its export failed (on the device's torch too), or the GPU leg's run
+    # of it did (opfuse's compile, or the peer's: bench/RESULTS.md says which).
+    untimed = [r for r in rows if r.get("gpu_commit") and _pair(r.get("ratio_torch_compile", "")) is None]
+    for what, sub in (
+        ("export failed", [r for r in untimed if r["status"] == "export_failed"]),
+        ("no ratio from the GPU leg", [r for r in untimed if r["status"] != "export_failed"]),
+    ):
+        if sub:
+            lines.append(f"  {what}: {len(sub)}: " + ", ".join(r["model"] for r in sub))
+    above = [f"{r['model']} b{b} {p[i]:.3f}" for r, p in timed for i, b in ((0, 1), (1, 32)) if p[i] > limit]
+    lines.append(f"  batches above {limit:.2f}: {len(above)}" + (f": {', '.join(above)}" if above else ""))
+    slower = [r["model"] for r in rows if (p := _pair(r.get("ratio_per_op", ""))) and max(p) > 1.0]
+    lines.append(
+        f"  rows slower than opfuse's per-op plan: {len(slower)}"
+        + (f": {', '.join(slower)}" if slower else "")
+    )
+    lines.append(f"  the {worst} worst (larger ratio first):")
+    for r, p in sorted(timed, key=lambda rp: -max(rp[1]))[:worst]:
+        lines.append(f"    {r['model']:<44} {p[0]:.3f}/{p[1]:.3f}  {r['gpu_commit']} {r['gpu_date']}")
+    by_commit: dict[str, tuple[str, int]] = {}
+    for r in rows:
+        if r.get("gpu_commit"):
+            date, n = by_commit.get(r["gpu_commit"], ("", 0))
+            by_commit[r["gpu_commit"]] = (max(date, r.get("gpu_date", "")), n + 1)
+    newest = sorted(by_commit.items(), key=lambda kv: kv[1], reverse=True)[:3]
+    lines.append("  rows by GPU commit, newest first: " + ", ".join(f"{c} {n} ({d})" for c, (d, n) in newest))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -224,6 +224,39 @@ def test_summary_gives_the_shares_and_groups_failures_by_reason(tmp_path: Path) 
     assert "2 crash: ValueError: shape (N,) of '…'" in text
 
 
+def test_summary_gives_the_gpu_figures_the_targets_name() -> None:
+    def row(
+        model: str, ratio: str, per_op: str, commit: str, date: str, status: str = "ok"
+    ) -> dict[str, str]:
+        return {
+            "model": model,
+            "status": status,
+            "ratio_torch_compile": ratio,
+            "ratio_per_op": per_op,
+            "gpu_commit": commit,
+            "gpu_date": date,
+        }
+
+    rows = [
+        row("timm/a", "0.500/2.000", "0.1/0.2", "aaa", "2026-12-01"),
+        row("timm/b", "1.200/0.800", "0.1/1.3", "bbb", "2026-12-02"),
+        row("timm/c", "1.000/0.500", "0.1/0.1", "bbb", "2026-12-02"),
+        row("timm/d", "err/err", "", "bbb", "2026-12-02"),
+        row("timm/e", "err/err", "", "aaa", "2026-12-01", status="export_failed"),
+        row("timm/f", "", "", "", ""),  # never timed
+    ]
+    text = "\n".join(cpu.gpu_summary(rows, worst=2))
+    # geomeans over a, b and c: (0.5 * 1.2 * 1.0) ** (1/3) and (2.0 * 0.8 * 0.5) ** (1/3)
+    assert "3 rows timed at both batches" in text and "geomean 0.843 (b1) / 0.928 (b32)" in text
+    assert "batches above 1.10: 2: timm/a b32 2.000, timm/b b1 1.200" in text
+    assert "rows slower than opfuse's per-op plan: 1: timm/b" in text
+    assert "export failed: 1: timm/e" in text and "no ratio from the GPU leg: 1: timm/d" in text
+    worst = text.split("the 2 worst (larger ratio first):\n")[1].splitlines()
+    assert [w.split()[0] for w in worst[:2]] == ["timm/a", "timm/b"]
+    assert "rows by GPU commit, newest first: bbb 3 (2026-12-02), aaa 2 (2026-12-01)" in text
+    assert cpu.gpu_summary([row("timm/f", "", "", "", "")]) == []
+
+
 def test_gpu_leg_jobs_compile_first_and_share_the_output(tmp_path: Path) -> None:
     import threading
 
