@@ -17,7 +17,7 @@ torch.matmul.
   its offsets' runs were restated (codegen.source.in_bounds): this is the A/B of that.
 - splits: the GEMV-shaped convs of a video network's last stages at batch 1 (r2plus1d_18 and
   r3d_18 at the corpus's input: a few output pixels, K in the thousands) + ReLU; the template at
-  its start config (tuning_space.start_split) and at each tuning candidate, its kernel's device
+  its start config (codegen.fragments.start_split) and at each tuning candidate, its kernel's device
   time, against torch's conv channels-first and channels-last in a CUDA graph.
 """
 
