@@ -194,6 +194,44 @@ def bias_adds(plan: Any) -> int:
     )
 
 
+def softmax_chains(p: Planned, depth: int = 6) -> collections.Counter[str]:
+    """The Softmaxes the fused plan does not run inside an attention group, by the ops between
+    their score MatMul and them ("MatMul Add Max Softmax"): the nearest MatMul up the data path
+    within `depth` ops (a constant input, a Where's condition, is not followed), or "no MatMul"
+    where none is that near. What `match_attention` (opfuse/fusion/attention.py) does not walk."""
+    from opfuse.ir.queries import UseDef
+
+    graph = p.graph
+    use = UseDef(graph)
+    fused = {n.id for g in p.fusion.groups if g.kind == "attention" for n in g.nodes}
+    found: collections.Counter[str] = collections.Counter()
+    for node in graph.nodes:
+        if node.op_type != "Softmax" or node.id in fused:
+            continue
+        # Breadth first up the data inputs: the first MatMul met, with the ops on its path.
+        frontier: list[tuple[Any, list[str]]] = [(node, ["Softmax"])]
+        chain = None
+        for _ in range(depth):
+            nxt = []
+            for n, path in frontier:
+                data = n.inputs[1:] if n.op_type == "Where" else n.inputs
+                for x in data:
+                    prod = use.producer(x) if x and x not in graph.constants else None
+                    if prod is None:
+                        continue
+                    if prod.op_type == "MatMul":
+                        chain = ["MatMul", *reversed(path)]
+                        break
+                    nxt.append((prod, [*path, prod.op_type]))
+                if chain:
+                    break
+            if chain or not nxt:
+                break
+            frontier = nxt
+        found[" ".join(chain) if chain else "no MatMul"] += 1
+    return found
+
+
 def view_copies(plan: Any) -> int | None:
     """Copies the plan makes at run time that no step counts: a generated kernel's input that is a
     non-contiguous view (the executor copies it with .contiguous() first), and a view op whose

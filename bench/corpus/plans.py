@@ -58,6 +58,9 @@ class Check:
     # Library convs with a bias the plan runs as per-op steps: torch adds the bias with a kernel
     # of its own after the library's conv, a launch no step counts (bench.kernels.bias_adds).
     bias_adds: int = 0
+    # Softmaxes the plan runs outside an attention group, by the ops from their score MatMul to
+    # them (bench.kernels.softmax_chains): the score chains attention does not take.
+    softmaxes: Counter[str] = field(default_factory=Counter)
 
     def line(self, width: int) -> str:
         planned = "-" if self.planned is None else str(self.planned)
@@ -106,7 +109,14 @@ def plan_launches(
     of the plan with every group in its alternative form, run against onnxruntime."""
     import onnx
 
-    from bench.kernels import alternative_faults, bias_adds, plan_model, verify_alternatives, view_copies
+    from bench.kernels import (
+        alternative_faults,
+        bias_adds,
+        plan_model,
+        softmax_chains,
+        verify_alternatives,
+        view_copies,
+    )
 
     path = os.path.join(workdir, f"{exporter}.onnx")
     export(module, example, path, exporter)
@@ -125,6 +135,7 @@ def plan_launches(
         check.refused.update((x.rule, _reason(x.reason)) for x in p.fusion.not_fused)
         check.copies = view_copies(p.plan)
         check.bias_adds = bias_adds(p.plan)
+        check.softmaxes = softmax_chains(p)
     return p.plan.launches, sum(1 for s in p.base_plan.steps if s.launches)
 
 
@@ -198,7 +209,11 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
             where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
     copies = Counter({f"{c.model}[{c.exporter[0]}]": c.copies for c in checks if c.copies})
     adds = Counter({f"{c.model}[{c.exporter[0]}]": c.bias_adds for c in checks if c.bias_adds})
-    if not alone and not refused and not copies and not adds:
+    chains: dict[str, Counter[str]] = {}  # ops from the score MatMul -> row[exporter] -> Softmaxes
+    for c in checks:
+        for chain, n in c.softmaxes.items():
+            chains.setdefault(chain, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
+    if not alone and not refused and not copies and not adds and not chains:
         return
     say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
     for op, n in alone.most_common(top):
@@ -220,6 +235,13 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
             f"library convs with a bias run per op (torch adds the bias with a kernel of its own, which "
             f"no launch counts): {sum(adds.values())} over {len(adds)} rows; the most: {most}"
         )
+    if chains:
+        say(
+            "Softmaxes outside attention groups (times, rows; the ops from the score MatMul; the rows with the most):"
+        )
+        for chain, of_rows in sorted(chains.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))[:top]:
+            most = ", ".join(f"{r} {k}" for r, k in of_rows.most_common(3))
+            say(f"  {sum(of_rows.values()):6} {len(of_rows):5}  {chain}: {most}")
 
 
 def check_plans(

@@ -179,7 +179,9 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
 
     a = Check("m1", "dynamo", "ok", alone=Counter({"MatMul": 3, "Add": 1}), copies=4)
     a.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_3 (Add)"))] += 2
+    a.softmaxes.update({"MatMul Add Max Softmax": 1, "no MatMul": 1})
     b = Check("m2", "dynamo", "ok", alone=Counter({"MatMul": 2}), copies=0, bias_adds=3)
+    b.softmaxes.update({"MatMul Add Max Softmax": 2})
     b.refused[("gemm_epilogue", _reason("merging would create a cycle through node_linear_17 (Add)"))] += 1
     lines: list[str] = []
     explain([a, b], lines.append)
@@ -193,6 +195,10 @@ def test_explain_counts_what_runs_alone_and_the_refusals_across_rows() -> None:
     assert lines[6].startswith("library convs with a bias") and lines[6].endswith(
         "3 over 1 rows; the most: m2[d] 3"
     )
+    # Softmaxes outside attention groups: times, rows, the chain, the rows with the most.
+    assert lines[7].startswith("Softmaxes outside attention groups")
+    assert lines[8].split() == ["3", "2", "MatMul", "Add", "Max", "Softmax:", "m2[d]", "2,", "m1[d]", "1"]
+    assert lines[9].split() == ["1", "1", "no", "MatMul:", "m1[d]", "1"]
 
 
 def test_bias_adds_counts_the_per_op_library_convs_with_a_bias() -> None:
@@ -219,3 +225,40 @@ def test_bias_adds_counts_the_per_op_library_convs_with_a_bias() -> None:
     p = plan_model(m, {"x": [1, 4, 5, 5]}, "fp32", NHWC_ALWAYS)
     assert bias_adds(p.plan) == 1  # conv2, lone: the library's conv and its add
     assert bias_adds(alternatives_plan(p, "fp32")) == 1  # conv1's library form adds its bias in the epilogue
+
+
+def test_softmax_chains_names_the_score_chains_attention_does_not_take() -> None:
+    """An attention whose scores take a mask add is one attention group: no chain. The same with
+    XGLM's clamp after the add (`Max(scores, finfo.min)`) is not attention: the chain from the
+    score MatMul names the Add and the Max; a Softmax over a projection's output names its MatMul
+    directly; one with no MatMul near is said to have none."""
+    from onnx import helper, numpy_helper
+
+    from bench.kernels import plan_model, softmax_chains
+    from tests.unit.test_attention import _attention_model, _shapes
+    from tests.unit.test_fusion import make_model
+
+    p = plan_model(_attention_model(mask="add"), _shapes("add"), "fp32")
+    assert any(g.kind == "attention" for g in p.fusion.groups)
+    assert softmax_chains(p) == {}
+
+    clamped = _attention_model(mask="add")
+    g = clamped.graph
+    soft = next(i for i, n in enumerate(g.node) if n.op_type == "Softmax")
+    g.node[soft].input[0] = "s2"
+    g.node.insert(soft, helper.make_node("Max", ["s1", "low"], ["s2"]))
+    g.initializer.append(numpy_helper.from_array(np.array(np.finfo(np.float32).min, dtype=np.float32), "low"))
+    p = plan_model(clamped, _shapes("add"), "fp32")
+    assert not any(g.kind == "attention" for g in p.fusion.groups)
+    assert softmax_chains(p) == {"MatMul Add Max Softmax": 1}
+
+    n = helper.make_node
+    rng = np.random.default_rng(4)
+    nodes = [
+        n("MatMul", ["x", "w"], ["h"]),
+        n("Softmax", ["h"], ["y"], axis=-1),
+        n("Exp", ["x"], ["e"]),
+        n("Softmax", ["e"], ["z"], axis=-1),
+    ]
+    m = make_model(nodes, {"x": [2, 8]}, {"y": [2, 8], "z": [2, 8]}, {"w": rng.standard_normal((8, 8))})
+    assert softmax_chains(plan_model(m, {"x": [2, 8]}, "fp32")) == {"MatMul Softmax": 1, "no MatMul": 1}
