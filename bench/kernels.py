@@ -201,35 +201,32 @@ def softmax_chains(p: Planned, depth: int = 6) -> collections.Counter[str]:
     where none is that near. What `match_attention` (opfuse/fusion/attention.py) does not walk."""
     from opfuse.ir.queries import UseDef
 
-    graph = p.graph
-    use = UseDef(graph)
+    use = UseDef(p.graph)
     fused = {n.id for g in p.fusion.groups if g.kind == "attention" for n in g.nodes}
-    found: collections.Counter[str] = collections.Counter()
-    for node in graph.nodes:
-        if node.op_type != "Softmax" or node.id in fused:
-            continue
-        # Breadth first up the data inputs: the first MatMul met, with the ops on its path.
-        frontier: list[tuple[Any, list[str]]] = [(node, ["Softmax"])]
-        chain = None
-        for _ in range(depth):
-            nxt = []
-            for n, path in frontier:
-                data = n.inputs[1:] if n.op_type == "Where" else n.inputs
-                for x in data:
-                    prod = use.producer(x) if x and x not in graph.constants else None
-                    if prod is None:
-                        continue
-                    if prod.op_type == "MatMul":
-                        chain = ["MatMul", *reversed(path)]
-                        break
-                    nxt.append((prod, [*path, prod.op_type]))
-                if chain:
-                    break
-            if chain or not nxt:
-                break
-            frontier = nxt
-        found[" ".join(chain) if chain else "no MatMul"] += 1
-    return found
+    return collections.Counter(
+        _score_chain(p.graph, use, n, depth)
+        for n in p.graph.nodes
+        if n.op_type == "Softmax" and n.id not in fused
+    )
+
+
+def _score_chain(graph: Any, use: Any, softmax: Any, depth: int) -> str:
+    """Breadth first up `softmax`'s data inputs: the ops from the first MatMul met to it."""
+    queue = collections.deque([(softmax, ["Softmax"])])
+    seen = {softmax.id}
+    while queue:
+        node, path = queue.popleft()
+        if len(path) > depth:
+            break
+        for x in node.inputs[1:] if node.op_type == "Where" else node.inputs:
+            prod = use.producer(x) if x and x not in graph.constants else None
+            if prod is None or prod.id in seen:
+                continue
+            if prod.op_type == "MatMul":
+                return " ".join(["MatMul", *reversed(path)])
+            seen.add(prod.id)
+            queue.append((prod, [*path, prod.op_type]))
+    return "no MatMul"
 
 
 def view_copies(plan: Any) -> int | None:

@@ -209,10 +209,12 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
             where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
     copies = Counter({f"{c.model}[{c.exporter[0]}]": c.copies for c in checks if c.copies})
     adds = Counter({f"{c.model}[{c.exporter[0]}]": c.bias_adds for c in checks if c.bias_adds})
-    chains: dict[str, Counter[str]] = {}  # ops from the score MatMul -> row[exporter] -> Softmaxes
+    chains: Counter[str] = Counter()  # the ops from the score MatMul -> Softmaxes
+    chain_rows: dict[str, Counter[str]] = {}  # ... -> row[exporter] -> Softmaxes
     for c in checks:
+        chains.update(c.softmaxes)
         for chain, n in c.softmaxes.items():
-            chains.setdefault(chain, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
+            chain_rows.setdefault(chain, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
     if not alone and not refused and not copies and not adds and not chains:
         return
     say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
@@ -239,9 +241,9 @@ def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> N
         say(
             "Softmaxes outside attention groups (times, rows; the ops from the score MatMul; the rows with the most):"
         )
-        for chain, of_rows in sorted(chains.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))[:top]:
-            most = ", ".join(f"{r} {k}" for r, k in of_rows.most_common(3))
-            say(f"  {sum(of_rows.values()):6} {len(of_rows):5}  {chain}: {most}")
+        for chain, n in chains.most_common(top):
+            most = ", ".join(f"{r} {k}" for r, k in chain_rows[chain].most_common(3))
+            say(f"  {n:6} {len(chain_rows[chain]):5}  {chain}: {most}")
 
 
 def check_plans(
