@@ -62,6 +62,11 @@ class Check:
     # them (bench.kernels.softmax_chains): the score chains attention does not take.
     softmaxes: Counter[str] = field(default_factory=Counter)
 
+    @property
+    def tag(self) -> str:
+        """The row and its exporter's initial, as the summaries name it: `timm/dla34[d]`."""
+        return f"{self.model}[{self.exporter[0]}]"
+
     def line(self, width: int) -> str:
         planned = "-" if self.planned is None else str(self.planned)
         verdict = f"{self.verdict}: {self.note}" if self.verdict == "error" else self.verdict
@@ -194,33 +199,31 @@ def check_row(
     return [checks[e] for e in exporters]
 
 
+def _by_row(checks: list[Check], counts: Callable[[Check], Counter[str]]) -> dict[str, Counter[str]]:
+    """Each key of the rows' `counts` -> row[exporter] -> its count there."""
+    out: dict[str, Counter[str]] = {}
+    for c in checks:
+        for key, n in counts(c).items():
+            out.setdefault(key, Counter())[c.tag] += n
+    return out
+
+
 def explain(checks: list[Check], say: Callable[[str], None], top: int = 12) -> None:
     """Across the rows planned: the ops that run outside any group (launches, rows), and the
     fusion rules' most frequent refusals: where a general mechanism would save the most."""
-    alone: Counter[str] = Counter()
-    rows: Counter[str] = Counter()
-    refused: Counter[tuple[str, str]] = Counter()
-    where: dict[str, Counter[str]] = {}  # op -> row[exporter] -> launches
-    for c in checks:
-        alone.update(c.alone)
-        rows.update(set(c.alone))
-        refused.update(c.refused)
-        for op, n in c.alone.items():
-            where.setdefault(op, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
-    copies = Counter({f"{c.model}[{c.exporter[0]}]": c.copies for c in checks if c.copies})
-    adds = Counter({f"{c.model}[{c.exporter[0]}]": c.bias_adds for c in checks if c.bias_adds})
-    chains: Counter[str] = Counter()  # the ops from the score MatMul -> Softmaxes
-    chain_rows: dict[str, Counter[str]] = {}  # ... -> row[exporter] -> Softmaxes
-    for c in checks:
-        chains.update(c.softmaxes)
-        for chain, n in c.softmaxes.items():
-            chain_rows.setdefault(chain, Counter())[f"{c.model}[{c.exporter[0]}]"] += n
+    refused: Counter[tuple[str, str]] = sum((c.refused for c in checks), Counter())
+    where = _by_row(checks, lambda c: c.alone)  # op -> row[exporter] -> launches
+    alone = Counter({op: sum(r.values()) for op, r in where.items()})
+    copies = Counter({c.tag: c.copies for c in checks if c.copies})
+    adds = Counter({c.tag: c.bias_adds for c in checks if c.bias_adds})
+    chain_rows = _by_row(checks, lambda c: c.softmaxes)  # the ops from the score MatMul -> row -> Softmaxes
+    chains = Counter({chain: sum(r.values()) for chain, r in chain_rows.items()})
     if not alone and not refused and not copies and not adds and not chains:
         return
     say("runs outside any group (launches over the rows planned, rows; the rows with the most):")
     for op, n in alone.most_common(top):
         most = ", ".join(f"{r} {k}" for r, k in where[op].most_common(3))
-        say(f"  {op:<28} {n:6} {rows[op]:5}  {most}")
+        say(f"  {op:<28} {n:6} {len(where[op]):5}  {most}")
     say("the fusion rules' most frequent refusals (times, rule: reason):")
     for (rule, reason), n in refused.most_common(top):
         say(f"  {n:6}  {rule}: {reason}")
